@@ -1,0 +1,156 @@
+"""Sharding lm-eval requests across DP groups: token-balanced chunks, handed out dynamically, results in order.
+
+Global rank 0 owns the queue. Chunks are cut from the requests sorted longest first (memory trouble shows up in the
+first minute, not the last hour) so that each carries about the same number of tokens. Every remote DP leader keeps
+``prefetch`` chunks in flight; rank 0's own group computes a chunk whenever no result is waiting, so it works too
+without starving the others. A group that gets no chunk simply waits for the stop message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from . import comm as mpicomm
+
+log = logging.getLogger("mpitp")
+
+TAG_WORK = 11
+TAG_RESULT = 12
+
+
+@dataclass(frozen=True)
+class Chunk:
+    cid: int
+    kind: str
+    indices: tuple[int, ...]
+    items: list
+
+
+def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_group: int = 4,
+                max_items: int | None = None) -> list[Chunk]:
+    """Cut ``items`` (sorted by weight, heaviest first) into chunks of about ``total / (n_groups * per_group)``."""
+    if not items:
+        return []
+    order = sorted(range(len(items)), key=lambda i: -weights[i])
+    total = sum(weights)
+    target = max(1, total // max(1, n_groups * per_group))
+    chunks, cur, cur_w = [], [], 0
+    for i in order:
+        cur.append(i)
+        cur_w += weights[i]
+        if cur_w >= target or (max_items and len(cur) >= max_items):
+            chunks.append(cur)
+            cur, cur_w = [], 0
+    if cur:
+        chunks.append(cur)
+    return [Chunk(cid, kind, tuple(ix), [items[i] for i in ix]) for cid, ix in enumerate(chunks)]
+
+
+def _stall_hook(where: str) -> None:
+    """Test-only: ``MPITP_TEST_STALL=<where>:<seconds>`` sleeps on rank 0 at that point (fault drills)."""
+    spec = os.environ.get("MPITP_TEST_STALL", "")
+    if spec.startswith(where + ":"):
+        time.sleep(float(spec.split(":", 1)[1]))
+
+
+class Dispatcher:
+    """Rank 0's side. ``compute(kind, items, tick) -> results`` runs a chunk on rank 0's own DP group.
+
+    ``compute`` must call ``tick()`` between its batches: MPI moves large messages only while the sender is inside
+    an MPI call, so without it a remote group would wait for rank 0's whole chunk before receiving its next one.
+    """
+
+    def __init__(self, layout, compute, timeout: float, stats, prefetch: int = 2, per_group: int = 4,
+                 progress=None):
+        self.comm = layout.dp_leader_comm
+        self.n_groups = layout.dp
+        self.compute = compute
+        self.timeout = timeout
+        self.stats = stats
+        self.prefetch = prefetch
+        self.per_group = per_group
+        self.progress = progress
+
+    def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
+        """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land."""
+        chunks = make_chunks(kind, items, weights, self.n_groups, self.per_group)
+        results: list = [None] * len(items)
+        queue = deque(chunks)
+        outstanding = 0
+
+        def land(chunk_indices, res):
+            for i, r in zip(chunk_indices, res):
+                results[i] = r
+            if on_chunk is not None:
+                on_chunk(chunk_indices, res)
+            if self.progress is not None:
+                self.progress(len(chunk_indices), sum(weights[i] for i in chunk_indices))
+
+        by_cid = {c.cid: c for c in chunks}
+        sends: list = []
+
+        def send_next(dest: int) -> bool:
+            nonlocal outstanding
+            if not queue:
+                return False
+            c = queue.popleft()
+            sends.append(mpicomm.isend_obj(("work", c.kind, c.cid, c.items), dest, TAG_WORK, self.comm))
+            outstanding += 1
+            return True
+
+        def receive(block: bool) -> bool:
+            nonlocal outstanding
+            if not block and mpicomm.probe(self.comm, tag=TAG_RESULT) is None:
+                return False
+            (_, cid, res), src, _ = mpicomm.recv_obj(self.comm, tag=TAG_RESULT, timeout=self.timeout,
+                                                     phase=f"waiting for {kind} results from DP groups")
+            outstanding -= 1
+            land(by_cid[cid].indices, res)
+            send_next(src)
+            return True
+
+        def tick() -> None:
+            while receive(block=False):
+                pass
+            sends[:] = [s for s in sends if not s.done()]
+
+        for _ in range(self.prefetch):
+            for dest in range(1, self.n_groups):
+                send_next(dest)
+        while queue or outstanding:
+            tick()
+            if queue:
+                c = queue.popleft()
+                land(c.indices, self.compute(c.kind, c.items, tick))
+                _stall_hook("between_chunks")
+            elif outstanding:
+                receive(block=True)
+        for s in sends:
+            s.wait(self.timeout, "handing out chunks")
+        return results
+
+    def shutdown(self) -> None:
+        for dest in range(1, self.n_groups):
+            mpicomm.send_obj(("stop",), dest, TAG_WORK, self.comm)
+
+
+def serve_remote(layout, compute, timeout: float) -> None:
+    """A remote DP leader's loop: take chunks from rank 0, compute them, send results, until told to stop."""
+    comm = layout.dp_leader_comm
+    pending = None
+    while True:
+        msg, _, _ = mpicomm.recv_obj(comm, source=0, tag=TAG_WORK, timeout=timeout,
+                                     phase="DP leader waiting for work from rank 0")
+        if msg[0] == "stop":
+            break
+        _, kind, cid, items = msg
+        result = compute(kind, items, lambda: pending is None or pending.done())
+        if pending is not None:
+            pending.wait(timeout, "returning results to rank 0")
+        pending = mpicomm.isend_obj(("result", cid, result), 0, TAG_RESULT, comm)
+    if pending is not None:
+        pending.wait(timeout, "returning results to rank 0")

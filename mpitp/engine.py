@@ -1,0 +1,222 @@
+"""Coordinator-forward inside one TP group: the leader drives, the workers mirror every forward.
+
+Only the TP leader runs batching and HF ``generate``. Before each forward it sends a small control message over MPI
+(workers wait for it with a polled, sleeping receive rather than a spinning collective) and then the forward's
+tensors over the TP torch world; every rank then runs the same forward, so transformers' TP collectives line up.
+Workers keep their own KV-cache shards in step during generation, so each decode step ships only the new token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import comm as mpicomm
+from .scoring import CommCounter, TPOps, VocabParallelHead
+
+OP_SCORE = "score"
+OP_GEN_BEGIN = "gen_begin"
+OP_GEN_FORWARD = "gen_forward"
+OP_GEN_END = "gen_end"
+OP_STOP = "stop"
+
+
+@dataclass
+class Stats:
+    """Per-rank counters; the DP leader's are the group's and end up in the results file."""
+
+    busy_s: float = 0.0
+    requests: int = 0
+    tokens_scored: int = 0
+    tokens_generated: int = 0
+    forwards: int = 0
+    tp: CommCounter = field(default_factory=CommCounter)
+    mpi_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(busy_s=self.busy_s, requests=self.requests, tokens_scored=self.tokens_scored,
+                    tokens_generated=self.tokens_generated, forwards=self.forwards, tp_bytes=self.tp.bytes,
+                    tp_calls=self.tp.calls, mpi_bytes=self.mpi_bytes)
+
+
+def _base(model):
+    """The decoder stack without the LM head (``LlamaModel`` inside ``LlamaForCausalLM``, and so on)."""
+    return model.base_model
+
+
+class TPEngine:
+    """One per rank. Leaders call :meth:`score`, :meth:`generating` and :meth:`stop`; workers call :meth:`serve`."""
+
+    def __init__(self, model, layout, device: str, timeout: float, tp_size: int, stats: Stats | None = None,
+                 group=None):
+        self.model = model
+        self.layout = layout
+        self.device = torch.device(device)
+        self.timeout = timeout
+        self.stats = stats or Stats()
+        self.ops = TPOps(size=tp_size, group=group, counter=self.stats.tp)
+        self.head = VocabParallelHead.from_model(model, self.ops)
+        self._cache = None
+
+    # ------------------------------------------------------------------ control plane (MPI)
+    @property
+    def has_workers(self) -> bool:
+        return self.ops.size > 1
+
+    def _control(self, msg: dict | None = None, phase: str = "TP control") -> dict:
+        out = mpicomm.bcast_obj(msg, self.layout.tp_comm, root=0, timeout=self.timeout, phase=phase)
+        return out
+
+    def _send_tensors(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self.ops.broadcast(t, src=0)
+
+    def _recv_tensors(self, specs: list[tuple[tuple, str]]) -> list[torch.Tensor]:
+        out = []
+        for shape, dtype in specs:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            self.ops.broadcast(t, src=0)
+            out.append(t)
+        return out
+
+    # ------------------------------------------------------------------ scoring
+    def score_rows(self, rows: list[tuple[list[int], int]], batch_size: int, tick=None) -> list[tuple[float, bool, int]]:
+        """Score token rows ``(input_tokens_plus_last_target, n_targets)`` -> ``(sum log p, all greedy, n)``.
+
+        A row is lm-eval's ``(context + continuation)[-(max_length + 1):]``: the model reads all but the last token
+        and the last ``n_targets`` tokens are scored, exactly as lm-eval's ``_loglikelihood_tokens`` slices them.
+        """
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        out: list = [None] * len(rows)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            results = self._score_batch([rows[i] for i in idx])
+            for i, r in zip(idx, results):
+                out[i] = r
+            if tick is not None:
+                tick()
+        return out
+
+    def _score_batch(self, rows) -> list[tuple[float, bool, int]]:
+        inps = [r[0][:-1] for r in rows]
+        width = max(len(x) for x in inps)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        sel, tgt, owner = [], [], []
+        for b, ((toks, n), inp) in enumerate(zip(rows, inps)):
+            ids[b, : len(inp)] = torch.tensor(inp, dtype=torch.long)
+            inplen = len(inp)
+            sel.extend(b * width + p for p in range(inplen - n, inplen))
+            tgt.extend(toks[-n:])
+            owner.extend([b] * n)
+        packed = torch.cat([ids.flatten(), torch.tensor(sel, dtype=torch.long), torch.tensor(tgt, dtype=torch.long)])
+        packed = packed.to(self.device)
+        if self.has_workers:
+            self._control({"op": OP_SCORE, "b": len(rows), "t": width, "n": len(sel)})
+            self.ops.broadcast(packed, src=0)
+        lp, greedy = self._score_local(packed, len(rows), width, len(sel))
+        lp, greedy = lp.double().cpu(), greedy.cpu()
+        owner_t = torch.tensor(owner, dtype=torch.long)
+        sums = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, owner_t, lp)
+        misses = torch.zeros(len(rows), dtype=torch.long).index_add_(0, owner_t, (~greedy).long())
+        self.stats.tokens_scored += len(sel)
+        return [(float(sums[b]), bool(misses[b] == 0), rows[b][1]) for b in range(len(rows))]
+
+    @torch.no_grad()
+    def _score_local(self, packed: torch.Tensor, b: int, t: int, n: int):
+        ids = packed[: b * t].view(b, t)
+        sel = packed[b * t : b * t + n]
+        tgt = packed[b * t + n :]
+        self.stats.forwards += 1
+        hidden = _base(self.model)(input_ids=ids, use_cache=False).last_hidden_state
+        hs = hidden.reshape(b * t, -1).index_select(0, sel)
+        return self.head.score(hs, tgt)
+
+    # ------------------------------------------------------------------ generation
+    @contextlib.contextmanager
+    def generating(self):
+        """While active, every forward the leader's model runs (HF ``generate``'s) is mirrored by the workers."""
+        if not self.has_workers:
+            yield
+            return
+        model = self.model
+        original = model.forward
+        self._control({"op": OP_GEN_BEGIN})
+
+        def mirrored_forward(*args, **kwargs):
+            if args:
+                raise TypeError("mpitp mirrors keyword-argument forwards only")
+            plain, specs, tensors = {}, [], []
+            for k, v in kwargs.items():
+                if torch.is_tensor(v):
+                    specs.append((k, tuple(v.shape), str(v.dtype).removeprefix("torch.")))
+                    tensors.append(v.contiguous())
+                elif _is_cache(v):
+                    plain[k] = "__cache__"
+                elif v is None or isinstance(v, (bool, int, float, str)):
+                    plain[k] = v
+                else:
+                    raise TypeError(f"cannot mirror forward argument {k}={type(v).__name__} to TP workers")
+            self._control({"op": OP_GEN_FORWARD, "plain": plain, "specs": specs})
+            self._send_tensors(tensors)
+            self.stats.forwards += 1
+            return original(**kwargs)
+
+        model.forward = mirrored_forward
+        try:
+            yield
+        finally:
+            del model.forward  # back to the class's forward
+            self._control({"op": OP_GEN_END})
+
+    def _worker_gen_forward(self, msg: dict) -> None:
+        specs = msg["specs"]
+        tensors = self._recv_tensors([(s[1], s[2]) for s in specs])
+        kwargs = {s[0]: t for s, t in zip(specs, tensors)}
+        for k, v in msg["plain"].items():
+            if v == "__cache__":
+                if self._cache is None:
+                    from transformers import DynamicCache
+
+                    self._cache = DynamicCache(config=self.model.config)
+                v = self._cache
+            kwargs[k] = v
+        with torch.no_grad():
+            self.model(**kwargs)
+        self.stats.forwards += 1
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        """Release the workers from :meth:`serve` (leader only)."""
+        if self.has_workers:
+            self._control({"op": OP_STOP}, phase="TP stop")
+
+    def serve(self) -> None:
+        """Worker loop: mirror the leader's forwards until it says stop."""
+        while True:
+            msg = self._control(phase="TP worker waiting for its leader")
+            op = msg["op"]
+            if op == OP_SCORE:
+                packed = torch.empty(msg["b"] * msg["t"] + 2 * msg["n"], dtype=torch.long, device=self.device)
+                self.ops.broadcast(packed, src=0)
+                self._score_local(packed, msg["b"], msg["t"], msg["n"])
+            elif op == OP_GEN_BEGIN:
+                self._cache = None
+            elif op == OP_GEN_FORWARD:
+                self._worker_gen_forward(msg)
+            elif op == OP_GEN_END:
+                self._cache = None
+            elif op == OP_STOP:
+                return
+            else:  # pragma: no cover - protocol bug
+                raise RuntimeError(f"unknown TP control op {op!r}")
+
+
+def _is_cache(v) -> bool:
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(v, Cache)

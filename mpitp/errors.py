@@ -1,0 +1,80 @@
+"""Errors and failure containment.
+
+Two kinds of failure exist and they must look different to the user:
+
+- :class:`UsageError`: bad input (a missing model, tp not dividing the world, ...). Detected on rank 0 (or agreed by
+  all ranks), printed as one line, every rank exits with status 2.
+- anything else: a bug or a fault on some rank. The first rank that sees it prints it once, prefixed with its rank,
+  and aborts the whole MPI job so that no other rank waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+USAGE_EXIT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user. The message is one line and spells out what is wrong.
+
+    ``collective`` is True when every rank raised it together (so each can simply exit with status 2); a usage error
+    seen by one rank alone must abort the job instead, or the others would wait for it forever.
+    """
+
+    def __init__(self, message: str, collective: bool = False):
+        super().__init__(message)
+        self.collective = collective
+
+
+class DeadlineError(RuntimeError):
+    """A collective did not complete before its deadline. The message names the phase and the timeout."""
+
+
+def abort(code: int = 1) -> None:
+    """Abort every rank of the MPI job (or just exit when MPI is not initialised)."""
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(code)
+    except Exception:  # pragma: no cover - last resort
+        pass
+    os._exit(code)
+
+
+def _rank() -> int:
+    try:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+    except Exception:  # pragma: no cover
+        return 0
+
+
+def report_and_abort(exc: BaseException) -> None:
+    """Print ``exc`` once with the failing rank and bring the whole job down."""
+    rank = _rank()
+    if isinstance(exc, UsageError):
+        # A usage error raised on a single rank (not agreed collectively) still ends the job with status 2.
+        sys.stderr.write(f"mpitp: error: {exc}\n")
+        abort(USAGE_EXIT)
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(f"[rank {rank}] mpitp: fatal {type(exc).__name__}: {exc}\n{tb}")
+    abort(1)
+
+
+def install_excepthook() -> None:
+    """Make an uncaught exception on any rank abort the job instead of leaving the other ranks hanging."""
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            sys.stderr.write(f"[rank {_rank()}] interrupted\n")
+            abort(130)
+        report_and_abort(exc.with_traceback(tb))
+
+    sys.excepthook = hook

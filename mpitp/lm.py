@@ -1,0 +1,128 @@
+"""The lm-eval model: HF semantics from lm-eval's own ``HFLM``, computation sharded across DP groups and TP ranks.
+
+``HFLM`` keeps doing everything that defines lm-eval's numbers (tokenisation and the empty-context prefix rule,
+rolling windows, chat templates, stop sequences, left truncation, generation post-processing). This subclass only
+replaces *where* the forwards happen: global rank 0 turns each request into a work item, the dispatcher spreads the
+items over the DP groups, and inside a group the TP leader drives its workers (see :mod:`mpitp.engine`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+
+from lm_eval import utils as lm_utils
+from lm_eval.models.huggingface import HFLM
+
+KIND_SCORE = "loglikelihood"
+KIND_ROLLING = "loglikelihood_rolling"
+KIND_GENERATE = "generate_until"
+
+
+@dataclass
+class _Req:
+    """The part of an lm-eval ``Instance`` that ``HFLM.generate_until`` reads."""
+
+    args: tuple
+
+
+def args_hash(args) -> str:
+    """Stable hash of a request's arguments: part of the resume key (task, doc_id, idx, hash)."""
+    return hashlib.sha1(repr(args).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class MPITPLM(HFLM):
+    """``HFLM`` whose forwards run on TP-sharded replicas in DP groups. Built on every DP leader."""
+
+    def __init__(self, model, tokenizer, engine, *, batch_size: int = 1, max_length: int | None = None,
+                 **hflm_kwargs):
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
+                         **hflm_kwargs)
+        self.engine = engine
+        self.runner = None  # set on rank 0: a callable (kind, items, weights, instances) -> results
+        self._instances = None
+
+    # ------------------------------------------------------------------ rank 0: lm-eval's entry points
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._instances = requests
+        try:
+            return super().loglikelihood(requests, disable_tqdm=True)
+        finally:
+            self._instances = None
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        """Reached from :meth:`loglikelihood` with lm-eval's encodings, one per request, in request order."""
+        rows = []
+        for _, ctx, cont in requests:
+            assert len(ctx) > 0 and len(cont) > 0 and len(cont) <= self.max_length
+            rows.append(((ctx + cont)[-(self.max_length + 1):], len(cont)))
+        weights = [len(r[0]) for r in rows]
+        out = self.runner(KIND_SCORE, rows, weights, self._instances)
+        answers = [(ll, greedy) for ll, greedy, _ in out]
+        for (key, _, _), ans in zip(requests, answers):
+            self.cache_hook.add_partial("loglikelihood", key, ans)
+        return answers
+
+    def rolling_rows(self, string: str) -> list[tuple[list[int], int]]:
+        """lm-eval's disjoint rolling windows of ``string`` as scoring rows (same helpers as ``HFLM``)."""
+        windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+            token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+            max_seq_len=self.max_length, context_len=1))
+        return [((ctx + cont)[-(self.max_length + 1):], len(cont)) for ctx, cont in windows]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        items = [self.rolling_rows(req.args[0]) for req in requests]
+        weights = [sum(len(r[0]) for r in rows) for rows in items]
+        out = self.runner(KIND_ROLLING, items, weights, requests)
+        lls = [ll for ll, _, _ in out]
+        for req, ll in zip(requests, lls):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
+        return lls
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        items = [tuple(req.args) for req in requests]
+        weights = [len(self.tok_encode(ctx)) + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw in items]
+        out = self.runner(KIND_GENERATE, items, weights, requests)
+        return [text for text, _ in out]
+
+    # ------------------------------------------------------------------ every DP leader: compute a chunk
+    def compute(self, kind: str, items: list, tick=None) -> list:
+        """Run one chunk on this DP group. Results: (ll, greedy, n) for scoring, (text, n_tokens) for generation."""
+        t0 = time.perf_counter()
+        try:
+            return self._compute(kind, items, tick)
+        finally:
+            self.engine.stats.busy_s += time.perf_counter() - t0
+            self.engine.stats.requests += len(items)
+
+    def _compute(self, kind: str, items: list, tick) -> list:
+        if kind == KIND_SCORE:
+            return self.engine.score_rows(items, self.batch_size, tick)
+        if kind == KIND_ROLLING:
+            flat = [row for rows in items for row in rows]
+            scored = self.engine.score_rows(flat, self.batch_size, tick)
+            out, pos = [], 0
+            for rows in items:
+                part = scored[pos : pos + len(rows)]
+                pos += len(rows)
+                out.append((math.fsum(p[0] for p in part), all(p[1] for p in part), sum(p[2] for p in part)))
+            return out
+        if kind == KIND_GENERATE:
+            self._tick = tick
+            self._gen_tokens = []
+            try:
+                texts = HFLM.generate_until(self, [_Req(args) for args in items], disable_tqdm=True)
+            finally:
+                self._tick = None
+            return [(t, len(self.tok_encode(t, add_special_tokens=False))) for t in texts]
+        raise ValueError(f"unknown request kind {kind!r}")
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        with self.engine.generating():
+            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        self.engine.stats.tokens_generated += int((out.shape[1] - context.shape[1]) * out.shape[0])
+        if getattr(self, "_tick", None):
+            self._tick()
+        return out

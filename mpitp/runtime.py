@@ -1,0 +1,96 @@
+"""Bring up a rank: MPI world, layout, device, thread count and the TP torch world, in that order.
+
+Also the one pattern for bad input under MPI: :func:`agree` runs a check on rank 0 and broadcasts its verdict, so a
+usage error is printed once and every rank leaves with status 2 together instead of some ranks waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+from . import comm as mpicomm
+from .errors import UsageError
+from .layout import Layout, make_layout
+from .tpgroup import TPGroup, init_tp_group
+from .world import World, world_from_comm
+
+log = logging.getLogger("mpitp")
+
+
+@dataclass
+class Runtime:
+    """Everything a rank needs to take part in an evaluation. Passed explicitly; never stored globally."""
+
+    world: World
+    layout: Layout
+    device: str
+    threads: int
+    timeout: float
+    tp_group: TPGroup | None = field(default=None)
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record):
+        record.rank = self.rank
+        return True
+
+
+def setup_logging(rank: int, all_ranks: bool, level: int = logging.INFO) -> None:
+    """Rank 0 logs; other ranks only log when ``all_ranks`` (then every line carries its rank)."""
+    handler = logging.StreamHandler(sys.stderr)
+    fmt = "[rank %(rank)d] %(message)s" if all_ranks else "%(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    handler.addFilter(_RankFilter(rank))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(level if (rank == 0 or all_ranks) else logging.ERROR)
+    if rank != 0 and not all_ranks:
+        # Libraries below us chatter on every rank; only rank 0 speaks unless asked otherwise.
+        for name in ("lm-eval", "lm_eval", "transformers", "accelerate", "datasets", "torch.distributed"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        os.environ["TQDM_DISABLE"] = "1"
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def agree(check, comm, timeout: float, phase: str):
+    """Run ``check()`` on rank 0 only and share its result or its :class:`UsageError` with every rank."""
+    verdict = None
+    if comm.Get_rank() == 0:
+        try:
+            verdict = ("ok", check())
+        except UsageError as exc:
+            verdict = ("usage", str(exc))
+    verdict = mpicomm.bcast_obj(verdict, comm, root=0, timeout=timeout, phase=phase)
+    if verdict[0] == "usage":
+        raise UsageError(verdict[1], collective=True)
+    return verdict[1]
+
+
+def start(tp: int = 1, device: str | None = None, threads: int | None = None,
+          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True) -> Runtime:
+    """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments."""
+    world = world_from_comm(comm)
+    try:
+        layout = make_layout(world, tp)
+    except UsageError as exc:
+        raise UsageError(str(exc), collective=True) from None
+    dev = device or world.default_device()
+    if dev.startswith("cuda") and ":" not in dev:
+        dev = f"cuda:{world.local_rank}" if dev == "cuda" else dev
+    n_threads = threads or world.default_threads
+    rt = Runtime(world=world, layout=layout, device=dev, threads=n_threads, timeout=timeout)
+    if init_torch:
+        import torch
+
+        torch.set_num_threads(n_threads)
+        if dev.startswith("cuda"):
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        rt.tp_group = init_tp_group(layout, dev, timeout)
+    return rt
