@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from .errors import UsageError
 from .run import EvalConfig, run_eval
 from .runtime import setup_logging, start
@@ -15,14 +13,13 @@ def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
     from . import comm as mpicomm
     from .demo import DEMO_TASKS, prepare_demo
 
-    cache = os.environ.get("MPITP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "mpitp"))
     paths = None
     if rt.world.rank == 0:
-        paths = prepare_demo(os.path.join(cache, "demo"))
+        paths = prepare_demo()
     model_dir, include_path, tasks = mpicomm.bcast_obj(paths, rt.world.comm, timeout=rt.timeout,
                                                        phase="demo preparation")
     cfg.model = cfg.model or model_dir
-    cfg.include_path = cfg.include_path or include_path
+    cfg.include_path = [include_path, cfg.include_path] if cfg.include_path else include_path
     cfg.tasks = cfg.tasks or list(tasks)
     return cfg
 

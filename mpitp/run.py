@@ -39,7 +39,7 @@ class EvalConfig:
     max_length: int | None = None
     gen_kwargs: str | None = None
     apply_chat_template: bool = False
-    include_path: str | None = None
+    include_path: str | list[str] | None = None
     seed: int | None = None
     output: str | None = None
     overwrite: bool = False
@@ -63,8 +63,9 @@ def check_tasks(tasks: list[str], include_path: str | None):
     """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
     from lm_eval.tasks import TaskManager
 
-    if include_path is not None and not os.path.isdir(include_path):
-        raise UsageError(f"--include-path {include_path}: no such directory")
+    for path in [include_path] if isinstance(include_path, str) else include_path or []:
+        if not os.path.isdir(path):
+            raise UsageError(f"--include-path {path}: no such directory")
     if not tasks:
         raise UsageError("no tasks given: pass --tasks a,b (or --demo)")
     tm = TaskManager(include_path=include_path, verbosity="ERROR")

@@ -1,0 +1,295 @@
+"""Job-file validation: every mistake must produce one exact, actionable line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mpitp.jobfile import DEMO_MODEL, Job, JobFileError, RunSpec, load_job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def write(tmp_path, monkeypatch):
+    """Write ``jobs/x.yaml`` under tmp and cd there, so messages show ``jobs/x.yaml``."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "jobs").mkdir()
+
+    def _write(text: str, name: str = "x.yaml") -> str:
+        (tmp_path / "jobs" / name).write_text(textwrap.dedent(text))
+        return f"jobs/{name}"
+
+    return _write
+
+
+def _error(write, text: str) -> str:
+    with pytest.raises(JobFileError) as info:
+        load_job(write(text))
+    return str(info.value)
+
+
+def _one_run(field: str, value: str) -> str:
+    """Two runs; the second, named llama-arc, carries the bad field."""
+    return f"""
+    runs:
+      - model: demo
+        tasks: [a]
+      - name: llama-arc
+        model: meta-llama/Llama-3.1-8B
+        tasks: [arc_easy]
+        {field}: {value}
+    """
+
+
+P = "jobs/x.yaml: run 2 ('llama-arc'): field "
+
+BAD_FIELDS = [
+    ("tp", "two", P + "'tp': expected a positive integer, got 'two'"),
+    ("tp", "0", P + "'tp': expected a positive integer, got 0"),
+    ("tp", "2.0", P + "'tp': expected a positive integer, got 2.0"),
+    ("tp", "true", P + "'tp': expected a positive integer, got True"),
+    ("tp", "", P + "'tp': expected a positive integer, got an empty value"),
+    ("dtype", "bf16", P + "'dtype': expected one of 'auto', 'float32', 'bfloat16', 'float16', "
+                          "got 'bf16' (did you mean 'bfloat16'?)"),
+    ("batch_size", "0", P + "'batch_size': expected a positive integer, got 0"),
+    ("num_fewshot", "-1", P + "'num_fewshot': expected a non-negative integer, got -1"),
+    ("limit", "0", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got 0"),
+    ("limit", "1.5", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got 1.5"),
+    ("limit", "'10'", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got '10'"),
+    ("max_length", "-5", P + "'max_length': expected a positive integer, got -5"),
+    ("gen_kwargs", "3", P + "'gen_kwargs': expected a string like 'temperature=0,top_p=1' or a mapping, got 3"),
+    ("gen_kwargs", "{a: {b: 1}}", P + "'gen_kwargs': key 'a': expected a number, string, boolean "
+                                      "or list of them, got {'b': 1}"),
+    ("apply_chat_template", "'yes'", P + "'apply_chat_template': expected true or false, got 'yes'"),
+    ("log_samples", "1", P + "'log_samples': expected true or false, got 1"),
+    ("seed", "-1", P + "'seed': expected a non-negative integer, got -1"),
+    ("output", "out.txt", P + "'output': expected a path ending in .h5, got 'out.txt'"),
+    ("timeout", "0", P + "'timeout': expected a positive number of seconds, got 0"),
+    ("timeout", "1h", P + "'timeout': expected a positive number of seconds, got '1h'"),
+    ("revision", "1.0", P + "'revision': expected a non-empty string, got 1.0 (quote it in YAML)"),
+    ("tokenizer", "''", P + "'tokenizer': expected a non-empty string, got ''"),
+    ("device", "[cuda]", P + "'device': expected a non-empty string, got ['cuda']"),
+    ("include_path", "$MPITP_SURELY_UNSET/tasks",
+     P + "'include_path': environment variable $MPITP_SURELY_UNSET is not set (in '$MPITP_SURELY_UNSET/tasks')"),
+    ("batchsize", "8", P + "'batchsize': unknown field (did you mean 'batch_size'?)"),
+    ("colour", "red", P + "'colour': unknown field"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD_FIELDS, ids=[f"{f}={v}" for f, v, _ in BAD_FIELDS])
+def test_bad_field_message(write, monkeypatch, field, value, message):
+    monkeypatch.delenv("MPITP_SURELY_UNSET", raising=False)
+    assert _error(write, _one_run(field, value)) == message
+
+
+BAD_TASKS = [
+    ("[]", "expected at least one task"),
+    ("[arc_easy, 3]", "item 2: expected a task name, got 3"),
+    ("'arc_easy,,hellaswag'", "empty task name in 'arc_easy,,hellaswag'"),
+    ("[arc_easy, hellaswag, arc_easy]", "task 'arc_easy' is listed twice"),
+    ("{a: 1}", "expected a list of task names or a comma-separated string, got {'a': 1}"),
+]
+
+
+@pytest.mark.parametrize("value,reason", BAD_TASKS)
+def test_bad_tasks(write, value, reason):
+    text = f"runs:\n  - name: r\n    model: demo\n    tasks: {value}\n"
+    assert _error(write, text) == f"jobs/x.yaml: run 1 ('r'): field 'tasks': {reason}"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("runs:\n  - tasks: [a]\n", "jobs/x.yaml: run 1: field 'model': required field is missing"),
+    ("runs:\n  - {modle: demo, tasks: [a]}\n",
+     "jobs/x.yaml: run 1: field 'modle': unknown field (did you mean 'model'?)"),
+    ("runs:\n  - {model: org/m, tasks: [a], dtyp: auto}\n",
+     "jobs/x.yaml: run 1 ('m-a'): field 'dtyp': unknown field (did you mean 'dtype'?)"),
+    ("runs:\n  - name: r\n    model: demo\n", "jobs/x.yaml: run 1 ('r'): field 'tasks': required field is missing"),
+    ("runs:\n  - name: a b\n    model: demo\n    tasks: [t]\n",
+     "jobs/x.yaml: run 1: field 'name': expected a name of letters, digits and ._+- (used in file names), got 'a b'"),
+    ("", "jobs/x.yaml: file is empty; expected a mapping with a 'runs:' list"),
+    ("- model: demo\n", "jobs/x.yaml: expected a mapping with 'defaults:' and 'runs:', got [{'model': 'demo'}]"),
+    ("runs: []\n", "jobs/x.yaml: 'runs:' must be a non-empty list of runs, got []"),
+    ("defaults: {tp: 1}\n", "jobs/x.yaml: 'runs:' must be a non-empty list of runs, got an empty value"),
+    ("runs:\n  - demo\n", "jobs/x.yaml: run 1: expected a mapping of field: value, got 'demo'"),
+    ("run:\n  - model: demo\n",
+     "jobs/x.yaml: unknown top-level key 'run'; expected 'defaults' or 'runs' (did you mean 'runs'?)"),
+    ("defaults: [tp]\nruns: [{model: demo, tasks: a}]\n",
+     "jobs/x.yaml: defaults: expected a mapping of field: value, got ['tp']"),
+    ("defaults: {tp: two}\nruns: [{model: demo, tasks: a}]\n",
+     "jobs/x.yaml: defaults: field 'tp': expected a positive integer, got 'two'"),
+    ("defaults: {name: x}\nruns: [{model: demo, tasks: a}]\n",
+     "jobs/x.yaml: defaults: field 'name': must be set per run, not in defaults"),
+    ("defaults: {modle: demo}\nruns: [{model: demo, tasks: a}]\n",
+     "jobs/x.yaml: defaults: field 'modle': unknown field (did you mean 'model'?)"),
+    ("runs:\n  - {name: r, model: demo, tasks: a}\n  - {name: r, model: demo, tasks: b}\n",
+     "jobs/x.yaml: run 2 ('r'): field 'name': 'r' is already used by run 1; give each run a unique 'name:'"),
+    ("runs:\n  - {name: a, model: demo, tasks: a, output: o.h5}\n"
+     "  - {name: b, model: demo, tasks: b, output: ./o.h5}\n",
+     f"jobs/x.yaml: run 2 ('b'): field 'output': '{{jobs}}/o.h5' is already used by run 1; "
+     "give each run its own 'output:'"),
+    ("runs:\n  - {model: demo, tasks: a}\n  - {model: demo, tasks: a, tp: 2}\n",
+     "jobs/x.yaml: run 2 ('demo-a'): field 'name': 'demo-a' is already used by run 1; "
+     "give each run a unique 'name:'"),
+])
+def test_structure_errors(write, tmp_path, text, message):
+    assert _error(write, text) == message.replace("{jobs}", str(tmp_path / "jobs"))
+
+
+def test_yaml_syntax_error_names_line(write):
+    text = "runs:\n  - model: demo\n    tasks: [a, b\n    tp: 2\n"
+    msg = _error(write, text)
+    assert msg.startswith("jobs/x.yaml: line ") and "invalid YAML" in msg
+    assert msg == "jobs/x.yaml: line 4, column 7: invalid YAML: expected ',' or ']', but got ':'"
+
+
+def test_duplicate_key_is_an_error(write):
+    text = "runs:\n  - model: demo\n    tasks: [a]\n    tp: 1\n    tp: 2\n"
+    assert _error(write, text) == "jobs/x.yaml: line 5, column 5: invalid YAML: duplicate key 'tp'"
+
+
+def test_yaml_merge_keys_still_work(write):
+    text = """
+    runs:
+      - &first {name: one, model: demo, tasks: [a], tp: 1}
+      - {<<: *first, name: two, tp: 2}
+    """
+    job = load_job(write(text))
+    assert [(r.name, r.tp) for r in job.runs] == [("one", 1), ("two", 2)]
+
+
+def test_missing_file():
+    with pytest.raises(JobFileError, match=r"^nope/x\.yaml: cannot read job file: No such file"):
+        load_job("nope/x.yaml")
+
+
+def test_error_attributes(write):
+    with pytest.raises(JobFileError) as info:
+        load_job(write(_one_run("tp", "two")))
+    err = info.value
+    assert (err.path, err.run, err.run_name, err.field) == ("jobs/x.yaml", 2, "llama-arc", "tp")
+    assert isinstance(err, ValueError)
+
+
+def test_defaults_and_overrides(write, tmp_path):
+    job = load_job(write("""
+    defaults:
+      tasks: arc_easy, hellaswag
+      dtype: bfloat16
+      batch_size: 8
+      limit: 100
+    runs:
+      - model: meta-llama/Llama-3.1-8B
+      - model: Qwen/Qwen2.5-7B
+        tasks: [gsm8k]
+        batch_size: 2
+        limit: null
+        gen_kwargs: {temperature: 0, until: ["\\n\\n"]}
+    """))
+    first, second = job.runs
+    assert first.name == "Llama-3.1-8B-arc_easy+hellaswag"
+    assert first.tasks == ("arc_easy", "hellaswag")
+    assert (first.dtype, first.batch_size, first.limit, first.tp) == ("bfloat16", 8, 100, 1)
+    assert second.name == "Qwen2.5-7B-gsm8k"
+    assert (second.tasks, second.dtype, second.batch_size, second.limit) == (("gsm8k",), "bfloat16", 2, None)
+    assert first.output == str(tmp_path / "jobs/results/Llama-3.1-8B-arc_easy+hellaswag.h5")
+    assert job.path == tmp_path / "jobs/x.yaml" and job.name == "x"
+
+    kwargs = second.to_eval_kwargs()
+    assert set(kwargs) == {f.name for f in dataclasses.fields(RunSpec)}
+    assert kwargs["tasks"] == ["gsm8k"]
+    assert kwargs["gen_kwargs"] == {"temperature": 0, "until": ["\n\n"]}
+    kwargs["tasks"].append("x")
+    kwargs["gen_kwargs"]["temperature"] = 1
+    assert second.tasks == ("gsm8k",) and second.gen_kwargs["temperature"] == 0
+    hash(second)  # frozen specs can be used as dict keys / set members
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        second.tp = 4
+
+
+def test_limit_fraction_one_means_no_limit(write):
+    runs = load_job(write("runs: [{name: a, model: demo, tasks: t, limit: 1.0},"
+                          " {name: b, model: demo, tasks: t, limit: 1},"
+                          " {name: c, model: demo, tasks: t, limit: 0.25}]\n")).runs
+    assert [r.limit for r in runs] == [None, 1, 0.25]
+
+
+def test_many_tasks_keep_derived_name_short(write):
+    job = load_job(write("runs: [{model: org/m, tasks: [a, b, c, d, e]}]\n"))
+    assert job.runs[0].name == "m-a+4more"
+
+
+def test_relative_paths_resolve_against_job_dir(write, tmp_path, monkeypatch):
+    (tmp_path / "jobs" / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "jobs" / "demo").mkdir()  # must not turn the demo model into a path
+    path = write("""
+    defaults:
+      data_dir: ../data
+    runs:
+      - name: local
+        model: models/tiny
+        tokenizer: ./tok
+        tasks: [a]
+        include_path: tasks
+        output: out/local.h5
+      - name: hub
+        model: org/not-here
+        tasks: [a]
+        data_dir: /abs/data
+        include_path: ~/tasks
+        output: $MPITP_TEST_OUT/hub.h5
+      - name: demo
+        model: demo
+        tasks: [a]
+    """)
+    monkeypatch.setenv("MPITP_TEST_OUT", "/scratch/out")
+    monkeypatch.setenv("HOME", "/home/u")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    local, hub, demo = load_job(tmp_path / path).runs
+    jobs = tmp_path / "jobs"
+    assert local.model == str(jobs / "models/tiny")
+    assert local.tokenizer == str(jobs / "tok")
+    assert local.include_path == str(jobs / "tasks")
+    assert local.data_dir == str(tmp_path / "data")
+    assert local.output == str(jobs / "out/local.h5")
+    assert hub.model == "org/not-here"
+    assert (hub.data_dir, hub.include_path, hub.output) == ("/abs/data", "/home/u/tasks", "/scratch/out/hub.h5")
+    assert demo.model == DEMO_MODEL
+    assert demo.output == str(jobs / "results/demo.h5")
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "example-llama.yaml"])
+def test_shipped_job_files_load(name):
+    job = load_job(REPO / "jobs" / name)
+    assert isinstance(job, Job) and job.runs
+    assert all(isinstance(r, RunSpec) and r.output.endswith(".h5") for r in job.runs)
+
+
+def test_demo_job_shape():
+    runs = load_job(REPO / "jobs/demo.yaml").runs
+    assert len(runs) == 3
+    assert all(r.model == DEMO_MODEL for r in runs)
+    assert all(r.tasks == ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen") for r in runs)
+    assert sorted(r.tp for r in runs) == [1, 2, 2]
+    assert any(r.limit == 10 and r.batch_size != runs[0].batch_size for r in runs)
+    assert all(Path(r.output).parent == REPO / "results/demo" for r in runs)
+
+
+def test_example_job_shape():
+    runs = load_job(REPO / "jobs/example-llama.yaml").runs
+    assert {r.model for r in runs} >= {"meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"}
+    assert {t for r in runs for t in r.tasks} == {"arc_easy", "hellaswag", "gsm8k"}
+    assert {r.tp for r in runs} == {4, 8}
+    assert all(r.dtype == "bfloat16" and r.data_dir for r in runs)
+
+
+def test_message_uses_path_as_given(write, tmp_path):
+    path = write(_one_run("tp", "two"))
+    with pytest.raises(JobFileError, match=f"^{os.path.join(str(tmp_path), path)}: run 2"):
+        load_job(tmp_path / path)

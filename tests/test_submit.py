@@ -1,0 +1,292 @@
+"""Batch-script rendering and submission.
+
+Golden files pin the exact scripts; regenerate them after an intended
+template change with ``MPITP_REGEN_GOLDEN=1 pytest tests/test_submit.py``
+and review the diff.  Absolute repository paths appear as ``@REPO@``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import jinja2
+import pytest
+from click.testing import CliRunner
+
+from mpitp import submit as submit_mod
+from mpitp.jobfile import JobFileError
+from mpitp.submit import SubmitError, SubmitUsageError, render_script, submit, submit_command
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+DEMO = REPO / "jobs/demo.yaml"
+LLAMA = REPO / "jobs/example-llama.yaml"
+REGEN = os.environ.get("MPITP_REGEN_GOLDEN") == "1"
+
+SITE_ENV = "module load cuda/12.4 openmpi\nsource /opt/venvs/mpitp/bin/activate\n"
+NCCL = {"NCCL_SOCKET_IFNAME": "hsn0,hsn1", "NCCL_NET_GDR_LEVEL": "PHB"}
+
+CASES = {
+    "slurm-1x4": ("slurm", DEMO, dict(nodes=1, gpus_per_node=4, time="00:30:00")),
+    "slurm-2x8": ("slurm", LLAMA, dict(nodes=2, gpus_per_node=8, time="1-12:00:00", account="proj42",
+                                       partition="gpu", cpus_per_task=8, env_setup=SITE_ENV,
+                                       nccl_env=NCCL)),
+    "slurm-4x4-mpirun": ("slurm", DEMO, dict(nodes=4, gpus_per_node=4, time="02:00:00", launcher="mpirun",
+                                             cpus_per_task=4, nccl_env=["NCCL_DEBUG=WARN"],
+                                             extra_args=["--log-level", "debug info"])),
+    "pbs-1x4": ("pbs", DEMO, dict(nodes=1, gpus_per_node=4, time="00:30:00")),
+    "pbs-2x8": ("pbs", LLAMA, dict(nodes=2, gpus_per_node=8, time="12:00:00", account="proj42",
+                                   queue="gpu", cpus_per_task=8, env_setup=SITE_ENV, nccl_env=NCCL)),
+    "pbs-4x4": ("pbs", DEMO, dict(nodes=4, gpus_per_node=4, time="02:00:00", cpus_per_task=4,
+                                  extra_args=["--log-level", "debug info"])),
+}
+
+
+def _render(case: str) -> str:
+    scheduler, job, kwargs = CASES[case]
+    return render_script(scheduler, job, **kwargs).replace(str(REPO), "@REPO@")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case):
+    golden = GOLDEN / f"{case}.sh"
+    text = _render(case)
+    if REGEN:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert golden.exists(), f"missing {golden}; run with MPITP_REGEN_GOLDEN=1"
+    assert text == golden.read_text(), f"{golden} is stale; rerun with MPITP_REGEN_GOLDEN=1 and review the diff"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rendered_script_is_valid_bash(case, tmp_path):
+    script = tmp_path / "job.sh"
+    scheduler, job, kwargs = CASES[case]
+    script.write_text(render_script(scheduler, job, **kwargs))
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_rendered_scripts_have_the_essentials():
+    slurm, mpirun, pbs = _render("slurm-2x8"), _render("slurm-4x4-mpirun"), _render("pbs-2x8")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --time=1-12:00:00", "#SBATCH --account=proj42",
+                 "#SBATCH --partition=gpu", "#SBATCH --output=@REPO@/results/%x-%j.out",
+                 "set -euo pipefail", "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK",
+                 "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK",
+                 "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
+                 "module load cuda/12.4 openmpi", "export NCCL_SOCKET_IFNAME=hsn0,hsn1",
+                 "srun --mpi=pmix --kill-on-bad-exit=1 mpitp run @REPO@/jobs/example-llama.yaml"):
+        assert line in slurm.splitlines(), line
+    assert "mpirun -n $SLURM_NTASKS mpitp run @REPO@/jobs/demo.yaml --log-level 'debug info'" in mpirun
+    assert not any(line.startswith("srun ") for line in mpirun.splitlines())
+    for line in ("#PBS -l select=2:ncpus=64:ngpus=8:mpiprocs=8", "#PBS -l walltime=12:00:00",
+                 "#PBS -A proj42", "#PBS -q gpu", "#PBS -o @REPO@/results/", "#PBS -e @REPO@/results/",
+                 'cd "$PBS_O_WORKDIR"', "export OMP_NUM_THREADS=8",
+                 "mpiexec -n 16 --ppn 8 mpitp run @REPO@/jobs/example-llama.yaml"):
+        assert line in pbs.splitlines(), line
+    assert "NCCL" not in _render("slurm-1x4").replace("# Site NCCL settings", "")  # none baked in
+
+
+def test_hpc_copies_match_packaged_templates():
+    for name in ("slurm.sh.j2", "pbs.sh.j2"):
+        packaged = (REPO / "mpitp/templates" / name).read_text()
+        assert (REPO / "hpc" / name).read_text() == packaged, f"hpc/{name} differs from mpitp/templates/{name}"
+
+
+def test_strict_undefined_catches_missing_variable():
+    _, context = submit_mod._prepare("slurm", DEMO, nodes=1, gpus_per_node=4, time="01:00:00")
+    env = submit_mod._environment()
+    assert isinstance(env.undefined, type) and issubclass(env.undefined, jinja2.StrictUndefined)
+    for scheduler in ("slurm", "pbs"):
+        for missing in ("nodes", "account", "env_setup"):
+            ctx = {k: v for k, v in context.items() if k != missing}
+            with pytest.raises(jinja2.UndefinedError, match=missing):
+                env.get_template(f"{scheduler}.sh.j2").render(**ctx)
+
+
+BASE = dict(nodes=1, gpus_per_node=4, time="01:00:00")
+
+
+@pytest.mark.parametrize("scheduler,changes,message", [
+    ("slurm", dict(time="1:00"), "--time '1:00': expected a non-zero walltime as HH:MM:SS or D-HH:MM:SS"),
+    ("slurm", dict(time="01:60:00"), "--time '01:60:00': expected a non-zero walltime as HH:MM:SS or D-HH:MM:SS"),
+    ("slurm", dict(time="1-24:00:00"), "--time '1-24:00:00': expected a non-zero walltime as HH:MM:SS or D-HH:MM:SS"),
+    ("slurm", dict(time="00:00:00"), "--time '00:00:00': expected a non-zero walltime as HH:MM:SS or D-HH:MM:SS"),
+    ("pbs", dict(time="1-00:00:00"), "--time '1-00:00:00': expected a non-zero walltime as HH:MM:SS"),
+    ("slurm", dict(nodes=0), "--nodes must be a positive integer, got 0"),
+    ("pbs", dict(gpus_per_node=0), "--gpus-per-node must be a positive integer, got 0"),
+    ("slurm", dict(cpus_per_task=0), "--cpus-per-task must be a positive integer, got 0"),
+    ("pbs", dict(partition="gpu"), "--partition is a slurm option; use --queue with pbs"),
+    ("slurm", dict(queue="gpu"), "--queue is a pbs option; use --partition with slurm"),
+    ("pbs", dict(launcher="srun"), "--launcher 'srun' is not supported with pbs; use mpiexec"),
+    ("slurm", dict(launcher="mpiexec"), "--launcher 'mpiexec' is not supported with slurm; use srun or mpirun"),
+    ("slurm", dict(account="my proj"), "--account 'my proj' must not contain whitespace"),
+    ("slurm", dict(nccl_env=["NCCL_DEBUG"]), "--nccl-env 'NCCL_DEBUG': expected NAME=VALUE with a valid variable name"),
+    ("slurm", dict(nccl_env={"1BAD": "x"}), "--nccl-env '1BAD': expected NAME=VALUE with a valid variable name"),
+    ("kube", {}, "unknown scheduler 'kube'; expected 'slurm' or 'pbs'"),
+])
+def test_option_errors(scheduler, changes, message):
+    with pytest.raises(SubmitUsageError) as info:
+        render_script(scheduler, DEMO, **{**BASE, **changes})
+    assert str(info.value) == message
+
+
+def test_slurm_day_walltime_is_accepted_and_pbs_long_hours_too():
+    assert "#SBATCH --time=2-00:00:00" in render_script("slurm", DEMO, **{**BASE, "time": "2-00:00:00"})
+    assert "#PBS -l walltime=48:00:00" in render_script("pbs", DEMO, **{**BASE, "time": "48:00:00"})
+
+
+def test_tp_must_divide_gpus_per_node(tmp_path):
+    job = tmp_path / "x.yaml"
+    job.write_text("runs:\n  - {name: ok, model: demo, tasks: a, tp: 2}\n"
+                   "  - {name: x, model: demo, tasks: b, tp: 3}\n")
+    with pytest.raises(SubmitError) as info:
+        render_script("slurm", job, **BASE)
+    assert str(info.value) == (f"{job}: run 2 ('x'): tp=3 does not divide gpus-per-node 4, "
+                               "so a TP group would span nodes")
+    with pytest.raises(SubmitError, match=r"run 1 \('llama3.1-8b'\): tp=4 does not divide gpus-per-node 6"):
+        render_script("pbs", LLAMA, **{**BASE, "gpus_per_node": 6})
+
+
+def test_job_file_errors_propagate(tmp_path):
+    job = tmp_path / "x.yaml"
+    job.write_text("runs: [{model: demo, tasks: a, tp: two}]\n")
+    with pytest.raises(JobFileError, match="field 'tp'"):
+        render_script("slurm", job, **BASE)
+
+
+# -------------------------------------------------------------------- submit()
+
+@pytest.fixture
+def job(tmp_path):
+    """A copy of the demo job under tmp, so logs and scripts land in tmp."""
+    (tmp_path / "jobs").mkdir()
+    shutil.copy(DEMO, tmp_path / "jobs/demo.yaml")
+    return tmp_path / "jobs/demo.yaml"
+
+
+def _fake_command(folder: Path, name: str, output: str, status: int = 0) -> Path:
+    """A stand-in for sbatch/qsub that records its argv and cwd, then answers like the real one."""
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text(f'#!/bin/sh\necho "$@" > "$0.args"\npwd > "$0.cwd"\n{output}\nexit {status}\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+@pytest.fixture
+def fake_path(tmp_path, monkeypatch):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
+    return folder
+
+
+@pytest.mark.parametrize("scheduler,command,output,job_id", [
+    ("slurm", "sbatch", "echo 'Submitted batch job 12345'", "12345"),
+    ("pbs", "qsub", "echo 6789.pbs01", "6789.pbs01"),
+])
+def test_submit_with_fake_scheduler(job, fake_path, tmp_path, scheduler, command, output, job_id):
+    fake = _fake_command(fake_path, command, output)
+    assert submit(scheduler, job, **BASE) == job_id
+    script = tmp_path / f"results/demo/mpitp-demo.{scheduler}.sh"
+    assert script.exists() and os.access(script, os.X_OK)
+    assert script.read_text() == render_script(scheduler, job, **BASE)
+    assert Path(f"{fake}.args").read_text().strip() == str(script)
+    assert Path(f"{fake}.cwd").read_text().strip() == str(job.parent)
+    assert (tmp_path / "results/demo").is_dir()  # log directory exists before the job starts
+
+
+def test_submit_script_dir(job, fake_path, tmp_path):
+    _fake_command(fake_path, "sbatch", "echo 'Submitted batch job 7'")
+    assert submit("slurm", job, script_dir=tmp_path / "scripts", **BASE) == "7"
+    assert (tmp_path / "scripts/mpitp-demo.slurm.sh").exists()
+
+
+def test_submit_dry_run_writes_and_runs_nothing(job, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    text = submit("slurm", job, dry_run=True, **BASE)
+    assert text == render_script("slurm", job, **BASE)
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("scheduler,command", [("slurm", "sbatch"), ("pbs", "qsub")])
+def test_submit_without_scheduler_command(job, tmp_path, monkeypatch, scheduler, command):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SubmitError) as info:
+        submit(scheduler, job, **BASE)
+    assert str(info.value) == f"{command} not found on PATH; use --dry-run to print the script"
+    assert not (tmp_path / "results").exists()
+
+
+def test_submit_reports_scheduler_failure(job, fake_path, tmp_path):
+    _fake_command(fake_path, "sbatch", "echo 'sbatch: error: Invalid account' >&2", status=1)
+    with pytest.raises(SubmitError) as info:
+        submit("slurm", job, **BASE)
+    script = tmp_path / "results/demo/mpitp-demo.slurm.sh"
+    assert str(info.value) == f"sbatch {script} failed (exit 1): sbatch: error: Invalid account"
+
+
+def test_submit_reports_unparseable_output(job, fake_path):
+    _fake_command(fake_path, "qsub", "echo 'queue is closed'")
+    with pytest.raises(SubmitError, match="could not find a job id in qsub output: 'queue is closed'"):
+        submit("pbs", job, **BASE)
+
+
+# ------------------------------------------------------------------------ CLI
+
+CLI_BASE = ["--nodes", "1", "--gpus-per-node", "4", "--time", "01:00:00"]
+
+
+def test_cli_dry_run_prints_script(job):
+    result = CliRunner().invoke(submit_command, [str(job), "--scheduler", "pbs", *CLI_BASE, "--dry-run",
+                                                 "--queue", "gpu", "--nccl-env", "NCCL_DEBUG=WARN"])
+    assert result.exit_code == 0, result.output
+    assert result.output == render_script("pbs", job, **BASE, queue="gpu", nccl_env=["NCCL_DEBUG=WARN"])
+
+
+def test_cli_submits(job, fake_path, tmp_path):
+    _fake_command(fake_path, "sbatch", "echo 'Submitted batch job 12345'")
+    result = CliRunner().invoke(submit_command, [str(job), "--scheduler", "slurm", *CLI_BASE,
+                                                 "--env-setup", "module load cuda", "--run-arg", "-v"])
+    assert result.exit_code == 0, result.output
+    script = tmp_path / "results/demo/mpitp-demo.slurm.sh"
+    assert result.output == f"Submitted slurm job 12345 (script: {script})\n"
+    assert "module load cuda\n" in script.read_text()
+    assert script.read_text().rstrip().endswith("jobs/demo.yaml -v")
+
+
+def test_cli_usage_error(job):
+    result = CliRunner().invoke(submit_command, [str(job), "--scheduler", "slurm", "--nodes", "1",
+                                                 "--gpus-per-node", "4", "--time", "1h", "--dry-run"])
+    assert result.exit_code == 2
+    assert "--time '1h': expected a non-zero walltime as HH:MM:SS or D-HH:MM:SS" in result.output
+
+
+def test_cli_geometry_error(job):
+    result = CliRunner().invoke(submit_command, [str(job), "--scheduler", "slurm", "--nodes", "1",
+                                                 "--gpus-per-node", "3", "--time", "01:00:00", "--dry-run"])
+    assert result.exit_code == 1
+    assert result.output == (f"Error: {job}: run 2 ('demo-tp2'): tp=2 does not divide gpus-per-node 3, "
+                             "so a TP group would span nodes\n")
+
+
+def test_cli_missing_scheduler_command(job, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    result = CliRunner().invoke(submit_command, [str(job), "--scheduler", "pbs", *CLI_BASE])
+    assert result.exit_code == 1
+    assert result.output == "Error: qsub not found on PATH; use --dry-run to print the script\n"
+
+
+def test_cli_job_file_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("runs: [{model: demo, tasks: a, dtype: bf16}]\n")
+    result = CliRunner().invoke(submit_command, [str(bad), "--scheduler", "slurm", *CLI_BASE, "--dry-run"])
+    assert result.exit_code == 1
+    assert "field 'dtype'" in result.output and "did you mean 'bfloat16'?" in result.output
