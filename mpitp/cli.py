@@ -129,6 +129,7 @@ def eval_options(f):
         click.option("--gen-kwargs", default=None, help="e.g. temperature=0,max_gen_toks=64"),
         click.option("--apply-chat-template", is_flag=True),
         click.option("--include-path", default=None, help="Directory of extra task YAMLs (as lm-eval)."),
+        click.option("--data-dir", default=None, help="Serve stock tasks offline from DIR/<task>/<split>.jsonl."),
         click.option("--seed", type=int, default=None, help="One seed for python, numpy, torch and few-shot."),
         click.option("--output", default=None, help="HDF5 results file (default results/<model>-<time>.h5)."),
         click.option("--overwrite", is_flag=True, help="Replace an existing output file."),

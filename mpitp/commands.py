@@ -1,7 +1,50 @@
-"""Registry of the subcommands defined outside ``cli.py``."""
+"""Subcommands defined outside ``cli.py``: job files, scheduler submission, offline tasks, result inspection."""
 
 from __future__ import annotations
 
+import sys
+
+import click
+
+
+@click.command(name="run")
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--fail-fast", is_flag=True, help="Stop at the first failed run.")
+@click.option("--device", default=None)
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True)
+@click.option("--log-all-ranks", is_flag=True)
+def run_command(job_file, fail_fast, device, threads, timeout, log_all_ranks):
+    """Run every evaluation of a job file in this MPI world (mpirun -n 4 mpitp run jobs/demo.yaml)."""
+    from .jobrun import run_job
+
+    sys.exit(run_job(job_file, fail_fast=fail_fast, device=device, threads=threads, timeout=timeout,
+                     log_all_ranks=log_all_ranks))
+
+
+@click.command(name="tasks")
+@click.option("--data-dir", required=True, help="Directory laid out as DIR/<task>/<split>.jsonl.")
+def tasks_command(data_dir):
+    """List the stock lm-eval tasks runnable offline from --data-dir, and what the others miss."""
+    from .errors import UsageError
+    from .offline import offline_status
+
+    try:
+        rows = offline_status(data_dir)
+    except UsageError as exc:
+        raise click.UsageError(str(exc)) from None
+    for task, ok, missing in rows:
+        click.echo(f"{task:16s} {'runnable' if ok else 'missing ' + ', '.join(missing)}")
+
 
 def register(cli) -> None:
-    pass
+    from .submit import submit_command
+
+    cli.add_command(run_command)
+    cli.add_command(tasks_command)
+    cli.add_command(submit_command)
+    try:
+        from .inspect import inspect_command
+    except ImportError:  # pragma: no cover - being written
+        return
+    cli.add_command(inspect_command, name="inspect")

@@ -14,6 +14,7 @@ Schema (stable; extend, don't break):
   complete, so their order is completion order; sort by (doc_id, idx) to compare.
 - ``/stats``: one row per DP group: ``dp_rank``, ``busy_s``, ``requests``, ``tokens_scored``, ``tokens_generated``,
   ``forwards``, ``tp_bytes``, ``mpi_bytes``.
+- ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
 
 Files are opened with HDF5 file locking off by default: lock failures on Lustre and NFS are a common h5py failure
 on clusters and there is only ever one writer. Set ``MPITP_HDF5_LOCKING=1`` to turn it back on.
@@ -28,15 +29,16 @@ from datetime import datetime, timezone
 import h5py
 import numpy as np
 
+STR = h5py.string_dtype()
 REQUEST_FIELDS = {
     "doc_id": np.int64,
     "idx": np.int32,
-    "kind": h5py.string_dtype(),
+    "kind": STR,
     "loglikelihood": np.float64,
     "is_greedy": np.bool_,
-    "generation": h5py.string_dtype(),
+    "generation": STR,
     "n_tokens": np.int32,
-    "args_hash": h5py.string_dtype(),
+    "args_hash": STR,
 }
 STATS_FIELDS = ("busy_s", "requests", "tokens_scored", "tokens_generated", "forwards", "tp_bytes", "mpi_bytes")
 
@@ -62,67 +64,116 @@ def _attr(v):
 
 
 class ResultWriter:
-    """Appends request rows as chunks complete and flushes, so a crash loses at most the chunks in flight."""
+    """Rank 0's results file, rewritten atomically after every landed chunk.
 
-    def __init__(self, path: str, meta: dict, mode: str = "w"):
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
+    HDF5 written in place can be left unreadable by a kill in the middle of a metadata update, so the writer keeps
+    the (small) results in memory and replaces the file with ``os.replace`` of a freshly written temporary: at any
+    instant the file on disk is a complete, readable snapshot, and a crash loses at most the chunks in flight.
+    """
+
+    def __init__(self, path: str, meta: dict, resume: bool = False):
         self.path = path
-        self.f = open_h5(path, mode)
-        if mode != "a" or "status" not in self.f.attrs:
-            self.f.attrs["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        for k, v in meta.items():
-            self.f.attrs[k] = _attr(v)
-        self.f.attrs["status"] = "running"
-        self.f.require_group("tasks")
-        self.f.flush()
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        self.attrs: dict = {}
+        self.tasks: dict[str, dict] = {}
+        self.stats: list[dict] | None = None
+        if resume and os.path.exists(path):
+            self._load(path)
+        self.attrs.setdefault("created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        self.attrs.update({k: _attr(v) for k, v in meta.items()})
+        self.attrs["status"] = "running"
+        self.attrs.pop("results_json", None)
+        self.save()
 
-    def _requests(self, task: str) -> h5py.Group:
-        g = self.f.require_group(f"tasks/{task}/requests")
-        for name, dt in REQUEST_FIELDS.items():
-            if name not in g:
-                g.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(1024,),
-                                 compression="gzip", compression_opts=4)
-        return g
+    def _task(self, task: str) -> dict:
+        return self.tasks.setdefault(task, {"attrs": {}, "metrics": {}, "rows": {k: [] for k in REQUEST_FIELDS},
+                                            "samples": None})
+
+    def _load(self, path: str) -> None:
+        with open_h5(path) as f:
+            self.attrs = {k: _py(v) for k, v in f.attrs.items()}
+            for task, g in f.get("tasks", {}).items():
+                t = self._task(task)
+                t["attrs"] = {k: _py(v) for k, v in g.attrs.items()}
+                if "requests" in g:
+                    for name in REQUEST_FIELDS:
+                        if name in g["requests"]:
+                            t["rows"][name] = [_py(x) for x in g["requests"][name][()]]
+
+    def stored_rows(self) -> dict[tuple, dict]:
+        """Every stored request row by its resume key ``(task, doc_id, idx, args_hash)``."""
+        out = {}
+        for task, t in self.tasks.items():
+            cols = t["rows"]
+            for i in range(len(cols["doc_id"])):
+                row = {k: cols[k][i] for k in REQUEST_FIELDS}
+                out[(task, int(row["doc_id"]), int(row["idx"]), row["args_hash"])] = row
+        return out
 
     def append(self, task: str, rows: list[dict]) -> None:
         if not rows:
             return
-        g = self._requests(task)
-        n0 = g["doc_id"].shape[0]
-        for name, dt in REQUEST_FIELDS.items():
-            ds = g[name]
-            ds.resize((n0 + len(rows),))
-            ds[n0:] = np.asarray([r[name] for r in rows], dtype=object if dt == h5py.string_dtype() else dt)
-        self.f.flush()
+        cols = self._task(task)["rows"]
+        for r in rows:
+            for k in REQUEST_FIELDS:
+                cols[k].append(r[k])
+        self.save()
 
-    def write_task(self, task: str, attrs: dict, metrics: dict) -> None:
-        g = self.f.require_group(f"tasks/{task}")
-        for k, v in attrs.items():
-            g.attrs[k] = _attr(v)
-        self._requests(task)
-        m = g.require_group("metrics")
-        for k, v in metrics.items():
-            m.attrs[k] = _attr(v)
+    def write_task(self, task: str, attrs: dict, metrics: dict, samples: list | None = None) -> None:
+        t = self._task(task)
+        t["attrs"].update({k: _attr(v) for k, v in attrs.items()})
+        t["metrics"] = {k: _attr(v) for k, v in metrics.items()}
+        if samples is not None:
+            t["samples"] = [json.dumps(s, default=str) for s in samples]
 
     def write_stats(self, per_group: list[dict]) -> None:
-        if "stats" in self.f:
-            del self.f["stats"]
-        g = self.f.create_group("stats")
-        g.create_dataset("dp_rank", data=np.arange(len(per_group), dtype=np.int32))
-        for name in STATS_FIELDS:
-            g.create_dataset(name, data=np.asarray([s.get(name, 0) for s in per_group], dtype=np.float64))
+        self.stats = per_group
 
     def finish(self, results_json: dict, wall_time_s: float) -> None:
-        self.f.attrs["results_json"] = json.dumps(results_json, default=str)
-        self.f.attrs["wall_time_s"] = float(wall_time_s)
-        self.f.attrs["status"] = "complete"
-        self.f.flush()
+        self.attrs["results_json"] = json.dumps(results_json, default=str)
+        self.attrs["wall_time_s"] = float(wall_time_s)
+        self.attrs["status"] = "complete"
+        self.save()
+
+    def save(self) -> None:
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open_h5(tmp, "w") as f:
+            for k, v in self.attrs.items():
+                f.attrs[k] = v
+            tasks = f.create_group("tasks")
+            for name, t in self.tasks.items():
+                g = tasks.create_group(name)
+                for k, v in t["attrs"].items():
+                    g.attrs[k] = v
+                m = g.create_group("metrics")
+                for k, v in t["metrics"].items():
+                    m.attrs[k] = v
+                req = g.create_group("requests")
+                n = len(t["rows"]["doc_id"])
+                for col, dt in REQUEST_FIELDS.items():
+                    data = np.asarray(t["rows"][col], dtype=object if dt == STR else dt).reshape(n)
+                    req.create_dataset(col, data=data, dtype=dt, maxshape=(None,), chunks=(max(1, min(n, 4096)),),
+                                       compression="gzip", compression_opts=4)
+                if t["samples"] is not None:
+                    g.create_dataset("samples", data=np.asarray(t["samples"], dtype=object), dtype=STR)
+            if self.stats is not None:
+                st = f.create_group("stats")
+                st.create_dataset("dp_rank", data=np.arange(len(self.stats), dtype=np.int32))
+                for col in STATS_FIELDS:
+                    st.create_dataset(col, data=np.asarray([s.get(col, 0) for s in self.stats], dtype=np.float64))
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
-        if self.f:
-            self.f.close()
-            self.f = None
+        """Nothing stays open between saves; kept so callers can treat the writer like a file."""
+
+
+def _py(v):
+    """HDF5 value -> plain Python (bytes decoded, numpy scalars unwrapped)."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "surrogateescape")
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
 
 
 def read_requests(path: str, task: str) -> dict[str, np.ndarray]:

@@ -40,6 +40,7 @@ class EvalConfig:
     gen_kwargs: str | None = None
     apply_chat_template: bool = False
     include_path: str | list[str] | None = None
+    data_dir: str | None = None
     seed: int | None = None
     output: str | None = None
     overwrite: bool = False
@@ -52,23 +53,49 @@ class EvalConfig:
     def identity(self) -> dict:
         """The settings that determine results: a resumed run must match them exactly."""
         keys = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
-                "gen_kwargs", "apply_chat_template", "seed")
+                "gen_kwargs", "apply_chat_template", "seed", "data_dir")
         return {k: getattr(self, k) for k in keys}
 
 
 # ----------------------------------------------------------------------------------------------------- checks
 
 
-def check_tasks(tasks: list[str], include_path: str | None):
-    """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
+def _paths(include_path) -> list[str]:
+    return [include_path] if isinstance(include_path, str) else list(include_path or [])
+
+
+def task_manager(tasks: list[str], include_path):
+    """lm-eval's TaskManager; skips indexing the ~thousands of stock YAMLs when the include path has every task."""
     from lm_eval.tasks import TaskManager
 
-    for path in [include_path] if isinstance(include_path, str) else include_path or []:
+    if include_path:
+        tm = TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR")
+        if all(t in tm.all_tasks for t in tasks):
+            return tm
+    return TaskManager(include_path=include_path or None, verbosity="ERROR")
+
+
+def offline_include(cfg: "EvalConfig") -> list[str]:
+    """With ``--data-dir``, write override YAMLs for the stock tasks asked for and put them on the include path."""
+    if not cfg.data_dir:
+        return _paths(cfg.include_path)
+    import tempfile
+
+    from .offline import STOCK_TASKS, write_task_yamls
+
+    out = tempfile.mkdtemp(prefix="mpitp-tasks-")
+    write_task_yamls(cfg.data_dir, out, [t for t in cfg.tasks if t in STOCK_TASKS])
+    return _paths(cfg.include_path) + [out]
+
+
+def check_tasks(tasks: list[str], include_path):
+    """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
+    for path in _paths(include_path):
         if not os.path.isdir(path):
             raise UsageError(f"--include-path {path}: no such directory")
     if not tasks:
         raise UsageError("no tasks given: pass --tasks a,b (or --demo)")
-    tm = TaskManager(include_path=include_path, verbosity="ERROR")
+    tm = task_manager(tasks, include_path)
     known = set(tm.all_tasks)
     for t in tasks:
         if t not in known:
@@ -89,10 +116,12 @@ def check_output(cfg: EvalConfig) -> str:
     if cfg.resume and cfg.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: pick one")
     if os.path.exists(out):
-        if not (cfg.resume or cfg.overwrite):
-            raise UsageError(f"output {out} already exists: pass --resume to continue it or --overwrite to replace it")
         if os.path.isdir(out):
             raise UsageError(f"output {out} is a directory")
+        if not (cfg.resume or cfg.overwrite):
+            raise UsageError(f"output {out} already exists: pass --resume to continue it or --overwrite to replace it")
+        if cfg.resume:
+            check_resumable(out, cfg)
     elif cfg.resume:
         log.info("--resume: %s does not exist yet, starting a new run", out)
     d = os.path.dirname(os.path.abspath(out))
@@ -104,15 +133,35 @@ def check_output(cfg: EvalConfig) -> str:
     return out
 
 
-def _check_all(cfg: EvalConfig, tp: int) -> tuple[str, str]:
+def check_resumable(path: str, cfg: EvalConfig) -> None:
+    """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
+    from .results import open_h5
+
+    try:
+        with open_h5(path) as f:
+            stored = json.loads(f.attrs["config_json"])
+    except (OSError, KeyError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"cannot resume {path}: not an mpitp results file ({reason})") from None
+    now = json.loads(json.dumps(cfg.identity()))
+    diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
+             if stored.get(k) != now.get(k)]
+    if diffs:
+        raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
+
+
+def _check_all(cfg: EvalConfig, tp: int, keep: dict) -> tuple[str, str]:
     from .model import check_dtype, check_tp, load_config
 
+    if cfg.data_dir and not os.path.isdir(cfg.data_dir):
+        raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
     if cfg.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
     if cfg.limit is not None and not cfg.limit > 0:
         raise UsageError(f"--limit must be > 0, got {cfg.limit:g}")
     check_dtype(cfg.dtype)
-    check_tasks(cfg.tasks, cfg.include_path)
+    keep["include"] = offline_include(cfg)
+    keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
     config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
     check_tp(config, tp)
     out = check_output(cfg)
@@ -136,6 +185,20 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
                 config_json=json.dumps(cfg.identity(), sort_keys=True))
 
 
+def _resume_key(inst) -> tuple:
+    from .lm import args_hash
+
+    return (inst.task_name, int(inst.doc_id), int(inst.idx), args_hash(inst.args))
+
+
+def _result_from_row(row: dict, kind: str):
+    from .lm import KIND_GENERATE
+
+    if kind == KIND_GENERATE:
+        return (row["generation"], int(row["n_tokens"]))
+    return (float(row["loglikelihood"]), bool(row["is_greedy"]), int(row["n_tokens"]))
+
+
 def _request_row(inst, result, kind: str) -> dict:
     from .lm import KIND_GENERATE, args_hash
 
@@ -145,6 +208,8 @@ def _request_row(inst, result, kind: str) -> dict:
     else:
         ll, greedy, n = result
         text = ""
+    # Generated text can hold lone surrogates (byte-level tokens decoded mid-character); HDF5 stores UTF-8.
+    text = text.encode("utf-8", "replace").decode("utf-8")
     return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
                 is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args))
 
@@ -181,7 +246,8 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
 
     t_start = time.perf_counter()
     lay = rt.layout
-    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp), rt.world.comm, rt.timeout, "checking input")
+    keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
+    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep), rt.world.comm, rt.timeout, "checking input")
     model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     stats = Stats()
     engine = TPEngine(model, lay, rt.device, rt.timeout, lay.tp, stats)
@@ -197,7 +263,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
                      trust_remote_code=cfg.trust_remote_code)
         try:
             if lay.is_root:
-                results = _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher)
+                results = _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher, keep["task_manager"])
             else:
                 serve_remote(lay, lm.compute, rt.timeout)
         finally:
@@ -210,28 +276,43 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     return results["results"] if results else None
 
 
-def _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher):
+def _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher, tm):
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from .results import ResultWriter
 
-    writer = ResultWriter(out, _metadata(cfg, rt, tokenizer), mode="w")
+    writer = ResultWriter(out, _metadata(cfg, rt, tokenizer), resume=cfg.resume)
+    stored = writer.stored_rows() if cfg.resume else {}
     progress = _Progress()
     dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, progress=progress)
 
     def runner(kind, items, weights, instances):
-        progress.add_total(len(items))
+        """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
+        keys = [_resume_key(inst) for inst in instances]
+        results: list = [None] * len(items)
+        todo = []
+        for i, key in enumerate(keys):
+            row = stored.get(key)
+            if row is not None and row["kind"] == kind:
+                results[i] = _result_from_row(row, kind)
+            else:
+                todo.append(i)
+        if len(todo) < len(items):
+            log.info("resume: reusing %d of %d %s results from %s", len(items) - len(todo), len(items), kind, out)
+        progress.add_total(len(todo))
 
         def on_chunk(indices, res):
             by_task: dict[str, list] = {}
             for i, r in zip(indices, res):
-                inst = instances[i]
+                inst = instances[todo[i]]
                 by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind))
             for task, rows in by_task.items():
                 writer.append(task, rows)
 
-        return dispatcher.run(kind, items, weights, on_chunk)
+        computed = dispatcher.run(kind, [items[i] for i in todo], [weights[i] for i in todo], on_chunk)
+        for i, r in zip(todo, computed):
+            results[i] = r
+        return results
 
     lm.runner = runner
     seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
@@ -240,8 +321,7 @@ def _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher):
         res = lm_eval.simple_evaluate(
             model=lm, tasks=cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
             apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
-            bootstrap_iters=cfg.bootstrap_iters, task_manager=TaskManager(include_path=cfg.include_path,
-                                                                           verbosity="ERROR"), **seeds)
+            bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
     finally:
         progress.close()
         dispatcher.shutdown()
@@ -258,7 +338,8 @@ def _finish_root(state, all_stats) -> None:
             n = res.get("n-samples", {}).get(task, {})
             writer.write_task(task, dict(output_type=cfgd.get("output_type"),
                                          num_fewshot=res.get("n-shot", {}).get(task, 0),
-                                         n_docs=n.get("effective", n.get("original", 0))), metrics)
+                                         n_docs=n.get("effective", n.get("original", 0))), metrics,
+                              samples=res.get("samples", {}).get(task))
         writer.write_stats(all_stats)
         serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
                                             "n-samples", "config", "groups", "group_subtasks") if k in res}

@@ -74,9 +74,13 @@ def agree(check, comm, timeout: float, phase: str):
 
 
 def start(tp: int = 1, device: str | None = None, threads: int | None = None,
-          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True) -> Runtime:
-    """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments."""
-    world = world_from_comm(comm)
+          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True,
+          world: World | None = None) -> Runtime:
+    """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments.
+
+    Pass ``world`` to reuse one (a job file runs several layouts, one after another, in the same MPI world).
+    """
+    world = world or world_from_comm(comm)
     try:
         layout = make_layout(world, tp)
     except UsageError as exc:
@@ -94,3 +98,12 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         rt.tp_group = init_tp_group(layout, dev, timeout)
     return rt
+
+
+def stop(rt: Runtime) -> None:
+    """Tear down this runtime's TP torch world so the next run may use another layout."""
+    from .tpgroup import destroy_tp_group
+
+    if rt.tp_group is not None:
+        destroy_tp_group(rt.tp_group)
+        rt.tp_group = None

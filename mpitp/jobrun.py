@@ -1,0 +1,113 @@
+"""``mpitp run JOB.yaml``: a campaign of runs, one after another, in one MPI world (one scheduler allocation).
+
+Runs whose output is ``complete`` are skipped, ``running`` ones are resumed, and a run that fails on bad input (a
+missing model, an unknown task, a tp that does not fit the world) is recorded and the job goes on, unless
+``--fail-fast``. A fault inside a run (a rank crashing) still aborts the whole job: the survivors of a broken
+collective cannot be trusted to carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from . import comm as mpicomm
+from .errors import UsageError
+from .run import EvalConfig, run_eval
+from .runtime import agree, setup_logging, start, stop
+from .world import world_from_comm
+
+log = logging.getLogger("mpitp")
+
+_EVAL_FIELDS = {"model", "tasks", "tokenizer", "revision", "dtype", "num_fewshot", "limit", "batch_size",
+                "max_length", "gen_kwargs", "apply_chat_template", "include_path", "data_dir", "seed", "output",
+                "log_samples"}
+
+
+def eval_config(spec) -> EvalConfig:
+    """A job-file run as an :class:`EvalConfig` (``model: demo`` means the built-in demo)."""
+    from .jobfile import DEMO_MODEL
+
+    kw = {k: v for k, v in spec.to_eval_kwargs().items() if k in _EVAL_FIELDS}
+    if isinstance(kw.get("gen_kwargs"), dict):
+        kw["gen_kwargs"] = ",".join(f"{k}={v}" for k, v in kw["gen_kwargs"].items())
+    demo = kw.get("model") == DEMO_MODEL
+    if demo:
+        kw["model"] = None
+    return EvalConfig(demo=demo, **kw)
+
+
+def output_status(path: str) -> str:
+    """``missing``, ``complete``, ``running`` or ``unreadable`` for a run's output file."""
+    if not os.path.exists(path):
+        return "missing"
+    from .results import open_h5
+
+    try:
+        with open_h5(path) as f:
+            return str(f.attrs.get("status", "unreadable"))
+    except OSError:
+        return "unreadable"
+
+
+def _load(path):
+    from .jobfile import JobFileError, load_job
+
+    try:
+        return load_job(path)
+    except JobFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ranks) -> int:
+    """Execute every run of the job file; returns the exit status (0 when every run completed or was skipped)."""
+    world = world_from_comm()
+    setup_logging(world.rank, log_all_ranks)
+    job = agree(lambda: _load(path), world.comm, timeout, "reading the job file")
+    summary = []
+    for i, spec in enumerate(job.runs, 1):
+        t0 = time.perf_counter()
+        state = agree(lambda: output_status(spec.output), world.comm, timeout, "checking outputs")
+        if state == "complete":
+            summary.append((spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
+            continue
+        if world.rank == 0:
+            log.info("=== run %d/%d: %s (tp=%d)%s", i, len(job.runs), spec.name, spec.tp,
+                     " resuming" if state == "running" else "")
+        cfg = eval_config(spec)
+        cfg.resume = state == "running"
+        cfg.overwrite = state == "unreadable"
+        rt = None
+        try:
+            rt = start(tp=spec.tp, device=device or spec.device, threads=threads,
+                       timeout=spec.timeout or timeout, world=world)
+            if cfg.demo:
+                from .evalcmd import demo_config
+
+                cfg = demo_config(cfg, rt)
+            run_eval(cfg, rt)
+            summary.append((spec.name, spec.tp, "complete", time.perf_counter() - t0, spec.output))
+        except UsageError as exc:
+            if not exc.collective:
+                raise
+            summary.append((spec.name, spec.tp, f"FAILED: {exc}", time.perf_counter() - t0, spec.output))
+            if world.rank == 0:
+                log.error("run %s failed: %s", spec.name, exc)
+            if fail_fast:
+                break
+        finally:
+            if rt is not None:
+                stop(rt)
+        mpicomm.barrier(world.comm, timeout, phase=f"end of run {spec.name}")
+    if world.rank == 0:
+        print_summary(job.path, summary)
+    return 1 if any(s[2].startswith("FAILED") for s in summary) else 0
+
+
+def print_summary(path, summary) -> None:
+    from .info import format_table
+
+    rows = [dict(run=n, tp=tp, status=st, wall=f"{w:.1f}s", output=out) for n, tp, st, w, out in summary]
+    print(f"\njob {path}: {sum(1 for r in rows if not r['status'].startswith('FAILED'))}/{len(rows)} runs ok")
+    print(format_table(rows, ["run", "tp", "status", "wall", "output"]))
