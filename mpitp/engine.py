@@ -34,12 +34,13 @@ class Stats:
     tokens_generated: int = 0
     forwards: int = 0
     tp: CommCounter = field(default_factory=CommCounter)
+    tp_score: CommCounter = field(default_factory=CommCounter)
     mpi_bytes: int = 0
 
     def as_dict(self) -> dict:
         return dict(busy_s=self.busy_s, requests=self.requests, tokens_scored=self.tokens_scored,
                     tokens_generated=self.tokens_generated, forwards=self.forwards, tp_bytes=self.tp.bytes,
-                    tp_calls=self.tp.calls, mpi_bytes=self.mpi_bytes)
+                    tp_calls=self.tp.calls, tp_score_bytes=self.tp_score.bytes, mpi_bytes=self.mpi_bytes)
 
 
 def _base(model):
@@ -57,9 +58,11 @@ class TPEngine:
         self.device = torch.device(device)
         self.timeout = timeout
         self.stats = stats or Stats()
-        self.ops = TPOps(size=tp_size, group=group, counter=self.stats.tp)
+        self.ops = TPOps(size=tp_size, group=group, counter=self.stats.tp, reduce_counter=self.stats.tp_score)
         self.head = VocabParallelHead.from_model(model, self.ops)
         self._cache = None
+        self._sent: dict[str, torch.Tensor] = {}
+        self._restore_head = None
 
     # ------------------------------------------------------------------ control plane (MPI)
     @property
@@ -136,14 +139,21 @@ class TPEngine:
 
     # ------------------------------------------------------------------ generation
     @contextlib.contextmanager
-    def generating(self):
-        """While active, every forward the leader's model runs (HF ``generate``'s) is mirrored by the workers."""
-        if not self.has_workers:
-            yield
-            return
+    def generating(self, greedy: bool = False):
+        """While active, every forward the leader's model runs (HF ``generate``'s) is mirrored by the workers.
+
+        With ``greedy`` the LM head is swapped, on every TP rank, for a vocab-parallel argmax of the last position
+        (two all-reduces of O(batch)), so no rank gathers full logits; HF's greedy search then picks that token.
+        Sampling keeps transformers' gathered logits, and only the leader samples: workers are sent its tokens, so
+        one seeded generator decides for the whole group.
+        """
         model = self.model
+        if self.has_workers:
+            self._control({"op": OP_GEN_BEGIN, "greedy": greedy})
+        restore_head = self._swap_head() if greedy else None
+        patched = "forward" in vars(model)
         original = model.forward
-        self._control({"op": OP_GEN_BEGIN})
+        sent: dict[str, torch.Tensor] = {}
 
         def mirrored_forward(*args, **kwargs):
             if args:
@@ -151,8 +161,13 @@ class TPEngine:
             plain, specs, tensors = {}, [], []
             for k, v in kwargs.items():
                 if torch.is_tensor(v):
-                    specs.append((k, tuple(v.shape), str(v.dtype).removeprefix("torch.")))
-                    tensors.append(v.contiguous())
+                    prev = sent.get(k)
+                    if prev is not None and _extends_with_ones(prev, v):
+                        plain[k] = "__extend_ones__"  # the grown attention mask: workers append the column
+                    else:
+                        specs.append((k, tuple(v.shape), str(v.dtype).removeprefix("torch.")))
+                        tensors.append(v.contiguous())
+                    sent[k] = v
                 elif _is_cache(v):
                     plain[k] = "__cache__"
                 elif v is None or isinstance(v, (bool, int, float, str)):
@@ -164,12 +179,29 @@ class TPEngine:
             self.stats.forwards += 1
             return original(**kwargs)
 
-        model.forward = mirrored_forward
+        if self.has_workers:
+            model.forward = mirrored_forward
         try:
             yield
         finally:
-            del model.forward  # back to the class's forward
-            self._control({"op": OP_GEN_END})
+            if self.has_workers:
+                if patched:
+                    model.forward = original
+                else:
+                    del model.forward  # back to the class's forward
+                self._control({"op": OP_GEN_END})
+            if restore_head is not None:
+                restore_head()
+
+    def _swap_head(self):
+        """Replace the model's output embedding by :class:`_GreedyHead`; returns the undo."""
+        model = self.model
+        head = model.get_output_embeddings()
+        for name, child in model.named_children():
+            if child is head:
+                setattr(model, name, _GreedyHead(self.head))
+                return lambda: setattr(model, name, head)
+        raise RuntimeError("could not locate the LM head among the model's children")
 
     def _worker_gen_forward(self, msg: dict) -> None:
         specs = msg["specs"]
@@ -182,7 +214,11 @@ class TPEngine:
 
                     self._cache = DynamicCache(config=self.model.config)
                 v = self._cache
+            elif v == "__extend_ones__":
+                prev = self._sent[k]
+                v = torch.cat([prev, torch.ones_like(prev[..., :1])], dim=-1)
             kwargs[k] = v
+        self._sent.update({k: v for k, v in kwargs.items() if torch.is_tensor(v)})
         with torch.no_grad():
             self.model(**kwargs)
         self.stats.forwards += 1
@@ -203,11 +239,15 @@ class TPEngine:
                 self.ops.broadcast(packed, src=0)
                 self._score_local(packed, msg["b"], msg["t"], msg["n"])
             elif op == OP_GEN_BEGIN:
-                self._cache = None
+                self._cache, self._sent = None, {}
+                self._restore_head = self._swap_head() if msg.get("greedy") else None
             elif op == OP_GEN_FORWARD:
                 self._worker_gen_forward(msg)
             elif op == OP_GEN_END:
-                self._cache = None
+                self._cache, self._sent = None, {}
+                if self._restore_head is not None:
+                    self._restore_head()
+                    self._restore_head = None
             elif op == OP_STOP:
                 return
             else:  # pragma: no cover - protocol bug
@@ -220,3 +260,28 @@ def _is_cache(v) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(v, Cache)
+
+
+def _extends_with_ones(prev: torch.Tensor, new: torch.Tensor) -> bool:
+    """``new`` is ``prev`` with one column of ones appended (how generate grows the attention mask)."""
+    return (new.dim() == prev.dim() >= 1 and new.shape[:-1] == prev.shape[:-1] and new.shape[-1] == prev.shape[-1] + 1
+            and bool((new[..., -1] == 1).all()) and torch.equal(new[..., :-1], prev))
+
+
+class _GreedyHead(torch.nn.Module):
+    """Stands in for the LM head during greedy generation: vocab-parallel argmax of the last position.
+
+    Returns logits that are 0 at the chosen token and -inf elsewhere, so HF's greedy search (argmax) picks exactly
+    the token the sharded argmax chose (torch.argmax's lowest-index rule), without gathering the vocabulary.
+    """
+
+    def __init__(self, head: VocabParallelHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        last = hidden[:, -1, :]
+        ids = self.head.argmax(last)
+        logits = torch.full((hidden.shape[0], 1, self.head.vocab_size), float("-inf"), device=hidden.device)
+        logits[torch.arange(hidden.shape[0], device=hidden.device), 0, ids] = 0.0
+        return logits

@@ -120,9 +120,35 @@ class MPITPLM(HFLM):
         raise ValueError(f"unknown request kind {kind!r}")
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        with self.engine.generating():
+        with self.engine.generating(greedy=plain_greedy(self.model, generation_kwargs)):
             out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         self.engine.stats.tokens_generated += int((out.shape[1] - context.shape[1]) * out.shape[0])
         if getattr(self, "_tick", None):
             self._tick()
         return out
+
+
+_GREEDY_SAFE_KWARGS = {"attention_mask", "do_sample", "temperature", "top_p", "top_k"}
+_PROCESSOR_DEFAULTS = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+                       "bad_words_ids": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+                       "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
+                       "forced_eos_token_id": (None,), "sequence_bias": (None,), "encoder_repetition_penalty":
+                       (None, 1.0), "num_beams": (None, 1), "penalty_alpha": (None,), "guidance_scale": (None, 1.0),
+                       "exponential_decay_length_penalty": (None,)}
+
+
+def plain_greedy(model, generation_kwargs: dict) -> bool:
+    """True when generation is greedy search with no logits processor, so a sharded argmax decides each token.
+
+    Anything that edits logits before the argmax (repetition penalty, suppressed tokens, minimum length, beams)
+    needs the real distribution: then transformers' gathered logits are kept.
+    """
+    if set(generation_kwargs) - _GREEDY_SAFE_KWARGS:
+        return False
+    gc = getattr(model, "generation_config", None)
+    do_sample = generation_kwargs.get("do_sample")
+    if do_sample is None:
+        do_sample = bool(getattr(gc, "do_sample", False))
+    if do_sample:
+        return False
+    return all(getattr(gc, k, None) in ok for k, ok in _PROCESSOR_DEFAULTS.items()) if gc is not None else True

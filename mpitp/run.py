@@ -239,21 +239,35 @@ class _Progress:
 
 
 def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
-    """Evaluate ``cfg`` on the runtime ``rt``. Returns lm-eval's results dict on rank 0, None elsewhere."""
-    from .dispatch import Dispatcher, serve_remote
-    from .engine import Stats, TPEngine
+    """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
     from .model import load_model
 
     t_start = time.perf_counter()
-    lay = rt.layout
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
-    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep), rt.world.comm, rt.timeout, "checking input")
-    model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
-    stats = Stats()
-    engine = TPEngine(model, lay, rt.device, rt.timeout, lay.tp, stats)
+    out, tokenizer = agree(lambda: _check_all(cfg, rt.layout.tp, keep), rt.world.comm, rt.timeout,
+                           "checking input")
+    model = load_model(cfg.model, rt.layout.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
+    return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
+                           t_start=t_start)
 
-    results = None
+
+def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
+                    task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None):
+    """The one evaluation path (CLI, job files and :func:`mpitp.evaluate`) for a model already on this rank.
+
+    Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
+    other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
+    """
+    from .dispatch import Dispatcher, serve_remote
+    from .engine import Stats, TPEngine
+
+    t_start = time.perf_counter() if t_start is None else t_start
+    lay = rt.layout
+    group = rt.tp_group.group if rt.tp_group is not None else None
+    stats = Stats()
+    engine = TPEngine(model, lay, rt.device, rt.timeout, lay.tp, stats, group=group)
+    state = None
     if not lay.is_leader:
         engine.serve()
     else:
@@ -263,7 +277,8 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
                      trust_remote_code=cfg.trust_remote_code)
         try:
             if lay.is_root:
-                results = _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher, keep["task_manager"])
+                tm = task_manager or task_manager_for(cfg)
+                state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
             else:
                 serve_remote(lay, lm.compute, rt.timeout)
         finally:
@@ -271,18 +286,24 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
-            _finish_root(results, all_stats)
+            _finish_root(state, all_stats, time.perf_counter() - t_start)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")
-    return results["results"] if results else None
+    return state["results"] if state else None
 
 
-def _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher, tm):
+def task_manager_for(cfg: EvalConfig):
+    """Check the tasks and build lm-eval's TaskManager (rank 0), for callers that skipped :func:`_check_all`."""
+    return check_tasks(cfg.tasks, offline_include(cfg))
+
+
+def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     import lm_eval
 
     from .results import ResultWriter
 
-    writer = ResultWriter(out, _metadata(cfg, rt, tokenizer), resume=cfg.resume)
-    stored = writer.stored_rows() if cfg.resume else {}
+    tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
+    writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
+    stored = writer.stored_rows() if (writer and cfg.resume) else {}
     progress = _Progress()
     dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, progress=progress)
 
@@ -302,6 +323,8 @@ def _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher, tm):
         progress.add_total(len(todo))
 
         def on_chunk(indices, res):
+            if writer is None:
+                return
             by_task: dict[str, list] = {}
             for i, r in zip(indices, res):
                 inst = instances[todo[i]]
@@ -317,22 +340,30 @@ def _run_root(cfg, rt, lm, out, tokenizer, stats, t_start, Dispatcher, tm):
     lm.runner = runner
     seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
                                              torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+    kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
+                  apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
+                  bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
+    kwargs.update(extra)
     try:
-        res = lm_eval.simple_evaluate(
-            model=lm, tasks=cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
-            apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
-            bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
+        res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
     finally:
         progress.close()
         dispatcher.shutdown()
-    return {"results": res, "writer": writer, "t_start": t_start}
+    _stall_hook("post_processing")
+    return {"results": res, "writer": writer}
 
 
-def _finish_root(state, all_stats) -> None:
+def _stall_hook(where: str) -> None:
+    from .dispatch import _stall_hook as hook
+
+    hook(where)
+
+
+def _finish_root(state, all_stats, wall: float) -> None:
     from lm_eval.utils import make_table
 
     res, writer = state["results"], state["writer"]
-    try:
+    if writer is not None:
         for task, cfgd in res.get("configs", {}).items():
             metrics = {k: v for k, v in res["results"].get(task, {}).items() if k != "alias"}
             n = res.get("n-samples", {}).get(task, {})
@@ -343,13 +374,13 @@ def _finish_root(state, all_stats) -> None:
         writer.write_stats(all_stats)
         serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
                                             "n-samples", "config", "groups", "group_subtasks") if k in res}
-        writer.finish(serialisable, time.perf_counter() - state["t_start"])
-    finally:
-        writer.close()
+        writer.finish(serialisable, wall)
     print(make_table(res))
     total_busy = sum(s["busy_s"] for s in all_stats)
     for g, s in enumerate(all_stats):
+        per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
         print(f"DP group {g}: {s['requests']} requests, {s['tokens_scored']} tokens scored, "
-              f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB")
-    print(f"wall {time.perf_counter() - state['t_start']:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} "
-          f"group(s); results: {writer.path}")
+              f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB "
+              f"({per_tok:.1f} B/scored token in scoring reductions)")
+    where = f"; results: {writer.path}" if writer is not None else ""
+    print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")

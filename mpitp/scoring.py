@@ -34,18 +34,25 @@ class CommCounter:
 
 
 class TPOps:
-    """The three collectives scoring needs, over a TP group, or no-ops for tp=1 (a fake for maths tests fits too)."""
+    """The collectives scoring needs, over a TP group, or no-ops for tp=1 (a fake for maths tests fits too).
 
-    def __init__(self, size: int = 1, group=None, counter: CommCounter | None = None):
+    ``counter`` counts everything this rank sends into the TP group; ``reduce_counter`` only the scoring reductions
+    (the O(tokens) traffic that must not grow with the vocabulary).
+    """
+
+    def __init__(self, size: int = 1, group=None, counter: CommCounter | None = None,
+                 reduce_counter: CommCounter | None = None):
         self.size = size
         self.group = group
         self.counter = counter if counter is not None else CommCounter()
+        self.reduce_counter = reduce_counter if reduce_counter is not None else CommCounter()
 
     def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         if self.size > 1:
             import torch.distributed as dist
 
             self.counter.add(t)
+            self.reduce_counter.add(t)
             dist.all_reduce(t, op=op, group=self.group)
         return t
 

@@ -49,7 +49,21 @@ def test_layout_matches_lm_eval(n, tp, reference, test_tasks, tmp_path):
     worst, problems = compare_requests(ref, got)
     assert not problems, "\n".join(problems[:20])
     assert len(got) >= 5 * LIMIT  # every task contributed rows
+    gens = [v[2] for k, v in got.items() if k[0] == "gsm8k_local"]
+    assert len(gens) == LIMIT and all(len(g) > 20 for g in gens), gens  # real greedy text was compared
     problems = compare_metrics(reference["results"], str(out), TASKS)
     assert not problems, "\n".join(problems)
     print(f"layout n={n} tp={tp}: {len(got)} requests, max relative |d ll| = {worst:.2e}, "
           f"wall {proc.elapsed:.1f} s")
+
+
+def test_limit_one_on_four_groups(test_tasks, tmp_path):
+    """dp=4 with a single request per task: three DP groups get no work at all and must not hang."""
+    out = tmp_path / "one.h5"
+    proc = run_mpi(4, ["eval", "--model", str(STORIES), "--tasks", "arc_easy_local,wikitext_local",
+                       "--include-path", test_tasks, "--limit", "1", "--bootstrap-iters", "0", "--output", str(out),
+                       "--timeout", "120"], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    got = mpitp_requests(str(out), ["arc_easy_local", "wikitext_local"])
+    assert len([k for k in got if k[0] == "wikitext_local"]) == 1
+    assert len([k for k in got if k[0] == "arc_easy_local"]) == 4  # one question, four choices

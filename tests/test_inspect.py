@@ -1,0 +1,514 @@
+"""``mpitp inspect``: the table, --json, --csv, --requests, --samples, --plot and ``inspect diff``.
+
+Two kinds of input: small synthetic files written through the real :class:`mpitp.results.ResultWriter` (fast, every
+field known), and one real demo evaluation under ``mpiexec`` (session-scoped, shared by every test that needs it).
+Modified copies of the real file drive the ``diff`` tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from conftest import explain, run_mpi  # noqa: E402
+
+from mpitp.inspect import inspect_command, load, plot_run  # noqa: E402
+from mpitp.results import ResultWriter, open_h5  # noqa: E402
+
+DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
+LM_EVAL_KEYS = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples", "config")
+
+
+def invoke(*args):
+    return CliRunner().invoke(inspect_command, [str(a) for a in args], prog_name="mpitp inspect")
+
+
+# ------------------------------------------------------------------------------------------- synthetic files
+
+META = dict(mpitp_version="0.1.0", model="synthetic/model", tokenizer="synthetic/model", dtype="float32",
+            world_size=4, tp=2, dp=2, command="mpitp eval --model synthetic/model", lm_eval_version="0.4.13",
+            config_json=json.dumps({"model": "synthetic/model", "tasks": ["syn_mc", "syn_gen"], "limit": 3}))
+MC_METRICS = {"name": "syn_mc", "sample_len": 3, "acc,none": 2 / 3, "acc_stderr,none": 0.3333,
+              "acc_norm,none": 1 / 3, "acc_norm_stderr,none": 0.25}
+GEN_METRICS = {"name": "syn_gen", "sample_len": 2, "exact_match,strict-match": 0.5,
+               "exact_match_stderr,strict-match": "N/A"}
+STATS = [dict(busy_s=2.0, requests=4, tokens_scored=100, tokens_generated=10, forwards=4, tp_bytes=0, mpi_bytes=0),
+         dict(busy_s=1.0, requests=5, tokens_scored=50, tokens_generated=20, forwards=5, tp_bytes=0, mpi_bytes=0)]
+
+
+def _mc_rows():
+    return [dict(doc_id=d, idx=i, kind="loglikelihood", loglikelihood=-1.0 - d - 0.125 * i, is_greedy=(i == 0),
+                 generation="", n_tokens=3 + i, args_hash=f"mc-{d}-{i}") for d in range(3) for i in range(2)]
+
+
+def _gen_rows():
+    return [dict(doc_id=d, idx=0, kind="generate_until", loglikelihood=float("nan"), is_greedy=False,
+                 generation=f"answer {d}\nsecond line", n_tokens=5, args_hash=f"gen-{d}") for d in range(2)]
+
+
+def make_file(path, complete=True, samples=True):
+    """A two-task run through the real writer; rows appended out of (doc_id, idx) order as chunks would land."""
+    w = ResultWriter(str(path), META)
+    rows = _mc_rows()
+    w.append("syn_mc", rows[3:])
+    w.append("syn_gen", _gen_rows())
+    w.append("syn_mc", rows[:3])
+    if complete:
+        mc_samples = [{"doc_id": d, "doc": {"q": f"question {d}"}, "target": 0, "acc": float(d < 2)}
+                      for d in range(3)]
+        w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=3), MC_METRICS,
+                     samples=mc_samples if samples else None)
+        w.write_task("syn_gen", dict(output_type="generate_until", num_fewshot=2, n_docs=2), GEN_METRICS)
+        w.write_stats(STATS)
+        w.finish({"results": {"syn_mc": {"alias": "syn_mc", **MC_METRICS},
+                              "syn_gen": {"alias": "syn_gen", **GEN_METRICS}},
+                  "configs": {"syn_mc": {"task": "syn_mc"}, "syn_gen": {"task": "syn_gen"}},
+                  "versions": {"syn_mc": 1.0, "syn_gen": 2.0}, "n-shot": {"syn_mc": 0, "syn_gen": 2},
+                  "higher_is_better": {"syn_mc": {"acc": True, "acc_norm": True}, "syn_gen": {"exact_match": True}},
+                  "n-samples": {"syn_mc": {"original": 10, "effective": 3}, "syn_gen": {"original": 9, "effective": 2}},
+                  "config": {"model": "synthetic/model", "limit": 3}}, wall_time_s=10.0)
+    w.close()
+    return str(path)
+
+
+@pytest.fixture
+def syn(tmp_path):
+    return make_file(tmp_path / "syn.h5")
+
+
+@pytest.fixture
+def syn_running(tmp_path):
+    return make_file(tmp_path / "running.h5", complete=False)
+
+
+# --------------------------------------------------------------------------------------------- the real run
+
+
+@pytest.fixture(scope="session")
+def demo_file(tmp_path_factory):
+    """One real ``mpiexec -n 2 mpitp eval --demo`` run (dp 2 x tp 1, samples logged), shared by all tests."""
+    d = tmp_path_factory.mktemp("inspect_demo")
+    out = d / "demo.h5"
+    proc = run_mpi(2, ["eval", "--demo", "--tp", "1", "--limit", "5", "--log-samples", "--output", str(out),
+                       "--overwrite"], timeout=600, cwd=str(d))
+    assert proc.returncode == 0 and out.exists(), explain(proc)
+    os.chmod(out, 0o444)  # tests modify copies only
+    return str(out)
+
+
+def _copy(src, tmp_path, name="copy.h5"):
+    dst = tmp_path / name
+    shutil.copyfile(src, dst)
+    return str(dst)
+
+
+# ------------------------------------------------------------------------------------------------- the table
+
+
+def test_table_synthetic_header_and_metrics(syn):
+    r = invoke(syn)
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "status      complete" in out
+    assert "synthetic/model" in out and "dtype float32" in out
+    assert "world 4 = dp 2 x tp 2" in out
+    assert "wall time   10.0 s" in out
+    # 9 requests and 180 tokens over 10 s; busy 2.0 and 1.0 s: max/mean 1.33
+    assert "0.90 requests/s" in out and "18.0 tokens/s" in out
+    assert "max/mean 1.33" in out
+    lines = {tuple(line.split()[:3]): line for line in out.splitlines() if line.startswith("syn_")}
+    assert ("syn_mc", "acc", "none") in lines and ("syn_mc", "acc_norm", "none") in lines
+    acc = lines[("syn_mc", "acc", "none")].split()
+    assert acc[3:] == ["0.6667", "±", "0.3333", "3"]
+    gen = lines[("syn_gen", "exact_match", "strict-match")].split()
+    assert gen[3:] == ["0.5000", "N/A", "2"]
+    assert not any("sample_len" in line or "_stderr" in line for line in lines.values())
+
+
+def test_table_task_filter(syn):
+    r = invoke(syn, "--task", "syn_gen")
+    assert r.exit_code == 0, r.output
+    assert "exact_match" in r.stdout and "syn_mc" not in r.stdout
+
+
+def test_table_real_run(demo_file):
+    r = invoke(demo_file)
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "status      complete" in out and "world 2 = dp 2 x tp 1" in out
+    assert "requests/s" in out and "tokens/s" in out and "DP groups   2" in out
+    with open_h5(demo_file) as f:
+        res = json.loads(f.attrs["results_json"])["results"]
+    for task in DEMO_TASKS:
+        for key, value in res[task].items():
+            if "," in key and "_stderr" not in key:
+                metric, filt = key.split(",")
+                row = [line.split() for line in out.splitlines() if line.split()[:3] == [task, metric, filt]]
+                assert len(row) == 1, (task, key, out)
+                assert math.isclose(float(row[0][3]), value, rel_tol=1e-3, abs_tol=1e-4), (row, value)
+
+
+def test_running_file(syn_running):
+    r = invoke(syn_running)
+    assert r.exit_code == 0, r.output
+    assert "status      running" in r.stdout and "8 request rows stored so far" in r.stdout
+    assert "(6 requests stored)" in r.stdout and "n/a (run not finished)" in r.stdout
+
+    r = invoke(syn_running, "--json")
+    assert r.exit_code == 1
+    partial = json.loads(r.stdout)
+    assert set(LM_EVAL_KEYS) <= set(partial) and partial["results"] == {}
+    assert partial["config"]["model"] == "synthetic/model"
+    assert "running" in r.stderr and "not written yet" in r.stderr and r.stderr.count("\n") == 1
+
+    r = invoke(syn_running, "--csv")
+    assert r.exit_code == 0
+    assert list(csv.reader(io.StringIO(r.stdout))) == [["task", "metric", "filter", "value", "stderr", "n"]]
+
+
+# ------------------------------------------------------------------------------------------------ json / csv
+
+
+def test_json_matches_results_json(demo_file):
+    r = invoke(demo_file, "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    for key in LM_EVAL_KEYS:
+        assert key in got, key
+    with open_h5(demo_file) as f:
+        assert got == json.loads(f.attrs["results_json"])
+    assert set(got["results"]) == set(DEMO_TASKS)
+
+
+def test_json_task_filter(syn):
+    r = invoke(syn, "--json", "--task", "syn_gen")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert list(got["results"]) == ["syn_gen"] and list(got["n-shot"]) == ["syn_gen"]
+    assert got["config"] == {"model": "synthetic/model", "limit": 3}
+
+
+def _csv_rows(text):
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_csv_synthetic(syn):
+    r = invoke(syn, "--csv")
+    assert r.exit_code == 0, r.output
+    rows = {(x["task"], x["metric"], x["filter"]): x for x in _csv_rows(r.stdout)}
+    assert set(rows) == {("syn_mc", "acc", "none"), ("syn_mc", "acc_norm", "none"),
+                         ("syn_gen", "exact_match", "strict-match")}
+    assert float(rows[("syn_mc", "acc", "none")]["value"]) == 2 / 3  # full precision
+    assert float(rows[("syn_mc", "acc", "none")]["stderr"]) == 0.3333
+    assert rows[("syn_gen", "exact_match", "strict-match")]["stderr"] == ""  # "N/A"
+    assert rows[("syn_mc", "acc", "none")]["n"] == "3"
+
+
+def test_csv_real_run(demo_file):
+    r = invoke(demo_file, "--csv")
+    assert r.exit_code == 0, r.output
+    rows = _csv_rows(r.stdout)
+    with open_h5(demo_file) as f:
+        res = json.loads(f.attrs["results_json"])["results"]
+    assert len(rows) == sum(1 for t in DEMO_TASKS for k in res[t] if "," in k and "_stderr" not in k)
+    for row in rows:
+        assert float(row["value"]) == res[row["task"]][f"{row['metric']},{row['filter']}"]
+
+
+# ---------------------------------------------------------------------------------------- requests / samples
+
+
+def test_requests_sorted_and_limited(syn):
+    r = invoke(syn, "--task", "syn_mc", "--requests")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("task syn_mc: 6 request rows")
+    assert lines[1].split() == ["doc_id", "idx", "kind", "loglikelihood", "is_greedy", "n_tokens", "generation"]
+    body = [line.split() for line in lines[3:]]
+    assert [(int(b[0]), int(b[1])) for b in body] == [(d, i) for d in range(3) for i in range(2)]
+    assert body[1][3] == "-1.125000" and body[0][4] == "yes" and body[1][4] == "no"
+
+    r = invoke(syn, "--task", "syn_mc", "--requests", "--limit", "2")
+    assert r.exit_code == 0 and "first 2 shown" in r.stdout and len(r.stdout.splitlines()) == 3 + 2
+
+
+def test_requests_generation_truncated_and_escaped(syn):
+    r = invoke(syn, "--task", "syn_gen", "--requests")
+    assert r.exit_code == 0, r.output
+    assert "answer 0\\nsecond line" in r.stdout and " - " in r.stdout  # NaN loglikelihood shown as "-"
+
+
+def _json_stream(text):
+    """The JSON documents printed one after another (pretty, so spanning lines)."""
+    dec, pos, docs = json.JSONDecoder(), 0, []
+    while text[pos:].strip():
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+        obj, pos = dec.raw_decode(text, pos)
+        docs.append(obj)
+    return docs
+
+
+def test_samples(syn, demo_file):
+    r = invoke(syn, "--task", "syn_mc", "--samples", "--limit", "2")
+    assert r.exit_code == 0, r.output
+    docs = _json_stream(r.stdout)
+    assert [d["doc_id"] for d in docs] == [0, 1] and docs[1]["doc"] == {"q": "question 1"}
+    assert "2 of 3 samples" in r.stderr
+
+    r = invoke(syn, "--task", "syn_gen", "--samples")
+    assert r.exit_code == 1 and r.stdout == ""
+    assert "no samples stored for task syn_gen" in r.stderr and "--log-samples" in r.stderr
+    assert r.stderr.count("\n") == 1
+
+    r = invoke(demo_file, "--task", "mpitp_demo_mc", "--samples")
+    assert r.exit_code == 0, r.output
+    docs = _json_stream(r.stdout)
+    assert len(docs) == 5 and all("doc" in d and "resps" in d for d in docs)
+    assert sorted(d["doc_id"] for d in docs) == list(range(5))
+
+
+def test_option_errors_are_one_line_exit_2(syn):
+    for args, words in ((["--requests"], "--requests needs --task"),
+                        (["--json", "--csv"], "cannot be combined"),
+                        (["--limit", "3"], "--limit applies"),
+                        (["--task", "nope"], "has no task 'nope' (tasks: syn_gen, syn_mc)")):
+        r = invoke(syn, *args)
+        assert r.exit_code == 2, (args, r.output)
+        assert words in r.stderr and r.stderr.count("\n") == 1 and r.stdout == "", (args, r.stderr)
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+def test_non_hdf5_file(tmp_path):
+    bad = tmp_path / "bad.h5"
+    bad.write_text("this is not HDF5\n")
+    r = invoke(bad)
+    assert r.exit_code == 2
+    assert r.stdout == "" and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"mpitp: error: {bad} is not an mpitp results file (")
+
+
+def test_other_bad_inputs(tmp_path, syn):
+    import h5py
+
+    plain = tmp_path / "plain.h5"
+    with h5py.File(plain, "w") as f:
+        f["x"] = [1, 2]
+    trunc = tmp_path / "trunc.h5"
+    trunc.write_bytes(open(syn, "rb").read()[:4000])
+    for path, words in ((tmp_path / "missing.h5", "no such file"), (plain, "no /tasks group"),
+                        (trunc, "is not an mpitp results file"), (tmp_path, "it is a directory")):
+        r = invoke(path)
+        assert r.exit_code == 2, (path, r.output)
+        assert words in r.stderr and r.stderr.count("\n") == 1, (path, r.stderr)
+    r = invoke("diff", syn, tmp_path / "bad.h5")
+    assert r.exit_code == 2 and "no such file" in r.stderr and r.stderr.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------------ both forms
+
+
+def test_help_shows_both_forms(syn):
+    r = invoke("--help")
+    assert r.exit_code == 0
+    assert "mpitp inspect [OPTIONS] FILE" in r.stdout and "mpitp inspect diff [OPTIONS] A.h5 B.h5" in r.stdout
+    r = invoke("diff", "--help")
+    assert r.exit_code == 0 and "Usage: mpitp inspect diff [OPTIONS] A.h5 B.h5" in r.stdout and "--atol" in r.stdout
+    r = invoke()
+    assert r.exit_code == 2 and "missing FILE" in r.output
+    # options may come before FILE
+    r = invoke("--csv", syn)
+    assert r.exit_code == 0 and r.stdout.startswith("task,metric,filter")
+
+
+# ------------------------------------------------------------------------------------------------------ diff
+
+
+def _edit(path, fn):
+    with open_h5(path, "r+") as f:
+        fn(f)
+
+
+def test_diff_self_is_clean(demo_file):
+    r = invoke("diff", demo_file, demo_file)
+    assert r.exit_code == 0, r.output
+    assert "same within atol=1e-06 rtol=1e-05" in r.stdout
+    for task in DEMO_TASKS:
+        assert task in r.stdout
+
+
+def test_diff_perturbed_loglikelihood(demo_file, tmp_path):
+    b = _copy(demo_file, tmp_path)
+    where = {}
+
+    def bump(f):
+        g = f["tasks/mpitp_demo_mc/requests"]
+        i = g["doc_id"].shape[0] // 2
+        where.update(doc_id=int(g["doc_id"][i]), idx=int(g["idx"][i]))
+        g["loglikelihood"][i] = g["loglikelihood"][i] + 1e-3
+
+    _edit(b, bump)
+    r = invoke("diff", demo_file, b)
+    assert r.exit_code == 1, r.output
+    assert f"mpitp_demo_mc doc_id={where['doc_id']} idx={where['idx']}: loglikelihood" in r.stdout
+    row = [line.split() for line in r.stdout.splitlines() if line.startswith("mpitp_demo_mc ")][0]
+    assert row[3] == "1" and math.isclose(float(row[2]), 1e-3, rel_tol=1e-3)
+    assert "1 request(s), 0 metric(s), 0 task(s)" in r.stdout and "differ" in r.stderr
+    # the same change within a looser tolerance is not a difference
+    assert invoke("diff", demo_file, b, "--atol", "2e-3").exit_code == 0
+
+
+def test_diff_tiny_perturbation_within_tolerance(demo_file, tmp_path):
+    b = _copy(demo_file, tmp_path)
+    _edit(b, lambda f: f["tasks/mpitp_demo_ppl/requests/loglikelihood"].__setitem__(
+        0, f["tasks/mpitp_demo_ppl/requests/loglikelihood"][0] + 1e-9))
+    r = invoke("diff", demo_file, b)
+    assert r.exit_code == 0, r.output
+
+
+def test_diff_shuffled_rows_are_same(demo_file, tmp_path):
+    b = _copy(demo_file, tmp_path)
+    rng = np.random.default_rng(0)
+
+    def shuffle(f):
+        for task in DEMO_TASKS:
+            g = f[f"tasks/{task}/requests"]
+            n = g["doc_id"].shape[0]
+            perm = rng.permutation(n)
+            while n > 1 and (perm == np.arange(n)).all():
+                perm = rng.permutation(n)
+            for name in g:
+                g[name][...] = g[name][()][perm]
+
+    _edit(b, shuffle)
+    with open_h5(demo_file) as fa, open_h5(b) as fb:
+        assert not np.array_equal(fa["tasks/mpitp_demo_mc/requests/doc_id"][()] * 100 +
+                                  fa["tasks/mpitp_demo_mc/requests/idx"][()],
+                                  fb["tasks/mpitp_demo_mc/requests/doc_id"][()] * 100 +
+                                  fb["tasks/mpitp_demo_mc/requests/idx"][()])
+    r = invoke("diff", demo_file, b)
+    assert r.exit_code == 0, r.output
+
+
+def test_diff_missing_task(demo_file, tmp_path):
+    b = _copy(demo_file, tmp_path)
+    _edit(b, lambda f: f.__delitem__("tasks/mpitp_demo_gen"))
+    r = invoke("diff", demo_file, b)
+    assert r.exit_code == 1, r.output
+    assert "task mpitp_demo_gen: only in A" in r.stdout
+    r = invoke("diff", b, demo_file)
+    assert r.exit_code == 1 and "task mpitp_demo_gen: only in B" in r.stdout
+
+
+def test_diff_missing_row_generation_greedy_and_metric(syn, tmp_path):
+    def drop_last(f):
+        for name, ds in f["tasks/syn_mc/requests"].items():
+            ds.resize((ds.shape[0] - 1,))
+
+    cases = {
+        "drop": (drop_last, "only in A"),
+        "gen": (lambda f: f["tasks/syn_gen/requests/generation"].__setitem__(1, "other"), 'generation "answer 1'),
+        "greedy": (lambda f: f["tasks/syn_mc/requests/is_greedy"].__setitem__(0, True), "is_greedy"),
+        "metric": (lambda f: f["tasks/syn_mc/metrics"].attrs.__setitem__("acc,none", 0.5), "metric acc,none"),
+    }
+    for name, (fn, words) in cases.items():
+        b = _copy(syn, tmp_path, f"{name}.h5")
+        _edit(b, fn)
+        r = invoke("diff", syn, b)
+        assert r.exit_code == 1, (name, r.output)
+        assert words in r.stdout, (name, r.stdout)
+
+
+def test_diff_synthetic_self_and_nan_generations(syn, tmp_path):
+    b = make_file(tmp_path / "again.h5")
+    r = invoke("diff", syn, b)
+    assert r.exit_code == 0, r.output
+    assert "same within" in r.stdout and "8 requests in 2 task(s)" in r.stdout
+
+
+# ------------------------------------------------------------------------------------------------------ plot
+
+
+def test_plot_without_matplotlib(syn, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    out = tmp_path / "p.png"
+    r = invoke(syn, "--plot", out)
+    assert r.exit_code == 2
+    assert "install mpitp[plot] for --plot" in r.stderr and r.stderr.count("\n") == 1
+    assert r.stdout == "" and not out.exists()
+
+
+class _Recorder:
+    """Stands in for matplotlib's Figure/Axes: records calls so plot_run's own logic runs without matplotlib."""
+
+    def __init__(self, log, name):
+        self._log, self._name = log, name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def call(*args, **kwargs):
+            self._log.append((self._name, attr, args, kwargs))
+            if attr == "subplots":
+                nrows, ncols = args
+                return np.array([[_Recorder(self._log, f"ax{r * ncols + c}") for c in range(ncols)]
+                                 for r in range(nrows)], dtype=object)
+            return _Recorder(self._log, f"{self._name}.{attr}")
+        return call
+
+
+def test_plot_logic_with_recording_figure(syn, syn_running, tmp_path):
+    log = []
+
+    def Figure(**kwargs):
+        log.append(("fig", "__init__", (), kwargs))
+        return _Recorder(log, "fig")
+
+    out = str(tmp_path / "p.png")
+    plot_run(load(syn), out, Figure=Figure)
+    calls = {(who, what): (a, k) for who, what, a, k in log}
+    assert calls[("fig", "__init__")][1]["layout"] == "constrained"
+    assert calls[("fig", "subplots")][0] == (2, 3) and calls[("fig", "subplots")][1] == {"squeeze": False}
+    assert calls[("fig", "savefig")][0] == (out,)
+    # three metric panels (tasks and metric attributes come back from HDF5 in name order) and the DP busy panel
+    titles = [a[0] for who, what, a, k in log if what == "set_title"]
+    assert titles[:3] == ["exact_match [strict-match]", "acc", "acc_norm"]
+    assert titles[3] == "busy per DP group (max/mean 1.33)"
+    errorbars = [(who, a, k) for who, what, a, k in log if what == "errorbar"]
+    assert [e[0] for e in errorbars] == ["ax1", "ax2"]  # exact_match's stderr is N/A: no error bar
+    assert errorbars[0][2]["yerr"].tolist() == [0.3333] and errorbars[0][2]["fmt"] == "none"
+    assert [a[1] for who, what, a, k in log if who == "ax1" and what == "set_xticks"] == [["syn_mc"]]
+    busy = [a for who, what, a, k in log if who == "ax3" and what == "bar"][0]
+    assert busy[1].tolist() == [2.0, 1.0]
+    assert [a for who, what, a, k in log if who == "ax3" and what == "axhline"][0] == (1.5,)
+    assert [who for who, what, a, k in log if what == "set_axis_off"] == ["ax4", "ax5"]  # unused grid cells
+
+    log.clear()
+    plot_run(load(syn_running), out, Figure=Figure)  # no metrics, no /stats: one panel with a note
+    assert [(who, what) for who, what, a, k in log if what in ("text", "set_axis_off")] == \
+        [("ax0", "text"), ("ax0", "set_axis_off")]
+
+
+def test_plot_with_matplotlib(syn, demo_file, tmp_path):
+    pytest.importorskip("matplotlib")
+    for src in (syn, demo_file):
+        out = tmp_path / f"{os.path.basename(src)}.png"
+        r = invoke(src, "--plot", out)
+        assert r.exit_code == 0, r.output
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "wrote" in r.stderr
