@@ -23,9 +23,9 @@ import os
 from dataclasses import dataclass, field
 
 import click
-import numpy as np
 
-from .results import REQUEST_FIELDS, STATS_FIELDS, open_h5
+# numpy and h5py (through mpitp.results) are imported inside the functions that use them, so that registering
+# this command costs ``mpitp --help`` nothing.
 
 BAD_INPUT_EXIT = 2
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -61,6 +61,8 @@ class Negative(click.ClickException):
 
 def _py(v):
     """HDF5 attribute value -> plain Python."""
+    import numpy as np
+
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
     if isinstance(v, np.generic):
@@ -121,6 +123,9 @@ class RunFile:
 
 def load(path: str) -> RunFile:
     """Read the summary of ``path``; any failure is a one-line :class:`BadInput`."""
+    import numpy as np
+    from .results import STATS_FIELDS, open_h5
+
     _check_path(path)
     try:
         with open_h5(path) as f:
@@ -161,6 +166,9 @@ def load(path: str) -> RunFile:
 def load_requests(path: str, task: str) -> dict[str, np.ndarray]:
     """The request rows of ``task`` sorted by (doc_id, idx), strings decoded (as :func:`results.read_requests`,
     but a damaged file gives a one-line error)."""
+    import numpy as np
+    from .results import REQUEST_FIELDS, open_h5
+
     try:
         with open_h5(path) as f:
             g = f[f"tasks/{task}/requests"]
@@ -180,6 +188,8 @@ def load_requests(path: str, task: str) -> dict[str, np.ndarray]:
 
 
 def load_samples(path: str, task: str) -> list[str] | None:
+    from .results import open_h5
+
     try:
         with open_h5(path) as f:
             g = f[f"tasks/{task}"]
@@ -269,6 +279,9 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozense
 
 
 def _stats_totals(run: RunFile) -> dict | None:
+    import numpy as np
+    from .results import STATS_FIELDS
+
     if not run.stats or "busy_s" not in run.stats:
         return None
     s = run.stats
@@ -416,6 +429,8 @@ def plot_run(run: RunFile, out: str, task: str | None = None, Figure=None) -> No
     Uses the object-oriented API (:class:`matplotlib.figure.Figure`, no pyplot): no global figure state and no
     interactive backend is touched.
     """
+    import numpy as np
+
     Figure = Figure or _figure_class()
     panels: dict[tuple[str, str], list[MetricRow]] = {}
     for r in metric_rows(run, task):
@@ -485,6 +500,8 @@ class TaskDiff:
 
 
 def _close(a: float, b: float, atol: float, rtol: float) -> bool:
+    import numpy as np
+
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return bool(np.isclose(a, b, atol=atol, rtol=rtol, equal_nan=True))

@@ -1,0 +1,76 @@
+"""``mpitp.evaluate``: lm-eval numbers for a live, already-sharded model, from inside a running MPI job.
+
+For a training or analysis script that already runs under ``mpirun`` and holds a TP-sharded transformers model:
+no checkpoint, no reload. It runs the very code path of ``mpitp eval`` (:func:`mpitp.run.evaluate_loaded`) and
+leaves the caller's world as it found it: the model back in its previous train/eval mode, no process group
+destroyed, no message left in flight (a barrier with the timeout closes it), autograd off only inside.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import comm as mpicomm
+from .comm import DEFAULT_TIMEOUT
+
+
+def _infer_tp(model) -> tuple[int, object]:
+    """TP degree and torch group of a model sharded by transformers (its own default world), else (1, None)."""
+    import torch.distributed as dist
+
+    tp = int(getattr(model, "tp_size", None) or 1)
+    if tp > 1:
+        return tp, None
+    if dist.is_available() and dist.is_initialized() and getattr(model, "_device_mesh", None) is not None:
+        return dist.get_world_size(), None
+    return 1, None
+
+
+def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int = 1, limit=None,
+             num_fewshot: int | None = None, include_path=None, output: str | None = None,
+             timeout: float = DEFAULT_TIMEOUT, max_length: int | None = None, device: str | None = None,
+             overwrite: bool = True, **lm_eval_kwargs) -> dict | None:
+    """Evaluate ``model`` (already on this rank, TP-sharded or whole) on lm-eval ``tasks``. Collective.
+
+    Every rank of ``comm`` (default COMM_WORLD) must call it with the same arguments. ``layout`` defaults to one
+    inferred from the model's TP process group (tp=1 when it has none). Returns lm-eval's results dict on global
+    rank 0 and None elsewhere; writes HDF5 only when ``output`` is given (replacing it unless ``overwrite=False``).
+    Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...).
+    """
+    import torch
+
+    from .layout import make_layout
+    from .run import EvalConfig, evaluate_loaded
+    from .runtime import Runtime
+    from .tpgroup import TPGroup, backend_for
+    from .world import world_from_comm
+
+    if layout is None:
+        world = world_from_comm(comm)
+        tp, group = _infer_tp(model)
+        layout = make_layout(world, tp)
+    else:
+        group = None
+    dev = device or str(next(model.parameters()).device)
+    rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,
+                 tp_group=TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend_for(dev), device=dev,
+                                  group=group))
+    cfg_fields = {k: lm_eval_kwargs.pop(k) for k in ("gen_kwargs", "apply_chat_template", "log_samples",
+                                                       "bootstrap_iters", "seed") if k in lm_eval_kwargs}
+    cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__),
+                     tokenizer=getattr(tokenizer, "name_or_path", tokenizer),
+                     tasks=[tasks] if isinstance(tasks, str) else list(tasks), batch_size=batch_size, limit=limit,
+                     num_fewshot=num_fewshot, include_path=include_path, output=output, max_length=max_length,
+                     overwrite=overwrite, **cfg_fields)
+    if output and os.path.exists(output) and not overwrite:
+        from .errors import UsageError
+
+        raise UsageError(f"output {output} already exists (pass overwrite=True)", collective=True)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
+    finally:
+        model.train(was_training)
+        mpicomm.barrier(layout.world.comm, timeout, phase="end of mpitp.evaluate")
