@@ -144,9 +144,10 @@ def bcast_obj(obj, comm: MPI.Comm, root: int = 0, timeout: float | None = DEFAUL
 class PendingSend:
     """Non-blocking framed send: keeps its buffers alive until every part has been delivered."""
 
-    def __init__(self, requests: list, keep: list):
+    def __init__(self, requests: list, keep: list, nbytes: int = 0):
         self.requests = requests
         self._keep = keep
+        self.nbytes = nbytes
 
     def done(self) -> bool:
         return MPI.Request.Testall(self.requests)
@@ -174,7 +175,7 @@ def isend_obj(obj, dest: int, tag: int, comm: MPI.Comm) -> PendingSend:
     for view, n in zip(views, sizes):
         for part in _chunks(view, n):
             reqs.append(comm.Isend(part, dest=dest, tag=tag))
-    return PendingSend(reqs, keep)
+    return PendingSend(reqs, keep, nbytes=int(head.nbytes) + sum(sizes))
 
 
 def send_obj(obj, dest: int, tag: int, comm: MPI.Comm, timeout: float | None = DEFAULT_TIMEOUT,

@@ -77,7 +77,13 @@ class Dispatcher:
 
     def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
         """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land."""
-        chunks = make_chunks(kind, items, weights, self.n_groups, self.per_group)
+        per_group = self.per_group
+        seed = os.environ.get("MPITP_TEST_CHUNK_SEED")  # test-only: random chunk sizes for stress tests
+        if seed:
+            import random
+
+            per_group = random.Random(f"{seed}:{kind}:{len(items)}").randint(1, 16)
+        chunks = make_chunks(kind, items, weights, self.n_groups, per_group)
         results: list = [None] * len(items)
         queue = deque(chunks)
         outstanding = 0
@@ -98,7 +104,9 @@ class Dispatcher:
             if not queue:
                 return False
             c = queue.popleft()
-            sends.append(mpicomm.isend_obj(("work", c.kind, c.cid, c.items), dest, TAG_WORK, self.comm))
+            pending = mpicomm.isend_obj(("work", c.kind, c.cid, c.items), dest, TAG_WORK, self.comm)
+            self.stats.mpi_bytes += pending.nbytes
+            sends.append(pending)
             outstanding += 1
             return True
 
@@ -138,7 +146,7 @@ class Dispatcher:
             mpicomm.send_obj(("stop",), dest, TAG_WORK, self.comm)
 
 
-def serve_remote(layout, compute, timeout: float) -> None:
+def serve_remote(layout, compute, timeout: float, stats=None) -> None:
     """A remote DP leader's loop: take chunks from rank 0, compute them, send results, until told to stop."""
     comm = layout.dp_leader_comm
     pending = None
@@ -152,5 +160,7 @@ def serve_remote(layout, compute, timeout: float) -> None:
         if pending is not None:
             pending.wait(timeout, "returning results to rank 0")
         pending = mpicomm.isend_obj(("result", cid, result), 0, TAG_RESULT, comm)
+        if stats is not None:
+            stats.mpi_bytes += pending.nbytes
     if pending is not None:
         pending.wait(timeout, "returning results to rank 0")

@@ -9,13 +9,17 @@ Workers keep their own KV-cache shards in step during generation, so each decode
 from __future__ import annotations
 
 import contextlib
-import time
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from . import comm as mpicomm
 from .scoring import CommCounter, TPOps, VocabParallelHead
+
+log = logging.getLogger("mpitp")
+_OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (RuntimeError,)
 
 OP_SCORE = "score"
 OP_GEN_BEGIN = "gen_begin"
@@ -94,16 +98,29 @@ class TPEngine:
         """
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         out: list = [None] * len(rows)
-        for start in range(0, len(order), batch_size):
+        start = 0
+        while start < len(order):
             idx = order[start : start + batch_size]
-            results = self._score_batch([rows[i] for i in idx])
+            try:
+                results = self._score_batch([rows[i] for i in idx])
+            except _OOM as exc:
+                if len(idx) == 1 or self.has_workers:
+                    # With TP workers a one-sided retry would desynchronise the group's collectives.
+                    raise
+                batch_size = max(1, len(idx) // 2)
+                log.warning("out of memory on a batch of %d rows (%s); retrying with batch size %d",
+                            len(idx), str(exc).splitlines()[0][:120], batch_size)
+                _free_cache(self.device)
+                continue
             for i, r in zip(idx, results):
                 out[i] = r
+            start += len(idx)
             if tick is not None:
                 tick()
         return out
 
     def _score_batch(self, rows) -> list[tuple[float, bool, int]]:
+        _test_oom(len(rows))
         inps = [r[0][:-1] for r in rows]
         width = max(len(x) for x in inps)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -151,6 +168,7 @@ class TPEngine:
         if self.has_workers:
             self._control({"op": OP_GEN_BEGIN, "greedy": greedy})
         restore_head = self._swap_head() if greedy else None
+        scoring_counter, self.ops.reduce_counter = self.ops.reduce_counter, CommCounter()  # argmax != scoring
         patched = "forward" in vars(model)
         original = model.forward
         sent: dict[str, torch.Tensor] = {}
@@ -192,6 +210,7 @@ class TPEngine:
                 self._control({"op": OP_GEN_END})
             if restore_head is not None:
                 restore_head()
+            self.ops.reduce_counter = scoring_counter
 
     def _swap_head(self):
         """Replace the model's output embedding by :class:`_GreedyHead`; returns the undo."""
@@ -234,12 +253,14 @@ class TPEngine:
         while True:
             msg = self._control(phase="TP worker waiting for its leader")
             op = msg["op"]
+            _test_raise(self.layout, self.stats.forwards)
             if op == OP_SCORE:
                 packed = torch.empty(msg["b"] * msg["t"] + 2 * msg["n"], dtype=torch.long, device=self.device)
                 self.ops.broadcast(packed, src=0)
                 self._score_local(packed, msg["b"], msg["t"], msg["n"])
             elif op == OP_GEN_BEGIN:
                 self._cache, self._sent = None, {}
+                scoring_counter, self.ops.reduce_counter = self.ops.reduce_counter, CommCounter()
                 self._restore_head = self._swap_head() if msg.get("greedy") else None
             elif op == OP_GEN_FORWARD:
                 self._worker_gen_forward(msg)
@@ -248,6 +269,7 @@ class TPEngine:
                 if self._restore_head is not None:
                     self._restore_head()
                     self._restore_head = None
+                self.ops.reduce_counter = scoring_counter
             elif op == OP_STOP:
                 return
             else:  # pragma: no cover - protocol bug
@@ -285,3 +307,24 @@ class _GreedyHead(torch.nn.Module):
         logits = torch.full((hidden.shape[0], 1, self.head.vocab_size), float("-inf"), device=hidden.device)
         logits[torch.arange(hidden.shape[0], device=hidden.device), 0, ids] = 0.0
         return logits
+
+
+def _free_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _test_oom(rows: int) -> None:
+    """Test-only: ``MPITP_TEST_OOM_ABOVE=N`` makes any batch of more than N rows fail as out of memory."""
+    limit = os.environ.get("MPITP_TEST_OOM_ABOVE")
+    if limit and rows > int(limit):
+        raise _OOM[0](f"test hook: simulated out of memory for {rows} rows")
+
+
+def _test_raise(layout, forwards: int) -> None:
+    """Test-only: ``MPITP_TEST_RAISE=<global rank>:<forwards>`` raises on that TP worker after that many forwards."""
+    spec = os.environ.get("MPITP_TEST_RAISE")
+    if spec:
+        rank, after = (int(x) for x in spec.split(":"))
+        if layout.rank == rank and forwards >= after:
+            raise RuntimeError(f"test hook: injected failure on rank {rank} after {forwards} forwards")

@@ -13,7 +13,8 @@ Schema (stable; extend, don't break):
   str, ``n_tokens`` int32, ``args_hash`` str (the resume key with task, doc_id and idx). Rows are appended as chunks
   complete, so their order is completion order; sort by (doc_id, idx) to compare.
 - ``/stats``: one row per DP group: ``dp_rank``, ``busy_s``, ``requests``, ``tokens_scored``, ``tokens_generated``,
-  ``forwards``, ``tp_bytes``, ``mpi_bytes``.
+  ``forwards``, ``tp_bytes`` (all TP traffic this group's leader sent), ``tp_score_bytes`` (the scoring reductions
+  alone), ``mpi_bytes`` (work and results between DP groups).
 - ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
 
 Files are opened with HDF5 file locking off by default: lock failures on Lustre and NFS are a common h5py failure
@@ -40,7 +41,8 @@ REQUEST_FIELDS = {
     "n_tokens": np.int32,
     "args_hash": STR,
 }
-STATS_FIELDS = ("busy_s", "requests", "tokens_scored", "tokens_generated", "forwards", "tp_bytes", "mpi_bytes")
+STATS_FIELDS = ("busy_s", "requests", "tokens_scored", "tokens_generated", "forwards", "tp_bytes", "tp_score_bytes",
+                "mpi_bytes")
 
 
 def _locking() -> bool:

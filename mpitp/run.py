@@ -124,12 +124,18 @@ def check_output(cfg: EvalConfig) -> str:
             check_resumable(out, cfg)
     elif cfg.resume:
         log.info("--resume: %s does not exist yet, starting a new run", out)
-    d = os.path.dirname(os.path.abspath(out))
-    probe_dir = d
+    probe_dir = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(probe_dir):
         probe_dir = os.path.dirname(probe_dir)
-    if not os.access(probe_dir, os.W_OK):
-        raise UsageError(f"cannot write output {out}: {probe_dir} is not writable")
+    if not os.path.isdir(probe_dir):
+        raise UsageError(f"cannot write output {out}: {probe_dir} is not a directory")
+    try:  # os.access says yes to root on read-only mounts: try for real
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".mpitp-probe-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write output {out}: {probe_dir}: {exc.strerror or exc}") from None
     return out
 
 
@@ -280,7 +286,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
                 tm = task_manager or task_manager_for(cfg)
                 state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
             else:
-                serve_remote(lay, lm.compute, rt.timeout)
+                serve_remote(lay, lm.compute, rt.timeout, stats)
         finally:
             engine.stop()
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,

@@ -1,0 +1,141 @@
+"""One process of a benchmark run: times the evaluation inside the process and reports peak RSS.
+
+    mpiexec -n N python bench/_driver.py mpitp [--no-cache] -- eval --model M --tasks T ...   (mpitp's own CLI)
+    [torchrun --nproc-per-node N] python bench/_driver.py lmeval '<json spec>'                (lm-eval's HFLM)
+
+Both modes import the heavy libraries (torch, transformers, lm_eval and its HF model, and mpi4py/mpitp for mpitp)
+*before* the clock starts, then time exactly one call: ``mpitp.cli.main(argv)`` (checks, TP world, sharded model
+load, lm-eval on rank 0 with dispatch, HDF5 file) or ``TaskManager(...)`` + ``lm_eval.simple_evaluate(model="hf",
+...)`` (model load, the same tasks, lm-eval's own batching). Each rank then prints one line::
+
+    BENCHRESULT {"rank": r, "time_s": ..., "maxrss_kb": ..., ...}
+
+``--no-cache`` / ``"no_cache": true`` makes every ``generate`` call of lm-eval's ``HFLM._model_generate`` run with
+``use_cache=False`` (lm-eval hard-codes ``use_cache=True`` there, so ``--gen-kwargs use_cache=False`` cannot work:
+it raises "got multiple values for keyword argument 'use_cache'"). mpitp's ``MPITPLM._model_generate`` calls that
+same method, so the patch reaches both, and it leaves the kwargs mpitp inspects (``plain_greedy``) untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+
+def _maxrss_kb() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kB
+
+
+def _patch_no_cache() -> None:
+    from lm_eval.models.huggingface import HFLM
+
+    original = HFLM._model_generate
+
+    def no_cache_model_generate(self, context, max_length, stop, **generation_kwargs):
+        model = self.model
+        generate = model.generate
+
+        def generate_without_cache(*args, **kwargs):
+            kwargs["use_cache"] = False
+            return generate(*args, **kwargs)
+
+        model.generate = generate_without_cache
+        try:
+            return original(self, context, max_length, stop, **generation_kwargs)
+        finally:
+            del model.generate
+
+    HFLM._model_generate = no_cache_model_generate
+
+
+def _emit(payload: dict) -> None:
+    payload["maxrss_kb"] = _maxrss_kb()
+    sys.stdout.write("BENCHRESULT " + json.dumps(payload, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def run_mpitp(argv: list[str]) -> None:
+    no_cache = False
+    while argv and argv[0] != "--":
+        if argv[0] == "--no-cache":
+            no_cache = True
+        argv = argv[1:]
+    argv = argv[1:]
+    import lm_eval  # noqa: F401
+    import lm_eval.evaluator  # noqa: F401
+    import lm_eval.models.huggingface  # noqa: F401
+    import lm_eval.tasks  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from mpi4py import MPI
+
+    import mpitp.cli
+    import mpitp.run
+
+    if no_cache:
+        _patch_no_cache()
+    captured: dict = {}
+    finish = mpitp.run._finish_root
+
+    def finish_root(state, all_stats, wall):
+        captured["stats"] = all_stats
+        captured["mpitp_wall_s"] = wall
+        return finish(state, all_stats, wall)
+
+    mpitp.run._finish_root = finish_root
+    t0 = time.perf_counter()
+    mpitp.cli.main(argv)
+    dt = time.perf_counter() - t0
+    _emit(dict(rank=MPI.COMM_WORLD.Get_rank(), time_s=dt, **captured))
+
+
+def run_lmeval(spec: dict) -> None:
+    import lm_eval
+    import lm_eval.evaluator  # noqa: F401
+    import lm_eval.models.huggingface  # noqa: F401
+    import torch
+    import transformers  # noqa: F401
+    from lm_eval.tasks import TaskManager
+
+    torch.set_num_threads(1)
+    if spec.get("no_cache"):
+        _patch_no_cache()
+    rank = int(os.environ.get("RANK", "0"))
+    t0 = time.perf_counter()
+    tm = TaskManager(include_path=spec["include_path"], include_defaults=False, verbosity="ERROR")
+    res = lm_eval.simple_evaluate(model="hf", model_args=spec["model_args"], tasks=spec["tasks"],
+                                  batch_size=spec["batch_size"], limit=spec["limit"], gen_kwargs=spec["gen_kwargs"],
+                                  task_manager=tm, log_samples=spec.get("log_samples", False))
+    dt = time.perf_counter() - t0
+    out = dict(rank=rank, time_s=dt)
+    if res:
+        out["results"] = res.get("results")
+        if spec.get("log_samples"):
+            gens = []
+            for samples in res.get("samples", {}).values():
+                for s in samples:
+                    for r in s.get("resps", []):
+                        if r and isinstance(r[0], str):
+                            gens.append(r[0])
+            out["generations"] = gens
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    _emit(out)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode == "mpitp":
+        run_mpitp(sys.argv[2:])
+    elif mode == "lmeval":
+        run_lmeval(json.loads(sys.argv[2]))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
