@@ -205,7 +205,7 @@ def run_lm_eval(model: str, tasks: str, *, batch_size: int = 1, limit=None, npro
                 gen_kwargs: str | None = None, no_cache: bool = False, log_samples: bool = False,
                 timeout: float = 900, label: str | None = None) -> dict:
     """lm-eval's HF model: one process, or ``torchrun --nproc-per-node N`` with ``tp_plan=auto``."""
-    model_args = f"pretrained={model},dtype=float32" + (",tp_plan=auto" if tp_plan else "")
+    model_args = f"pretrained={model},dtype=float32" + (",tp_plan=auto" if tp_plan else ",device=cpu")
     spec = dict(model_args=model_args, tasks=tasks.split(","), include_path=include_path(), batch_size=batch_size,
                 limit=limit, gen_kwargs=gen_kwargs, no_cache=no_cache, log_samples=log_samples)
     if nproc > 1:

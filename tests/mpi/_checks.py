@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 from mpi4py import MPI
 
@@ -69,9 +67,3 @@ def same(a, b, path="obj") -> str | None:
                 return f"{path}: tensor contents differ"
             return None
     return None if a == b else f"{path}: {a!r} != {b!r}"
-
-
-def fail_exit(msg: str) -> None:
-    sys.stderr.write(f"[rank {RANK}] {msg}\n")
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(1)

@@ -16,8 +16,9 @@ import torch
 from mpi4py import MPI
 
 import mpitp.comm as mc
-from mpitp.errors import install_excepthook
+from mpitp.errors import UsageError, install_excepthook
 from mpitp.layout import make_layout
+from mpitp.runtime import agree
 from mpitp.world import world_from_comm
 
 from _checks import Checks, same, say
@@ -215,6 +216,21 @@ def main():
         check("needs 1 items, got 2" in str(exc), f"scatter_obj count message: {exc}")
     else:
         check(False, "scatter_obj with the wrong item count must raise ValueError")
+
+    # runtime.agree: rank 0's verdict (a value or a UsageError) reaches every rank, on any communicator.
+    for name, comm, _ in comms:
+        got = agree(lambda: {"checked_by": WORLD.Get_rank(), "on": name}, comm, timeout=T, phase=f"agree {name}")
+        expect_same(got, {"checked_by": world_ranks(comm)[0], "on": name}, f"agree ok on {name}")
+
+        def refuse():
+            raise UsageError(f"refused on {name}")
+
+        try:
+            agree(refuse, comm, timeout=T, phase=f"agree {name}")
+        except UsageError as exc:
+            check(str(exc) == f"refused on {name}" and exc.collective, f"agree usage error on {name}: {exc!r}")
+        else:
+            check(False, f"agree on {name}: the UsageError must reach every rank")
 
     total = WORLD.allreduce(check.count)
     say(f"OK collectives: {SIZE} ranks, {total} checks, {time.monotonic() - t0:.1f} s")
