@@ -166,25 +166,13 @@ def load(path: str) -> RunFile:
 def load_requests(path: str, task: str) -> dict[str, np.ndarray]:
     """The request rows of ``task`` sorted by (doc_id, idx), strings decoded (as :func:`results.read_requests`,
     but a damaged file gives a one-line error)."""
-    import numpy as np
-    from .results import REQUEST_FIELDS, open_h5
+    from .results import read_requests
 
     try:
-        with open_h5(path) as f:
-            g = f[f"tasks/{task}/requests"]
-            cols = {}
-            for name in REQUEST_FIELDS:
-                a = g[name][()]
-                if a.dtype == object:
-                    a = np.array([x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in a],
-                                 dtype=object)
-                cols[name] = a
+        cols = read_requests(path, task)
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise _not_mpitp(path, f"requests of task {task}: {_one_line(exc)}") from None
-    if len({len(v) for v in cols.values()}) > 1:
-        raise _not_mpitp(path, f"requests of task {task}: columns of different lengths")
-    order = np.lexsort((cols["idx"], cols["doc_id"]))
-    return {k: v[order] for k, v in cols.items()}
+    return cols
 
 
 def load_samples(path: str, task: str) -> list[str] | None:

@@ -186,8 +186,11 @@ def read_requests(path: str, task: str) -> dict[str, np.ndarray]:
         for name in REQUEST_FIELDS:
             a = g[name][()]
             if a.dtype == object:
-                a = np.array([x.decode() if isinstance(x, bytes) else x for x in a], dtype=object)
+                a = np.array([x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in a],
+                             dtype=object)
             cols[name] = a
+    if len({len(v) for v in cols.values()}) > 1:
+        raise ValueError(f"requests of task {task}: columns of different lengths")
     order = np.lexsort((cols["idx"], cols["doc_id"]))
     return {k: v[order] for k, v in cols.items()}
 
