@@ -65,6 +65,7 @@ class TPEngine:
         self.ops = TPOps(size=tp_size, group=group, counter=self.stats.tp, reduce_counter=self.stats.tp_score)
         self.head = VocabParallelHead.from_model(model, self.ops)
         self._cache = None
+        self._buf: torch.Tensor | None = None
         self._sent: dict[str, torch.Tensor] = {}
         self._restore_head = None
 
@@ -90,6 +91,16 @@ class TPEngine:
         return out
 
     # ------------------------------------------------------------------ scoring
+    def _buffer(self, n: int) -> torch.Tensor:
+        """A view of ``n`` elements of one persistent int64 buffer grown in powers of two.
+
+        Every batch has another size; allocating a fresh tensor per message fragments a GPU caching allocator (one
+        of Fast-LLM's reported problems). Leader and workers size their buffers the same way.
+        """
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(1 << max(10, (n - 1).bit_length()), dtype=torch.long, device=self.device)
+        return self._buf[:n]
+
     def score_rows(self, rows: list[tuple[list[int], int]], batch_size: int, tick=None) -> list[tuple[float, bool, int]]:
         """Score token rows ``(input_tokens_plus_last_target, n_targets)`` -> ``(sum log p, all greedy, n)``.
 
@@ -131,8 +142,9 @@ class TPEngine:
             sel.extend(b * width + p for p in range(inplen - n, inplen))
             tgt.extend(toks[-n:])
             owner.extend([b] * n)
-        packed = torch.cat([ids.flatten(), torch.tensor(sel, dtype=torch.long), torch.tensor(tgt, dtype=torch.long)])
-        packed = packed.to(self.device)
+        flat = torch.cat([ids.flatten(), torch.tensor(sel, dtype=torch.long), torch.tensor(tgt, dtype=torch.long)])
+        packed = self._buffer(flat.numel())
+        packed.copy_(flat)
         if self.has_workers:
             self._control({"op": OP_SCORE, "b": len(rows), "t": width, "n": len(sel)})
             self.ops.broadcast(packed, src=0)
@@ -255,7 +267,7 @@ class TPEngine:
             op = msg["op"]
             _test_raise(self.layout, self.stats.forwards)
             if op == OP_SCORE:
-                packed = torch.empty(msg["b"] * msg["t"] + 2 * msg["n"], dtype=torch.long, device=self.device)
+                packed = self._buffer(msg["b"] * msg["t"] + 2 * msg["n"])
                 self.ops.broadcast(packed, src=0)
                 self._score_local(packed, msg["b"], msg["t"], msg["n"])
             elif op == OP_GEN_BEGIN:

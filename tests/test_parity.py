@@ -67,3 +67,29 @@ def test_limit_one_on_four_groups(test_tasks, tmp_path):
     got = mpitp_requests(str(out), ["arc_easy_local", "wikitext_local"])
     assert len([k for k in got if k[0] == "wikitext_local"]) == 1
     assert len([k for k in got if k[0] == "arc_easy_local"]) == 4  # one question, four choices
+
+
+DEMO_TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]
+
+
+def test_odd_vocabulary_tp4_matches_lm_eval(tmp_path):
+    """The demo model's vocabulary (509) does not divide by 4: uneven vocabulary shards, same numbers."""
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    from mpitp.demo import demo_tasks_dir, prepare_demo
+
+    model_dir, include, _ = prepare_demo(str(tmp_path / "cache"))
+    torch.set_num_threads(2)
+    ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32,max_length=64",
+                                  tasks=DEMO_TASKS, limit=6, batch_size=2, device="cpu", log_samples=True,
+                                  bootstrap_iters=0, task_manager=TaskManager(include_path=demo_tasks_dir()))
+    out = tmp_path / "demo.h5"
+    proc = run_mpi(4, ["eval", "--model", model_dir, "--tasks", ",".join(DEMO_TASKS), "--include-path", include,
+                       "--limit", "6", "--batch-size", "2", "--max-length", "64", "--bootstrap-iters", "0",
+                       "--tp", "4", "--output", str(out)])
+    assert proc.returncode == 0, explain(proc)
+    worst, problems = compare_requests(reference_requests(ref["samples"]), mpitp_requests(str(out), DEMO_TASKS))
+    assert not problems, "\n".join(problems[:20])
+    assert not compare_metrics(ref["results"], str(out), DEMO_TASKS)

@@ -1,0 +1,66 @@
+"""Rolling loglikelihood with tp=2: mpitp on 2 MPI ranks vs lm-eval's HFLM with ``tp_plan=auto`` on 2 torchrun ranks.
+
+    python bench/bench_rolling_tp2.py [--limit 2] [--reps 2] [--batch-size 1]
+
+Task ``wikitext_local`` (WikiText-2 test documents, lm-eval's disjoint rolling windows of max_length = 1024 tokens),
+model: the random-weight Llama h512/l8 with the GPT-2 vocabulary (50257). Both sides load the same checkpoint in
+float32, run one torch thread per rank and the same lm-eval task code; the runs alternate (A B A B ...).
+
+Timed (inside each process, after imports): mpitp ``mpitp.cli.main([...eval...])`` (TP world, sharded load, lm-eval,
+HDF5) vs lm-eval ``TaskManager`` + ``simple_evaluate(model="hf", model_args="pretrained=...,tp_plan=auto")``
+(transformers' TP load under torchrun/gloo, then every rank runs lm-eval's full loop on its shard). The slowest
+rank's time is reported.
+
+Where the difference comes from: lm-eval's TP model ends in transformers' ``colwise_gather_output`` LM head, so
+every rank all-gathers the full [batch, 1024, 50257] float32 logits (206 MB per window) and computes a full
+log-softmax; mpitp scores only the target positions on each rank's vocabulary shard and combines 16 B per token.
+
+Last line: ``RATIO rolling_tp2 <lm_eval time / mpitp time>`` (medians over the repetitions).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=2, help="wikitext documents")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=1)
+    args = ap.parse_args()
+    model = common.small_model()
+    common.say(common.machine())
+    common.say(f"model {model} ({common.n_params(model) / 1e6:.1f}M params), wikitext_local --limit {args.limit}, "
+               f"batch size {args.batch_size}, tp=2")
+    rows, t_mpitp, t_lm = [], [], []
+    metric = "word_perplexity,none"
+    for rep in range(args.reps):
+        m = common.run_mpitp(2, model, "wikitext_local", tp=2, batch_size=args.batch_size, limit=args.limit)
+        l = common.run_lm_eval(model, "wikitext_local", batch_size=args.batch_size, limit=args.limit, nproc=2,
+                               tp_plan=True)
+        t_mpitp.append(m["time_s"])
+        t_lm.append(l["time_s"])
+        st = m["h5_stats"]
+        ppl_lm = l["ranks"][0]["results"]["wikitext_local"][metric]
+        rows.append([rep + 1, "mpitp tp=2 (mpiexec -n 2)", m["time_s"], m["outer_s"],
+                     f"busy {st['busy_s'][0]:.1f}s", int(st["tokens_scored"][0]), "see mpitp table"])
+        rows.append([rep + 1, "lm_eval hf tp_plan=auto (torchrun x2)", l["time_s"], l["outer_s"], "", "",
+                     f"{ppl_lm:.4f}"])
+        rows.append([rep + 1, "ratio lm_eval/mpitp", l["time_s"] / m["time_s"], l["outer_s"] / m["outer_s"], "",
+                     "", ""])
+        if rep == 0:
+            common.say("mpitp's own summary:\n" + "\n".join(
+                x for x in m["stdout"].splitlines() if "word_perplexity" in x or x.startswith(("DP group", "wall"))))
+    common.say(common.fmt_table(rows, ["rep", "run", "eval s (in-process)", "launch-to-exit s", "", "tokens",
+                                       "lm_eval word_ppl"]))
+    ratio = common.median(t_lm) / common.median(t_mpitp)
+    common.say(f"median eval time: mpitp {common.median(t_mpitp):.2f} s, lm_eval tp_plan {common.median(t_lm):.2f} s")
+    common.say(f"target: mpitp >= 1.5x faster: {'MET' if ratio >= 1.5 else 'MISSED'}")
+    common.say(f"RATIO rolling_tp2 {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Vocab-parallel scoring maths against torch's own log_softmax/argmax, with a fake in-process TP group.
+
+The fake group runs one thread per shard and combines their tensors with the same reduction the real all-reduce
+applies; it checks only the maths (uneven shards, ties, blocking). The real collectives are covered by the parity
+tests under mpiexec.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mpitp.scoring import CommCounter, TPOps, VocabParallelHead
+
+
+class FakeGroup:
+    """N ranks in threads; ``reduce(rank, t, fn)`` returns fn over every rank's tensor once all have arrived."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.barrier = threading.Barrier(n)
+        self.slots: list = [None] * n
+
+    def reduce(self, rank: int, t: torch.Tensor, fn) -> torch.Tensor:
+        self.slots[rank] = t.clone()
+        self.barrier.wait()
+        out = fn(torch.stack(self.slots))
+        self.barrier.wait()
+        return out
+
+
+class FakeOps(TPOps):
+    def __init__(self, group: FakeGroup, rank: int):
+        super().__init__(size=group.n, counter=CommCounter(), reduce_counter=CommCounter())
+        self.g, self.rank = group, rank
+
+    def _fake(self, t, fn):
+        self.counter.add(t)
+        self.reduce_counter.add(t)
+        t.copy_(self.g.reduce(self.rank, t, fn))
+        return t
+
+    def max(self, t):
+        return self._fake(t, lambda s: s.max(0).values)
+
+    def sum(self, t):
+        return self._fake(t, lambda s: s.sum(0))
+
+    def min(self, t):
+        return self._fake(t, lambda s: s.min(0).values)
+
+
+def _shards(vocab: int, tp: int):
+    per = -(-vocab // tp)
+    return [(r * per, min(vocab, (r + 1) * per)) for r in range(tp)]
+
+
+def _run_sharded(weight, h, targets, tp, block_elems=1 << 24):
+    group = FakeGroup(tp)
+    out: dict = {}
+
+    def rank_fn(r, lo, hi):
+        head = VocabParallelHead(weight=weight[lo:hi], offset=lo, vocab_size=weight.shape[0],
+                                 ops=FakeOps(group, r), block_elems=block_elems)
+        lp, greedy = head.score(h, targets)
+        out[r] = (lp, greedy, head.argmax(h), head.ops.reduce_counter.bytes)
+
+    threads = [threading.Thread(target=rank_fn, args=(r, lo, hi)) for r, (lo, hi) in enumerate(_shards(
+        weight.shape[0], tp))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("vocab,tp", [(512, 1), (512, 2), (509, 2), (509, 3), (509, 4), (50257, 4)])
+def test_matches_log_softmax(vocab, tp):
+    g = torch.Generator().manual_seed(vocab + tp)
+    n, hidden = 37, 16
+    weight = torch.randn(vocab, hidden, generator=g)
+    h = torch.randn(n, hidden, generator=g)
+    logits = h @ weight.T
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[:5] = logits[:5].argmax(-1)  # some greedy hits
+    ref_lp = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    ref_greedy = logits.argmax(-1) == targets
+    out = _run_sharded(weight, h, targets, tp, block_elems=vocab * 8)  # several blocks
+    for r, (lp, greedy, am, nbytes) in out.items():
+        torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+        assert torch.equal(greedy, ref_greedy)
+        assert torch.equal(am, logits.argmax(-1))
+        if tp > 1:  # score: 4 + 8 + 4 bytes per token; argmax: 4 + 4
+            assert nbytes == n * 16 + n * 8
+
+
+def test_ties_take_the_lowest_index_like_torch_argmax():
+    vocab, tp, hidden = 10, 3, 4
+    weight = torch.zeros(vocab, hidden)
+    weight[[2, 5, 9]] = 1.0  # three tied maxima, in different shards
+    h = torch.ones(3, hidden)
+    out = _run_sharded(weight, h, torch.tensor([2, 5, 9]), tp)
+    for lp, greedy, am, _ in out.values():
+        assert am.tolist() == [2, 2, 2] == (h @ weight.T).argmax(-1).tolist()
+        assert greedy.tolist() == [True, False, False]
