@@ -8,12 +8,19 @@ Both modes import the heavy libraries (torch, transformers, lm_eval and its HF m
 load, lm-eval on rank 0 with dispatch, HDF5 file) or ``TaskManager(...)`` + ``lm_eval.simple_evaluate(model="hf",
 ...)`` (model load, the same tasks, lm-eval's own batching). Each rank then prints one line::
 
-    BENCHRESULT {"rank": r, "time_s": ..., "maxrss_kb": ..., ...}
+    BENCHRESULT {"rank": r, "time_s": ..., "cpu_s": ..., "maxrss_kb": ..., ...}
+
+``time_s`` is wall-clock time of that call, ``cpu_s`` the process's user + system CPU time over it (less sensitive
+to other load on a shared machine), ``maxrss_kb`` the process's peak resident set over its whole life.
 
 ``--no-cache`` / ``"no_cache": true`` makes every ``generate`` call of lm-eval's ``HFLM._model_generate`` run with
 ``use_cache=False`` (lm-eval hard-codes ``use_cache=True`` there, so ``--gen-kwargs use_cache=False`` cannot work:
 it raises "got multiple values for keyword argument 'use_cache'"). mpitp's ``MPITPLM._model_generate`` calls that
 same method, so the patch reaches both, and it leaves the kwargs mpitp inspects (``plain_greedy``) untouched.
+
+Generation is also timed per call: ``gen_s`` (wall time inside ``_model_generate``, i.e. HF ``generate`` including,
+for mpitp, the mirroring of every forward to the TP workers) and ``gen_tokens`` (batch x new positions), on the
+rank that drives ``generate`` (mpitp: the DP leader; lm-eval TP: every rank runs it, rank 0 reports).
 """
 
 from __future__ import annotations
@@ -27,6 +34,12 @@ import time
 
 def _maxrss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kB
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (all its threads)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _patch_no_cache() -> None:
@@ -51,7 +64,27 @@ def _patch_no_cache() -> None:
     HFLM._model_generate = no_cache_model_generate
 
 
+GEN = {"gen_s": 0.0, "gen_tokens": 0, "gen_calls": 0}
+
+
+def _time_generate(cls) -> None:
+    """Accumulate wall time and new tokens (batch x new positions) of every ``cls._model_generate`` call."""
+    original = cls._model_generate
+
+    def timed_model_generate(self, context, max_length, stop, **generation_kwargs):
+        t0 = time.perf_counter()
+        out = original(self, context, max_length, stop, **generation_kwargs)
+        GEN["gen_s"] += time.perf_counter() - t0
+        GEN["gen_tokens"] += int((out.shape[1] - context.shape[1]) * out.shape[0])
+        GEN["gen_calls"] += 1
+        return out
+
+    cls._model_generate = timed_model_generate
+
+
 def _emit(payload: dict) -> None:
+    if GEN["gen_calls"]:
+        payload.update(GEN)
     payload["maxrss_kb"] = _maxrss_kb()
     sys.stdout.write("BENCHRESULT " + json.dumps(payload, default=str) + "\n")
     sys.stdout.flush()
@@ -75,8 +108,11 @@ def run_mpitp(argv: list[str]) -> None:
     import mpitp.cli
     import mpitp.run
 
+    import mpitp.lm
+
     if no_cache:
         _patch_no_cache()
+    _time_generate(mpitp.lm.MPITPLM)  # outermost: includes mpitp's TP mirroring of every decode step
     captured: dict = {}
     finish = mpitp.run._finish_root
 
@@ -86,10 +122,10 @@ def run_mpitp(argv: list[str]) -> None:
         return finish(state, all_stats, wall)
 
     mpitp.run._finish_root = finish_root
-    t0 = time.perf_counter()
+    c0, t0 = _cpu_s(), time.perf_counter()
     mpitp.cli.main(argv)
-    dt = time.perf_counter() - t0
-    _emit(dict(rank=MPI.COMM_WORLD.Get_rank(), time_s=dt, **captured))
+    dt, dc = time.perf_counter() - t0, _cpu_s() - c0
+    _emit(dict(rank=MPI.COMM_WORLD.Get_rank(), time_s=dt, cpu_s=dc, **captured))
 
 
 def run_lmeval(spec: dict) -> None:
@@ -103,14 +139,15 @@ def run_lmeval(spec: dict) -> None:
     torch.set_num_threads(1)
     if spec.get("no_cache"):
         _patch_no_cache()
+    _time_generate(lm_eval.models.huggingface.HFLM)
     rank = int(os.environ.get("RANK", "0"))
-    t0 = time.perf_counter()
+    c0, t0 = _cpu_s(), time.perf_counter()
     tm = TaskManager(include_path=spec["include_path"], include_defaults=False, verbosity="ERROR")
     res = lm_eval.simple_evaluate(model="hf", model_args=spec["model_args"], tasks=spec["tasks"],
                                   batch_size=spec["batch_size"], limit=spec["limit"], gen_kwargs=spec["gen_kwargs"],
                                   task_manager=tm, log_samples=spec.get("log_samples", False))
-    dt = time.perf_counter() - t0
-    out = dict(rank=rank, time_s=dt)
+    dt, dc = time.perf_counter() - t0, _cpu_s() - c0
+    out = dict(rank=rank, time_s=dt, cpu_s=dc)
     if res:
         out["results"] = res.get("results")
         if spec.get("log_samples"):

@@ -175,7 +175,8 @@ def _run(cmd: list[str], env: dict, timeout: float, label: str) -> dict:
         tail = "\n".join((p.stdout + "\n" + p.stderr).splitlines()[-40:])
         raise RuntimeError(f"{label} failed (rc {p.returncode}): {' '.join(cmd)}\n{tail}")
     return dict(label=label, cmd=" ".join(cmd), outer_s=outer, ranks=ranks, stdout=p.stdout, stderr=p.stderr,
-                time_s=max(r["time_s"] for r in ranks), peak_rss_mb=[r["maxrss_kb"] / 1024 for r in ranks])
+                time_s=max(r["time_s"] for r in ranks), cpu_s=sum(r["cpu_s"] for r in ranks),
+                peak_rss_mb=[r["maxrss_kb"] / 1024 for r in ranks])
 
 
 def run_mpitp(n: int, model: str, tasks: str, *, tp: int = 1, batch_size: int = 1, limit=None,
@@ -235,6 +236,20 @@ def fmt_table(rows: list[list], header: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+RUN_HEADER = ["rep", "run", "eval wall s", "eval CPU s (all ranks)", "launch-to-exit s", "peak RSS MB per rank"]
+
+
+def run_row(rep: int, label: str, r: dict) -> list:
+    """One table row for a run: in-process wall time (slowest rank), CPU time summed over ranks, outer time, RSS."""
+    return [rep, label, r["time_s"], r["cpu_s"], r["outer_s"], " ".join(f"{x:.0f}" for x in r["peak_rss_mb"])]
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """Median over repetitions of a[i] / b[i]: each pair ran back to back, so slow phases of a shared machine cancel
+    better than in a ratio of medians."""
+    return median([x / y for x, y in zip(a, b)])
 
 
 def median(xs):

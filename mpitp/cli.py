@@ -12,7 +12,7 @@ import click
 
 from . import __version__
 from .comm import DEFAULT_TIMEOUT
-from .errors import USAGE_EXIT, UsageError, install_excepthook, report_and_abort
+from .errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort
 
 
 def _positive_float(ctx, param, value):
@@ -80,8 +80,10 @@ def main(argv=None) -> None:
             sys.stderr.write(f"mpitp: error: {exc}\n")
         sys.exit(USAGE_EXIT)
     except click.exceptions.Abort:
-        sys.stderr.write("Aborted!\n")
-        sys.exit(130)
+        # click turns Ctrl-C (KeyboardInterrupt) into Abort. A plain exit would leave this rank in MPI_Finalize
+        # waiting for peers that never get there: abort the whole job instead, as the excepthook does.
+        sys.stderr.write(f"[rank {_rank()}] interrupted\n")
+        abort(130)
     except click.ClickException as exc:
         # Option parsing is identical on every rank, so every rank fails together: print once.
         if _rank() == 0:

@@ -11,7 +11,7 @@ from .world import world_from_comm
 def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
     """Fill in the built-in demo: rank 0 builds (or reuses) the tiny model, every rank then reads it."""
     from . import comm as mpicomm
-    from .demo import DEMO_TASKS, prepare_demo
+    from .demo import prepare_demo
 
     paths = None
     if rt.world.rank == 0:

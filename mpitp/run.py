@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from . import __version__
 from . import comm as mpicomm

@@ -1,0 +1,238 @@
+"""``mpitp run JOB.yaml`` under a real 4-rank ``mpiexec``, the shipped ``jobs/demo.yaml``, ``--data-dir`` against the
+hand-written offline tasks, ``mpitp tasks --data-dir`` and ``mpitp info``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import OFFLINE_ENV, REPO, STORIES, explain, run_mpi  # noqa: E402
+from parity_util import close  # noqa: E402
+
+from mpitp.jobfile import load_job  # noqa: E402
+from mpitp.results import open_h5, read_metrics, read_requests  # noqa: E402
+
+DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
+
+
+def mpitp_cli(*args, timeout=120, cwd=None) -> subprocess.CompletedProcess:
+    """``python -m mpitp ARGS`` as a plain process (commands that need no MPI world)."""
+    return subprocess.run([sys.executable, "-m", "mpitp", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **OFFLINE_ENV}, cwd=cwd)
+
+
+def summary(stdout: str) -> tuple[str, dict[str, dict]]:
+    """The job summary printed by rank 0: its headline and ``{run: {tp, status, wall, output}}``."""
+    lines = stdout.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("job ") and "runs ok" in line)
+    head, table = lines[start], lines[start + 1:]
+    assert table[0].split()[:3] == ["run", "tp", "status"] and set(table[1]) <= {"-", " "}, table[:2]
+    rows = {}
+    for line in table[2:]:
+        if not line.strip():
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        assert len(cells) == 5, line
+        rows[cells[0]] = dict(tp=int(cells[1]), status=cells[2], wall=cells[3], output=cells[4])
+    return head, rows
+
+
+def h5_attrs(path) -> dict:
+    with open_h5(str(path)) as f:
+        return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+
+
+# ------------------------------------------------------------------------------------------------ a job file
+
+JOB = """\
+defaults:
+  model: demo
+  tasks: [mpitp_demo_mc, mpitp_demo_ppl, mpitp_demo_gen]
+  dtype: float32
+  limit: 3
+  seed: 1234
+runs:
+  - name: good-tp1
+    tp: 1
+    output: out/good-tp1.h5
+  - name: bad-tp3          # 3 does not divide the 4 ranks of the world
+    tp: 3
+    output: out/bad-tp3.h5
+  - name: good-tp2
+    tp: 2
+    output: out/good-tp2.h5
+"""
+
+
+def test_job_with_a_failing_run(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    out = tmp_path / "out"
+    good = {"good-tp1": (out / "good-tp1.h5", 1), "good-tp2": (out / "good-tp2.h5", 2)}
+    reason = "tp=3 does not divide world size 4"
+
+    # 1. every run is attempted: two complete, one recorded as failed, exit status 1
+    p = run_mpi(4, ["run", str(job)], timeout=600, cwd=str(tmp_path))
+    assert p.returncode == 1, explain(p)
+    head, rows = summary(p.stdout)
+    assert head == f"job {job}: 2/3 runs ok", head
+    assert list(rows) == ["good-tp1", "bad-tp3", "good-tp2"]
+    assert rows["good-tp1"]["status"] == "complete" and rows["good-tp1"]["tp"] == 1
+    assert rows["good-tp2"]["status"] == "complete" and rows["good-tp2"]["tp"] == 2
+    assert rows["bad-tp3"]["status"] == f"FAILED: {reason}" and rows["bad-tp3"]["tp"] == 3
+    assert rows["bad-tp3"]["output"] == str(out / "bad-tp3.h5")
+    assert f"run bad-tp3 failed: {reason}" in p.stderr
+    assert p.stderr.count("=== run ") == 3 and "=== run 3/3: good-tp2 (tp=2)" in p.stderr
+    assert not (out / "bad-tp3.h5").exists()
+    for name, (path, tp) in good.items():
+        assert rows[name]["output"] == str(path)
+        a = h5_attrs(path)
+        assert a["status"] == "complete", name
+        assert (a["world_size"], a["tp"], a["dp"]) == (4, tp, 4 // tp), name
+        assert json.loads(a["config_json"])["limit"] == 3
+        for task in DEMO_TASKS:
+            assert len(read_requests(str(path), task)["doc_id"]) >= 3
+            assert read_metrics(str(path), task)["sample_len"] == 3
+    d = mpitp_cli("inspect", "diff", good["good-tp1"][0], good["good-tp2"][0])  # the two layouts agree
+    assert d.returncode == 0, d.stdout + d.stderr
+    stamps = {name: os.stat(path).st_mtime_ns for name, (path, _) in good.items()}
+
+    # 2. re-running skips what is complete and tries the failed run again
+    p = run_mpi(4, ["run", str(job)], timeout=600, cwd=str(tmp_path))
+    assert p.returncode == 1, explain(p)
+    head, rows = summary(p.stdout)
+    assert head == f"job {job}: 2/3 runs ok", head
+    assert {n: r["status"] for n, r in rows.items()} == {
+        "good-tp1": "skipped (complete)", "bad-tp3": f"FAILED: {reason}", "good-tp2": "skipped (complete)"}
+    assert "=== run 1/3" not in p.stderr and "=== run 3/3" not in p.stderr
+    assert {name: os.stat(path).st_mtime_ns for name, (path, _) in good.items()} == stamps
+
+    # 3. --fail-fast stops at the failure: the run after it is not attempted, though it has work to do
+    good["good-tp2"][0].unlink()
+    p = run_mpi(4, ["run", str(job), "--fail-fast"], timeout=600, cwd=str(tmp_path))
+    assert p.returncode == 1, explain(p)
+    head, rows = summary(p.stdout)
+    assert head == f"job {job}: 1/2 runs ok", head
+    assert {n: r["status"] for n, r in rows.items()} == {
+        "good-tp1": "skipped (complete)", "bad-tp3": f"FAILED: {reason}"}
+    assert "good-tp2" not in p.stderr and not good["good-tp2"][0].exists()
+
+
+def test_shipped_demo_job(tmp_path):
+    """``jobs/demo.yaml`` as shipped, with only its outputs moved out of the repository."""
+    shipped_path = REPO / "jobs" / "demo.yaml"
+    shipped = load_job(shipped_path)
+    assert [r.name for r in shipped.runs] == ["demo-tp1", "demo-tp2", "demo-tp2-bs8-limit10"]
+    for r in shipped.runs:  # run as is, it would write into the repository's results/
+        assert Path(r.output).parent == REPO / "results" / "demo", r.output
+    raw = yaml.safe_load(shipped_path.read_text())
+    for run in raw["runs"]:
+        run["output"] = str(tmp_path / "out" / Path(run["output"]).name)
+    job_path = tmp_path / "demo.yaml"
+    job_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    job = load_job(job_path)
+    assert len(job.runs) == len(shipped.runs)
+    for ours, theirs in zip(job.runs, shipped.runs):
+        assert Path(ours.output).parent == tmp_path / "out"
+        assert dataclasses.replace(ours, output=theirs.output) == theirs  # nothing else changed
+
+    p = run_mpi(4, ["run", str(job_path)], timeout=600, cwd=str(tmp_path))
+    assert p.returncode == 0, explain(p)
+    head, rows = summary(p.stdout)
+    assert head == f"job {job_path}: 3/3 runs ok", head
+    n_docs = {}
+    for spec in job.runs:
+        assert rows[spec.name]["status"] == "complete" and rows[spec.name]["tp"] == spec.tp
+        a = h5_attrs(spec.output)
+        assert a["status"] == "complete" and (a["tp"], a["dp"]) == (spec.tp, 4 // spec.tp)
+        assert a["dtype"] == "float32"
+        with open_h5(spec.output) as f:
+            n_docs[spec.name] = {t: int(f[f"tasks/{t}"].attrs["n_docs"]) for t in DEMO_TASKS}
+    assert n_docs["demo-tp1"] == n_docs["demo-tp2"] and min(n_docs["demo-tp1"].values()) > 10
+    assert n_docs["demo-tp2-bs8-limit10"] == {t: 10 for t in DEMO_TASKS}
+    d = mpitp_cli("inspect", "diff", job.runs[0].output, job.runs[1].output)  # tp 1 and tp 2 agree
+    assert d.returncode == 0, d.stdout + d.stderr
+    assert not list((REPO / "results").glob("demo/*.tmp*"))
+
+
+# ------------------------------------------------------------------------------------------------- --data-dir
+
+# DIR/<task>/<split>.jsonl -> the shared file (whose names differ); gsm8k gets its test split only
+DATA_LAYOUT = {
+    "arc_easy/train.jsonl": "arc_easy/train.jsonl",
+    "arc_easy/validation.jsonl": "arc_easy/validation.jsonl",
+    "arc_easy/test.jsonl": "arc_easy/test.jsonl",
+    "wikitext/test.jsonl": "wikitext2/wikitext-2-raw-v1_test_documents.jsonl",
+    "gsm8k/test.jsonl": "gsm8k/test.jsonl",
+}
+
+
+@pytest.fixture
+def data_dir(tmp_path, shared_dir) -> Path:
+    root = tmp_path / "data"
+    for rel, src in DATA_LAYOUT.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).symlink_to(shared_dir / "data" / src)
+    return root
+
+
+def test_tasks_lists_runnable_and_missing(data_dir):
+    p = mpitp_cli("tasks", "--data-dir", data_dir)
+    assert p.returncode == 0, p.stderr
+    got = {line.split()[0]: line.split(None, 1)[1] for line in p.stdout.splitlines() if line.strip()}
+    assert got == {
+        "arc_easy": "runnable",
+        "hellaswag": "missing hellaswag/validation.jsonl",
+        "piqa": "missing piqa/validation.jsonl",
+        "lambada_openai": "missing lambada_openai/test.jsonl",
+        "wikitext": "runnable",
+        "gsm8k": "missing gsm8k/train.jsonl",
+    }, p.stdout
+
+
+def test_data_dir_matches_hand_written_tasks(data_dir, test_tasks, tmp_path):
+    a, b = tmp_path / "data_dir.h5", tmp_path / "local.h5"
+    common = ["eval", "--model", str(STORIES), "--limit", "3"]
+    pa = run_mpi(2, [*common, "--tasks", "arc_easy,wikitext", "--data-dir", str(data_dir), "--output", str(a)],
+                 timeout=600, cwd=str(tmp_path))
+    assert pa.returncode == 0, explain(pa)
+    pb = run_mpi(1, [*common, "--tasks", "arc_easy_local,wikitext_local", "--include-path", test_tasks,
+                     "--output", str(b)], timeout=600, cwd=str(tmp_path))
+    assert pb.returncode == 0, explain(pb)
+    for stock, local in (("arc_easy", "arc_easy_local"), ("wikitext", "wikitext_local")):
+        ma, mb = read_metrics(str(a), stock), read_metrics(str(b), local)
+        assert ma.pop("name") == stock and mb.pop("name") == local
+        assert set(ma) == set(mb) and ma["sample_len"] == 3, (ma, mb)
+        for k, v in mb.items():
+            assert (v == ma[k]) if isinstance(v, str) else close(ma[k], v), (stock, k, ma[k], v)
+        ra, rb = read_requests(str(a), stock), read_requests(str(b), local)
+        assert ra["doc_id"].tolist() == rb["doc_id"].tolist() and ra["idx"].tolist() == rb["idx"].tolist()
+        assert ra["kind"].tolist() == rb["kind"].tolist() and ra["n_tokens"].tolist() == rb["n_tokens"].tolist()
+        assert ra["is_greedy"].tolist() == rb["is_greedy"].tolist()
+        bad = [(int(d), int(i), x, y) for d, i, x, y in
+               zip(ra["doc_id"], ra["idx"], ra["loglikelihood"], rb["loglikelihood"]) if not close(x, y)]
+        assert not bad, bad[:5]
+    assert json.loads(h5_attrs(a)["config_json"])["data_dir"] == str(data_dir)
+
+
+# ------------------------------------------------------------------------------------------------------- info
+
+
+def test_info_under_mpiexec():
+    p = run_mpi(4, ["info", "--tp", "2"], timeout=300)
+    assert p.returncode == 0, explain(p)
+    assert "world 4 = dp 2 x tp 2 on 1 node(s), launcher: mpiexec (Hydra/PMI)" in p.stdout, p.stdout
+    assert "MPI: MPICH" in p.stdout
+    table = [line.split() for line in p.stdout.splitlines() if re.match(r"^\d+\s", line)]
+    assert [(int(r[0]), int(r[3]), int(r[4]), r[5]) for r in table] == [
+        (0, 0, 0, "leader"), (1, 0, 1, "worker"), (2, 1, 0, "leader"), (3, 1, 1, "worker")], p.stdout
