@@ -11,7 +11,10 @@ load, lm-eval on rank 0 with dispatch, HDF5 file) or ``TaskManager(...)`` + ``lm
     BENCHRESULT {"rank": r, "time_s": ..., "cpu_s": ..., "maxrss_kb": ..., ...}
 
 ``time_s`` is wall-clock time of that call, ``cpu_s`` the process's user + system CPU time over it (less sensitive
-to other load on a shared machine), ``maxrss_kb`` the process's peak resident set over its whole life.
+to other load on a shared machine), ``maxrss_kb`` the process's peak resident set over its whole life and
+``base_rss_kb`` its peak after the imports, just before the timed call (the libraries' share); ``end_rss_mb`` the
+current RSS at the end split into ``RssAnon`` (private memory) and ``RssFile`` (file-backed pages: shared libraries
+and the memory-mapped safetensors checkpoint, shared with the page cache and other ranks).
 
 ``--no-cache`` / ``"no_cache": true`` makes every ``generate`` call of lm-eval's ``HFLM._model_generate`` run with
 ``use_cache=False`` (lm-eval hard-codes ``use_cache=True`` there, so ``--gen-kwargs use_cache=False`` cannot work:
@@ -34,6 +37,19 @@ import time
 
 def _maxrss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kB
+
+
+def _status_mb() -> dict:
+    """Current RSS split from /proc/self/status: anonymous (private) vs file-backed (mmapped checkpoint, libraries)."""
+    out = {}
+    try:
+        for line in open("/proc/self/status"):
+            key = line.split(":", 1)[0]
+            if key in ("RssAnon", "RssFile"):
+                out[key] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
 
 
 def _cpu_s() -> float:
@@ -86,6 +102,7 @@ def _emit(payload: dict) -> None:
     if GEN["gen_calls"]:
         payload.update(GEN)
     payload["maxrss_kb"] = _maxrss_kb()
+    payload["end_rss_mb"] = _status_mb()
     sys.stdout.write("BENCHRESULT " + json.dumps(payload, default=str) + "\n")
     sys.stdout.flush()
 
@@ -122,10 +139,11 @@ def run_mpitp(argv: list[str]) -> None:
         return finish(state, all_stats, wall)
 
     mpitp.run._finish_root = finish_root
+    base = _maxrss_kb()
     c0, t0 = _cpu_s(), time.perf_counter()
     mpitp.cli.main(argv)
     dt, dc = time.perf_counter() - t0, _cpu_s() - c0
-    _emit(dict(rank=MPI.COMM_WORLD.Get_rank(), time_s=dt, cpu_s=dc, **captured))
+    _emit(dict(rank=MPI.COMM_WORLD.Get_rank(), time_s=dt, cpu_s=dc, base_rss_kb=base, **captured))
 
 
 def run_lmeval(spec: dict) -> None:
@@ -141,13 +159,14 @@ def run_lmeval(spec: dict) -> None:
         _patch_no_cache()
     _time_generate(lm_eval.models.huggingface.HFLM)
     rank = int(os.environ.get("RANK", "0"))
+    base = _maxrss_kb()
     c0, t0 = _cpu_s(), time.perf_counter()
     tm = TaskManager(include_path=spec["include_path"], include_defaults=False, verbosity="ERROR")
     res = lm_eval.simple_evaluate(model="hf", model_args=spec["model_args"], tasks=spec["tasks"],
                                   batch_size=spec["batch_size"], limit=spec["limit"], gen_kwargs=spec["gen_kwargs"],
                                   task_manager=tm, log_samples=spec.get("log_samples", False))
     dt, dc = time.perf_counter() - t0, _cpu_s() - c0
-    out = dict(rank=rank, time_s=dt, cpu_s=dc)
+    out = dict(rank=rank, time_s=dt, cpu_s=dc, base_rss_kb=base)
     if res:
         out["results"] = res.get("results")
         if spec.get("log_samples"):

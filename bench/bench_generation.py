@@ -3,9 +3,9 @@ KV cache on vs off.
 
     python bench/bench_generation.py [--limit 1] [--batch-size 1] [--reps 2] [--no-cache-runs]
 
-Task ``gen256_local`` (bench-only, written by :func:`common.include_path`): HellaSwag contexts as prompts,
-``max_gen_toks: 256``, ``do_sample: false`` and a stop string that never occurs, so every request decodes exactly 256
-tokens (checked: tokens = requests x 256). Model: the random-weight Llama h512/l8 with the GPT-2 vocabulary.
+Task ``gen256_local`` (bench-only, written by :func:`common.include_path`): the first 600 characters (~150 tokens)
+of WikiText-2 test documents as prompts, ``max_gen_toks: 256``, ``do_sample: false`` and a stop string that never
+occurs, so every request decodes exactly 256 tokens (checked: tokens = requests x 256). Model: the random-weight Llama h512/l8 with the GPT-2 vocabulary.
 
 Throughput = new tokens / time inside ``_model_generate`` (HF ``generate``; for mpitp including the mirroring of
 every forward to its TP worker), measured on the rank that drives generation (see ``bench/_driver.py``).
@@ -103,6 +103,7 @@ def main() -> None:
         common.say(f"mpitp KV cache on / off tokens/s (paired median): {cache_ratio:.3f}  target >= 3: "
                    f"{'MET' if cache_ratio >= 3 else 'MISSED'}")
         common.say(f"RATIO generation_kv_cache {cache_ratio:.3f}")
+    common.say(common.loadavg())
     common.say(f"RATIO generation_tp2 {ratio:.3f}")
 
 if __name__ == "__main__":

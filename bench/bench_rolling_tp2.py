@@ -60,6 +60,7 @@ def main() -> None:
     common.say(f"median eval wall: mpitp {common.median(t_mpitp):.2f} s, lm_eval tp_plan {common.median(t_lm):.2f} s; "
                f"paired wall ratio {ratio:.3f}, paired CPU-time ratio {common.paired(c_lm, c_mpitp):.3f}")
     common.say(f"target: mpitp >= 1.5x faster: {'MET' if ratio >= 1.5 else 'MISSED'}")
+    common.say(common.loadavg())
     common.say(f"RATIO rolling_tp2 {ratio:.3f}")
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def main() -> None:
     ratio = per_tok[models[0][0]][-1] / per_tok[models[1][0]][-1]
     common.say(f"vocab 50257 / vocab 512 bytes-per-token ratio: {ratio:.3f} (1.0 = independent of the vocabulary)")
     common.say(f"target: <= 16 B/token for both: {'MET' if worst <= 16 else 'MISSED'}")
+    common.say(common.loadavg())
     common.say(f"RATIO tp_traffic_bytes_per_token {worst:.2f}")
 
 

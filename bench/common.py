@@ -4,7 +4,8 @@
   ``bench/.cache/`` (:func:`small_model`: hidden 512, 8 layers, ~77M params; :func:`big_model`: hidden 1024,
   16 layers, ~309M params).
 * The offline lm-eval tasks of ``tests/tasks`` (real data from ``../shared/data``) plus one bench-only task,
-  ``gen256_local`` (greedy generation of exactly 256 tokens: its stop string never occurs).
+  ``gen256_local`` (greedy generation of exactly 256 tokens after a ~150-token WikiText prompt: its stop string
+  never occurs).
 * Runners that launch ``mpiexec -n N ... mpitp eval``, ``python ... lm_eval.simple_evaluate`` and
   ``torchrun --nproc-per-node N ... simple_evaluate(model="hf", model_args="...,tp_plan=auto")`` through the one
   driver :mod:`bench._driver`, which times the evaluation *inside* each process (start-up and imports excluded)
@@ -66,7 +67,16 @@ def machine() -> str:
     import torch  # noqa: PLC0415
 
     return (f"{platform.node()}: {os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}, "
-            f"python {platform.python_version()}, torch {torch.__version__}")
+            f"python {platform.python_version()}, torch {torch.__version__}; {loadavg()}")
+
+
+def loadavg() -> str:
+    """The machine's load average: on a shared machine, how much CPU other work was taking."""
+    try:
+        one, five, fifteen = open("/proc/loadavg").read().split()[:3]
+        return f"load average {one} {five} {fifteen} (1/5/15 min) on {os.cpu_count()} cores"
+    except OSError:
+        return "load average unknown"
 
 
 # ----------------------------------------------------------------------------------------------------- models
@@ -119,17 +129,18 @@ def n_params(model_dir: str) -> int:
 # ----------------------------------------------------------------------------------------------------- tasks
 
 GEN_TASK = """\
-# Bench-only: greedy generation of exactly max_gen_toks tokens from HellaSwag contexts (the stop string never occurs).
+# Bench-only: greedy generation of exactly max_gen_toks tokens (the stop string never occurs), the prompt being the
+# first 600 characters (~150 GPT-2 tokens) of a WikiText-2 test document.
 task: gen256_local
 dataset_path: json
 dataset_name: null
 dataset_kwargs:
   data_files:
-    validation: {data}
-validation_split: validation
+    test: {data}
+test_split: test
 output_type: generate_until
-doc_to_text: "{{{{ctx}}}}"
-doc_to_target: "{{{{endings[0]}}}}"
+doc_to_text: "{{{{page[:600]}}}}"
+doc_to_target: "{{{{page[600:700]}}}}"
 generation_kwargs:
   until: ["<<<never-generated-stop>>>"]
   max_gen_toks: 256
@@ -150,7 +161,7 @@ def include_path() -> str:
 
     out = CACHE / "tasks"
     path = materialize_test_tasks(out)
-    data = SHARED / "data" / "hellaswag" / "hellaswag_val.jsonl"
+    data = SHARED / "data" / "wikitext2" / "wikitext-2-raw-v1_test_documents.jsonl"
     (out / "gen256_local.yaml").write_text(GEN_TASK.format(data=data))
     return path
 
@@ -230,6 +241,7 @@ def read_h5_stats(path: str) -> dict | None:
 
 
 def fmt_table(rows: list[list], header: list[str]) -> str:
+    rows = [list(r) + [""] * (len(header) - len(r)) for r in rows]
     cells = [header] + [[c if isinstance(c, str) else f"{c:.3f}" if isinstance(c, float) else str(c) for c in r]
                         for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -33,6 +33,13 @@ class DeadlineError(RuntimeError):
     """A collective did not complete before its deadline. The message names the phase and the timeout."""
 
 
+def _stderr():
+    """The process's real stderr. ``torch.distributed.init_process_group`` wraps ``sys.excepthook`` and points
+    ``sys.stderr`` at a StringIO while the wrapped hook runs, to prefix its output afterwards; our hook aborts before
+    that happens, so anything written to ``sys.stderr`` there would be lost."""
+    return sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+
+
 def abort(code: int = 1) -> None:
     """Abort every rank of the MPI job (or just exit when MPI is not initialised)."""
     try:
@@ -41,6 +48,7 @@ def abort(code: int = 1) -> None:
         if MPI.Is_initialized() and not MPI.Is_finalized():
             sys.stdout.flush()
             sys.stderr.flush()
+            _stderr().flush()
             MPI.COMM_WORLD.Abort(code)
     except Exception:  # pragma: no cover - last resort
         pass
@@ -61,10 +69,10 @@ def report_and_abort(exc: BaseException) -> None:
     rank = _rank()
     if isinstance(exc, UsageError):
         # A usage error raised on a single rank (not agreed collectively) still ends the job with status 2.
-        sys.stderr.write(f"mpitp: error: {exc}\n")
+        _stderr().write(f"mpitp: error: {exc}\n")
         abort(USAGE_EXIT)
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    sys.stderr.write(f"[rank {rank}] mpitp: fatal {type(exc).__name__}: {exc}\n{tb}")
+    _stderr().write(f"[rank {rank}] mpitp: fatal {type(exc).__name__}: {exc}\n{tb}")
     abort(1)
 
 
@@ -73,7 +81,7 @@ def install_excepthook() -> None:
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KeyboardInterrupt):
-            sys.stderr.write(f"[rank {_rank()}] interrupted\n")
+            _stderr().write(f"[rank {_rank()}] interrupted\n")
             abort(130)
         report_and_abort(exc.with_traceback(tb))
 

@@ -88,6 +88,16 @@ def offline_include(cfg: "EvalConfig") -> list[str]:
     return _paths(cfg.include_path) + [out]
 
 
+def _remove_generated(include: list[str] | None) -> None:
+    """Remove the override YAMLs :func:`offline_include` wrote (rank 0, after the run)."""
+    import shutil
+    import tempfile
+
+    for path in include or []:
+        if os.path.basename(path).startswith("mpitp-tasks-") and os.path.dirname(path) == tempfile.gettempdir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def check_tasks(tasks: list[str], include_path):
     """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
     for path in _paths(include_path):
@@ -254,8 +264,11 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
                            "checking input")
     model = load_model(cfg.model, rt.layout.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
-    return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
-                           t_start=t_start)
+    try:
+        return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
+                               t_start=t_start)
+    finally:
+        _remove_generated(keep.get("include"))
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,

@@ -1,0 +1,54 @@
+"""Peak memory per rank: mpitp tp=2 (2 ranks, each loads only its shard) vs lm-eval's HFLM in one process.
+
+    python bench/bench_memory.py [--limit 5] [--reps 2]
+
+Model: the random-weight ~309M-parameter Llama (hidden 1024, 16 layers, GPT-2 vocabulary; 1.23 GB of float32
+weights, so the weights dominate), task ``hellaswag_local`` with a small ``--limit`` (batch 1): the evaluation itself
+adds little. Peak RSS = ``getrusage(RUSAGE_SELF).ru_maxrss`` of each rank at its end (``bench/_driver.py``); the
+"after imports" column is the peak before the timed call, i.e. the interpreter + torch + transformers + lm-eval
+(+ mpi4py) share that no sharding can remove; "end RSS anon/file" splits each rank's RSS at its end into private
+memory and file-backed pages (the memory-mapped checkpoint among them).
+
+Last line: ``RATIO memory_tp2 <max peak RSS over mpitp's ranks / lm_eval's peak RSS>`` (median over repetitions;
+target <= 0.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common
+
+TASK = "hellaswag_local"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+    model = common.big_model()
+    n = common.n_params(model)
+    common.say(common.machine())
+    common.say(f"model {model}: {n / 1e6:.1f}M params = {n * 4 / 2**20:.0f} MiB float32; {TASK} --limit {args.limit}")
+    rows, ratios = [], []
+    for rep in range(1, args.reps + 1):
+        m = common.run_mpitp(2, model, TASK, tp=2, batch_size=1, limit=args.limit)
+        l = common.run_lm_eval(model, TASK, batch_size=1, limit=args.limit)
+        for label, r in (("mpitp tp=2, 2 ranks", m), ("lm_eval hf, one process", l)):
+            base = " ".join(f"{x['base_rss_kb'] / 1024:.0f}" for x in r["ranks"])
+            split = " ".join(f"{x['end_rss_mb'].get('RssAnon', 0):.0f}/{x['end_rss_mb'].get('RssFile', 0):.0f}"
+                             for x in r["ranks"])
+            rows.append(common.run_row(rep, label, r) + [base, split])
+        ratios.append(max(m["peak_rss_mb"]) / max(l["peak_rss_mb"]))
+        rows.append([rep, "  ratio mpitp max rank / lm_eval", "", "", "", f"{ratios[-1]:.3f}", ""])
+    common.say(common.fmt_table(rows, common.RUN_HEADER + ["RSS MB after imports", "end RSS anon/file MB"]))
+    ratio = common.median(ratios)
+    common.say(f"peak RSS ratio (max mpitp rank / lm_eval process): {ratio:.3f}  target <= 0.6: "
+               f"{'MET' if ratio <= 0.6 else 'MISSED'}")
+    common.say(common.loadavg())
+    common.say(f"RATIO memory_tp2 {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

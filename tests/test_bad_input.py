@@ -1,0 +1,170 @@
+"""Bad input under a real ``mpiexec``: one clear line, printed once, exit status 2 on every rank, nothing left behind.
+
+Every row launches ``mpiexec -n N python -m mpitp ...`` (2 ranks unless the row needs 4) in a scratch directory and
+checks that the job ends with status 2 within 20 seconds (40 for an unknown task: its suggestions need lm-eval's
+index of every stock task), that the message is on exactly one line of stderr (not once per rank), that no traceback
+is shown and that an existing results file is left byte for byte as it was.
+
+``MPITP_BAD_INPUT_TABLE=docs/bad-input.md pytest tests/test_bad_input.py`` rewrites the Markdown table of the actual
+messages (the README's "bad input" section).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, explain, run_mpi
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    input: str  # what is wrong, for the table
+    n: int
+    args: tuple[str, ...]
+    message: str  # the one line printed (a prefix when ``prefix``)
+    prefix: bool = False
+    keep: tuple[str, ...] = ()  # files that must be byte-identical afterwards
+    bound: float = 20.0  # seconds from launch until every rank is gone
+
+
+def _click(msg: str) -> str:
+    return f"Error: {msg}"
+
+
+def _err(msg: str) -> str:
+    return f"mpitp: error: {msg}"
+
+
+# Paths are relative to the scratch directory the job runs in (see ``scratch``).
+ROWS = [
+    Row("missing-model", "model path does not exist", 2, ("eval", "--demo", "--model", "./no-such-model"),
+        _err("model path ./no-such-model does not exist")),
+    Row("not-a-model", "directory that is not a HF model", 2, ("eval", "--demo", "--model", "./not-a-model"),
+        _err("model path ./not-a-model is not a Hugging Face model directory (no config.json)")),
+    Row("tp-world", "`--tp` does not divide the world size", 2, ("eval", "--demo", "--tp", "4"),
+        _err("tp=4 does not divide world size 2")),
+    Row("tp-heads", "`--tp` does not divide the attention / KV heads", 4,
+        ("eval", "--demo", "--model", "./six-heads", "--tp", "4"),
+        _err("tp=4 does not divide the model's 6 attention heads")),
+    Row("unknown-task", "unknown task (close matches suggested)", 2, ("eval", "--demo", "--tasks", "mpitp_demo_m"),
+        _err("unknown task 'mpitp_demo_m'; did you mean: mpitp_demo_mc"), prefix=True,
+        bound=40.0),  # lm-eval indexes its ~15k stock task YAMLs for the suggestions: ~5 s more CPU than other rows
+    Row("limit-0", "`--limit 0`", 2, ("eval", "--demo", "--limit", "0"),
+        _click("Invalid value for '--limit': must be > 0, got 0")),
+    Row("limit-negative", "`--limit -1`", 2, ("eval", "--demo", "--limit", "-1"),
+        _click("Invalid value for '--limit': must be > 0, got -1")),
+    Row("batch-size-0", "`--batch-size 0`", 2, ("eval", "--demo", "--batch-size", "0"),
+        _click("Invalid value for '--batch-size': must be >= 1, got 0")),
+    Row("unwritable-output", "output cannot be written (its parent is a file)", 2,
+        ("eval", "--demo", "--output", "./notes.txt/out.h5"),
+        _err("cannot write output ./notes.txt/out.h5: {scratch}/notes.txt is not a directory"),
+        keep=("notes.txt",)),
+    Row("output-exists", "output exists, neither `--resume` nor `--overwrite`", 2,
+        ("eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "2", "--output", "results.h5"),
+        _err("output results.h5 already exists: pass --resume to continue it or --overwrite to replace it"),
+        keep=("results.h5",)),
+    Row("resume-other-limit", "`--resume` a file made with other settings (`--limit`)", 2,
+        ("eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "3", "--output", "results.h5", "--resume"),
+        _err("cannot resume results.h5: different settings: limit 2 in the file, 3 now"), keep=("results.h5",)),
+    Row("resume-other-model", "`--resume` a file made with another model", 2,
+        ("eval", "--demo", "--model", "./six-heads", "--tasks", "mpitp_demo_mc", "--limit", "2",
+         "--output", "results.h5", "--resume"),
+        _err("cannot resume results.h5: different settings: model {demo_model!r} in the file, './six-heads' now"),
+        keep=("results.h5",)),
+    Row("resume-corrupt", "`--resume` a file that is not HDF5", 2,
+        ("eval", "--demo", "--output", "corrupt.h5", "--resume"),
+        _err("cannot resume corrupt.h5: not an mpitp results file ("), prefix=True, keep=("corrupt.h5",)),
+    Row("bad-job-file", "malformed job file (`mpitp run`)", 2, ("run", "bad-job.yaml"),
+        _err("bad-job.yaml: run 1 ('demo-mpitp_demo_mc'): field 'tp': expected a positive integer, got 'two'")),
+    Row("missing-include-path", "`--include-path` does not exist", 2,
+        ("eval", "--demo", "--include-path", "./no-such-dir"), _err("--include-path ./no-such-dir: no such directory")),
+    Row("missing-data-dir", "`--data-dir` does not exist", 2, ("eval", "--demo", "--data-dir", "./no-such-dir"),
+        _err("--data-dir ./no-such-dir: no such directory")),
+    Row("timeout-not-a-number", "`--timeout abc`", 2, ("eval", "--demo", "--timeout", "abc"),
+        _click("Invalid value for '--timeout': expected a number of seconds, got 'abc'")),
+]
+
+_seen: dict[str, tuple[Row, str]] = {}  # row id -> (row, the actual line), for the table
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A directory holding every file the rows point at, and a real (complete) results file made by a demo run."""
+    d = tmp_path_factory.mktemp("bad_input")
+    (d / "not-a-model").mkdir()
+    (d / "not-a-model" / "README").write_text("not a model\n")
+    six = d / "six-heads"  # config only: the head check runs before any weight is read
+    six.mkdir()
+    (six / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=48, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6, head_dim=8, vocab_size=512,
+        max_position_embeddings=256)))
+    (d / "notes.txt").write_text("a regular file, not a directory\n")
+    (d / "corrupt.h5").write_bytes(b"this is not an HDF5 file\n" * 10)
+    (d / "bad-job.yaml").write_text("runs:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n    tp: two\n"
+                                    "    output: out.h5\n")
+    proc = run_mpi(1, ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "2", "--bootstrap-iters", "0",
+                       "--output", "results.h5"], timeout=300, cwd=str(d))
+    assert proc.returncode == 0, explain(proc)
+    from mpitp.results import open_h5
+
+    with open_h5(str(d / "results.h5")) as f:
+        assert f.attrs["status"] == "complete"
+        demo_model = json.loads(f.attrs["config_json"])["model"]
+    yield d, demo_model
+    table = os.environ.get("MPITP_BAD_INPUT_TABLE")
+    if table and len(_seen) == len(ROWS):
+        _write_table(Path(table), d)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input(row, scratch):
+    d, demo_model = scratch
+    before = {name: _digest(d / name) for name in row.keep}
+    proc = run_mpi(row.n, list(row.args), timeout=120, cwd=str(d))
+    message = row.message.format(scratch=d, demo_model=demo_model)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, explain(proc)
+    assert proc.elapsed < row.bound, f"job took {proc.elapsed:.1f} s\n{explain(proc)}"
+    assert "Traceback" not in out, explain(proc)
+    lines = [ln for ln in proc.stderr.splitlines() if message in ln]
+    assert len(lines) == 1 and out.count(message) == 1, f"message printed {out.count(message)} times\n{explain(proc)}"
+    line = lines[0]
+    assert line.startswith(message) if row.prefix else line == message, explain(proc)
+    for name, digest in before.items():
+        assert _digest(d / name) == digest, f"{name} was modified"
+    assert not list(d.glob("*.tmp*")), "a temporary results file was left behind"
+    _seen[row.id] = (row, line)
+
+
+def _write_table(path: Path, scratch: Path) -> None:
+    home = str(Path.home())
+
+    def clean(s: str) -> str:
+        return s.replace(str(scratch), "$PWD").replace(home, "~").replace("|", "\\|")
+
+    lines = ["| input | command | message |", "|---|---|---|"]
+    for row in ROWS:
+        _, line = _seen[row.id]
+        cmd = f"mpiexec -n {row.n} mpitp {' '.join(row.args)}"
+        lines.append(f"| {clean(row.input)} | `{clean(cmd)}` | `{clean(line)}` |")
+    text = ("# Bad input\n\n"
+            "What `mpitp` prints for common mistakes, measured by `tests/test_bad_input.py` under a real `mpiexec`. "
+            "Each is one line, printed once (by rank 0, not once per rank); every rank exits with status 2 within "
+            "seconds, before any model weights are loaded, and an existing results file is left untouched. Option "
+            "errors caught while parsing the command line are shown by click as `Usage: ...` / "
+            "`Try 'mpitp eval --help' for help.` followed by the `Error:` line below.\n\n"
+            + "\n".join(lines) + "\n")
+    path = path if path.is_absolute() else REPO / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -1,0 +1,335 @@
+"""Fault drills under a real ``mpiexec``: kills, signals, a crashing worker, a stalled rank 0, OOM, random chunking.
+
+Each drill checks the exit status, how long the job took to go away, and the HDF5 file left behind: it must open,
+keep the rows computed so far with status ``running``, and ``--resume`` must finish it with the results of an
+uninterrupted run (``mpitp inspect diff`` exits 0). Kills land mid-run: the drill polls the results file until rows
+appear and only then strikes. Rank pids come from the processes under ``mpiexec`` (their ``PMI_RANK``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import OFFLINE_ENV, STORIES, explain, mpiexec_path, run_mpi
+
+psutil = pytest.importorskip("psutil")
+
+# 4 ranks = dp 2 x tp 2 on the demo model, batch size 1: rows land within a second of the start of the evaluation
+# and several seconds of work remain after them, so a strike as soon as rows appear lands mid-run.
+DEMO = ["eval", "--demo", "--tp", "2", "--batch-size", "1", "--limit", "6", "--bootstrap-iters", "0"]
+GONE_AFTER_KILL = 30.0  # seconds from SIGKILL of a rank until every rank has gone
+GONE_AFTER_SIGNAL = 15.0  # seconds from SIGTERM / SIGINT to mpiexec until every rank has gone
+
+
+def file_rows(path) -> tuple[str | None, int]:
+    """(status, number of request rows) of a results file, (None, 0) while it does not exist or cannot be read."""
+    from mpitp.results import open_h5
+
+    try:
+        with open_h5(str(path)) as f:
+            n = sum(len(g["requests/doc_id"]) for g in f["tasks"].values()) if "tasks" in f else 0
+            return str(f.attrs.get("status")), n
+    except (OSError, KeyError):
+        return None, 0
+
+
+def inspect_diff(a, b, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpitp", "inspect", "diff", str(a), str(b), *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+class Launch:
+    """``mpiexec -n N python -m mpitp ARGS`` in its own session; output lines are kept with their arrival time."""
+
+    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None):
+        cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpitp", *args]
+        self.t0 = time.monotonic()
+        self.t_end: float | None = None
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                                     env={**os.environ, **OFFLINE_ENV, **(env or {})}, start_new_session=True)
+        self.out: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
+        self.readers = [threading.Thread(target=self._read, args=(s, name), daemon=True)
+                        for s, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
+        for t in self.readers:
+            t.start()
+        self.pids: dict[int, int] = {}
+
+    def _read(self, stream, name):
+        for raw in iter(stream.readline, b""):
+            self.out[name].append((time.monotonic(), raw.decode("utf-8", "replace")))
+
+    @property
+    def stdout(self) -> str:
+        return "".join(s for _, s in self.out["stdout"])
+
+    @property
+    def stderr(self) -> str:
+        return "".join(s for _, s in self.out["stderr"])
+
+    def explain(self) -> str:
+        return f"exit {self.proc.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
+
+    def rank_pids(self) -> dict[int, int]:
+        """Global rank -> pid of the python processes under this mpiexec."""
+        found = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                env = child.environ()
+            except (psutil.Error, OSError):
+                continue
+            if "PMI_RANK" in env and child.pid not in found.values():
+                found[int(env["PMI_RANK"])] = child.pid
+        self.pids.update(found)
+        return found
+
+    def wait_rows(self, path, more_than: int = 0, timeout: float = 180) -> int:
+        """Poll the results file until it holds more than ``more_than`` rows; fail if the job ends first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, n = file_rows(path)
+            if n > more_than:
+                return n
+            if self.proc.poll() is not None:
+                self.wait()
+                pytest.fail(f"job ended before writing rows ({n} rows)\n{self.explain()}")
+            time.sleep(0.05)
+        pytest.fail(f"no rows after {timeout} s\n{self.explain()}")
+
+    def wait(self, timeout: float = 300) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self.t_end = time.monotonic()
+        for t in self.readers:
+            t.join(timeout=10)
+        return rc
+
+    def ranks_alive(self) -> list[int]:
+        alive = []
+        for rank, pid in self.pids.items():
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(rank)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def gone_within(self, t_strike: float, bound: float) -> float:
+        """Wait for mpiexec and every rank to go; returns seconds since ``t_strike`` (asserts ``bound``)."""
+        try:
+            self.wait(timeout=bound + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"mpiexec still running {bound + 30:.0f} s after the strike (ranks alive: "
+                        f"{self.ranks_alive()})\n{self.explain()}")
+        while self.ranks_alive() and time.monotonic() - t_strike < bound:
+            time.sleep(0.1)
+        took = time.monotonic() - t_strike
+        assert not self.ranks_alive(), f"ranks {self.ranks_alive()} outlived mpiexec"
+        assert took < bound, f"job took {took:.1f} s to go away (bound {bound} s)\n{self.explain()}"
+        return took
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in self.pids.values():  # ranks are ours; hydra may have put them in another process group
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+STALL_OK_S = 1  # seconds rank 0 sleeps after each chunk it computes, in the reference run
+STALL_OK_TIMEOUT = 20
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every resumed drill must reproduce. It doubles as the stall drill that must complete:
+    rank 0 sleeps ``STALL_OK_S`` after each of its chunks while its peers wait under ``--timeout STALL_OK_TIMEOUT``."""
+    out = tmp_path_factory.mktemp("faults_ref") / "reference.h5"
+    proc = run_mpi(4, DEMO + ["--timeout", str(STALL_OK_TIMEOUT), "--output", str(out)],
+                   env={"MPITP_TEST_STALL": f"between_chunks:{STALL_OK_S}"}, timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    status, n = file_rows(out)
+    assert status == "complete" and n > 0
+    return out, n, proc.elapsed
+
+
+def _strike(out, more_than: int, total: int, strike, bound: float, label: str, report: list, resume: bool) -> int:
+    """Launch the demo run (or its resumption), strike once rows beyond ``more_than`` land, check it all went."""
+    with Launch(4, DEMO + ["--output", str(out)] + (["--resume"] if resume else [])) as job:
+        job.wait_rows(out, more_than)
+        pids = job.rank_pids()
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        seen = file_rows(out)[1]
+        t_strike = time.monotonic()
+        strike(job)
+        took = job.gone_within(t_strike, bound)
+        assert job.proc.returncode != 0, job.explain()
+        assert "Traceback" not in job.stdout, job.explain()
+    status, kept = file_rows(out)
+    assert status == "running", f"status {status!r} after {label}"
+    assert seen <= kept < total, (seen, kept, total)  # struck mid-run, and nothing already stored was lost
+    said = re.findall(r"(\[rank \d+\] (?:mpitp: fatal [^:]+|interrupted))", job.stderr)
+    report.append(f"{label}: rows {more_than} -> {kept} of {total} stored (seen {seen} at the strike), "
+                  f"all ranks gone {took:.2f} s after it, mpiexec exit {job.proc.returncode}; ranks said {said}")
+    return kept
+
+
+def _finish(out, reference, report: list, kept: int) -> None:
+    ref, total, _ = reference
+    proc = run_mpi(4, DEMO + ["--output", str(out), "--resume"], timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    reused = sum(int(m) for m in re.findall(r"resume: reusing (\d+) of", proc.stderr))
+    assert reused == kept, (reused, kept, proc.stderr[-3000:])
+    status, n = file_rows(out)
+    assert (status, n) == ("complete", total)
+    diff = inspect_diff(out, ref)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    report.append(f"resume: reused {kept}, recomputed {total - kept} of {total} requests, wall {proc.elapsed:.1f} s; "
+                  f"inspect diff vs reference: same")
+
+
+def _kill_rank(rank: int):
+    return lambda job: os.kill(job.pids[rank], signal.SIGKILL)
+
+
+def _signal_mpiexec(sig):
+    return lambda job: job.proc.send_signal(sig)
+
+
+def test_sigkill_tp_worker_then_rank0_then_resume(reference, tmp_path):
+    """SIGKILL a TP worker (global rank 3, of DP group 1) mid-run; resume; SIGKILL global rank 0 mid-resume; resume."""
+    out = tmp_path / "killed.h5"
+    report: list[str] = []
+    total = reference[1]
+    kept = _strike(out, 0, total, _kill_rank(3), GONE_AFTER_KILL, "SIGKILL rank 3 (TP worker)", report,
+                   resume=False)
+    kept = _strike(out, kept, total, _kill_rank(0), GONE_AFTER_KILL, "SIGKILL rank 0 (during --resume)", report,
+                   resume=True)
+    _finish(out, reference, report, kept)
+    print("\n".join(report))
+
+
+def test_sigterm_then_sigint_to_mpiexec_then_resume(reference, tmp_path):
+    """SIGTERM to mpiexec mid-run; resume; SIGINT (Ctrl-C) to mpiexec mid-resume; resume."""
+    out = tmp_path / "signalled.h5"
+    report: list[str] = []
+    total = reference[1]
+    kept = _strike(out, 0, total, _signal_mpiexec(signal.SIGTERM), GONE_AFTER_SIGNAL, "SIGTERM to mpiexec", report,
+                   resume=False)
+    kept = _strike(out, kept, total, _signal_mpiexec(signal.SIGINT), GONE_AFTER_SIGNAL,
+                   "SIGINT to mpiexec (during --resume)", report, resume=True)
+    _finish(out, reference, report, kept)
+    print("\n".join(report))
+
+
+def test_exception_on_one_worker(tmp_path):
+    """A Python exception on TP worker rank 1: printed once with its rank, the whole job ends at once."""
+    out = tmp_path / "raised.h5"
+    with Launch(4, ["eval", "--demo", "--tp", "2", "--tasks", "mpitp_demo_mc", "--limit", "4", "--output", str(out)],
+                env={"MPITP_TEST_RAISE": "1:3"}) as job:
+        rc = job.wait(timeout=300)
+    assert rc != 0, job.explain()
+    text = job.stdout + job.stderr
+    # Ranks share one stderr: the message may follow rank 0's progress bar on the same line (tqdm ends none).
+    fatal = [(t, line) for t, line in job.out["stderr"] if "mpitp: fatal" in line]
+    assert len(fatal) == 1 and text.count("mpitp: fatal") == 1, job.explain()
+    t_error, line = fatal[0]
+    assert "[rank 1] mpitp: fatal RuntimeError: test hook: injected failure on rank 1 after 3 forwards" in line, line
+    took = job.t_end - t_error
+    assert took < 10, f"job ended {took:.1f} s after the error\n{job.explain()}"
+    status, n = file_rows(out)
+    assert status == "running", status
+    print(f"exception on rank 1: job gone {took:.2f} s after the error was printed, mpiexec exit {rc}, "
+          f"{n} rows kept, total wall {job.t_end - job.t0:.1f} s")
+
+
+def test_stall_shorter_than_timeout_completes(reference):
+    out, n, wall = reference
+    print(f"{STALL_OK_S} s stalls of rank 0 after each of its chunks, --timeout {STALL_OK_TIMEOUT}: complete, "
+          f"{n} rows, wall {wall:.1f} s")
+
+
+STALL_TASK = ["eval", "--demo", "--tp", "2", "--tasks", "mpitp_demo_mc", "--limit", "4", "--batch-size", "1",
+              "--bootstrap-iters", "0"]
+
+
+def test_stall_longer_than_timeout_fails_naming_the_phase(tmp_path):
+    out = tmp_path / "stall.h5"
+    with Launch(4, STALL_TASK + ["--timeout", "10", "--output", str(out)],
+                env={"MPITP_TEST_STALL": "between_chunks:40"}) as job:
+        job.wait_rows(out)
+        t_rows = time.monotonic()
+        try:
+            rc = job.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after the first rows\n{job.explain()}")
+    took = job.t_end - t_rows
+    assert rc != 0, job.explain()
+    assert took < 25, f"job ended {took:.1f} s after the first rows (stall 40 s, timeout 10 s)\n{job.explain()}"
+    phases = re.findall(r"timed out after 10 s in phase '([^']+)'", job.stderr)
+    assert phases, job.explain()
+    assert set(phases) <= {"TP worker waiting for its leader", "DP leader waiting for work from rank 0"}, phases
+    fatal = re.findall(r"\[rank (\d+)\] mpitp: fatal DeadlineError", job.stderr)
+    assert fatal, job.explain()
+    status, n = file_rows(out)
+    assert status == "running" and n > 0, (status, n)
+    print(f"40 s stall of rank 0, --timeout 10: failed {took:.1f} s after the first rows "
+          f"(total wall {job.t_end - job.t0:.1f} s), ranks {fatal} reported phase(s) {sorted(set(phases))}, "
+          f"{n} rows kept")
+
+
+def test_oom_retry_gives_the_same_results(tmp_path):
+    args = ["eval", "--demo", "--tp", "1", "--tasks", "mpitp_demo_mc,mpitp_demo_ppl", "--limit", "6", "--batch-size",
+            "4", "--bootstrap-iters", "0"]
+    plain, hooked = tmp_path / "plain.h5", tmp_path / "oom.h5"
+    p1 = run_mpi(1, args + ["--output", str(plain)], timeout=300)
+    assert p1.returncode == 0, explain(p1)
+    p2 = run_mpi(1, args + ["--output", str(hooked)], env={"MPITP_TEST_OOM_ABOVE": "1"}, timeout=300)
+    assert p2.returncode == 0, explain(p2)
+    retries = re.findall(r"out of memory on a batch of (\d+) rows .*; retrying with batch size (\d+)", p2.stderr)
+    assert retries, explain(p2)
+    assert "out of memory" not in p1.stderr
+    assert file_rows(hooked)[0] == "complete"
+    diff = inspect_diff(hooked, plain)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    print(f"OOM hook: {len(retries)} retries logged (e.g. {retries[0][0]} -> {retries[0][1]} rows), "
+          f"same results; walls {p1.elapsed:.1f} s / {p2.elapsed:.1f} s")
+
+
+def test_stress_random_chunks_two_layouts(test_tasks, tmp_path):
+    """~2000 requests of all three kinds, random chunk sizes, dp 2 x tp 2 and dp 4: same results, no hang."""
+    args = ["eval", "--demo", "--model", str(STORIES), "--include-path", test_tasks, "--tasks",
+            "arc_easy_local,lambada_openai_local,mpitp_demo_ppl,mpitp_demo_gen", "--limit", "400", "--batch-size", "8",
+            "--bootstrap-iters", "0", "--timeout", "120"]
+    outs = []
+    for seed, tp in (("1", "2"), ("2", "1")):
+        out = tmp_path / f"seed{seed}-tp{tp}.h5"
+        proc = run_mpi(4, args + ["--tp", tp, "--output", str(out)], env={"MPITP_TEST_CHUNK_SEED": seed}, timeout=300)
+        assert proc.returncode == 0, explain(proc)
+        status, n = file_rows(out)
+        assert status == "complete" and n >= 2000, (status, n)
+        print(f"stress seed {seed} tp {tp}: {n} requests, wall {proc.elapsed:.1f} s")
+        outs.append(out)
+    diff = inspect_diff(outs[0], outs[1], "--rtol", "1e-5")
+    assert diff.returncode == 0, diff.stdout + diff.stderr
