@@ -31,8 +31,12 @@ class Chunk:
 
 
 def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_group: int = 4,
-                max_items: int | None = None) -> list[Chunk]:
-    """Cut ``items`` (sorted by weight, heaviest first) into chunks of about ``total / (n_groups * per_group)``."""
+                max_items: int | None = None, min_items: int = 1) -> list[Chunk]:
+    """Cut ``items`` (sorted by weight, heaviest first) into chunks of about ``total / (n_groups * per_group)``.
+
+    A chunk holds a multiple of ``min_items`` (the batch size) where it can: a group batches only within a chunk,
+    so a smaller one would run short batches (fewer prompts per ``generate`` call, more decode steps).
+    """
     if not items:
         return []
     order = sorted(range(len(items)), key=lambda i: -weights[i])
@@ -42,7 +46,8 @@ def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_g
     for i in order:
         cur.append(i)
         cur_w += weights[i]
-        if cur_w >= target or (max_items and len(cur) >= max_items):
+        full = len(cur) % min_items == 0
+        if (cur_w >= target and full) or (max_items and len(cur) >= max_items):
             chunks.append(cur)
             cur, cur_w = [], 0
     if cur:
@@ -65,7 +70,7 @@ class Dispatcher:
     """
 
     def __init__(self, layout, compute, timeout: float, stats, prefetch: int = 2, per_group: int = 4,
-                 progress=None):
+                 progress=None, batch_size: int = 1):
         self.comm = layout.dp_leader_comm
         self.n_groups = layout.dp
         self.compute = compute
@@ -74,6 +79,7 @@ class Dispatcher:
         self.prefetch = prefetch
         self.per_group = per_group
         self.progress = progress
+        self.batch_size = batch_size
 
     def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
         """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land."""
@@ -83,7 +89,7 @@ class Dispatcher:
             import random
 
             per_group = random.Random(f"{seed}:{kind}:{len(items)}").randint(1, 16)
-        chunks = make_chunks(kind, items, weights, self.n_groups, per_group)
+        chunks = make_chunks(kind, items, weights, self.n_groups, per_group, min_items=self.batch_size)
         results: list = [None] * len(items)
         queue = deque(chunks)
         outstanding = 0

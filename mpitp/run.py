@@ -176,6 +176,9 @@ def _check_all(cfg: EvalConfig, tp: int, keep: dict) -> tuple[str, str]:
     if cfg.limit is not None and not cfg.limit > 0:
         raise UsageError(f"--limit must be > 0, got {cfg.limit:g}")
     check_dtype(cfg.dtype)
+    if cfg.gen_kwargs and "use_cache" in str(cfg.gen_kwargs):
+        raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
+                         "KV cache (it passes use_cache=True itself)")
     keep["include"] = offline_include(cfg)
     keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
     config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
@@ -324,7 +327,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
     progress = _Progress()
-    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, progress=progress)
+    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, progress=progress, batch_size=cfg.batch_size)
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""

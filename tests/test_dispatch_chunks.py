@@ -1,0 +1,29 @@
+"""Chunking arithmetic of the dispatcher (pure; the real dispatch runs in every mpiexec test)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mpitp.dispatch import make_chunks
+
+
+@pytest.mark.parametrize("n,groups,batch", [(1, 4, 1), (7, 2, 1), (100, 4, 4), (333, 3, 8), (50, 1, 16)])
+def test_chunks_cover_every_item_once_heaviest_first(n, groups, batch):
+    rng = random.Random(n)
+    weights = [rng.randint(1, 500) for _ in range(n)]
+    chunks = make_chunks("k", list(range(n)), weights, groups, min_items=batch)
+    seen = [i for c in chunks for i in c.indices]
+    assert sorted(seen) == list(range(n))
+    assert [c.items for c in chunks] == [list(c.indices) for c in chunks]
+    assert all(weights[a] >= weights[b] for a, b in zip(seen, seen[1:]))  # longest first
+    assert all(len(c.indices) % batch == 0 for c in chunks[:-1])  # whole batches except the tail
+
+
+def test_chunks_are_balanced_by_tokens_not_count():
+    weights = [1000] * 4 + [10] * 400  # four long requests, many short ones
+    chunks = make_chunks("k", list(range(404)), weights, n_groups=2, per_group=2)
+    loads = [sum(weights[i] for i in c.indices) for c in chunks]
+    assert max(loads) <= 2 * (sum(weights) / len(chunks))
+    assert len(chunks[0].indices) < len(chunks[-1].indices)  # long requests travel in small chunks
