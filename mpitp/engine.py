@@ -75,8 +75,10 @@ class TPEngine:
         return self.ops.size > 1
 
     def _control(self, msg: dict | None = None, phase: str = "TP control") -> dict:
-        out = mpicomm.bcast_obj(msg, self.layout.tp_comm, root=0, timeout=self.timeout, phase=phase)
-        return out
+        # Workers wait a little longer than their leader: when a stall upstream trips the deadline, the leader's
+        # message (which names the upstream phase) is the one the user sees.
+        timeout = self.timeout if self.layout.is_leader else self.timeout + 5.0
+        return mpicomm.bcast_obj(msg, self.layout.tp_comm, root=0, timeout=timeout, phase=phase)
 
     def _send_tensors(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:

@@ -72,7 +72,8 @@ def report_and_abort(exc: BaseException) -> None:
         _stderr().write(f"mpitp: error: {exc}\n")
         abort(USAGE_EXIT)
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    _stderr().write(f"[rank {rank}] mpitp: fatal {type(exc).__name__}: {exc}\n{tb}")
+    # Leading newline: rank 0's progress bar may own the current terminal line.
+    _stderr().write(f"\n[rank {rank}] mpitp: fatal {type(exc).__name__}: {exc}\n{tb}")
     abort(1)
 
 

@@ -23,6 +23,7 @@ on clusters and there is only ever one writer. Set ``MPITP_HDF5_LOCKING=1`` to t
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from datetime import datetime, timezone
@@ -76,6 +77,8 @@ class ResultWriter:
     def __init__(self, path: str, meta: dict, resume: bool = False):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        for stale in glob.glob(glob.escape(path) + ".tmp*"):  # a snapshot a killed run did not finish
+            os.remove(stale)
         self.attrs: dict = {}
         self.tasks: dict[str, dict] = {}
         self.stats: list[dict] | None = None
