@@ -114,7 +114,9 @@ class VocabParallelHead:
         return logits
 
     def _blocks(self, n: int):
-        step = max(1, self.block_elems // max(1, self.weight.shape[0]))
+        # Sized from the *global* vocabulary: every rank must cut the same blocks, or their collectives would
+        # not pair up (uneven shards differ by a row).
+        step = max(1, self.block_elems // max(1, -(-self.vocab_size // self.ops.size)))
         for start in range(0, n, step):
             yield slice(start, min(n, start + step))
 

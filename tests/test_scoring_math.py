@@ -61,11 +61,17 @@ def _run_sharded(weight, h, targets, tp, block_elems=1 << 24):
     group = FakeGroup(tp)
     out: dict = {}
 
+    errors: list = []
+
     def rank_fn(r, lo, hi):
-        head = VocabParallelHead(weight=weight[lo:hi], offset=lo, vocab_size=weight.shape[0],
-                                 ops=FakeOps(group, r), block_elems=block_elems)
-        lp, greedy = head.score(h, targets)
-        out[r] = (lp, greedy, head.argmax(h), head.ops.reduce_counter.bytes)
+        try:
+            head = VocabParallelHead(weight=weight[lo:hi], offset=lo, vocab_size=weight.shape[0],
+                                     ops=FakeOps(group, r), block_elems=block_elems)
+            lp, greedy = head.score(h, targets)
+            out[r] = (lp, greedy, head.argmax(h), head.ops.reduce_counter.bytes)
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; a dead rank must fail the test
+            errors.append(exc)
+            group.barrier.abort()
 
     threads = [threading.Thread(target=rank_fn, args=(r, lo, hi)) for r, (lo, hi) in enumerate(_shards(
         weight.shape[0], tp))]
@@ -73,6 +79,9 @@ def _run_sharded(weight, h, targets, tp, block_elems=1 << 24):
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
+    assert sorted(out) == list(range(tp)), "every rank must finish"
     return out
 
 
@@ -87,7 +96,8 @@ def test_matches_log_softmax(vocab, tp):
     targets[:5] = logits[:5].argmax(-1)  # some greedy hits
     ref_lp = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
     ref_greedy = logits.argmax(-1) == targets
-    out = _run_sharded(weight, h, targets, tp, block_elems=vocab * 8)  # several blocks
+    out = _run_sharded(weight, h, targets, tp, block_elems=vocab * 8)  # several blocks (uneven shards too)
+    assert len(out) == tp
     for r, (lp, greedy, am, nbytes) in out.items():
         torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
         assert torch.equal(greedy, ref_greedy)
