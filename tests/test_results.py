@@ -309,7 +309,8 @@ def test_resume_with_another_layout_equals_uninterrupted(tmp_path):
     assert digest(partial) == before
 
     # ... nor with another --limit (the check itself, with the settings the file was made with)
-    from mpitp.run import EvalConfig, check_resumable
+    from mpitp.checks import check_resumable
+    from mpitp.run import EvalConfig
 
     stored = json.loads(attrs(partial)["config_json"])
     check_resumable(str(partial), EvalConfig(**stored))  # identical settings: accepted

@@ -1,0 +1,145 @@
+"""Checks of an evaluation's input, all on rank 0 and all before any model loads.
+
+Each failure is a one-line :class:`UsageError` that spells out what is wrong (``tp=3 does not divide ...``,
+``unknown task 'arc_esy'; did you mean: arc_easy?``, ``cannot resume X: different settings: limit 2 in the file,
+3 now``); :func:`mpitp.runtime.agree` shares the verdict so every rank exits together.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import time
+
+from .errors import UsageError
+
+log = logging.getLogger("mpitp")
+
+
+def _paths(include_path) -> list[str]:
+    return [include_path] if isinstance(include_path, str) else list(include_path or [])
+
+
+def task_manager(tasks: list[str], include_path):
+    """lm-eval's TaskManager; skips indexing the ~thousands of stock YAMLs when the include path has every task."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        tm = TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR")
+        if all(t in tm.all_tasks for t in tasks):
+            return tm
+    return TaskManager(include_path=include_path or None, verbosity="ERROR")
+
+
+def offline_include(cfg) -> list[str]:
+    """With ``--data-dir``, write override YAMLs for the stock tasks asked for and put them on the include path."""
+    if not cfg.data_dir:
+        return _paths(cfg.include_path)
+    import tempfile
+
+    from .offline import STOCK_TASKS, write_task_yamls
+
+    out = tempfile.mkdtemp(prefix="mpitp-tasks-")
+    write_task_yamls(cfg.data_dir, out, [t for t in cfg.tasks if t in STOCK_TASKS])
+    return _paths(cfg.include_path) + [out]
+
+
+def _remove_generated(include: list[str] | None) -> None:
+    """Remove the override YAMLs :func:`offline_include` wrote (rank 0, after the run)."""
+    import shutil
+    import tempfile
+
+    for path in include or []:
+        if os.path.basename(path).startswith("mpitp-tasks-") and os.path.dirname(path) == tempfile.gettempdir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def check_tasks(tasks: list[str], include_path):
+    """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
+    for path in _paths(include_path):
+        if not os.path.isdir(path):
+            raise UsageError(f"--include-path {path}: no such directory")
+    if not tasks:
+        raise UsageError("no tasks given: pass --tasks a,b (or --demo)")
+    tm = task_manager(tasks, include_path)
+    known = set(tm.all_tasks)
+    for t in tasks:
+        if t not in known:
+            close = difflib.get_close_matches(t, sorted(known), n=5, cutoff=0.6)
+            hint = f"; did you mean: {', '.join(close)}?" if close else ""
+            raise UsageError(f"unknown task '{t}'{hint}")
+    return tm
+
+
+def default_output(model: str) -> str:
+    name = os.path.basename(os.path.normpath(model)) or "model"
+    return os.path.join("results", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.h5")
+
+
+def check_output(cfg) -> str:
+    """Resolve the output path; refuse to overwrite silently and fail early when it cannot be written."""
+    out = cfg.output or default_output(cfg.model)
+    if cfg.resume and cfg.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other: pick one")
+    if os.path.exists(out):
+        if os.path.isdir(out):
+            raise UsageError(f"output {out} is a directory")
+        if not (cfg.resume or cfg.overwrite):
+            raise UsageError(f"output {out} already exists: pass --resume to continue it or --overwrite to replace it")
+        if cfg.resume:
+            check_resumable(out, cfg)
+    elif cfg.resume:
+        log.info("--resume: %s does not exist yet, starting a new run", out)
+    probe_dir = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        raise UsageError(f"cannot write output {out}: {probe_dir} is not a directory")
+    try:  # os.access says yes to root on read-only mounts: try for real
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".mpitp-probe-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write output {out}: {probe_dir}: {exc.strerror or exc}") from None
+    return out
+
+
+def check_resumable(path: str, cfg) -> None:
+    """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
+    from .results import open_h5
+
+    try:
+        with open_h5(path) as f:
+            stored = json.loads(f.attrs["config_json"])
+    except (OSError, KeyError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"cannot resume {path}: not an mpitp results file ({reason})") from None
+    now = json.loads(json.dumps(cfg.identity()))
+    diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
+             if stored.get(k) != now.get(k)]
+    if diffs:
+        raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
+
+
+def _check_all(cfg, tp: int, keep: dict) -> tuple[str, str]:
+    from .model import check_dtype, check_tp, load_config
+
+    if cfg.data_dir and not os.path.isdir(cfg.data_dir):
+        raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
+    if cfg.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
+    if cfg.limit is not None and not cfg.limit > 0:
+        raise UsageError(f"--limit must be > 0, got {cfg.limit:g}")
+    check_dtype(cfg.dtype)
+    if cfg.gen_kwargs and "use_cache" in str(cfg.gen_kwargs):
+        raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
+                         "KV cache (it passes use_cache=True itself)")
+    keep["include"] = offline_include(cfg)
+    keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
+    config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
+    check_tp(config, tp)
+    out = check_output(cfg)
+    return out, cfg.tokenizer or cfg.model
