@@ -12,7 +12,7 @@ import click
 
 from . import __version__
 from .comm import DEFAULT_TIMEOUT
-from .errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort
+from .errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort, world_rank
 
 
 def _positive_float(ctx, param, value):
@@ -62,11 +62,6 @@ def _register_optional():
     register(cli)
 
 
-def _rank() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
-
 
 def main(argv=None) -> None:
     install_excepthook()
@@ -76,17 +71,17 @@ def main(argv=None) -> None:
     except UsageError as exc:
         if not exc.collective:
             report_and_abort(exc)
-        if _rank() == 0:
+        if world_rank() == 0:
             sys.stderr.write(f"mpitp: error: {exc}\n")
         sys.exit(USAGE_EXIT)
     except click.exceptions.Abort:
         # click turns Ctrl-C (KeyboardInterrupt) into Abort. A plain exit would leave this rank in MPI_Finalize
         # waiting for peers that never get there: abort the whole job instead, as the excepthook does.
-        sys.stderr.write(f"[rank {_rank()}] interrupted\n")
+        sys.stderr.write(f"[rank {world_rank()}] interrupted\n")
         abort(130)
     except click.ClickException as exc:
         # Option parsing is identical on every rank, so every rank fails together: print once.
-        if _rank() == 0:
+        if world_rank() == 0:
             exc.show()
         sys.exit(USAGE_EXIT if exc.exit_code == 2 else exc.exit_code)
     except click.exceptions.Exit as exc:

@@ -55,7 +55,7 @@ def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_g
     return [Chunk(cid, kind, tuple(ix), [items[i] for i in ix]) for cid, ix in enumerate(chunks)]
 
 
-def _stall_hook(where: str) -> None:
+def stall_hook(where: str) -> None:
     """Test-only: ``MPITP_TEST_STALL=<where>:<seconds>`` sleeps on rank 0 at that point (fault drills)."""
     spec = os.environ.get("MPITP_TEST_STALL", "")
     if spec.startswith(where + ":"):
@@ -140,7 +140,7 @@ class Dispatcher:
             if queue:
                 c = queue.popleft()
                 land(c.indices, self.compute(c.kind, c.items, tick))
-                _stall_hook("between_chunks")
+                stall_hook("between_chunks")
             elif outstanding:
                 receive(block=True)
         for s in sends:

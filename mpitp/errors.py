@@ -55,7 +55,8 @@ def abort(code: int = 1) -> None:
     os._exit(code)
 
 
-def _rank() -> int:
+def world_rank() -> int:
+    """This process's rank in COMM_WORLD (0 when MPI is not initialised)."""
     try:
         from mpi4py import MPI
 
@@ -66,7 +67,7 @@ def _rank() -> int:
 
 def report_and_abort(exc: BaseException) -> None:
     """Print ``exc`` once with the failing rank and bring the whole job down."""
-    rank = _rank()
+    rank = world_rank()
     if isinstance(exc, UsageError):
         # A usage error raised on a single rank (not agreed collectively) still ends the job with status 2.
         _stderr().write(f"mpitp: error: {exc}\n")
@@ -82,7 +83,7 @@ def install_excepthook() -> None:
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KeyboardInterrupt):
-            _stderr().write(f"[rank {_rank()}] interrupted\n")
+            _stderr().write(f"[rank {world_rank()}] interrupted\n")
             abort(130)
         report_and_abort(exc.with_traceback(tb))
 

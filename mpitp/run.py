@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from . import __version__
 from . import comm as mpicomm
 from .checks import _check_all, _remove_generated, check_tasks, offline_include
+from .dispatch import stall_hook
 from .runtime import Runtime, agree
 
 log = logging.getLogger("mpitp")
@@ -239,14 +240,8 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     finally:
         progress.close()
         dispatcher.shutdown()
-    _stall_hook("post_processing")
+    stall_hook("post_processing")
     return {"results": res, "writer": writer}
-
-
-def _stall_hook(where: str) -> None:
-    from .dispatch import _stall_hook as hook
-
-    hook(where)
 
 
 def _finish_root(state, all_stats, wall: float) -> None:
