@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 USAGE_EXIT = 2
+
+#: Seconds between writing the fatal message and calling ``MPI_Abort``. Hydra (MPICH's launcher) kills every rank as
+#: soon as it learns of the abort, and a message still in the pipe to its proxy was lost in about one run of ten
+#: (measured with stderr piped); this pause lets the proxy forward it first.
+ABORT_GRACE_S = 0.5
 
 
 class UsageError(Exception):
@@ -49,6 +55,7 @@ def abort(code: int = 1) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             _stderr().flush()
+            time.sleep(ABORT_GRACE_S)
             MPI.COMM_WORLD.Abort(code)
     except Exception:  # pragma: no cover - last resort
         pass
