@@ -3,7 +3,7 @@
 The package is layered; each layer only imports the ones above it in this list:
 
 - ``world``, ``comm``, ``errors``: the MPI process world, object collectives with deadlines, failure containment.
-- ``layout``: the explicit dp x tp layout object (no global process-group state anywhere).
+- ``layout``: the explicit dp x pp x tp layout object (no global process-group state anywhere).
 - ``tpgroup``: one torch.distributed world per TP replica, brokered over MPI.
 - ``model``, ``scoring``, ``engine``: TP-sharded loading, vocab-parallel scoring, the leader/worker protocol.
 - ``dispatch``, ``lm``: lm-eval requests sharded across DP groups.

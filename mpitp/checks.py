@@ -124,8 +124,9 @@ def check_resumable(path: str, cfg) -> None:
         raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
 
 
-def _check_all(cfg, tp: int, keep: dict) -> tuple[str, str]:
+def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
     from .model import check_dtype, check_tp, load_config
+    from .pipeline import check_pp
 
     if cfg.data_dir and not os.path.isdir(cfg.data_dir):
         raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
@@ -141,5 +142,6 @@ def _check_all(cfg, tp: int, keep: dict) -> tuple[str, str]:
     keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
     config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
     check_tp(config, tp)
+    check_pp(config, pp)
     out = check_output(cfg)
     return out, cfg.tokenizer or cfg.model

@@ -35,8 +35,10 @@ def runtime_options(f):
     f = click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="Torch threads per rank (default: cores per node / ranks per node).")(f)
     f = click.option("--device", default=None, help="Device override, e.g. cpu or cuda:0 (default: auto).")(f)
+    f = click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Pipeline stages per model replica (TP inside each stage); dp = world size / (tp x pp).")(f)
     f = click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Tensor-parallel degree; dp = world size / tp.")(f)
+                     help="Tensor-parallel degree; dp = world size / (tp x pp).")(f)
     return f
 
 
@@ -48,11 +50,13 @@ def cli():
 
 @cli.command()
 @runtime_options
-def info(tp, device, threads, timeout, log_all_ranks):
-    """Print the dp x tp layout, the MPI library and the torch backend (rank 0 prints)."""
+@click.option("--model", default=None, help="With --pp: print which decoder layers each stage of this model holds.")
+def info(tp, pp, device, threads, timeout, log_all_ranks, model):
+    """Print the dp x pp x tp layout, the MPI library and the torch backend (rank 0 prints)."""
     from .info import run_info
 
-    run_info(tp=tp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks)
+    run_info(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks,
+             model=model)
 
 
 def _register_optional():
@@ -144,8 +148,8 @@ def eval_options(f):
 @cli.command(name="eval")
 @runtime_options
 @eval_options
-def eval_cmd(tp, device, threads, timeout, log_all_ranks, **kw):
+def eval_cmd(tp, pp, device, threads, timeout, log_all_ranks, **kw):
     """Evaluate a model on lm-eval tasks: mpirun -n 4 mpitp eval --model M --tasks T --tp 2."""
     from .evalcmd import eval_main
 
-    eval_main(tp=tp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks, **kw)
+    eval_main(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks, **kw)

@@ -31,8 +31,13 @@ class Chunk:
 
 
 def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_group: int = 4,
-                max_items: int | None = None, min_items: int = 1) -> list[Chunk]:
-    """Cut ``items`` (sorted by weight, heaviest first) into chunks of about ``total / (n_groups * per_group)``.
+                max_items: int | None = None, min_items: int = 1, tail_split: int = 8) -> list[Chunk]:
+    """Cut ``items`` (sorted by weight, heaviest first) into token-balanced chunks that shrink towards the end.
+
+    Each chunk carries about ``remaining / (n_groups * per_group)`` tokens, but not less than ``1 / tail_split``
+    of the first chunk (guided self-scheduling): early chunks are large (few round trips), the last ones small, so
+    the groups finish within a small chunk of each other instead of one whole equal share (with equal chunks, dp=2
+    measured busy times of 16.5 s vs 18.2 s). With one group there is nothing to balance: equal chunks.
 
     A chunk holds a multiple of ``min_items`` (the batch size) where it can: a group batches only within a chunk,
     so a smaller one would run short batches (fewer prompts per ``generate`` call, more decode steps).
@@ -41,15 +46,20 @@ def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_g
         return []
     order = sorted(range(len(items)), key=lambda i: -weights[i])
     total = sum(weights)
-    target = max(1, total // max(1, n_groups * per_group))
-    chunks, cur, cur_w = [], [], 0
+    parts = max(1, n_groups * per_group)
+    first = max(1, total // parts)
+    floor = first if n_groups <= 1 else max(1, first // max(1, tail_split))
+    chunks, cur, cur_w, remaining = [], [], 0, total
+    target = max(floor, remaining // parts)
     for i in order:
         cur.append(i)
         cur_w += weights[i]
         full = len(cur) % min_items == 0
         if (cur_w >= target and full) or (max_items and len(cur) >= max_items):
             chunks.append(cur)
+            remaining -= cur_w
             cur, cur_w = [], 0
+            target = max(floor, remaining // parts)
     if cur:
         chunks.append(cur)
     return [Chunk(cid, kind, tuple(ix), [items[i] for i in ix]) for cid, ix in enumerate(chunks)]

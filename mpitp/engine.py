@@ -1,9 +1,14 @@
-"""Coordinator-forward inside one TP group: the leader drives, the workers mirror every forward.
+"""Coordinator-forward inside one model replica: the leader drives, every other rank mirrors each forward.
 
-Only the TP leader runs batching and HF ``generate``. Before each forward it sends a small control message over MPI
-(workers wait for it with a polled, sleeping receive rather than a spinning collective) and then the forward's
-tensors over the TP torch world; every rank then runs the same forward, so transformers' TP collectives line up.
-Workers keep their own KV-cache shards in step during generation, so each decode step ships only the new token ids.
+Only the replica's leader runs batching and HF ``generate``. Before each forward it sends a small control message
+over MPI (the others wait for it with a polled, sleeping receive rather than a spinning collective) and then the
+forward's tensors over the replica's torch world; every rank then runs its part of the same forward, so
+transformers' TP collectives line up. Workers keep their own KV-cache shards in step during generation, so each
+decode step ships only the new token ids.
+
+With pipeline stages (pp > 1) "its part" is its stage: stage 0 embeds and runs its layers, hands the activations
+to the next stage (micro-batched when scoring, so stages overlap), and the last stage scores vocab-parallel over its
+TP group; only O(tokens) scores (or, when generating, the chosen token ids) travel back to the leader.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import comm as mpicomm
+from .pipeline import HEAD_ONLY_KWARGS, StageLink, micro_batches
 from .scoring import CommCounter, TPOps, VocabParallelHead
 
 log = logging.getLogger("mpitp")
@@ -39,12 +45,14 @@ class Stats:
     forwards: int = 0
     tp: CommCounter = field(default_factory=CommCounter)
     tp_score: CommCounter = field(default_factory=CommCounter)
+    pp: CommCounter = field(default_factory=CommCounter)
     mpi_bytes: int = 0
 
     def as_dict(self) -> dict:
         return dict(busy_s=self.busy_s, requests=self.requests, tokens_scored=self.tokens_scored,
                     tokens_generated=self.tokens_generated, forwards=self.forwards, tp_bytes=self.tp.bytes,
-                    tp_calls=self.tp.calls, tp_score_bytes=self.tp_score.bytes, mpi_bytes=self.mpi_bytes)
+                    tp_calls=self.tp.calls, tp_score_bytes=self.tp_score.bytes, mpi_bytes=self.mpi_bytes,
+                    pp_bytes=self.pp.bytes)
 
 
 def _base(model):
@@ -63,7 +71,15 @@ class TPEngine:
         self.timeout = timeout
         self.stats = stats or Stats()
         self.ops = TPOps(size=tp_size, group=group, counter=self.stats.tp, reduce_counter=self.stats.tp_score)
-        self.head = VocabParallelHead.from_model(model, self.ops)
+        pp = getattr(layout, "pp", 1)
+        self.pipeline = pp > 1
+        # Control tensors go to the whole replica: with stages, that is the default world, not the TP group.
+        self.replica_ops = (TPOps(size=layout.replica_size, group=None, counter=self.stats.tp) if self.pipeline
+                            else self.ops)
+        self.link = StageLink(layout, self.stats.pp) if self.pipeline else None
+        self.last_stage = not self.pipeline or layout.last_stage
+        self.head = VocabParallelHead.from_model(model, self.ops) if self.last_stage else None
+        self._greedy = False
         self._cache = None
         self._buf: torch.Tensor | None = None
         self._sent: dict[str, torch.Tensor] = {}
@@ -72,23 +88,24 @@ class TPEngine:
     # ------------------------------------------------------------------ control plane (MPI)
     @property
     def has_workers(self) -> bool:
-        return self.ops.size > 1
+        return self.replica_ops.size > 1
 
     def _control(self, msg: dict | None = None, phase: str = "TP control") -> dict:
         # Workers wait a little longer than their leader: when a stall upstream trips the deadline, the leader's
         # message (which names the upstream phase) is the one the user sees.
         timeout = self.timeout if self.layout.is_leader else self.timeout + 5.0
-        return mpicomm.bcast_obj(msg, self.layout.tp_comm, root=0, timeout=timeout, phase=phase)
+        comm = getattr(self.layout, "replica_comm", None) or self.layout.tp_comm
+        return mpicomm.bcast_obj(msg, comm, root=0, timeout=timeout, phase=phase)
 
     def _send_tensors(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
-            self.ops.broadcast(t, src=0)
+            self.replica_ops.broadcast(t, src=0)
 
     def _recv_tensors(self, specs: list[tuple[tuple, str]]) -> list[torch.Tensor]:
         out = []
         for shape, dtype in specs:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            self.ops.broadcast(t, src=0)
+            self.replica_ops.broadcast(t, src=0)
             out.append(t)
         return out
 
@@ -149,7 +166,7 @@ class TPEngine:
         packed.copy_(flat)
         if self.has_workers:
             self._control({"op": OP_SCORE, "b": len(rows), "t": width, "n": len(sel)})
-            self.ops.broadcast(packed, src=0)
+            self.replica_ops.broadcast(packed, src=0)
         lp, greedy = self._score_local(packed, len(rows), width, len(sel))
         lp, greedy = lp.double().cpu(), greedy.cpu()
         owner_t = torch.tensor(owner, dtype=torch.long)
@@ -160,13 +177,53 @@ class TPEngine:
 
     @torch.no_grad()
     def _score_local(self, packed: torch.Tensor, b: int, t: int, n: int):
+        """(log p, is_greedy) of the ``n`` scored positions: on every rank without stages, on the leader with."""
         ids = packed[: b * t].view(b, t)
         sel = packed[b * t : b * t + n]
         tgt = packed[b * t + n :]
         self.stats.forwards += 1
+        if self.pipeline:
+            return self._score_pipeline(ids, sel, tgt)
         hidden = _base(self.model)(input_ids=ids, use_cache=False).last_hidden_state
         hs = hidden.reshape(b * t, -1).index_select(0, sel)
         return self.head.score(hs, tgt)
+
+    def _hidden_spec(self):
+        text = self.model.config.get_text_config()
+        return int(text.hidden_size), next(self.model.parameters()).dtype
+
+    def _score_pipeline(self, ids: torch.Tensor, sel: torch.Tensor, tgt: torch.Tensor):
+        """One batch through the stages in micro-batches (GPipe's forward half); scores come back to the leader."""
+        lay, link, base = self.layout, self.link, _base(self.model)
+        b, t = ids.shape
+        hidden_size, dtype = self._hidden_spec()
+        outs = []
+        for r0, r1 in micro_batches(b, lay.pp):
+            if lay.first_stage:
+                h = base(input_ids=ids[r0:r1], use_cache=False).last_hidden_state
+            else:
+                x = link.recv((r1 - r0, t, hidden_size), dtype, self.device)
+                h = base(inputs_embeds=x, use_cache=False).last_hidden_state
+            if lay.last_stage:
+                outs.append(h)
+            else:
+                link.send(h)  # asynchronous: this stage goes on with the next micro-batch
+        link.flush()
+        last0 = (lay.pp - 1) * lay.tp  # the last stage's TP rank 0 returns the scores
+        if lay.last_stage:
+            hs = torch.cat(outs).reshape(b * t, -1).index_select(0, sel)
+            lp, greedy = self.head.score(hs, tgt)
+            if lay.tp_rank == 0:
+                link.send(lp.float(), dst=0)
+                link.send(greedy.to(torch.uint8), dst=0)
+                link.flush()
+            return lp, greedy
+        if lay.is_leader:
+            n = sel.numel()
+            lp = link.recv((n,), torch.float32, self.device, src=last0)
+            greedy = link.recv((n,), torch.uint8, self.device, src=last0).bool()
+            return lp, greedy
+        return None, None
 
     # ------------------------------------------------------------------ generation
     @contextlib.contextmanager
@@ -181,7 +238,8 @@ class TPEngine:
         model = self.model
         if self.has_workers:
             self._control({"op": OP_GEN_BEGIN, "greedy": greedy})
-        restore_head = self._swap_head() if greedy else None
+        self._greedy = greedy
+        restore_head = self._swap_head() if greedy and not self.pipeline else None
         scoring_counter, self.ops.reduce_counter = self.ops.reduce_counter, CommCounter()  # argmax != scoring
         patched = "forward" in vars(model)
         original = model.forward
@@ -209,6 +267,9 @@ class TPEngine:
             self._control({"op": OP_GEN_FORWARD, "plain": plain, "specs": specs})
             self._send_tensors(tensors)
             self.stats.forwards += 1
+            if self.pipeline:
+                with torch.no_grad():
+                    return self._pipeline_forward(kwargs)
             return original(**kwargs)
 
         if self.has_workers:
@@ -253,8 +314,53 @@ class TPEngine:
             kwargs[k] = v
         self._sent.update({k: v for k, v in kwargs.items() if torch.is_tensor(v)})
         with torch.no_grad():
-            self.model(**kwargs)
+            if self.pipeline:
+                self._pipeline_forward(kwargs)
+            else:
+                self.model(**kwargs)
         self.stats.forwards += 1
+
+    def _pipeline_forward(self, kwargs: dict):
+        """One ``generate`` step through the stages, each with its own KV cache; returns the leader's output.
+
+        The last stage picks the next token vocab-parallel (greedy) and sends only the ids to the leader, which
+        hands HF a logits tensor that is 0 at that id and -inf elsewhere; for sampling it sends the last
+        position's gathered logits, and the leader's seeded generator samples.
+        """
+        lay, link, base = self.layout, self.link, _base(self.model)
+        kw = {k: v for k, v in kwargs.items() if k not in HEAD_ONLY_KWARGS}
+        ids = kw["input_ids"]
+        b = ids.shape[0]
+        if not lay.first_stage:
+            hidden_size, dtype = self._hidden_spec()
+            kw.pop("input_ids")
+            kw["inputs_embeds"] = link.recv((b, ids.shape[1], hidden_size), dtype, self.device)
+        h = base(**kw).last_hidden_state
+        if not lay.last_stage:
+            link.send(h)
+            link.flush()
+        last0 = (lay.pp - 1) * lay.tp
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        if lay.last_stage:
+            if self._greedy:
+                out = self.head.argmax(h[:, -1, :])
+            else:
+                out = self.model.get_output_embeddings()(h[:, -1:, :]).float()
+            if lay.tp_rank == 0:
+                link.send(out, dst=0)
+                link.flush()
+            return None
+        if not lay.is_leader:
+            return None
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if self._greedy:
+            tok = link.recv((b,), torch.long, self.device, src=last0)
+            logits = torch.full((b, 1, vocab), float("-inf"), device=self.device)
+            logits[torch.arange(b, device=self.device), 0, tok] = 0.0
+        else:
+            logits = link.recv((b, 1, vocab), torch.float32, self.device, src=last0)
+        return CausalLMOutputWithPast(logits=logits, cache=kw.get("cache"))
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
@@ -270,12 +376,13 @@ class TPEngine:
             _test_raise(self.layout, self.stats.forwards)
             if op == OP_SCORE:
                 packed = self._buffer(msg["b"] * msg["t"] + 2 * msg["n"])
-                self.ops.broadcast(packed, src=0)
+                self.replica_ops.broadcast(packed, src=0)
                 self._score_local(packed, msg["b"], msg["t"], msg["n"])
             elif op == OP_GEN_BEGIN:
                 self._cache, self._sent = None, {}
                 scoring_counter, self.ops.reduce_counter = self.ops.reduce_counter, CommCounter()
-                self._restore_head = self._swap_head() if msg.get("greedy") else None
+                self._greedy = bool(msg.get("greedy"))
+                self._restore_head = self._swap_head() if self._greedy and not self.pipeline else None
             elif op == OP_GEN_FORWARD:
                 self._worker_gen_forward(msg)
             elif op == OP_GEN_END:

@@ -24,10 +24,10 @@ def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
     return cfg
 
 
-def eval_main(*, tp, device, threads, timeout, log_all_ranks, tasks, **kw) -> None:
+def eval_main(*, tp, device, threads, timeout, log_all_ranks, tasks, pp=1, **kw) -> None:
     setup_logging(world_from_comm().rank, log_all_ranks)
     cfg = EvalConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else [], **kw)
-    rt = start(tp=tp, device=device, threads=threads, timeout=timeout)
+    rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout)
     if cfg.demo:
         cfg = demo_config(cfg, rt)
     if not cfg.model:

@@ -284,7 +284,9 @@ def _stats_totals(run: RunFile) -> dict | None:
 
 
 def _layout(attrs: dict) -> str:
-    return f"world {attrs.get('world_size', '?')} = dp {attrs.get('dp', '?')} x tp {attrs.get('tp', '?')}"
+    pp = int(attrs.get("pp", 1) or 1)
+    stages = f" x pp {pp}" if pp > 1 else ""
+    return f"world {attrs.get('world_size', '?')} = dp {attrs.get('dp', '?')}{stages} x tp {attrs.get('tp', '?')}"
 
 
 def header_lines(run: RunFile) -> list[str]:

@@ -67,7 +67,8 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
     from .world import mpi_library_version
 
     return dict(mpitp_version=__version__, model=cfg.model, tokenizer=tokenizer, dtype=cfg.dtype,
-                world_size=rt.world.size, tp=rt.layout.tp, dp=rt.layout.dp, command=" ".join(sys.argv),
+                world_size=rt.world.size, tp=rt.layout.tp, dp=rt.layout.dp, pp=rt.layout.pp,
+                command=" ".join(sys.argv),
                 lm_eval_version=getattr(lm_eval, "__version__", "unknown"), torch_version=torch.__version__,
                 transformers_version=transformers.__version__, mpi_version=mpi_library_version(),
                 config_json=json.dumps(cfg.identity(), sort_keys=True))
@@ -132,9 +133,20 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
 
     t_start = time.perf_counter()
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
-    out, tokenizer = agree(lambda: _check_all(cfg, rt.layout.tp, keep), rt.world.comm, rt.timeout,
+    lay = rt.layout
+    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, rt.timeout,
                            "checking input")
-    model = load_model(cfg.model, rt.layout.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
+    if lay.pp > 1:
+        from .pipeline import describe_split, load_stage, num_layers
+
+        model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code)
+        if lay.is_root:
+            from .model import load_config
+
+            full = num_layers(load_config(cfg.model, cfg.revision, cfg.trust_remote_code))
+            log.info("pipeline: %s", describe_split(full, lay.pp))
+    else:
+        model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
     try:
         return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),

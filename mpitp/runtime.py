@@ -75,14 +75,14 @@ def agree(check, comm, timeout: float, phase: str):
 
 def start(tp: int = 1, device: str | None = None, threads: int | None = None,
           timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True,
-          world: World | None = None) -> Runtime:
+          world: World | None = None, pp: int = 1) -> Runtime:
     """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments.
 
     Pass ``world`` to reuse one (a job file runs several layouts, one after another, in the same MPI world).
     """
     world = world or world_from_comm(comm)
     try:
-        layout = make_layout(world, tp)
+        layout = make_layout(world, tp, pp)
     except UsageError as exc:
         raise UsageError(str(exc), collective=True) from None
     dev = device or world.default_device()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import itertools
 
+import re
+
 import pytest
 from mpi4py import MPI
 
 from mpitp.errors import UsageError
-from mpitp.layout import Layout, check_layout, make_layout, tp_group_ranks
+from mpitp.layout import Layout, check_layout, make_layout, split_layers, tp_group_ranks
 from mpitp.world import World
 
 SIZES = range(1, 9)
@@ -168,7 +170,7 @@ def test_make_layout_per_rank(case):
         assert lay.is_leader == (rank == groups[g][0])
         assert lay.tp_ranks == tuple(groups[g])
         assert lay.leader_ranks == tuple(ranks[0] for ranks in groups)
-        assert lay.describe() == {"world_size": size, "dp": dp, "tp": tp}
+        assert lay.describe() == {"world_size": size, "dp": dp, "pp": 1, "tp": tp}
         # The TP communicator: one colour per group, ordered by tp_rank. The leader communicator: leaders only,
         # ordered by dp_rank (so its rank 0 is global rank 0).
         (tp_color, tp_key), (lead_color, lead_key) = world.comm.splits
@@ -189,3 +191,55 @@ def test_make_layout_refuses_before_any_split():
     with pytest.raises(UsageError, match="^tp=3 does not divide world size 4$"):
         make_layout(world, 3)
     assert world.comm.splits == []  # nothing collective started, so every rank can leave together
+
+
+# --------------------------------------------------------------------------- pipeline stages: dp x pp x tp
+
+PP_CASES = [(size, pp, tp) for size in range(1, 13) for pp in range(1, size + 1) for tp in range(1, size + 1)
+            if size % (pp * tp) == 0]
+
+
+@pytest.mark.parametrize("case", PP_CASES, ids=lambda c: f"size{c[0]}-pp{c[1]}-tp{c[2]}")
+def test_make_layout_with_stages_per_rank(case):
+    """TP fastest, then PP: a DP group is pp*tp consecutive ranks, each stage tp consecutive ranks of it."""
+    size, pp, tp = case
+    dp = size // (pp * tp)
+    seen = set()
+    for rank in range(size):
+        world = _world(rank, size)
+        lay = make_layout(world, tp, pp=pp)
+        assert (lay.dp, lay.pp, lay.tp) == (dp, pp, tp)
+        assert lay.dp_rank * pp * tp + lay.pp_rank * tp + lay.tp_rank == rank
+        assert rank in lay.tp_ranks and rank in lay.replica_ranks and len(lay.tp_ranks) == tp
+        assert set(lay.tp_ranks) <= set(lay.replica_ranks) and len(lay.replica_ranks) == pp * tp
+        assert lay.is_leader == (rank == lay.replica_ranks[0])
+        assert lay.leader_ranks == tuple(range(0, size, pp * tp))
+        assert lay.first_stage == (lay.pp_rank == 0) and lay.last_stage == (lay.pp_rank == pp - 1)
+        assert lay.describe() == {"world_size": size, "dp": dp, "pp": pp, "tp": tp}
+        seen.add((lay.dp_rank, lay.pp_rank, lay.tp_rank))
+    assert len(seen) == size
+
+
+@pytest.mark.parametrize("size,pp,tp,message", [
+    (4, 3, 1, "tp=1 x pp=3 = 3 does not divide world size 4"),
+    (6, 2, 2, "tp=2 x pp=2 = 4 does not divide world size 6"),
+    (8, 0, 2, "pp=0 must be a positive integer"),
+])
+def test_stage_arithmetic_is_spelled_out(size, pp, tp, message):
+    with pytest.raises(UsageError, match=f"^{re.escape(message)}$"):
+        check_layout(size, tp, pp=pp)
+
+
+def test_stage_may_span_nodes_but_its_tp_group_may_not():
+    assert check_layout(4, 2, (0, 0, 1, 1), pp=2) == 1  # stage 0 on node 0, stage 1 on node 1
+    with pytest.raises(UsageError, match="TP group of stage 0 of DP group 0 .*span nodes"):
+        check_layout(4, 2, (0, 1, 1, 1), pp=2)
+
+
+@pytest.mark.parametrize("n,pp", [(n, pp) for n in range(1, 12) for pp in range(1, n + 1)])
+def test_split_layers_even_with_remainder_first(n, pp):
+    parts = split_layers(n, pp)
+    assert parts[0][0] == 0 and parts[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    sizes = [e - s for s, e in parts]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)

@@ -102,13 +102,35 @@ def test_info_tp2_on_4_ranks_prints_the_layout_once():
     assert proc.stdout.count("world 4 = dp 2 x tp 2") == 1, explain(proc)
     assert proc.stdout.count("TP backend: gloo") == 1, explain(proc)
     rows = _table(proc.stdout)
-    # columns: rank node local_rank dp_rank tp_rank role device threads
-    assert [[int(r[0]), int(r[3]), int(r[4]), r[5], r[6]] for r in rows] == [
-        [0, 0, 0, "leader", "cpu"],
-        [1, 0, 1, "worker", "cpu"],
-        [2, 1, 0, "leader", "cpu"],
-        [3, 1, 1, "worker", "cpu"],
+    # columns: rank node local_rank dp_rank pp_rank tp_rank role device threads
+    assert [[int(r[0]), int(r[3]), int(r[4]), int(r[5]), r[6], r[7]] for r in rows] == [
+        [0, 0, 0, 0, "leader", "cpu"],
+        [1, 0, 0, 1, "worker", "cpu"],
+        [2, 1, 0, 0, "leader", "cpu"],
+        [3, 1, 0, 1, "worker", "cpu"],
     ], explain(proc)
+
+
+def test_info_pp2_tp2_prints_stages_and_the_layer_split(shared_dir):
+    """TP fastest, then PP; --model shows which layers each stage loads (stories260K: 5 layers -> 3 + 2)."""
+    model = shared_dir / "models" / "stories260K"
+    proc = run_mpi(4, ["info", "--tp", "2", "--pp", "2", "--model", str(model)], timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.count("world 4 = dp 1 x pp 2 x tp 2") == 1, explain(proc)
+    rows = _table(proc.stdout)
+    assert [[int(r[0]), int(r[3]), int(r[4]), int(r[5]), r[6]] for r in rows] == [
+        [0, 0, 0, 0, "leader"],
+        [1, 0, 0, 1, "worker"],
+        [2, 0, 1, 0, "stage-leader"],
+        [3, 0, 1, 1, "worker"],
+    ], explain(proc)
+    assert f"pipeline split of {model}: stage 0: layers 0-2 (3), stage 1: layers 3-4 (2)" in proc.stdout, \
+        explain(proc)
+    bad = run_mpi(4, ["info", "--pp", "4", "--tp", "1", "--model", str(model)], timeout=LAUNCH_TIMEOUT)
+    assert bad.returncode == 0, explain(bad)  # 4 stages of 5 layers: fine
+    bad = run_mpi(2, ["info", "--pp", "2", "--tp", "2"], timeout=LAUNCH_TIMEOUT)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "mpitp: error: tp=2 x pp=2 = 4 does not divide world size 2"], explain(bad)
 
 
 def test_info_tp3_on_4_ranks_is_one_usage_error():

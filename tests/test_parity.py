@@ -33,16 +33,21 @@ def reference(test_tasks):
     return res
 
 
-def _run_layout(n, tp, test_tasks, out):
+def _run_layout(n, tp, test_tasks, out, pp=1):
     return run_mpi(n, ["eval", "--model", str(STORIES), "--tasks", ",".join(TASKS), "--include-path", test_tasks,
                        "--limit", str(LIMIT), "--batch-size", str(BATCH), "--gen-kwargs", GEN_KWARGS,
-                       "--bootstrap-iters", "0", "--dtype", "float32", "--tp", str(tp), "--output", str(out)])
+                       "--bootstrap-iters", "0", "--dtype", "float32", "--tp", str(tp), "--pp", str(pp),
+                       "--output", str(out)])
 
 
-@pytest.mark.parametrize("n,tp", [(1, 1), (4, 1), (4, 2), (4, 4)], ids=["1rank", "dp4", "tp2xdp2", "tp4"])
-def test_layout_matches_lm_eval(n, tp, reference, test_tasks, tmp_path):
+LAYOUTS = [(1, 1, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)]
+LAYOUT_IDS = ["1rank", "dp4", "tp2xdp2", "tp4", "pp2", "pp2xdp2", "pp2xtp2"]
+
+
+@pytest.mark.parametrize("n,tp,pp", LAYOUTS, ids=LAYOUT_IDS)
+def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path):
     out = tmp_path / "out.h5"
-    proc = _run_layout(n, tp, test_tasks, out)
+    proc = _run_layout(n, tp, test_tasks, out, pp)
     assert proc.returncode == 0, explain(proc)
     ref = reference_requests(reference["samples"])
     got = mpitp_requests(str(out), TASKS)
@@ -53,7 +58,7 @@ def test_layout_matches_lm_eval(n, tp, reference, test_tasks, tmp_path):
     assert len(gens) == LIMIT and all(len(g) > 20 for g in gens), gens  # real greedy text was compared
     problems = compare_metrics(reference["results"], str(out), TASKS)
     assert not problems, "\n".join(problems)
-    print(f"layout n={n} tp={tp}: {len(got)} requests, max relative |d ll| = {worst:.2e}, "
+    print(f"layout n={n} tp={tp} pp={pp}: {len(got)} requests, max relative |d ll| = {worst:.2e}, "
           f"wall {proc.elapsed:.1f} s")
 
 
