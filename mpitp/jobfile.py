@@ -15,6 +15,7 @@ Layout::
       - model: meta-llama/Llama-3.1-8B
         tasks: [arc_easy, hellaswag]
         tp: 4
+        pp: 2            # optional: pipeline stages (dp = ranks / (tp * pp))
 
 A run's own values replace the defaults (lists are replaced, not merged).
 ``null`` for an optional field clears a default.  Relative paths resolve
@@ -65,6 +66,7 @@ class RunSpec:
     tokenizer: str | None = None
     revision: str | None = None
     tp: int = 1
+    pp: int = 1
     dtype: str = "auto"
     batch_size: int = 1
     num_fewshot: int | None = None
@@ -227,6 +229,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "tokenizer": _string,
     "revision": _string,
     "tp": _int_at_least(1, "a positive integer"),
+    "pp": _int_at_least(1, "a positive integer"),
     "dtype": _dtype,
     "batch_size": _int_at_least(1, "a positive integer"),
     "num_fewshot": _int_at_least(0, "a non-negative integer"),

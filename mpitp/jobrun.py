@@ -73,14 +73,14 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             summary.append((spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
             continue
         if world.rank == 0:
-            log.info("=== run %d/%d: %s (tp=%d)%s", i, len(job.runs), spec.name, spec.tp,
+            log.info("=== run %d/%d: %s (tp=%d, pp=%d)%s", i, len(job.runs), spec.name, spec.tp, spec.pp,
                      " resuming" if state == "running" else "")
         cfg = eval_config(spec)
         cfg.resume = state == "running"
         cfg.overwrite = state == "unreadable"
         rt = None
         try:
-            rt = start(tp=spec.tp, device=device or spec.device, threads=threads,
+            rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                        timeout=spec.timeout or timeout, world=world)
             if cfg.demo:
                 from .evalcmd import demo_config

@@ -14,8 +14,9 @@ Schema (stable; extend, don't break):
   complete, so their order is completion order; sort by (doc_id, idx) to compare.
 - ``/stats``: one row per DP group: ``dp_rank``, ``busy_s``, ``requests``, ``tokens_scored``, ``tokens_generated``,
   ``forwards``, ``tp_bytes`` (all TP traffic this group's leader sent), ``tp_score_bytes`` (the scoring reductions
-  alone), ``mpi_bytes`` (work and results between DP groups), ``pp_bytes`` (activations and scores the group's
-  leader sent between pipeline stages; 0 without stages).
+  alone), ``mpi_bytes`` (work and results between DP groups), ``pp_bytes`` (activations and scores all ranks of the
+  group sent between pipeline stages; 0 without stages). With stages, ``tp_score_bytes`` is the last stage's (where
+  scoring happens).
 - ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
 
 Files are opened with HDF5 file locking off by default: lock failures on Lustre and NFS are a common h5py failure

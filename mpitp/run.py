@@ -173,6 +173,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     state = None
     if not lay.is_leader:
         engine.serve()
+        _merge_stage_stats(stats, lay, rt.timeout)
     else:
         from .lm import MPITPLM
 
@@ -186,12 +187,27 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
                 serve_remote(lay, lm.compute, rt.timeout, stats)
         finally:
             engine.stop()
+        _merge_stage_stats(stats, lay, rt.timeout)
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
             _finish_root(state, all_stats, time.perf_counter() - t_start)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")
     return state["results"] if state else None
+
+
+def _merge_stage_stats(stats, lay, timeout: float) -> None:
+    """With pipeline stages the scoring reductions happen on the last stage: the leader takes its TP rank 0's
+    ``tp_score`` counter, and the activations every rank of the replica sent (``pp``), so /stats shows both."""
+    if lay.pp == 1:
+        return
+    parts = mpicomm.gather_obj((stats.tp_score.bytes, stats.tp_score.calls, stats.pp.bytes, stats.pp.calls),
+                               lay.replica_comm, root=0, timeout=timeout, phase="gathering stage stats")
+    if parts is not None:
+        last = parts[(lay.pp - 1) * lay.tp]
+        stats.tp_score.bytes, stats.tp_score.calls = last[0], last[1]
+        stats.pp.bytes = sum(p[2] for p in parts)
+        stats.pp.calls = sum(p[3] for p in parts)
 
 
 def task_manager_for(cfg: EvalConfig):
@@ -276,8 +292,9 @@ def _finish_root(state, all_stats, wall: float) -> None:
     total_busy = sum(s["busy_s"] for s in all_stats)
     for g, s in enumerate(all_stats):
         per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
+        stages = f", stage traffic {s['pp_bytes'] / 1e6:.2f} MB" if s.get("pp_bytes") else ""
         print(f"DP group {g}: {s['requests']} requests, {s['tokens_scored']} tokens scored, "
               f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB "
-              f"({per_tok:.1f} B/scored token in scoring reductions)")
+              f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
     where = f"; results: {writer.path}" if writer is not None else ""
     print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")

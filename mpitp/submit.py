@@ -136,6 +136,10 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
         if gpus_per_node % run.tp:
             raise SubmitError(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} does not divide "
                               f"gpus-per-node {gpus_per_node}, so a TP group would span nodes")
+        if (nodes * gpus_per_node) % (run.tp * run.pp):
+            raise SubmitError(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} x pp={run.pp} = "
+                              f"{run.tp * run.pp} does not divide {nodes} nodes x {gpus_per_node} GPUs = "
+                              f"{nodes * gpus_per_node} ranks")
     log_dir = _log_dir(job)
     context.update(
         job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"mpitp-{job.name}")[:64],

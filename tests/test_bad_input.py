@@ -52,6 +52,10 @@ ROWS = [
     Row("tp-heads", "`--tp` does not divide the attention / KV heads", 4,
         ("eval", "--demo", "--model", "./six-heads", "--tp", "4"),
         _err("tp=4 does not divide the model's 6 attention heads")),
+    Row("pp-world", "`--tp` x `--pp` does not divide the world size", 2, ("eval", "--demo", "--tp", "2", "--pp", "2"),
+        _err("tp=2 x pp=2 = 4 does not divide world size 2")),
+    Row("pp-layers", "more pipeline stages than decoder layers", 4, ("eval", "--demo", "--pp", "4"),
+        _err("pp=4 exceeds the model's 2 decoder layers (each stage needs at least one)")),
     Row("unknown-task", "unknown task (close matches suggested)", 2, ("eval", "--demo", "--tasks", "mpitp_demo_m"),
         _err("unknown task 'mpitp_demo_m'; did you mean: mpitp_demo_mc"), prefix=True,
         bound=40.0),  # lm-eval indexes its ~15k stock task YAMLs for the suggestions: ~5 s more CPU than other rows

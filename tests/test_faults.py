@@ -243,6 +243,39 @@ def test_sigterm_then_sigint_to_mpiexec_then_resume(reference, tmp_path):
     print("\n".join(report))
 
 
+def test_sigkill_middle_pipeline_stage_then_resume(test_tasks, tmp_path):
+    """pp=3 on 3 ranks (stories260K's 5 layers: 2 + 2 + 1): SIGKILL the middle stage (rank 1) mid-run; the job goes
+    within the kill bound, the file keeps its rows; --resume with the same layout finishes it with one rank's
+    numbers (the stages run the same arithmetic, so the diff is within the parity tolerance)."""
+    args = ["eval", "--model", str(STORIES), "--tasks", "wikitext_local", "--include-path", test_tasks, "--limit", "6",
+            "--batch-size", "1", "--bootstrap-iters", "0", "--dtype", "float32", "--timeout", "60"]
+    ref = tmp_path / "one_rank.h5"
+    proc = run_mpi(1, args + ["--output", str(ref)], timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    total = file_rows(ref)[1]
+    out = tmp_path / "pp3.h5"
+    with Launch(3, args + ["--pp", "3", "--output", str(out)], env={"MPITP_TEST_STALL": "between_chunks:2"}) as job:
+        job.wait_rows(out)
+        pids = job.rank_pids()
+        assert sorted(pids) == [0, 1, 2], pids
+        seen = file_rows(out)[1]
+        t_strike = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        took = job.gone_within(t_strike, GONE_AFTER_KILL)
+        assert job.proc.returncode != 0, job.explain()
+    status, kept = file_rows(out)
+    assert status == "running" and seen <= kept < total, (status, seen, kept, total)
+    proc = run_mpi(3, args + ["--pp", "3", "--output", str(out), "--resume"], timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    reused = sum(int(m) for m in re.findall(r"resume: reusing (\d+) of", proc.stderr))
+    assert reused == kept, (reused, kept)
+    assert file_rows(out) == ("complete", total)
+    diff = inspect_diff(out, ref)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    print(f"SIGKILL of the middle stage (rank 1 of pp=3): all ranks gone {took:.2f} s after it, {kept} of {total} "
+          f"rows kept; resume reused {reused}, wall {proc.elapsed:.1f} s; inspect diff vs one rank: same")
+
+
 def test_exception_on_one_worker(tmp_path):
     """A Python exception on TP worker rank 1: printed once with its rank, the whole job ends at once."""
     out = tmp_path / "raised.h5"

@@ -54,6 +54,8 @@ BAD_FIELDS = [
     ("tp", "2.0", P + "'tp': expected a positive integer, got 2.0"),
     ("tp", "true", P + "'tp': expected a positive integer, got True"),
     ("tp", "", P + "'tp': expected a positive integer, got an empty value"),
+    ("pp", "0", P + "'pp': expected a positive integer, got 0"),
+    ("pp", "two", P + "'pp': expected a positive integer, got 'two'"),
     ("dtype", "bf16", P + "'dtype': expected one of 'auto', 'float32', 'bfloat16', 'float16', "
                           "got 'bf16' (did you mean 'bfloat16'?)"),
     ("batch_size", "0", P + "'batch_size': expected a positive integer, got 0"),

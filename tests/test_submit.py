@@ -154,6 +154,20 @@ def test_tp_must_divide_gpus_per_node(tmp_path):
         render_script("pbs", LLAMA, **{**BASE, "gpus_per_node": 6})
 
 
+def test_tp_times_pp_must_divide_the_allocation(tmp_path):
+    """Pipeline stages may span nodes, but tp x pp must divide the ranks the script starts."""
+    job = tmp_path / "x.yaml"
+    nodes, gpus = BASE["nodes"], BASE["gpus_per_node"]
+    ok = nodes * gpus // 2
+    job.write_text(f"runs:\n  - {{name: ok, model: demo, tasks: a, tp: 2, pp: {ok // 2}}}\n"
+                   f"  - {{name: x, model: demo, tasks: b, tp: 1, pp: {nodes * gpus + 1}}}\n")
+    with pytest.raises(SubmitError) as info:
+        render_script("slurm", job, **BASE)
+    total = nodes * gpus
+    assert str(info.value) == (f"{job}: run 2 ('x'): tp=1 x pp={total + 1} = {total + 1} does not divide "
+                               f"{nodes} nodes x {gpus} GPUs = {total} ranks")
+
+
 def test_job_file_errors_propagate(tmp_path):
     job = tmp_path / "x.yaml"
     job.write_text("runs: [{model: demo, tasks: a, tp: two}]\n")
