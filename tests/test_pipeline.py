@@ -1,0 +1,53 @@
+"""Pipeline-stage arithmetic and checks (pure; the stages themselves run in test_parity and test_faults)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpitp.errors import UsageError
+from mpitp.layout import split_layers
+from mpitp.pipeline import check_pp, describe_split, micro_batches
+
+
+@pytest.mark.parametrize("n,pp", [(n, pp) for n in (1, 2, 5, 8, 31, 32, 80) for pp in (1, 2, 3, 4, 7) if pp <= n])
+def test_split_matches_what_transformers_loads(n, pp):
+    """Our split (printed by `mpitp info`, used to compact a stage) must be the one transformers loads."""
+    from transformers.distributed.pipeline_parallel import PipelineStage
+
+    stage = object.__new__(PipelineStage)  # its rule needs only pp_size; no device mesh here
+    stage.pp_size = pp
+    assert split_layers(n, pp) == [stage.layer_range_for_rank(r, n) for r in range(pp)]
+
+
+@pytest.mark.parametrize("b,pp", [(b, pp) for b in (1, 2, 3, 7, 8, 64) for pp in (2, 3, 4)])
+def test_micro_batches_cover_the_batch_in_order(b, pp):
+    parts = micro_batches(b, pp)
+    assert parts[0][0] == 0 and parts[-1][1] == b
+    assert all(x[1] == y[0] and x[0] < x[1] for x, y in zip(parts, parts[1:]))
+    assert len(parts) == min(b, 2 * pp)  # at least pp pieces whenever the batch has that many rows
+
+
+def test_describe_split():
+    assert describe_split(5, 2) == "stage 0: layers 0-2 (3), stage 1: layers 3-4 (2)"
+
+
+def _config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=layers, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                       vocab_size=32)
+
+
+def test_check_pp_spells_out_the_layers():
+    check_pp(_config(2), 2)
+    check_pp(_config(1), 1)
+    with pytest.raises(UsageError, match=r"^pp=3 exceeds the model's 2 decoder layers \(each stage needs at least one\)$"):
+        check_pp(_config(2), 3)
+
+
+def test_check_pp_refuses_models_without_a_pipeline_plan():
+    from transformers import GPT2Config
+
+    with pytest.raises(UsageError, match="model type 'gpt2' has no pipeline-parallel plan in transformers; run it "
+                                         "with --pp 1"):
+        check_pp(GPT2Config(n_layer=4), 2)
