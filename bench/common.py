@@ -2,7 +2,7 @@
 
 * Random-weight Llama checkpoints with the real GPT-2 tokenizer (vocab 50257), built once and cached under
   ``bench/.cache/`` (:func:`small_model`: hidden 512, 8 layers, ~77M params; :func:`big_model`: hidden 1024,
-  16 layers, ~309M params).
+  16 layers, ~309M params; :func:`large_model`: hidden 2048, 16 layers, ~1.02B params, memory bench only).
 * The offline lm-eval tasks of ``tests/tasks`` (real data from ``../shared/data``) plus one bench-only task,
   ``gen256_local`` (greedy generation of exactly 256 tokens after a ~150-token WikiText prompt: its stop string
   never occurs).
@@ -40,6 +40,8 @@ SMALL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_ke
              intermediate_size=1376, max_position_embeddings=1024)
 BIG = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
            intermediate_size=2816, max_position_embeddings=1024)
+LARGE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+             intermediate_size=5504, max_position_embeddings=1024)
 
 
 def say(*args) -> None:
@@ -113,16 +115,23 @@ def big_model() -> str:
     return _build_llama("llama-h1024-l16-gpt2", BIG)
 
 
+def large_model() -> str:
+    """~1.02B-param Llama (hidden 2048, 16 layers, 16 heads, intermediate 5504), GPT-2 vocab 50257: 3.8 GiB of
+    float32 weights against ~0.4 GB of libraries per process. Building it once takes ~25 s and 4.4 GB of RAM."""
+    return _build_llama("llama-h2048-l16-gpt2", LARGE)
+
+
 def n_params(model_dir: str) -> int:
-    """Parameter count of a safetensors checkpoint (from the tensor shapes; nothing is loaded)."""
+    """Parameter count of a safetensors checkpoint, one file or several (from the tensor shapes; nothing loaded)."""
     import math
 
     from safetensors import safe_open
 
     n = 0
-    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
-        for k in f.keys():
-            n += math.prod(f.get_slice(k).get_shape())
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                n += math.prod(f.get_slice(k).get_shape())
     return n
 
 

@@ -73,7 +73,8 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             summary.append((spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
             continue
         if world.rank == 0:
-            log.info("=== run %d/%d: %s (tp=%d, pp=%d)%s", i, len(job.runs), spec.name, spec.tp, spec.pp,
+            log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
+                     f", pp={spec.pp}" if spec.pp > 1 else "",
                      " resuming" if state == "running" else "")
         cfg = eval_config(spec)
         cfg.resume = state == "running"

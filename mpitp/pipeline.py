@@ -82,8 +82,11 @@ def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", 
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    from .model import strided_shards_with_pread
+
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    with _tp_plan_without_stubs():
+    reads = strided_shards_with_pread() if tp > 1 else contextlib.nullcontext()
+    with _tp_plan_without_stubs(), reads:
         m = AutoModelForCausalLM.from_pretrained(model, distributed_config=DistributedConfig(tp_size=tp, pp_size=pp),
                                                  dtype=torch_dtype, revision=revision,
                                                  trust_remote_code=trust_remote_code)

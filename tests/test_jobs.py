@@ -234,5 +234,5 @@ def test_info_under_mpiexec():
     assert "world 4 = dp 2 x tp 2 on 1 node(s), launcher: mpiexec (Hydra/PMI)" in p.stdout, p.stdout
     assert "MPI: MPICH" in p.stdout
     table = [line.split() for line in p.stdout.splitlines() if re.match(r"^\d+\s", line)]
-    assert [(int(r[0]), int(r[3]), int(r[4]), r[5]) for r in table] == [
+    assert [(int(r[0]), int(r[3]), int(r[5]), r[6]) for r in table] == [
         (0, 0, 0, "leader"), (1, 0, 1, "worker"), (2, 1, 0, "leader"), (3, 1, 1, "worker")], p.stdout

@@ -156,7 +156,7 @@ def test_info_singleton():
     assert "world 1 = dp 1 x tp 1 on 1 node(s), launcher: singleton" in proc.stdout, explain(proc)
     assert "TP backend: none (tp=1)" in proc.stdout, explain(proc)
     rows = _table(proc.stdout)
-    assert [[r[0], r[3], r[4], r[5]] for r in rows] == [["0", "0", "0", "leader"]], explain(proc)
+    assert [[r[0], r[3], r[4], r[5], r[6]] for r in rows] == [["0", "0", "0", "0", "leader"]], explain(proc)
 
     proc = _singleton(["info", "--tp", "2"])
     assert proc.returncode == 2, explain(proc)
