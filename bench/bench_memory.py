@@ -1,6 +1,6 @@
 """Peak memory per rank: mpitp tp=2 (2 ranks, each loads only its shard) vs lm-eval's HFLM in one process.
 
-    python bench/bench_memory.py [--model large|big] [--limit 5] [--reps 2]
+    python bench/bench_memory.py [--model large|big|xl] [--limit 5] [--reps 2]
 
 Model: a random-weight Llama with the GPT-2 vocabulary in float32, so the weights dominate: by default ``large``,
 ~1.02B parameters (hidden 2048, 16 layers; 4.06 GB), or ``big``, ~309M (hidden 1024, 16 layers; 1.23 GB), where the
@@ -22,7 +22,7 @@ import argparse
 import common
 
 TASK = "hellaswag_local"
-MODELS = {"large": common.large_model, "big": common.big_model}
+MODELS = {"large": common.large_model, "big": common.big_model, "xl": common.xl_model}
 
 
 def main() -> None:

@@ -51,6 +51,11 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
         layout = make_layout(world, tp)
     else:
         group = None
+    if getattr(layout, "pp", 1) > 1:
+        from .errors import UsageError
+
+        raise UsageError("mpitp.evaluate takes TP-sharded or whole models; for pipeline stages use "
+                         "`mpitp eval --pp N`", collective=True)
     dev = device or str(next(model.parameters()).device)
     rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,
                  tp_group=TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend_for(dev), device=dev,

@@ -80,6 +80,8 @@ class TPEngine:
         self.last_stage = not self.pipeline or layout.last_stage
         self.head = VocabParallelHead.from_model(model, self.ops) if self.last_stage else None
         self._greedy = False
+        self._wait_phase = ("TP worker waiting for its leader" if not self.pipeline or layout.first_stage
+                            else f"pipeline stage {layout.pp_rank} waiting for its leader")
         self._cache = None
         self._buf: torch.Tensor | None = None
         self._sent: dict[str, torch.Tensor] = {}
@@ -371,7 +373,7 @@ class TPEngine:
     def serve(self) -> None:
         """Worker loop: mirror the leader's forwards until it says stop."""
         while True:
-            msg = self._control(phase="TP worker waiting for its leader")
+            msg = self._control(phase=self._wait_phase)
             op = msg["op"]
             _test_raise(self.layout, self.stats.forwards)
             if op == OP_SCORE:

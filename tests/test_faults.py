@@ -303,13 +303,16 @@ def test_stall_shorter_than_timeout_completes(reference):
           f"{n} rows, wall {wall:.1f} s")
 
 
-STALL_TASK = ["eval", "--demo", "--tp", "2", "--tasks", "mpitp_demo_mc", "--limit", "4", "--batch-size", "1",
+STALL_TASK = ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "4", "--batch-size", "1",
               "--bootstrap-iters", "0"]
 
 
-def test_stall_longer_than_timeout_fails_naming_the_phase(tmp_path):
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")], ids=["dp2xtp2", "dp2xpp2"])
+def test_stall_longer_than_timeout_fails_naming_the_phase(layout, tmp_path):
+    """Rank 0 stalls 40 s with --timeout 10: its peers (TP workers or later pipeline stages, and the other DP
+    group's leader) give up naming what they waited for, and the rows computed so far stay in the file."""
     out = tmp_path / "stall.h5"
-    with Launch(4, STALL_TASK + ["--timeout", "10", "--output", str(out)],
+    with Launch(4, STALL_TASK + list(layout) + ["--timeout", "10", "--output", str(out)],
                 env={"MPITP_TEST_STALL": "between_chunks:40"}) as job:
         job.wait_rows(out)
         t_rows = time.monotonic()
@@ -322,7 +325,8 @@ def test_stall_longer_than_timeout_fails_naming_the_phase(tmp_path):
     assert took < 25, f"job ended {took:.1f} s after the first rows (stall 40 s, timeout 10 s)\n{job.explain()}"
     phases = re.findall(r"timed out after 10 s in phase '([^']+)'", job.stderr)
     assert phases, job.explain()
-    assert set(phases) <= {"TP worker waiting for its leader", "DP leader waiting for work from rank 0"}, phases
+    assert set(phases) <= {"TP worker waiting for its leader", "DP leader waiting for work from rank 0",
+                           "pipeline stage 1 waiting for its leader"}, phases
     fatal = re.findall(r"\[rank (\d+)\] mpitp: fatal DeadlineError", job.stderr)
     assert fatal, job.explain()
     status, n = file_rows(out)
