@@ -19,18 +19,13 @@ Last line: ``RATIO dp_scaling <t(dp=1) / t(dp=2)>`` (median of the paired ratios
 
 from __future__ import annotations
 
-import argparse
-
 import common
 
 TASK = "hellaswag_local"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=200)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=2)
+    ap = common.parser(__doc__, limit=200, batch_size=8)
     args = ap.parse_args()
     model = common.small_model()
     common.say(common.machine())

@@ -29,8 +29,6 @@ Last line: ``RATIO generation_tp2 <mpitp tokens/s / lm_eval tokens/s>`` (median 
 
 from __future__ import annotations
 
-import argparse
-
 import common
 
 TASK = "gen256_local"
@@ -64,10 +62,7 @@ def _same_generations(m: dict, l: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=1, help="prompts per run")
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=2)
+    ap = common.parser(__doc__, limit=1, batch_size=1, limit_help="prompts per run")
     ap.add_argument("--no-cache-runs", action="store_true", help="skip the KV cache off runs")
     args = ap.parse_args()
     model = common.small_model()

@@ -17,8 +17,6 @@ target <= 0.6).
 
 from __future__ import annotations
 
-import argparse
-
 import common
 
 TASK = "hellaswag_local"
@@ -26,9 +24,7 @@ MODELS = {"large": common.large_model, "big": common.big_model, "xl": common.xl_
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=2)
+    ap = common.parser(__doc__, limit=5)
     ap.add_argument("--model", choices=sorted(MODELS), default="large",
                     help="large: ~1.02B params (default); big: ~309M params")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")

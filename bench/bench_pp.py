@@ -31,7 +31,6 @@ wall / pp wall) and ``RATIO pp2_vs_tp2_peak_rss <max pp rank peak RSS / max tp r
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import common
@@ -66,10 +65,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=40)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=2)
+    ap = common.parser(__doc__, limit=40, batch_size=8)
     ap.add_argument("--no-dp4", action="store_true", help="skip the dp=4 x tp=1 context runs")
     ap.add_argument("--model", choices=sorted(MODELS), default="small",
                     help="small: 76.8M params (default); big: 308.5M params")

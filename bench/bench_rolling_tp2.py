@@ -20,16 +20,11 @@ Last line: ``RATIO rolling_tp2 <lm_eval time / mpitp time>`` (median over repeti
 
 from __future__ import annotations
 
-import argparse
-
 import common
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=2, help="wikitext documents")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=1)
+    ap = common.parser(__doc__, limit=2, batch_size=1, limit_help="wikitext documents")
     args = ap.parse_args()
     model = common.small_model()
     common.say(common.machine())

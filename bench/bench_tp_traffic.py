@@ -15,15 +15,11 @@ Last line: ``RATIO tp_traffic_bytes_per_token <the larger of the two vocabularie
 
 from __future__ import annotations
 
-import argparse
-
 import common
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=2, help="wikitext documents")
-    ap.add_argument("--reps", type=int, default=2)
+    ap = common.parser(__doc__, limit=2, limit_help="wikitext documents")
     args = ap.parse_args()
     models = [("gpt2-vocab llama-h512-l8", common.small_model()), ("stories260K", str(common.STORIES))]
     common.say(common.machine())

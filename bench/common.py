@@ -45,6 +45,19 @@ LARGE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num
 XL = {**LARGE, "num_hidden_layers": 20}
 
 
+def parser(doc: str, limit: int, batch_size: int | None = None, reps: int = 2, limit_help: str | None = None):
+    """The options every comparison script shares (``--limit``, ``--batch-size`` where it batches, ``--reps``);
+    a script adds its own to the parser this returns."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=limit, help=limit_help)
+    if batch_size is not None:
+        ap.add_argument("--batch-size", type=int, default=batch_size)
+    ap.add_argument("--reps", type=int, default=reps)
+    return ap
+
+
 def say(*args) -> None:
     print(*args, flush=True)
 

@@ -51,7 +51,7 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
         layout = make_layout(world, tp)
     else:
         group = None
-    if getattr(layout, "pp", 1) > 1:
+    if layout.pp > 1:
         from .errors import UsageError
 
         raise UsageError("mpitp.evaluate takes TP-sharded or whole models; for pipeline stages use "

@@ -140,7 +140,7 @@ def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
                          "KV cache (it passes use_cache=True itself)")
     keep["include"] = offline_include(cfg)
     keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
-    config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
+    config = keep["config"] = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
     check_tp(config, tp)
     check_pp(config, pp)
     out = check_output(cfg)

@@ -71,14 +71,12 @@ class TPEngine:
         self.timeout = timeout
         self.stats = stats or Stats()
         self.ops = TPOps(size=tp_size, group=group, counter=self.stats.tp, reduce_counter=self.stats.tp_score)
-        pp = getattr(layout, "pp", 1)
-        self.pipeline = pp > 1
+        self.pipeline = layout.pp > 1
         # Control tensors go to the whole replica: with stages, that is the default world, not the TP group.
         self.replica_ops = (TPOps(size=layout.replica_size, group=None, counter=self.stats.tp) if self.pipeline
                             else self.ops)
         self.link = StageLink(layout, self.stats.pp) if self.pipeline else None
-        self.last_stage = not self.pipeline or layout.last_stage
-        self.head = VocabParallelHead.from_model(model, self.ops) if self.last_stage else None
+        self.head = VocabParallelHead.from_model(model, self.ops) if layout.last_stage else None
         self._greedy = False
         self._wait_phase = ("TP worker waiting for its leader" if not self.pipeline or layout.first_stage
                             else f"pipeline stage {layout.pp_rank} waiting for its leader")
@@ -96,8 +94,7 @@ class TPEngine:
         # Workers wait a little longer than their leader: when a stall upstream trips the deadline, the leader's
         # message (which names the upstream phase) is the one the user sees.
         timeout = self.timeout if self.layout.is_leader else self.timeout + 5.0
-        comm = getattr(self.layout, "replica_comm", None) or self.layout.tp_comm
-        return mpicomm.bcast_obj(msg, comm, root=0, timeout=timeout, phase=phase)
+        return mpicomm.bcast_obj(msg, self.layout.replica_comm, root=0, timeout=timeout, phase=phase)
 
     def _send_tensors(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
@@ -211,7 +208,6 @@ class TPEngine:
             else:
                 link.send(h)  # asynchronous: this stage goes on with the next micro-batch
         link.flush()
-        last0 = (lay.pp - 1) * lay.tp  # the last stage's TP rank 0 returns the scores
         if lay.last_stage:
             hs = torch.cat(outs).reshape(b * t, -1).index_select(0, sel)
             lp, greedy = self.head.score(hs, tgt)
@@ -222,8 +218,8 @@ class TPEngine:
             return lp, greedy
         if lay.is_leader:
             n = sel.numel()
-            lp = link.recv((n,), torch.float32, self.device, src=last0)
-            greedy = link.recv((n,), torch.uint8, self.device, src=last0).bool()
+            lp = link.recv((n,), torch.float32, self.device, src=lay.last_stage_leader)
+            greedy = link.recv((n,), torch.uint8, self.device, src=lay.last_stage_leader).bool()
             return lp, greedy
         return None, None
 
@@ -341,8 +337,6 @@ class TPEngine:
         if not lay.last_stage:
             link.send(h)
             link.flush()
-        last0 = (lay.pp - 1) * lay.tp
-        vocab = int(self.model.config.get_text_config().vocab_size)
         if lay.last_stage:
             if self._greedy:
                 out = self.head.argmax(h[:, -1, :])
@@ -356,12 +350,12 @@ class TPEngine:
             return None
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        vocab = int(self.model.config.get_text_config().vocab_size)
         if self._greedy:
-            tok = link.recv((b,), torch.long, self.device, src=last0)
-            logits = torch.full((b, 1, vocab), float("-inf"), device=self.device)
-            logits[torch.arange(b, device=self.device), 0, tok] = 0.0
+            tok = link.recv((b,), torch.long, self.device, src=lay.last_stage_leader)
+            logits = _chosen_token_logits(tok, vocab)
         else:
-            logits = link.recv((b, 1, vocab), torch.float32, self.device, src=last0)
+            logits = link.recv((b, 1, vocab), torch.float32, self.device, src=lay.last_stage_leader)
         return CausalLMOutputWithPast(logits=logits, cache=kw.get("cache"))
 
     # ------------------------------------------------------------------ lifecycle
@@ -425,11 +419,14 @@ class _GreedyHead(torch.nn.Module):
         self.head = head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        last = hidden[:, -1, :]
-        ids = self.head.argmax(last)
-        logits = torch.full((hidden.shape[0], 1, self.head.vocab_size), float("-inf"), device=hidden.device)
-        logits[torch.arange(hidden.shape[0], device=hidden.device), 0, ids] = 0.0
-        return logits
+        return _chosen_token_logits(self.head.argmax(hidden[:, -1, :]), self.head.vocab_size)
+
+
+def _chosen_token_logits(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[batch, 1, vocab] logits that are 0 at ``ids`` and -inf elsewhere: HF's greedy search picks exactly ``ids``."""
+    logits = torch.full((ids.shape[0], 1, vocab), float("-inf"), device=ids.device)
+    logits[torch.arange(ids.shape[0], device=ids.device), 0, ids] = 0.0
+    return logits
 
 
 def _free_cache(device: torch.device) -> None:

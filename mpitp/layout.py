@@ -75,9 +75,9 @@ class Layout:
     tp_rank: int
     tp_comm: MPI.Comm = field(repr=False)  # this rank's TP group (its stage's, with pp > 1)
     dp_leader_comm: MPI.Comm = field(repr=False)  # COMM_NULL on non-leaders
+    replica_comm: MPI.Comm = field(repr=False)  # the whole DP group (the same communicator as tp_comm for pp=1)
     pp: int = 1
     pp_rank: int = 0
-    replica_comm: MPI.Comm | None = field(default=None, repr=False)  # the whole DP group (== tp_comm for pp=1)
 
     @property
     def rank(self) -> int:
@@ -109,6 +109,11 @@ class Layout:
     @property
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    @property
+    def last_stage_leader(self) -> int:
+        """Replica rank of the last stage's TP rank 0: it sends the scores (or next tokens) back to the leader."""
+        return (self.pp - 1) * self.tp
 
     @property
     def tp_ranks(self) -> tuple[int, ...]:

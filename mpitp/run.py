@@ -141,10 +141,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
 
         model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code)
         if lay.is_root:
-            from .model import load_config
-
-            full = num_layers(load_config(cfg.model, cfg.revision, cfg.trust_remote_code))
-            log.info("pipeline: %s", describe_split(full, lay.pp))
+            log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
     else:
         model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
@@ -204,7 +201,7 @@ def _merge_stage_stats(stats, lay, timeout: float) -> None:
     parts = mpicomm.gather_obj((stats.tp_score.bytes, stats.tp_score.calls, stats.pp.bytes, stats.pp.calls),
                                lay.replica_comm, root=0, timeout=timeout, phase="gathering stage stats")
     if parts is not None:
-        last = parts[(lay.pp - 1) * lay.tp]
+        last = parts[lay.last_stage_leader]
         stats.tp_score.bytes, stats.tp_score.calls = last[0], last[1]
         stats.pp.bytes = sum(p[2] for p in parts)
         stats.pp.calls = sum(p[3] for p in parts)

@@ -71,7 +71,7 @@ def init_tp_group(layout: Layout, device: str, timeout: float) -> TPGroup:
     # A dead peer must surface as an error, not a hang: NCCL async error handling on.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     td = timedelta(seconds=timeout)
-    comm, rank = layout.replica_comm or layout.tp_comm, layout.replica_rank
+    comm, rank = layout.replica_comm, layout.replica_rank
     if rank == 0:
         addr = _store_address(layout)
         store = dist.TCPStore(addr, 0, world_size=size, is_master=True, timeout=td, wait_for_workers=False)
