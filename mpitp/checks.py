@@ -23,14 +23,32 @@ def _paths(include_path) -> list[str]:
 
 
 def task_manager(tasks: list[str], include_path):
-    """lm-eval's TaskManager; skips indexing the ~thousands of stock YAMLs when the include path has every task."""
+    """lm-eval's TaskManager for ``tasks``; refuses unknown names before the slow part.
+
+    Indexing lm-eval's ~14k stock task YAMLs takes 8-12 s (more on a loaded node), so it is skipped when the include
+    path has every task, and a name that no stock file can declare (:mod:`mpitp.tasknames`, under a second) is
+    refused without it.
+    """
     from lm_eval.tasks import TaskManager
 
+    included: list[str] = []
     if include_path:
         tm = TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR")
         if all(t in tm.all_tasks for t in tasks):
             return tm
+        included = tm.all_tasks
+    from .tasknames import stock_task_names
+
+    _refuse_unknown(tasks, set(included) | stock_task_names())
     return TaskManager(include_path=include_path or None, verbosity="ERROR")
+
+
+def _refuse_unknown(tasks: list[str], known: set[str]) -> None:
+    for t in tasks:
+        if t not in known:
+            close = difflib.get_close_matches(t, sorted(known), n=5, cutoff=0.6)
+            hint = f"; did you mean: {', '.join(close)}?" if close else ""
+            raise UsageError(f"unknown task '{t}'{hint}")
 
 
 def offline_include(cfg) -> list[str]:
@@ -64,12 +82,7 @@ def check_tasks(tasks: list[str], include_path):
     if not tasks:
         raise UsageError("no tasks given: pass --tasks a,b (or --demo)")
     tm = task_manager(tasks, include_path)
-    known = set(tm.all_tasks)
-    for t in tasks:
-        if t not in known:
-            close = difflib.get_close_matches(t, sorted(known), n=5, cutoff=0.6)
-            hint = f"; did you mean: {', '.join(close)}?" if close else ""
-            raise UsageError(f"unknown task '{t}'{hint}")
+    _refuse_unknown(tasks, set(tm.all_tasks))  # the scan's few extra names are not tasks: lm-eval's index decides
     return tm
 
 

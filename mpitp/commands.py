@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -23,7 +24,7 @@ def run_command(job_file, fail_fast, device, threads, timeout, log_all_ranks):
 
 
 @click.command(name="tasks")
-@click.option("--data-dir", required=True, help="Directory laid out as DIR/<task>/<split>.jsonl.")
+@click.option("--data-dir", required=True, help="Directory laid out as DIR/<task>/<split>.jsonl (or named as downloaded).")
 def tasks_command(data_dir):
     """List the stock lm-eval tasks runnable offline from --data-dir, and what the others miss."""
     from .errors import UsageError
@@ -33,8 +34,18 @@ def tasks_command(data_dir):
         rows = offline_status(data_dir)
     except UsageError as exc:
         raise click.UsageError(str(exc)) from None
-    for task, ok, missing in rows:
-        click.echo(f"{task:16s} {'runnable' if ok else 'missing ' + ', '.join(missing)}")
+    root = Path(data_dir).resolve()
+    for row in rows:
+        files = " ".join(f"{split}={_rel(f, root)}" for split, f in row.files.items())
+        state = "runnable" if row.runnable else "missing " + ", ".join(row.missing)
+        click.echo(f"{row.task:16s} {state}" + (f"  [{files}]" if files else ""))
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:  # a symlinked folder resolving elsewhere
+        return str(path)
 
 
 def register(cli) -> None:

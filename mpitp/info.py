@@ -6,6 +6,7 @@ import logging
 
 from . import comm as mpicomm
 from .runtime import setup_logging, start
+from .texttable import text_table
 from .world import mpi_library_version
 
 log = logging.getLogger("mpitp")
@@ -36,11 +37,7 @@ def _stage_split(rt, model: str) -> str | None:
 
 
 def format_table(rows: list[dict], columns: list[str]) -> str:
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
-    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
-    lines.append("  ".join("-" * widths[c] for c in columns))
-    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
-    return "\n".join(lines)
+    return text_table(columns, [[r[c] for c in columns] for r in rows])
 
 
 def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: str | None = None) -> None:

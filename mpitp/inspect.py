@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import click
 
+from .texttable import text_table
+
 # numpy and h5py (through mpitp.results) are imported inside the functions that use them, so that registering
 # this command costs ``mpitp --help`` nothing.
 
@@ -256,16 +258,6 @@ def _fmt_value(v) -> str:
     return f"{x:.4f}" if abs(x) < 1e7 else f"{x:.6g}"
 
 
-def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    out = [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    return "\n".join(s.rstrip() for s in out)
-
-
 def _stats_totals(run: RunFile) -> dict | None:
     import numpy as np
     from .results import STATS_FIELDS
@@ -331,7 +323,7 @@ def render_summary(run: RunFile, task: str | None) -> str:
             rows.append([name, f"({t.n_rows} requests stored)", "", "-", "", "", "" if n is None else str(n)])
     out = "\n".join(header_lines(run)) + "\n\n"
     if rows:
-        out += _table(["task", "metric", "filter", "value", "", "stderr", "n"], rows, right={3, 6})
+        out += text_table(["task", "metric", "filter", "value", "", "stderr", "n"], rows, right={3, 6})
     else:
         out += "(no tasks)"
     return out
@@ -395,7 +387,7 @@ def render_requests(path: str, task: str, limit: int | None) -> str:
     head = f"task {task}: {n} request rows, sorted by (doc_id, idx)"
     if shown < n:
         head += f"; first {shown} shown"
-    table = _table(["doc_id", "idx", "kind", "loglikelihood", "is_greedy", "n_tokens", "generation"], rows,
+    table = text_table(["doc_id", "idx", "kind", "loglikelihood", "is_greedy", "n_tokens", "generation"], rows,
                    right={0, 1, 3, 5})
     return head + "\n" + table
 
@@ -568,7 +560,7 @@ def render_diff(a: RunFile, b: RunFile, diffs: list[TaskDiff], only: list[tuple[
     rows = [[d.task, str(d.compared), f"{d.max_dll:.3g}", str(len(d.mismatches)),
              "same" if not d.metric_diffs else f"{len(d.metric_diffs)} differ"] for d in diffs]
     rows += [[t, "-", "-", "-", f"only in {side}"] for t, side in only]
-    lines.append(_table(["task", "requests", "max |d ll|", "mismatches", "metrics"], rows, right={1, 2, 3}))
+    lines.append(text_table(["task", "requests", "max |d ll|", "mismatches", "metrics"], rows, right={1, 2, 3}))
     details = []
     for d in diffs:
         for m in d.metric_diffs:

@@ -7,7 +7,15 @@ the installed lm-eval, each override YAML written here ``include``s the stock YA
 comes from.
 
 A data directory is laid out ``DIR/<task>/<split>.jsonl`` with split names ``train``, ``validation`` and ``test``,
-e.g. ``DIR/arc_easy/test.jsonl``, each row in the schema of the Hub dataset the stock task reads.
+e.g. ``DIR/arc_easy/test.jsonl``, each row in the schema of the Hub dataset the stock task reads. Files as people
+actually download them are found too, because renaming them by hand on every cluster is where mistakes creep in:
+
+- the task's folder may carry a common alternative name (``wikitext2``, ``lambada``, ``ARC-Easy``, ...);
+- without ``<split>.jsonl``, any ``*.jsonl`` in the folder whose name has the split as a word (``_``, ``-`` or ``.``
+  separated; ``val``, ``valid`` and ``dev`` count as ``validation``) is a candidate, e.g. ``hellaswag_val.jsonl`` or
+  ``wikitext-2-raw-v1_test_documents.jsonl``;
+- a candidate must have, in its first row, the fields the stock task reads (wikitext's ``page``: the document-level
+  file, not the line-level one). More than one candidate left is an error naming them, never a guess.
 
 How lm-eval 0.4.x treats the override YAMLs (checked against lm-eval 0.4.13):
 
@@ -33,10 +41,13 @@ How lm-eval 0.4.x treats the override YAMLs (checked against lm-eval 0.4.13):
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import NamedTuple
 
 import yaml
 
@@ -59,11 +70,15 @@ class StockTask:
     ``("test_split", "test")``; these are the keys an override must set, to the split or to ``null``.
     ``required``: the splits without which the task cannot run the way the stock one does (the split it evaluates,
     and for gsm8k the ``train`` split its default 5-shot prompt is drawn from). The other splits are used if present.
+    ``fields``: the row fields the stock task reads (its prompt, target and ``process_docs``); a file found by name
+    must have them. ``folders``: other common names of the task's data folder, tried after the task's own name.
     """
 
     yaml: str
     splits: tuple[tuple[str, str], ...]
     required: tuple[str, ...]
+    fields: tuple[str, ...] = ()
+    folders: tuple[str, ...] = ()
 
     @property
     def split_names(self) -> tuple[str, ...]:
@@ -77,31 +92,40 @@ STOCK_TASKS: Mapping[str, StockTask] = MappingProxyType(
             yaml="arc/arc_easy.yaml",
             splits=(("training_split", "train"), ("validation_split", "validation"), ("test_split", "test")),
             required=("test",),
+            fields=("question", "choices", "answerKey"),
+            folders=("ARC-Easy", "arc-easy", "ai2_arc"),
         ),
         "hellaswag": StockTask(
             yaml="hellaswag/hellaswag.yaml",
             splits=(("training_split", "train"), ("validation_split", "validation")),
             required=("validation",),
+            fields=("activity_label", "ctx_a", "ctx_b", "endings", "label"),
         ),
         "piqa": StockTask(
             yaml="piqa/piqa.yaml",
             splits=(("training_split", "train"), ("validation_split", "validation")),
             required=("validation",),
+            fields=("goal", "sol1", "sol2", "label"),
         ),
         "lambada_openai": StockTask(
             yaml="lambada/lambada_openai.yaml",
             splits=(("test_split", "test"),),
             required=("test",),
+            fields=("text",),
+            folders=("lambada",),
         ),
         "wikitext": StockTask(
             yaml="wikitext/wikitext.yaml",
             splits=(("training_split", "train"), ("validation_split", "validation"), ("test_split", "test")),
             required=("test",),
+            fields=("page",),
+            folders=("wikitext2", "wikitext-2", "wikitext_document_level", "wikitext-2-raw-v1"),
         ),
         "gsm8k": StockTask(
             yaml="gsm8k/gsm8k.yaml",
             splits=(("training_split", "train"), ("fewshot_split", "train"), ("test_split", "test")),
             required=("train", "test"),
+            fields=("question", "answer"),
         ),
     }
 )
@@ -125,8 +149,54 @@ def _check_data_dir(data_dir: str | Path) -> Path:
     return path.resolve()
 
 
-def _split_file(data_dir: Path, task: str, split: str) -> Path:
-    return data_dir / task / f"{split}.jsonl"
+SPLIT_WORDS = MappingProxyType({"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
+                                "test": ("test",)})
+"""The words in a file name that mark it as holding a split (``hellaswag_val.jsonl`` is the validation split)."""
+
+
+def _first_row_fields(path: Path) -> set[str] | None:
+    """The keys of the first non-empty row of a JSONL file, or None when it is unreadable or not a JSON object."""
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    row = json.loads(line)
+                    return set(row) if isinstance(row, dict) else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return set()
+
+
+def _split_file(data_dir: Path, task: str, split: str) -> Path | None:
+    """The file holding ``split`` of ``task`` under ``data_dir`` (see the module docstring), or None.
+
+    Raises :class:`DataDirError` when more than one file could be it.
+    """
+    stock = STOCK_TASKS[task]
+    for folder in (task, *stock.folders):
+        base = data_dir / folder
+        if not base.is_dir():
+            continue
+        exact = base / f"{split}.jsonl"
+        if exact.is_file():
+            return exact
+        words = set(SPLIT_WORDS.get(split, (split,)))
+        named = sorted(f for f in base.glob("*.jsonl")
+                       if f.is_file() and words & set(re.split(r"[^a-z0-9]+", f.stem.lower())))
+        fits = [f for f in named if set(stock.fields) <= (_first_row_fields(f) or set())]
+        if len(fits) > 1:
+            raise DataDirError(f"{task} {split} split: {', '.join(str(f.relative_to(data_dir)) for f in fits)} "
+                               f"all fit; keep one or name it {folder}/{split}.jsonl")
+        if fits:
+            return fits[0]
+    return None
+
+
+def split_files(data_dir: str | Path, task: str) -> dict[str, Path]:
+    """``{split: file}`` for every split of ``task`` found under ``data_dir``."""
+    path = _check_data_dir(data_dir)
+    found = {s: _split_file(path, task, s) for s in STOCK_TASKS[task].split_names}
+    return {s: f for s, f in found.items() if f is not None}
 
 
 def _missing(data_dir: Path, task: str) -> list[str]:
@@ -134,21 +204,34 @@ def _missing(data_dir: Path, task: str) -> list[str]:
     return [
         f"{task}/{split}.jsonl"
         for split in STOCK_TASKS[task].required
-        if not _split_file(data_dir, task, split).is_file()
+        if _split_file(data_dir, task, split) is None
     ]
 
 
-def offline_status(data_dir: str | Path) -> list[tuple[str, bool, list[str]]]:
-    """For each task of :data:`STOCK_TASKS`: ``(task, runnable, missing)``, for ``mpitp tasks --data-dir``.
+class OfflineStatus(NamedTuple):
+    """One row of ``mpitp tasks --data-dir``: whether ``task`` runs offline, what it lacks, which files it reads."""
 
-    ``missing`` lists the required split files absent from ``data_dir`` (relative to it); a task is runnable when
-    none is. Optional splits do not count: without them the task still runs as the stock one does.
+    task: str
+    runnable: bool
+    missing: list[str]
+    files: dict[str, Path]
+
+
+def offline_status(data_dir: str | Path) -> list[OfflineStatus]:
+    """For each task of :data:`STOCK_TASKS`: its :class:`OfflineStatus`, for ``mpitp tasks --data-dir``.
+
+    ``missing`` lists the required split files absent from ``data_dir`` (relative to it), or why a folder's files
+    could not be told apart; a task is runnable when it is empty. Optional splits do not count: without them the task
+    still runs as the stock one does.
     """
     path = _check_data_dir(data_dir)
     out = []
     for task in STOCK_TASKS:
-        missing = _missing(path, task)
-        out.append((task, not missing, missing))
+        try:
+            missing, files = _missing(path, task), split_files(path, task)
+        except DataDirError as exc:
+            missing, files = [str(exc)], {}
+        out.append(OfflineStatus(task, not missing, missing, files))
     return out
 
 
@@ -166,7 +249,7 @@ def task_config(task: str, data_dir: str | Path) -> dict:
     if not stock_yaml.is_file():
         raise RuntimeError(f"stock task YAML {stock_yaml} not found: is this lm-eval version supported?")
 
-    present = {s: _split_file(path, task, s) for s in stock.split_names if _split_file(path, task, s).is_file()}
+    present = split_files(path, task)
     cfg: dict = {
         "include": str(stock_yaml),
         "task": task,
@@ -195,7 +278,7 @@ def write_task_yamls(
     """
     path = _check_data_dir(data_dir)
     if tasks is None:
-        names = [t for t in STOCK_TASKS if not _missing(path, t)]
+        names = [row.task for row in offline_status(path) if row.runnable]
     else:
         names = list(dict.fromkeys([tasks] if isinstance(tasks, str) else tasks))
         unknown = [t for t in names if t not in STOCK_TASKS]
@@ -211,7 +294,8 @@ def write_task_yamls(
     written = {}
     for task, cfg in configs.items():
         target = out / f"{task}.yaml"
-        header = f"# Written by mpitp.offline: stock lm-eval task {task} reading {path / task}.\n"
+        files = ", ".join(f"{s}: {f}" for s, f in cfg["dataset_kwargs"]["data_files"].items())
+        header = f"# Written by mpitp.offline: stock lm-eval task {task} reading {files}.\n"
         target.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
         written[task] = str(target)
     return written

@@ -167,7 +167,7 @@ def test_shipped_demo_job(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- --data-dir
 
-# DIR/<task>/<split>.jsonl -> the shared file (whose names differ); gsm8k gets its test split only
+# the documented DIR/<task>/<split>.jsonl layout, as symlinks to the shared files; gsm8k gets its test split only
 DATA_LAYOUT = {
     "arc_easy/train.jsonl": "arc_easy/train.jsonl",
     "arc_easy/validation.jsonl": "arc_easy/validation.jsonl",
@@ -191,16 +191,28 @@ def test_tasks_lists_runnable_and_missing(data_dir):
     assert p.returncode == 0, p.stderr
     got = {line.split()[0]: line.split(None, 1)[1] for line in p.stdout.splitlines() if line.strip()}
     assert got == {
-        "arc_easy": "runnable",
+        "arc_easy": "runnable  [train=arc_easy/train.jsonl validation=arc_easy/validation.jsonl "
+                    "test=arc_easy/test.jsonl]",
         "hellaswag": "missing hellaswag/validation.jsonl",
         "piqa": "missing piqa/validation.jsonl",
         "lambada_openai": "missing lambada_openai/test.jsonl",
-        "wikitext": "runnable",
-        "gsm8k": "missing gsm8k/train.jsonl",
+        "wikitext": "runnable  [test=wikitext/test.jsonl]",
+        "gsm8k": "missing gsm8k/train.jsonl  [test=gsm8k/test.jsonl]",
     }, p.stdout
 
 
-def test_data_dir_matches_hand_written_tasks(data_dir, test_tasks, tmp_path):
+def test_tasks_on_shared_data_as_downloaded(shared_dir):
+    p = mpitp_cli("tasks", "--data-dir", shared_dir / "data")
+    assert p.returncode == 0, p.stderr
+    got = {line.split()[0]: line.split(None, 1)[1] for line in p.stdout.splitlines() if line.strip()}
+    assert got["hellaswag"] == "runnable  [validation=hellaswag/hellaswag_val.jsonl]", p.stdout
+    assert got["wikitext"] == "runnable  [test=wikitext2/wikitext-2-raw-v1_test_documents.jsonl]", p.stdout
+    assert all(v.startswith("runnable") for v in got.values()) and len(got) == 6, p.stdout
+
+
+def test_data_dir_matches_hand_written_tasks(shared_dir, test_tasks, tmp_path):
+    """``--data-dir ../shared/data`` as it is (downloaded file names) gives the hand-written YAMLs' numbers."""
+    data_dir = shared_dir / "data"
     a, b = tmp_path / "data_dir.h5", tmp_path / "local.h5"
     common = ["eval", "--model", str(STORIES), "--limit", "3"]
     pa = run_mpi(2, [*common, "--tasks", "arc_easy,wikitext", "--data-dir", str(data_dir), "--output", str(a)],

@@ -26,6 +26,7 @@ from mpitp.offline import (  # noqa: E402
     STOCK_TASKS,
     DataDirError,
     offline_status,
+    split_files,
     stock_tasks_dir,
     write_task_yamls,
 )
@@ -75,19 +76,9 @@ def local_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def offline_layout(tmp_path_factory) -> Path:
-    """DIR/<task>/<split>.jsonl, symlinks to the shared files."""
-    root = tmp_path_factory.mktemp("data_dir")
-    for task, files in SHARED_FILES.items():
-        (root / task).mkdir()
-        for split, rel in files.items():
-            (root / task / f"{split}.jsonl").symlink_to(DATA / rel)
-    return root
-
-
-@pytest.fixture(scope="module")
-def written(offline_layout, tmp_path_factory) -> dict[str, str]:
-    return write_task_yamls(offline_layout, tmp_path_factory.mktemp("offline_yamls"))
+def written(tmp_path_factory) -> dict[str, str]:
+    """Overrides for ../shared/data as it is: its file names are the downloads' (hellaswag_val.jsonl, wikitext2/...)."""
+    return write_task_yamls(DATA, tmp_path_factory.mktemp("offline_yamls"))
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +181,7 @@ def test_local_fewshot_and_optional_splits(tasks):
 # ---------------------------------------------------------------- mpitp.offline.write_task_yamls
 
 
-def test_write_task_yamls_content(written, offline_layout):
+def test_write_task_yamls_content(written):
     assert set(written) == set(STOCK_TASKS)
     for task, path in written.items():
         assert Path(path).name == f"{task}.yaml"
@@ -198,8 +189,7 @@ def test_write_task_yamls_content(written, offline_layout):
         assert cfg["task"] == task and cfg["tag"] is None
         assert cfg["include"] == str(stock_tasks_dir() / STOCK_TASKS[task].yaml)
         files = cfg["dataset_kwargs"]["data_files"]
-        assert set(files) == set(SHARED_FILES[task])
-        assert all(Path(f).is_absolute() for f in files.values())
+        assert files == {split: str((DATA / rel).resolve()) for split, rel in SHARED_FILES[task].items()}, task
         # every split key the stock task names is set: to a split we have, else null
         for key, split in STOCK_TASKS[task].splits:
             assert cfg[key] == (split if split in files else None)
@@ -232,7 +222,7 @@ def test_offline_status_and_partial_data_dir(tmp_path):
     (tmp_path / "arc_easy" / "test.jsonl").symlink_to(DATA / "arc_easy/test.jsonl")
     (tmp_path / "gsm8k").mkdir()
     (tmp_path / "gsm8k" / "test.jsonl").symlink_to(DATA / "gsm8k/test.jsonl")
-    status = {t: (ok, missing) for t, ok, missing in offline_status(tmp_path)}
+    status = {row.task: (row.runnable, row.missing) for row in offline_status(tmp_path)}
     assert list(status) == list(STOCK_TASKS)
     assert status["arc_easy"] == (True, [])  # train/validation are optional
     assert status["gsm8k"] == (False, ["gsm8k/train.jsonl"])  # its 5-shot prompt needs train
@@ -310,3 +300,79 @@ def test_simple_evaluate_runs_local_tasks(task_manager):
     assert len(shots) == 6 and shots[-1] == f"{gsm_row['question']}\nAnswer:"  # 5 shots from train, then the doc
     train_questions = {json.loads(line)["question"] for line in (DATA / "gsm8k/train.jsonl").open()}
     assert all(s.split("\nAnswer:")[0] in train_questions for s in shots[:-1])
+
+
+def test_documented_layout_is_read_as_named(tmp_path):
+    """DIR/<task>/<split>.jsonl wins over any other file in the folder, even one that would also fit."""
+    (tmp_path / "wikitext").mkdir()
+    (tmp_path / "wikitext" / "test.jsonl").symlink_to(DATA / SHARED_FILES["wikitext"]["test"])
+    (tmp_path / "wikitext" / "wiki_test_copy.jsonl").symlink_to(DATA / SHARED_FILES["wikitext"]["test"])
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "validation.jsonl").symlink_to(DATA / SHARED_FILES["hellaswag"]["validation"])
+    assert split_files(tmp_path, "wikitext") == {"test": tmp_path / "wikitext" / "test.jsonl"}
+    assert split_files(tmp_path, "hellaswag") == {"validation": tmp_path / "hellaswag" / "validation.jsonl"}
+
+
+def write_jsonl(path: Path, *rows: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_downloaded_names_split_words_fields_and_folders(tmp_path):
+    # split words: "val"/"dev" are validation; the word must stand alone ("interval" is not "val")
+    write_jsonl(tmp_path / "piqa" / "piqa_dev.jsonl", {"goal": "g", "sol1": "a", "sol2": "b", "label": 0})
+    write_jsonl(tmp_path / "piqa" / "interval.jsonl", {"goal": "g", "sol1": "a", "sol2": "b", "label": 0})
+    assert split_files(tmp_path, "piqa") == {"validation": tmp_path / "piqa" / "piqa_dev.jsonl"}
+    # the fields decide between files that both say "test": wikitext reads documents ("page"), not lines ("text")
+    write_jsonl(tmp_path / "wikitext-2" / "wiki-test.jsonl", {"text": " = Title = "})
+    write_jsonl(tmp_path / "wikitext-2" / "wiki-test-docs.jsonl", {"page": " = Title = \n body"})
+    assert split_files(tmp_path, "wikitext") == {"test": tmp_path / "wikitext-2" / "wiki-test-docs.jsonl"}
+    # a file with the right name but the wrong schema is not used: the task stays missing, not half-run
+    write_jsonl(tmp_path / "lambada" / "lambada_test.jsonl", {"context": "c", "continuation": "x"})
+    status = {row.task: row for row in offline_status(tmp_path)}
+    assert status["lambada_openai"].missing == ["lambada_openai/test.jsonl"]
+    assert status["piqa"].runnable and status["wikitext"].runnable
+
+
+def test_two_fitting_files_are_an_error_not_a_guess(tmp_path):
+    for name in ("gsm8k_test.jsonl", "test-v2.jsonl"):
+        write_jsonl(tmp_path / "gsm8k" / name, {"question": "q", "answer": "#### 1"})
+    write_jsonl(tmp_path / "gsm8k" / "train.jsonl", {"question": "q", "answer": "#### 1"})
+    with pytest.raises(DataDirError, match=r"^gsm8k test split: gsm8k/gsm8k_test.jsonl, gsm8k/test-v2.jsonl all fit; "
+                                           r"keep one or name it gsm8k/test.jsonl$"):
+        split_files(tmp_path, "gsm8k")
+    status = {row.task: row for row in offline_status(tmp_path)}
+    assert not status["gsm8k"].runnable and "all fit" in status["gsm8k"].missing[0]
+    with pytest.raises(DataDirError, match="all fit"):
+        write_task_yamls(tmp_path, tmp_path / "out", tasks=["gsm8k"])
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- mpitp.tasknames: the fast unknown-task check
+
+
+def test_name_scan_covers_lm_evals_stock_index(task_manager):
+    """Every name lm-eval's own index knows is found by the text scan (else a real task would be refused)."""
+    from mpitp.tasknames import stock_task_names
+
+    scanned = stock_task_names()
+    indexed = set(task_manager.all_tasks) - set(LOCAL_TASKS)  # the overrides keep stock names
+    assert indexed - scanned == set()
+    assert len(scanned - indexed) < 0.01 * len(indexed), sorted(scanned - indexed)[:20]  # and not much more
+
+
+def test_name_scan_reads_every_yaml_spelling(tmp_path):
+    from mpitp.tasknames import names_in_file, scan_task_names
+
+    (tmp_path / "a.yaml").write_text(
+        '"task": "quoted_task"\n"tag": "quoted_tag"\ngroup: grp  # a comment\ntask:\n  - member_a\n'
+        "  - task: inline_dict_is_not_a_name\n  - member_b\ntag: [flow_a, 'flow_b']\n"
+        "doc_to_text: !function utils.x\ntag:\n- col0_item\ndataset_name: not_a_name\n")
+    (tmp_path / "_default_template_yaml").write_text("tag:\n  - from_template\n")
+    (tmp_path / "utils.py").write_text("task: not_yaml\n")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "x.yaml").write_text("task: cached\n")
+    assert names_in_file(tmp_path / "a.yaml") == {"quoted_task", "quoted_tag", "grp", "member_a", "member_b",
+                                                  "flow_a", "flow_b", "col0_item"}
+    assert scan_task_names(tmp_path) == names_in_file(tmp_path / "a.yaml") | {"from_template"}
