@@ -39,7 +39,7 @@ class Stats:
     """Per-rank counters; the DP leader's are the group's and end up in the results file."""
 
     busy_s: float = 0.0
-    requests: int = 0
+    requests: float = 0.0  # rolling requests count 1/n per window computed, so they can span DP groups
     tokens_scored: int = 0
     tokens_generated: int = 0
     forwards: int = 0

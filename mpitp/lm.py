@@ -19,6 +19,16 @@ from lm_eval.models.huggingface import HFLM
 KIND_SCORE = "loglikelihood"
 KIND_ROLLING = "loglikelihood_rolling"
 KIND_GENERATE = "generate_until"
+KIND_WINDOW = "rolling_window"
+"""One rolling window of a ``loglikelihood_rolling`` request, dispatched on its own: a long document (a wikitext
+page is up to tens of windows) would otherwise be one indivisible chunk item and leave the other DP groups idle.
+A window item is ``(scoring row, share)``, ``share`` being 1 / the request's window count (for the request counter)."""
+
+
+def combine_windows(parts: list[tuple[float, bool, int]]) -> tuple[float, bool, int]:
+    """A rolling request's result from its windows' ``(ll, greedy, n)``: as lm-eval sums them (``fsum``: exact,
+    so the order windows come back in does not matter)."""
+    return math.fsum(p[0] for p in parts), all(p[1] for p in parts), sum(p[2] for p in parts)
 
 
 @dataclass
@@ -95,20 +105,13 @@ class MPITPLM(HFLM):
             return self._compute(kind, items, tick)
         finally:
             self.engine.stats.busy_s += time.perf_counter() - t0
-            self.engine.stats.requests += len(items)
+            self.engine.stats.requests += math.fsum(s for _, s in items) if kind == KIND_WINDOW else len(items)
 
     def _compute(self, kind: str, items: list, tick) -> list:
         if kind == KIND_SCORE:
             return self.engine.score_rows(items, self.batch_size, tick)
-        if kind == KIND_ROLLING:
-            flat = [row for rows in items for row in rows]
-            scored = self.engine.score_rows(flat, self.batch_size, tick)
-            out, pos = [], 0
-            for rows in items:
-                part = scored[pos : pos + len(rows)]
-                pos += len(rows)
-                out.append((math.fsum(p[0] for p in part), all(p[1] for p in part), sum(p[2] for p in part)))
-            return out
+        if kind == KIND_WINDOW:
+            return self.engine.score_rows([row for row, _ in items], self.batch_size, tick)
         if kind == KIND_GENERATE:
             self._tick = tick
             self._gen_tokens = []

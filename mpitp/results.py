@@ -16,7 +16,8 @@ Schema (stable; extend, don't break):
   ``forwards``, ``tp_bytes`` (all TP traffic this group's leader sent), ``tp_score_bytes`` (the scoring reductions
   alone), ``mpi_bytes`` (work and results between DP groups), ``pp_bytes`` (activations and scores all ranks of the
   group sent between pipeline stages; 0 without stages). With stages, ``tp_score_bytes`` is the last stage's (where
-  scoring happens).
+  scoring happens). ``requests`` counts a rolling request's windows as shares of it (they may run in different
+  groups), so a group's value can be fractional; the sum over groups is whole.
 - ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
 
 Files are opened with HDF5 file locking off by default: lock failures on Lustre and NFS are a common h5py failure

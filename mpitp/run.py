@@ -212,8 +212,47 @@ def task_manager_for(cfg: EvalConfig):
     return check_tasks(cfg.tasks, offline_include(cfg))
 
 
+def _run_windows(dispatcher, progress, docs: list[list], on_chunk) -> list:
+    """Rolling requests dispatched window by window (see :data:`mpitp.lm.KIND_WINDOW`); a request's result is
+    recorded (``on_chunk``) as soon as its last window lands, so a crash still loses at most the chunks in flight."""
+    from .lm import KIND_WINDOW, combine_windows
+
+    windows, owner, slot = [], [], []
+    for j, rows in enumerate(docs):
+        for k, row in enumerate(rows):
+            windows.append((row, 1.0 / len(rows)))
+            owner.append(j)
+            slot.append(k)
+    parts = [[None] * len(rows) for rows in docs]
+    left = [len(rows) for rows in docs]
+    results: list = [None] * len(docs)
+    empty = [j for j, n in enumerate(left) if n == 0]  # nothing to score (an empty document): lm-eval's 0.0
+    for j in empty:
+        results[j] = combine_windows([])
+    if empty:
+        on_chunk(empty, [results[j] for j in empty])
+
+    def on_windows(indices, res):
+        finished = []
+        for w, r in zip(indices, res):
+            j = owner[w]
+            parts[j][slot[w]] = r
+            left[j] -= 1
+            if left[j] == 0:
+                results[j] = combine_windows(parts[j])
+                finished.append(j)
+        if finished:
+            on_chunk(finished, [results[j] for j in finished])
+
+    progress.add_total(len(windows))
+    dispatcher.run(KIND_WINDOW, windows, [len(row[0]) for row, _ in windows], on_windows)
+    return results
+
+
 def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     import lm_eval
+
+    from .lm import KIND_ROLLING
 
     from .results import ResultWriter
 
@@ -236,7 +275,6 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
                 todo.append(i)
         if len(todo) < len(items):
             log.info("resume: reusing %d of %d %s results from %s", len(items) - len(todo), len(items), kind, out)
-        progress.add_total(len(todo))
 
         def on_chunk(indices, res):
             if writer is None:
@@ -248,7 +286,11 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
             for task, rows in by_task.items():
                 writer.append(task, rows)
 
-        computed = dispatcher.run(kind, [items[i] for i in todo], [weights[i] for i in todo], on_chunk)
+        if kind == KIND_ROLLING:
+            computed = _run_windows(dispatcher, progress, [items[i] for i in todo], on_chunk)
+        else:
+            progress.add_total(len(todo))
+            computed = dispatcher.run(kind, [items[i] for i in todo], [weights[i] for i in todo], on_chunk)
         for i, r in zip(todo, computed):
             results[i] = r
         return results
@@ -290,7 +332,7 @@ def _finish_root(state, all_stats, wall: float) -> None:
     for g, s in enumerate(all_stats):
         per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
         stages = f", stage traffic {s['pp_bytes'] / 1e6:.2f} MB" if s.get("pp_bytes") else ""
-        print(f"DP group {g}: {s['requests']} requests, {s['tokens_scored']} tokens scored, "
+        print(f"DP group {g}: {s['requests']:.0f} requests, {s['tokens_scored']} tokens scored, "
               f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB "
               f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
     where = f"; results: {writer.path}" if writer is not None else ""

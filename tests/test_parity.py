@@ -7,6 +7,7 @@ perplexity over several 512-token windows (wikitext) and greedy generation with 
 
 from __future__ import annotations
 
+import h5py
 import pytest
 
 from conftest import STORIES, explain, run_mpi
@@ -63,7 +64,8 @@ def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path):
 
 
 def test_limit_one_on_four_groups(test_tasks, tmp_path):
-    """dp=4 with a single request per task: three DP groups get no work at all and must not hang."""
+    """dp=4 with a single request per task: no group may hang for want of work, and the one wikitext document is
+    not one indivisible item: its rolling windows are spread over the groups (each counts a share of the request)."""
     out = tmp_path / "one.h5"
     proc = run_mpi(4, ["eval", "--model", str(STORIES), "--tasks", "arc_easy_local,wikitext_local",
                        "--include-path", test_tasks, "--limit", "1", "--bootstrap-iters", "0", "--output", str(out),
@@ -72,6 +74,11 @@ def test_limit_one_on_four_groups(test_tasks, tmp_path):
     got = mpitp_requests(str(out), ["arc_easy_local", "wikitext_local"])
     assert len([k for k in got if k[0] == "wikitext_local"]) == 1
     assert len([k for k in got if k[0] == "arc_easy_local"]) == 4  # one question, four choices
+    with h5py.File(out, "r") as f:
+        shares, tokens = f["stats/requests"][()], f["stats/tokens_scored"][()]
+    assert round(shares.sum(), 9) == 5, shares
+    assert sum(1 for x in shares if abs(x - round(x)) > 1e-9) >= 2, shares  # the document was split between groups
+    print(f"--limit 1 on dp=4: requests per group {[round(float(x), 3) for x in shares]}, tokens scored {tokens.tolist()}")
 
 
 DEMO_TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]

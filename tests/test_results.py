@@ -293,7 +293,7 @@ def test_resume_with_another_layout_equals_uninterrupted(tmp_path):
     assert ab["status"] == "complete" and (ab["world_size"], ab["tp"], ab["dp"]) == (4, 1, 4)
     assert ab["created"] == attrs(a)["created"]  # the run's start, not the resume's
     with open_h5(b) as f:  # only the dropped rows were computed again
-        assert int(f["stats/requests"][()].sum()) == sum(totals.values()) - sum(kept.values())
+        assert round(f["stats/requests"][()].sum()) == sum(totals.values()) - sum(kept.values())
     for t in DEMO_TASKS:
         assert len(read_requests(str(b), t)["doc_id"]) == totals[t]
     d = mpitp_cli("inspect", "diff", a, b)
