@@ -253,7 +253,6 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     import lm_eval
 
     from .lm import KIND_ROLLING
-
     from .results import ResultWriter
 
     tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))

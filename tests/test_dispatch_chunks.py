@@ -47,3 +47,47 @@ def test_one_group_gets_equal_chunks():
     weights = [50] * 400
     chunks = make_chunks("k", list(range(400)), weights, n_groups=1, per_group=4, min_items=8)
     assert [len(c.indices) for c in chunks] == [104, 104, 104, 88]
+
+
+class _ShuffledDispatcher:
+    """Stands in for the DP dispatch (pure bookkeeping test): real chunks, landing in a random order."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def run(self, kind, items, weights, on_chunk):
+        chunks = make_chunks(kind, items, weights, n_groups=3, per_group=2)
+        self.rng.shuffle(chunks)
+        for c in chunks:
+            on_chunk(list(c.indices), [(-float(row[0][0]), row[0][0] % 2 == 0, row[1]) for row, _ in c.items])
+        self.kind, self.n = kind, len(items)
+
+
+class _Progress:
+    total = 0
+
+    def add_total(self, n):
+        self.total += n
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rolling_windows_reassemble_per_request(seed):
+    """Windows of one request may land in any order, in any chunk: each request is recorded once, when complete,
+    with lm-eval's sum over its windows; a request with no window is recorded at once as 0.0."""
+    import math
+
+    from mpitp.lm import KIND_WINDOW
+    from mpitp.run import _run_windows
+
+    rng = random.Random(seed)
+    docs = [[([rng.randint(1, 9)] * rng.randint(2, 40), rng.randint(1, 5)) for _ in range(n)]
+            for n in (3, 0, 1, 7, 2, 0, 12)]
+    recorded = []
+    disp, progress = _ShuffledDispatcher(seed), _Progress()
+    out = _run_windows(disp, progress, docs, lambda idx, res: recorded.extend(zip(idx, res)))
+    assert disp.kind == KIND_WINDOW and disp.n == progress.total == sum(len(d) for d in docs)
+    want = [(math.fsum(-float(r[0][0]) for r in d), all(r[0][0] % 2 == 0 for r in d), sum(r[1] for r in d))
+            for d in docs]
+    assert out == want
+    assert sorted(recorded) == sorted(enumerate(want))  # each request once, with its final value
+    assert [j for j, _ in recorded[:2]] == [1, 5]  # the empty ones first, before any window lands
