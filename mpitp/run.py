@@ -214,7 +214,8 @@ def task_manager_for(cfg: EvalConfig):
 
 def _run_windows(dispatcher, progress, docs: list[list], on_chunk) -> list:
     """Rolling requests dispatched window by window (see :data:`mpitp.lm.KIND_WINDOW`); a request's result is
-    recorded (``on_chunk``) as soon as its last window lands, so a crash still loses at most the chunks in flight."""
+    recorded (``on_chunk``) and counted on the progress bar as soon as its last window lands, so a crash still loses
+    at most the chunks in flight and the bar still counts requests."""
     from .lm import KIND_WINDOW, combine_windows
 
     windows, owner, slot = [], [], []
@@ -223,14 +224,17 @@ def _run_windows(dispatcher, progress, docs: list[list], on_chunk) -> list:
             windows.append((row, 1.0 / len(rows)))
             owner.append(j)
             slot.append(k)
+    weights = [len(row[0]) for row, _ in windows]
     parts = [[None] * len(rows) for rows in docs]
     left = [len(rows) for rows in docs]
     results: list = [None] * len(docs)
+    progress.add_total(len(docs))
     empty = [j for j, n in enumerate(left) if n == 0]  # nothing to score (an empty document): lm-eval's 0.0
     for j in empty:
         results[j] = combine_windows([])
     if empty:
         on_chunk(empty, [results[j] for j in empty])
+        progress(len(empty), 0)
 
     def on_windows(indices, res):
         finished = []
@@ -243,9 +247,13 @@ def _run_windows(dispatcher, progress, docs: list[list], on_chunk) -> list:
                 finished.append(j)
         if finished:
             on_chunk(finished, [results[j] for j in finished])
+        progress(len(finished), sum(weights[w] for w in indices))
 
-    progress.add_total(len(windows))
-    dispatcher.run(KIND_WINDOW, windows, [len(row[0]) for row, _ in windows], on_windows)
+    bar, dispatcher.progress = dispatcher.progress, None  # counted above, per request rather than per window
+    try:
+        dispatcher.run(KIND_WINDOW, windows, weights, on_windows)
+    finally:
+        dispatcher.progress = bar
     return results
 
 
