@@ -80,7 +80,7 @@ class Dispatcher:
     """
 
     def __init__(self, layout, compute, timeout: float, stats, prefetch: int = 2, per_group: int = 4,
-                 progress=None, batch_size: int = 1):
+                 batch_size: int = 1):
         self.comm = layout.dp_leader_comm
         self.n_groups = layout.dp
         self.compute = compute
@@ -88,7 +88,6 @@ class Dispatcher:
         self.stats = stats
         self.prefetch = prefetch
         self.per_group = per_group
-        self.progress = progress
         self.batch_size = batch_size
 
     def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
@@ -109,8 +108,6 @@ class Dispatcher:
                 results[i] = r
             if on_chunk is not None:
                 on_chunk(chunk_indices, res)
-            if self.progress is not None:
-                self.progress(len(chunk_indices), sum(weights[i] for i in chunk_indices))
 
         by_cid = {c.cid: c for c in chunks}
         sends: list = []

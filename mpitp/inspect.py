@@ -388,7 +388,7 @@ def render_requests(path: str, task: str, limit: int | None) -> str:
     if shown < n:
         head += f"; first {shown} shown"
     table = text_table(["doc_id", "idx", "kind", "loglikelihood", "is_greedy", "n_tokens", "generation"], rows,
-                   right={0, 1, 3, 5})
+                       right={0, 1, 3, 5})
     return head + "\n" + table
 
 

@@ -199,13 +199,9 @@ def split_files(data_dir: str | Path, task: str) -> dict[str, Path]:
     return {s: f for s, f in found.items() if f is not None}
 
 
-def _missing(data_dir: Path, task: str) -> list[str]:
-    """The required split files of ``task`` absent from ``data_dir``, relative to it (``arc_easy/test.jsonl``)."""
-    return [
-        f"{task}/{split}.jsonl"
-        for split in STOCK_TASKS[task].required
-        if _split_file(data_dir, task, split) is None
-    ]
+def _missing(task: str, files: dict[str, Path]) -> list[str]:
+    """The required splits of ``task`` that ``files`` (:func:`split_files`) lacks, as ``arc_easy/test.jsonl``."""
+    return [f"{task}/{split}.jsonl" for split in STOCK_TASKS[task].required if split not in files]
 
 
 class OfflineStatus(NamedTuple):
@@ -228,7 +224,8 @@ def offline_status(data_dir: str | Path) -> list[OfflineStatus]:
     out = []
     for task in STOCK_TASKS:
         try:
-            missing, files = _missing(path, task), split_files(path, task)
+            files = split_files(path, task)
+            missing = _missing(task, files)
         except DataDirError as exc:
             missing, files = [str(exc)], {}
         out.append(OfflineStatus(task, not missing, missing, files))
@@ -242,14 +239,14 @@ def task_config(task: str, data_dir: str | Path) -> dict:
     """
     path = _check_data_dir(data_dir)
     stock = STOCK_TASKS[task]
-    missing = _missing(path, task)
+    present = split_files(path, task)
+    missing = _missing(task, present)
     if missing:
         raise DataDirError(f"--data-dir {data_dir}: task {task} needs {', '.join(missing)}")
     stock_yaml = stock_tasks_dir() / stock.yaml
     if not stock_yaml.is_file():
         raise RuntimeError(f"stock task YAML {stock_yaml} not found: is this lm-eval version supported?")
 
-    present = split_files(path, task)
     cfg: dict = {
         "include": str(stock_yaml),
         "task": task,

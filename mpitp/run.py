@@ -212,10 +212,10 @@ def task_manager_for(cfg: EvalConfig):
     return check_tasks(cfg.tasks, offline_include(cfg))
 
 
-def _run_windows(dispatcher, progress, docs: list[list], on_chunk) -> list:
+def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
     """Rolling requests dispatched window by window (see :data:`mpitp.lm.KIND_WINDOW`); a request's result is
-    recorded (``on_chunk``) and counted on the progress bar as soon as its last window lands, so a crash still loses
-    at most the chunks in flight and the bar still counts requests."""
+    recorded (``record(indices, results)``) and counted on the progress bar as soon as its last window lands, so a
+    crash still loses at most the chunks in flight and the bar counts requests, as for the other kinds."""
     from .lm import KIND_WINDOW, combine_windows
 
     windows, owner, slot = [], [], []
@@ -233,7 +233,7 @@ def _run_windows(dispatcher, progress, docs: list[list], on_chunk) -> list:
     for j in empty:
         results[j] = combine_windows([])
     if empty:
-        on_chunk(empty, [results[j] for j in empty])
+        record(empty, [results[j] for j in empty])
         progress(len(empty), 0)
 
     def on_windows(indices, res):
@@ -246,14 +246,10 @@ def _run_windows(dispatcher, progress, docs: list[list], on_chunk) -> list:
                 results[j] = combine_windows(parts[j])
                 finished.append(j)
         if finished:
-            on_chunk(finished, [results[j] for j in finished])
+            record(finished, [results[j] for j in finished])
         progress(len(finished), sum(weights[w] for w in indices))
 
-    bar, dispatcher.progress = dispatcher.progress, None  # counted above, per request rather than per window
-    try:
-        dispatcher.run(KIND_WINDOW, windows, weights, on_windows)
-    finally:
-        dispatcher.progress = bar
+    dispatcher.run(KIND_WINDOW, windows, weights, on_windows)
     return results
 
 
@@ -267,7 +263,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
     progress = _Progress()
-    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, progress=progress, batch_size=cfg.batch_size)
+    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size)
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
@@ -283,7 +279,8 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         if len(todo) < len(items):
             log.info("resume: reusing %d of %d %s results from %s", len(items) - len(todo), len(items), kind, out)
 
-        def on_chunk(indices, res):
+        def record(indices, res):
+            """Store the rows of requests whose results are complete (``indices`` into ``todo``)."""
             if writer is None:
                 return
             by_task: dict[str, list] = {}
@@ -294,10 +291,16 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
                 writer.append(task, rows)
 
         if kind == KIND_ROLLING:
-            computed = _run_windows(dispatcher, progress, [items[i] for i in todo], on_chunk)
+            computed = _run_windows(dispatcher, progress, [items[i] for i in todo], record)
         else:
+            todo_weights = [weights[i] for i in todo]
+
+            def on_chunk(indices, res):
+                record(indices, res)
+                progress(len(indices), sum(todo_weights[i] for i in indices))
+
             progress.add_total(len(todo))
-            computed = dispatcher.run(kind, [items[i] for i in todo], [weights[i] for i in todo], on_chunk)
+            computed = dispatcher.run(kind, [items[i] for i in todo], todo_weights, on_chunk)
         for i, r in zip(todo, computed):
             results[i] = r
         return results
