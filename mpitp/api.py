@@ -35,7 +35,9 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
     Every rank of ``comm`` (default COMM_WORLD) must call it with the same arguments. ``layout`` defaults to one
     inferred from the model's TP process group (tp=1 when it has none). Returns lm-eval's results dict on global
     rank 0 and None elsewhere; writes HDF5 only when ``output`` is given (replacing it unless ``overwrite=False``).
-    Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...).
+    Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...);
+    ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
+    (:mod:`mpitp.headcheck`).
     """
     import torch
 
@@ -61,7 +63,8 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
                  tp_group=TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend_for(dev), device=dev,
                                   group=group))
     cfg_fields = {k: lm_eval_kwargs.pop(k) for k in ("gen_kwargs", "apply_chat_template", "log_samples",
-                                                       "bootstrap_iters", "seed") if k in lm_eval_kwargs}
+                                                       "bootstrap_iters", "seed", "skip_head_check")
+                  if k in lm_eval_kwargs}
     cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__),
                      tokenizer=getattr(tokenizer, "name_or_path", tokenizer),
                      tasks=[tasks] if isinstance(tasks, str) else list(tasks), batch_size=batch_size, limit=limit,

@@ -139,6 +139,10 @@ def eval_options(f):
         click.option("--bootstrap-iters", type=click.IntRange(min=0), default=100000, show_default=True),
         click.option("--trust-remote-code", is_flag=True),
         click.option("--demo", is_flag=True, help="Built-in offline demo: tiny random Llama, three small tasks."),
+        click.option("--skip-head-check", is_flag=True,
+                     help="Do not compare the vocab-parallel head with the model's own logits on a probe after "
+                          "loading (saves one small forward; risks wrong log-likelihoods for a model whose forward "
+                          "changes its logits in a way mpitp does not apply)."),
     ]
     for o in reversed(opts):
         f = o(f)

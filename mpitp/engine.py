@@ -187,26 +187,21 @@ class TPEngine:
         hs = hidden.reshape(b * t, -1).index_select(0, sel)
         return self.head.score(hs, tgt)
 
-    def _hidden_spec(self):
-        text = self.model.config.get_text_config()
-        return int(text.hidden_size), next(self.model.parameters()).dtype
-
     def _score_pipeline(self, ids: torch.Tensor, sel: torch.Tensor, tgt: torch.Tensor):
         """One batch through the stages in micro-batches (GPipe's forward half); scores come back to the leader."""
         lay, link, base = self.layout, self.link, _base(self.model)
         b, t = ids.shape
-        hidden_size, dtype = self._hidden_spec()
         outs = []
         for r0, r1 in micro_batches(b, lay.pp):
             if lay.first_stage:
                 h = base(input_ids=ids[r0:r1], use_cache=False).last_hidden_state
             else:
-                x = link.recv((r1 - r0, t, hidden_size), dtype, self.device)
+                x = link.recv_activation(self.device)
                 h = base(inputs_embeds=x, use_cache=False).last_hidden_state
             if lay.last_stage:
                 outs.append(h)
             else:
-                link.send(h)  # asynchronous: this stage goes on with the next micro-batch
+                link.send_activation(h)  # asynchronous: this stage goes on with the next micro-batch
         link.flush()
         if lay.last_stage:
             hs = torch.cat(outs).reshape(b * t, -1).index_select(0, sel)
@@ -330,18 +325,17 @@ class TPEngine:
         ids = kw["input_ids"]
         b = ids.shape[0]
         if not lay.first_stage:
-            hidden_size, dtype = self._hidden_spec()
             kw.pop("input_ids")
-            kw["inputs_embeds"] = link.recv((b, ids.shape[1], hidden_size), dtype, self.device)
+            kw["inputs_embeds"] = link.recv_activation(self.device)
         h = base(**kw).last_hidden_state
         if not lay.last_stage:
-            link.send(h)
+            link.send_activation(h)
             link.flush()
         if lay.last_stage:
             if self._greedy:
                 out = self.head.argmax(h[:, -1, :])
             else:
-                out = self.model.get_output_embeddings()(h[:, -1:, :]).float()
+                out = self.head.full_logits(h[:, -1, :]).unsqueeze(1)  # the model's logits: its head steps applied
             if lay.tp_rank == 0:
                 link.send(out, dst=0)
                 link.flush()
@@ -419,7 +413,7 @@ class _GreedyHead(torch.nn.Module):
         self.head = head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _chosen_token_logits(self.head.argmax(hidden[:, -1, :]), self.head.vocab_size)
+        return _chosen_token_logits(self.head.argmax(hidden[:, -1, :], head_input=True), self.head.vocab_size)
 
 
 def _chosen_token_logits(ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -155,10 +155,39 @@ class StageLink:
         dist.recv(t, src=self.prev if src is None else src)
         return t
 
+    def send_activation(self, t: torch.Tensor, dst: int | None = None) -> None:
+        """``t`` preceded by its spec (dtype and shape), so the receiver need not guess them: a stage of another
+        dtype (mixed precision, a quantized stage) or an unexpected shape would otherwise hang it or be misread."""
+        self.send(_spec_tensor(t), dst)
+        self.send(t, dst)
+
+    def recv_activation(self, device, src: int | None = None) -> torch.Tensor:
+        """The next tensor :meth:`send_activation` sent to this rank, allocated from its spec."""
+        spec = self.recv((_SPEC_LEN,), torch.long, device, src)
+        dtype, shape = _from_spec(spec)
+        return self.recv(shape, dtype, device, src)
+
     def flush(self) -> None:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+
+
+_SPEC_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+                torch.int8, torch.bool)
+_SPEC_LEN = 2 + 6  # dtype code, ndim, up to six dimensions
+
+
+def _spec_tensor(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in _SPEC_DTYPES or t.dim() > _SPEC_LEN - 2:
+        raise TypeError(f"cannot send a {t.dtype} activation of {t.dim()} dimensions between stages")
+    dims = list(t.shape) + [0] * (_SPEC_LEN - 2 - t.dim())
+    return torch.tensor([_SPEC_DTYPES.index(t.dtype), t.dim(), *dims], dtype=torch.long, device=t.device)
+
+
+def _from_spec(spec: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    code, ndim, *dims = (int(x) for x in spec.tolist())
+    return _SPEC_DTYPES[code], tuple(dims[:ndim])
 
 
 def micro_batches(b: int, pp: int, per_stage: int = 2) -> list[tuple[int, int]]:

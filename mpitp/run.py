@@ -48,6 +48,7 @@ class EvalConfig:
     bootstrap_iters: int = 100000
     trust_remote_code: bool = False
     demo: bool = False
+    skip_head_check: bool = False  # see mpitp.headcheck: what it risks is said when it is used
 
     def identity(self) -> dict:
         """The settings that determine results: a resumed run must match them exactly."""
@@ -167,6 +168,9 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     group = rt.tp_group.group if rt.tp_group is not None else None
     stats = Stats()
     engine = TPEngine(model, lay, rt.device, rt.timeout, lay.tp, stats, group=group)
+    from .headcheck import check_head
+
+    head_check_s = check_head(engine, rt.world.comm, rt.timeout, skip=cfg.skip_head_check)
     state = None
     if not lay.is_leader:
         engine.serve()
@@ -188,7 +192,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
-            _finish_root(state, all_stats, time.perf_counter() - t_start)
+            _finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")
     return state["results"] if state else None
 
@@ -321,7 +325,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     return {"results": res, "writer": writer}
 
 
-def _finish_root(state, all_stats, wall: float) -> None:
+def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None) -> None:
     from lm_eval.utils import make_table
 
     res, writer = state["results"], state["writer"]
@@ -347,3 +351,11 @@ def _finish_root(state, all_stats, wall: float) -> None:
               f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
     where = f"; results: {writer.path}" if writer is not None else ""
     print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")
+    if head_check_s is None:
+        print("head check: skipped (--skip-head-check): log-likelihoods not verified against the model's own logits")
+    else:
+        from .headcheck import PROBE_SHAPE
+
+        rows, cols = PROBE_SHAPE
+        print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
+              f"replica)")

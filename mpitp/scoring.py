@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logits import HeadTransform, head_transform
+
 _INT_BIG = 2**31 - 1
 
 
@@ -89,29 +91,38 @@ class VocabParallelHead:
     vocab_size: int
     ops: TPOps
     bias: torch.Tensor | None = None
-    softcap: float | None = None
+    transform: HeadTransform = field(default_factory=HeadTransform)  # the model's own steps around its head
     block_elems: int = 1 << 24  # floats of local logits alive at once (64 MiB in fp32)
     _wt: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_model(cls, model, ops: TPOps) -> VocabParallelHead:
-        """Take the local vocabulary shard of ``model``'s output embedding (sharded DTensor or a full weight)."""
+        """Take the local vocabulary shard of ``model``'s output embedding (sharded DTensor or a full weight), with
+        the steps its forward takes around the head (:func:`mpitp.logits.head_transform`)."""
         head = model.get_output_embeddings()
         weight, offset = _local_rows(head.weight, ops)
         bias = getattr(head, "bias", None)
         if bias is not None:
             bias, _ = _local_rows(bias, ops)
         vocab = int(head.weight.shape[0])
-        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        return cls(weight=weight, offset=offset, vocab_size=vocab, ops=ops, bias=bias, softcap=softcap)
+        transform = head_transform(model)
+        if transform.vocab_limit is not None and transform.vocab_limit < vocab:  # a padded head: rows cut off
+            vocab = transform.vocab_limit
+            keep = max(0, min(weight.shape[0], vocab - offset))
+            weight = weight[:keep]
+            bias = bias[:keep] if bias is not None else None
+        return cls(weight=weight, offset=offset, vocab_size=vocab, ops=ops, bias=bias, transform=transform)
 
-    def local_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits of this shard for hidden states ``h`` [N, H]."""
+    def local_logits(self, h: torch.Tensor, head_input: bool = False) -> torch.Tensor:
+        """float32 logits of this shard for hidden states ``h`` [N, H], as the model's forward would return them.
+
+        ``h`` is the decoder's output, or with ``head_input`` what the model's forward hands its head (its
+        hidden-state steps already taken: the greedy stand-in head is called there)."""
         w = self.weight
+        if not head_input:
+            h = self.transform.apply_hidden(h)
         logits = torch.nn.functional.linear(h.to(w.dtype), w, self.bias).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self.transform.apply_logits(logits)
 
     def _blocks(self, n: int):
         # Sized from the *global* vocabulary: every rank must cut the same blocks, or their collectives would
@@ -149,11 +160,11 @@ class VocabParallelHead:
         return out_lp, out_greedy
 
     @torch.no_grad()
-    def argmax(self, h: torch.Tensor) -> torch.Tensor:
+    def argmax(self, h: torch.Tensor, head_input: bool = False) -> torch.Tensor:
         """Global greedy token ids for hidden states ``h`` [N, H] (lowest index among ties)."""
         out = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for sl in self._blocks(h.shape[0]):
-            _, idx = self._global_max_and_argmax(self.local_logits(h[sl]))
+            _, idx = self._global_max_and_argmax(self.local_logits(h[sl], head_input))
             out[sl] = idx.long()
         return out
 
