@@ -137,6 +137,58 @@ def check_resumable(path: str, cfg) -> None:
         raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
 
 
+# generate modes that reorder or fork the KV cache (beams, contrastive search) or run a second model / a lookup that
+# rewinds it (assisted and speculative decoding, prompt lookup, DoLa's early exits): only the leader's cache would
+# change, the TP workers' and stages' shards would not, and the text would silently be wrong.
+_CACHE_FORKING = {
+    "num_beams": lambda v: v is not None and int(v) > 1,
+    "num_beam_groups": lambda v: v is not None and int(v) > 1,
+    "penalty_alpha": lambda v: v is not None and float(v) > 0,
+    "assistant_model": lambda v: v is not None,
+    "assistant_early_exit": lambda v: v is not None,
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "dola_layers": lambda v: v is not None,
+    "constraints": lambda v: v is not None,
+    "force_words_ids": lambda v: v is not None,
+}
+
+
+def unsupported_generation(kwargs: dict, generation_config=None) -> str | None:
+    """The first setting (from ``kwargs``, else the model's generation config) that makes ``generate`` reorder or
+    fork the KV cache, as ``name=value``; None when generation is a plain left-to-right decode."""
+    for name, bad in _CACHE_FORKING.items():
+        value = kwargs.get(name, getattr(generation_config, name, None))
+        try:
+            if bad(value):
+                return f"{name}={value}"
+        except (TypeError, ValueError):
+            return f"{name}={value!r}"
+    return None
+
+
+def refuse_unsupported_generation(kwargs: dict, generation_config, where: str, layout_desc: str) -> None:
+    found = unsupported_generation(kwargs, generation_config)
+    if found:
+        raise UsageError(f"{where}: {found} is not supported with {layout_desc}: that generate mode reorders or "
+                         f"forks the KV cache, which only the leader would do (its TP workers' and pipeline stages' "
+                         f"caches would not follow); run with --tp 1 --pp 1 or drop it")
+
+
+def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> None:
+    if not gen_kwargs or (tp == 1 and pp == 1):
+        return
+    if isinstance(gen_kwargs, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        try:
+            parsed = simple_parse_args_string(gen_kwargs)
+        except Exception as exc:  # noqa: BLE001 - lm-eval's parser raises plain errors on bad syntax
+            raise UsageError(f"--gen-kwargs {gen_kwargs!r}: {exc}") from None
+    else:
+        parsed = dict(gen_kwargs)
+    refuse_unsupported_generation(parsed, None, "--gen-kwargs", f"tp={tp} pp={pp}")
+
+
 def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
     from .model import check_dtype, check_tp, load_config
     from .pipeline import check_pp
@@ -151,6 +203,7 @@ def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
     if cfg.gen_kwargs and "use_cache" in str(cfg.gen_kwargs):
         raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
                          "KV cache (it passes use_cache=True itself)")
+    _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
     keep["include"] = offline_include(cfg)
     keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
     config = keep["config"] = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)

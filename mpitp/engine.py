@@ -84,6 +84,7 @@ class TPEngine:
         self._buf: torch.Tensor | None = None
         self._sent: dict[str, torch.Tensor] = {}
         self._restore_head = None
+        self.nonfinite_steps = 0  # greedy steps whose logits held NaN (no token reached the maximum)
 
     # ------------------------------------------------------------------ control plane (MPI)
     @property
@@ -280,13 +281,16 @@ class TPEngine:
                 restore_head()
             self.ops.reduce_counter = scoring_counter
 
+    def _note_nonfinite(self) -> None:
+        self.nonfinite_steps += 1
+
     def _swap_head(self):
         """Replace the model's output embedding by :class:`_GreedyHead`; returns the undo."""
         model = self.model
         head = model.get_output_embeddings()
         for name, child in model.named_children():
             if child is head:
-                setattr(model, name, _GreedyHead(self.head))
+                setattr(model, name, _GreedyHead(self.head, self._note_nonfinite))
                 return lambda: setattr(model, name, head)
         raise RuntimeError("could not locate the LM head among the model's children")
 
@@ -347,7 +351,7 @@ class TPEngine:
         vocab = int(self.model.config.get_text_config().vocab_size)
         if self._greedy:
             tok = link.recv((b,), torch.long, self.device, src=lay.last_stage_leader)
-            logits = _chosen_token_logits(tok, vocab)
+            logits = _chosen_token_logits(tok, vocab, self._note_nonfinite)
         else:
             logits = link.recv((b, 1, vocab), torch.float32, self.device, src=lay.last_stage_leader)
         return CausalLMOutputWithPast(logits=logits, cache=kw.get("cache"))
@@ -408,16 +412,26 @@ class _GreedyHead(torch.nn.Module):
     the token the sharded argmax chose (torch.argmax's lowest-index rule), without gathering the vocabulary.
     """
 
-    def __init__(self, head: VocabParallelHead):
+    def __init__(self, head: VocabParallelHead, on_nonfinite=None):
         super().__init__()
         self.head = head
+        self.on_nonfinite = on_nonfinite
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _chosen_token_logits(self.head.argmax(hidden[:, -1, :], head_input=True), self.head.vocab_size)
+        ids = self.head.argmax(hidden[:, -1, :], head_input=True)
+        return _chosen_token_logits(ids, self.head.vocab_size, self.on_nonfinite)
 
 
-def _chosen_token_logits(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[batch, 1, vocab] logits that are 0 at ``ids`` and -inf elsewhere: HF's greedy search picks exactly ``ids``."""
+def _chosen_token_logits(ids: torch.Tensor, vocab: int, on_nonfinite=None) -> torch.Tensor:
+    """[batch, 1, vocab] logits that are 0 at ``ids`` and -inf elsewhere: HF's greedy search picks exactly ``ids``.
+
+    An id past the vocabulary means no logit reached the row's maximum (NaN logits): token 0 stands in so the
+    group's forwards stay in step, and ``on_nonfinite`` is told (the leader refuses the request afterwards)."""
+    bad = ids >= vocab
+    if bool(bad.any()):
+        if on_nonfinite is not None:
+            on_nonfinite()
+        ids = torch.where(bad, torch.zeros_like(ids), ids)
     logits = torch.full((ids.shape[0], 1, vocab), float("-inf"), device=ids.device)
     logits[torch.arange(ids.shape[0], device=ids.device), 0, ids] = 0.0
     return logits

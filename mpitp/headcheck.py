@@ -50,7 +50,7 @@ def tolerance(ref_lp: torch.Tensor, ref_logits: torch.Tensor, dtype: torch.dtype
     return tol
 
 
-def _compare(head, h: torch.Tensor, ref_logits: torch.Tensor, dtype) -> tuple[float, float]:
+def _compare(head, h: torch.Tensor, ref_logits: torch.Tensor, dtype) -> tuple[float, float, str]:
     """(largest |d log p|, largest |d| / tolerance) between the head path and the model's logits, over the full
     log-softmax rows (gathered: probe only) and the scoring reductions (:meth:`VocabParallelHead.score`)."""
     ref_logits = ref_logits.float().reshape(-1, ref_logits.shape[-1])[:, : head.vocab_size]
@@ -64,16 +64,20 @@ def _compare(head, h: torch.Tensor, ref_logits: torch.Tensor, dtype) -> tuple[fl
     ref_t = ref_lp.gather(1, targets.unsqueeze(1)).squeeze(1)
     d_score = (lp - ref_t).abs()
     tol_t = tol.gather(1, targets.unsqueeze(1)).squeeze(1)
-    finite = torch.isfinite(ref_lp)
-    d_rows = torch.where(finite, d_rows, torch.where(ours == ref_lp, 0.0, float("inf")))
+    tol = torch.where(torch.isfinite(tol), tol, 1.0)
+    tol_t = torch.where(torch.isfinite(tol_t), tol_t, 1.0)
+    # Where the model's own logits are NaN/inf (a float16 overflow) nothing can be compared: the head path must be
+    # non-finite there too, and the scoring's own NaN check names the request that meets it.
+    d_rows = torch.where(torch.isfinite(ref_lp), d_rows, torch.where(torch.isfinite(ours), float("inf"), 0.0))
+    d_score = torch.where(torch.isfinite(ref_t), d_score, torch.where(torch.isfinite(lp), float("inf"), 0.0))
     worst = max(float(d_rows.max()), float(d_score.max()))
     ratio = max(float((d_rows / tol).max()), float((d_score / tol_t).max()))
-    return worst, ratio
+    return worst, ratio, head.transform.describe()
 
 
 @torch.no_grad()
-def _local_check(engine) -> tuple[float, float] | None:
-    """This rank's (worst |d|, worst |d| / tolerance), or None where this rank compares nothing."""
+def _local_check(engine) -> tuple[float, float, str] | None:
+    """This rank's (worst |d|, worst |d| / tolerance, head steps), or None where this rank compares nothing."""
     from .engine import _base
 
     model, lay, head = engine.model, engine.layout, engine.head
@@ -106,23 +110,21 @@ def check_head(engine, world_comm, timeout: float, skip: bool = False) -> float 
     Returns the seconds it took (the extra forwards), or None when skipped.
     """
     model_type = getattr(engine.model.config, "model_type", type(engine.model).__name__)
+    _test_alter_head(engine)
     if skip:
         if world_comm.Get_rank() == 0:
             log.warning("--skip-head-check: the vocab-parallel head is not compared with %s's own logits; a logit "
                         "step mpitp does not apply would give wrong log-likelihoods without an error", model_type)
         return None
     t0 = time.perf_counter()
-    _test_alter_head(engine)
     local = _local_check(engine)
     parts = mpicomm.gather_obj(local, world_comm, root=0, timeout=timeout, phase="head check")
     verdict = None
     if parts is not None:
         done = [p for p in parts if p is not None]
-        worst = max(done, key=lambda p: p[1])
-        verdict = (worst[0], worst[1])
-    worst_d, ratio = mpicomm.bcast_obj(verdict, world_comm, root=0, timeout=timeout, phase="head check")
+        verdict = max(done, key=lambda p: p[1] if p[1] == p[1] else float("inf"))
+    worst_d, ratio, steps = mpicomm.bcast_obj(verdict, world_comm, root=0, timeout=timeout, phase="head check")
     if not ratio <= 1.0:  # NaN fails too
-        steps = engine.head.transform.describe() if engine.head is not None else "?"
         raise UsageError(f"head check failed for model type '{model_type}': the vocab-parallel head differs from "
                          f"the model's own logits by up to {worst_d:.3g} in log-probability ({ratio:.3g}x the "
                          f"tolerance; head steps applied: {steps}); refusing to produce wrong numbers "
@@ -133,6 +135,6 @@ def check_head(engine, world_comm, timeout: float, skip: bool = False) -> float 
 def _test_alter_head(engine) -> None:
     """Test-only: ``MPITP_TEST_ALTER_HEAD=<factor>`` scales the head's weight shard after loading, as a model class
     with a logit step mpitp does not know would (a Cohere ``logit_scale`` that is not applied)."""
-    factor = os.environ.get("MPITP_TEST_ALTER_HEAD")
+    factor = os.environ.get("MPITP_TEST_ALTER_HEAD")  # "nan" makes every logit NaN (an fp16 overflow)
     if factor and engine.head is not None:
         engine.head.weight = engine.head.weight * float(factor)

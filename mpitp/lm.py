@@ -70,6 +70,7 @@ class MPITPLM(HFLM):
             rows.append(((ctx + cont)[-(self.max_length + 1):], len(cont)))
         weights = [len(r[0]) for r in rows]
         out = self.runner(KIND_SCORE, rows, weights, self._instances)
+        refuse_nonfinite([ll for ll, _, _ in out], self._instances)
         answers = [(ll, greedy) for ll, greedy, _ in out]
         for (key, _, _), ans in zip(requests, answers):
             self.cache_hook.add_partial("loglikelihood", key, ans)
@@ -86,6 +87,7 @@ class MPITPLM(HFLM):
         items = [self.rolling_rows(req.args[0]) for req in requests]
         weights = [sum(len(r[0]) for r in rows) for rows in items]
         out = self.runner(KIND_ROLLING, items, weights, requests)
+        refuse_nonfinite([ll for ll, _, _ in out], requests)
         lls = [ll for ll, _, _ in out]
         for req, ll in zip(requests, lls):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
@@ -123,12 +125,43 @@ class MPITPLM(HFLM):
         raise ValueError(f"unknown request kind {kind!r}")
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        with self.engine.generating(greedy=plain_greedy(self.model, generation_kwargs)):
-            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        if self.engine.has_workers:  # a task YAML's generation_kwargs get here without passing the checks
+            from .checks import refuse_unsupported_generation
+
+            lay = self.engine.layout
+            refuse_unsupported_generation(generation_kwargs, getattr(self.model, "generation_config", None),
+                                          "generation_kwargs", f"tp={lay.tp} pp={lay.pp}")
+        self.engine.nonfinite_steps = 0
+        try:
+            with self.engine.generating(greedy=plain_greedy(self.model, generation_kwargs)):
+                out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        except RuntimeError as exc:  # torch.multinomial on a NaN/inf distribution (sampling)
+            if "inf, nan" not in str(exc):
+                raise
+            self.engine.nonfinite_steps += 1
+        if self.engine.nonfinite_steps:
+            from .errors import UsageError
+
+            start = self.tok_decode(context[0].tolist())[-60:]
+            raise UsageError(f"non-finite logits (NaN/inf) while generating for the request whose context ends "
+                             f"{start!r}; in float16 this is usually an overflow: try --dtype bfloat16 or float32")
         self.engine.stats.tokens_generated += int((out.shape[1] - context.shape[1]) * out.shape[0])
         if getattr(self, "_tick", None):
             self._tick()
         return out
+
+
+def refuse_nonfinite(lls: list[float], instances) -> None:
+    """One line naming the first request whose log-likelihood is NaN or infinite (rank 0, after scoring)."""
+    from .errors import UsageError
+
+    for i, ll in enumerate(lls):
+        if not math.isfinite(ll):
+            inst = instances[i] if instances is not None and i < len(instances) else None
+            where = (f"task {inst.task_name}, doc {inst.doc_id}, request {inst.idx}" if inst is not None
+                     else f"request {i}")
+            raise UsageError(f"non-finite log-likelihood ({ll}) for {where}: the model's logits hold NaN/inf; in "
+                             f"float16 this is usually an overflow: try --dtype bfloat16 or float32")
 
 
 _GREEDY_SAFE_KWARGS = {"attention_mask", "do_sample", "temperature", "top_p", "top_k"}

@@ -1,0 +1,205 @@
+"""The architecture matrix: every causal-LM architecture of the installed transformers, built tiny and at random.
+
+Used by ``tests/test_architectures.py`` (a principled subset in CI) and ``bench/arch_matrix.py`` (all of them).
+Nothing is hand-picked: the architectures come from transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; the ones
+that cannot take part say why (:func:`exclusion`), computed, never skipped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers" / "gpt2"
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=256, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+             ffn_dim=128, word_embed_proj_dim=64, num_experts=4, num_local_experts=4, n_routed_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, v_head_dim=16, sliding_window=64, rotary_dim=8, n_inner=128, d_model=64,
+             layers_block_type=None)
+# Options that change the numbers between the head and the logits, or scale a path: set to a non-default value.
+_SCALING = re.compile(r"(logit_scale|logits_scaling|lm_head_multiplier|softcap|_multiplier$|multiplier_|"
+                      r"embedding_scale|residual_scale|scale_emb|scale_depth|dim_model_base)")
+_SOFTCAP_DEFAULT = 30.0
+MAX_PARAMS = 30_000_000  # the GPT-2 vocabulary's embedding and head are 2 x 3.2M at hidden 64
+
+
+@dataclass
+class Arch:
+    model_type: str
+    class_name: str
+    tp_plan: bool
+    pp_plan: bool
+
+
+def architectures() -> list[Arch]:
+    """Every causal-LM architecture transformers maps, with whether its config class has TP / PP plans."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for mt, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        cfg_name = CONFIG_MAPPING_NAMES.get(mt)
+        cfg_cls = getattr(transformers, cfg_name, None) if cfg_name else None
+        out.append(Arch(mt, cls_name, bool(getattr(cfg_cls, "base_model_tp_plan", None)),
+                        bool(getattr(cfg_cls, "base_model_pp_plan", None))))
+    return out
+
+
+def not_plain_decoder(arch: Arch) -> str | None:
+    """Why ``arch`` is not a plain text decoder-only causal LM (multimodal, encoder-decoder ...), else None."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    cfg_cls = getattr(transformers, CONFIG_MAPPING_NAMES.get(arch.model_type, ""), None)
+    if cfg_cls is None or getattr(transformers, arch.class_name, None) is None:
+        return "config or model class not importable from transformers"
+    subs = getattr(cfg_cls, "sub_configs", {}) or {}
+    if subs:
+        return f"multimodal or composite (sub-configs: {', '.join(sorted(subs))})"
+    if getattr(cfg_cls, "is_encoder_decoder", False):
+        return "encoder-decoder"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if arch.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "encoder (masked LM) model with a decoder mode, not a decoder-only LM"
+    return None
+
+
+def tiny_config(arch: Arch, vocab: int, eos: int):
+    """A small config of ``arch`` with every scaling / capping / bias option set to a non-default value."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(arch.model_type)
+    defaults = base.to_dict()
+    kw = {k: v for k, v in SIZES.items() if k in defaults and v is not None}
+    changed = {}
+    for k, v in defaults.items():
+        if _SCALING.search(k) and not isinstance(v, bool):
+            if v is None and "softcap" in k:
+                changed[k] = _SOFTCAP_DEFAULT
+            elif isinstance(v, (int, float)) and v not in (0,):
+                changed[k] = 8.0 if float(v) == 1.0 else float(v) * 0.5
+        elif re.search(r"(^|_)bias$", k) and v is False:
+            changed[k] = True
+    kw.update(changed)
+    kw.update(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(arch.model_type, **kw)
+    return cfg, changed
+
+
+def build(arch: Arch, out_dir: Path, seed: int = 0) -> dict:
+    """Build a tiny random ``arch`` into ``out_dir`` with the GPT-2 tokenizer; returns what was changed, or raises."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    cfg, changed = tiny_config(arch, len(tok), tok.eos_token_id)
+    with torch.device("meta"):  # a config that ignores the size overrides would allocate gigabytes: count first
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if n > MAX_PARAMS:
+        raise RuntimeError(f"{n / 1e6:.0f}M parameters at the tiny sizes (the config ignores them)")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # sharper than the 0.02-std init: log-probs far from uniform, head steps visible
+        head = model.get_output_embeddings()
+        head.weight.mul_(20.0)
+    if type(model).__name__ != arch.class_name:
+        raise RuntimeError(f"AutoModelForCausalLM built {type(model).__name__}, not {arch.class_name}")
+    model.generation_config.pad_token_id = tok.eos_token_id
+    model.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+    (out_dir / "mpitp_arch.json").write_text(json.dumps({"model_type": arch.model_type, "changed": changed}))
+    return changed
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+# ------------------------------------------------------------------------------------------------ the comparison
+TASKS = ["arc_easy_local", "wikitext_local", "gsm8k_local"]
+LIMIT = 2
+GEN_KWARGS = "max_gen_toks=8"
+BATCH = 2
+
+
+def head_statements(arch: Arch) -> tuple[str, ...]:
+    """The statements of the class's forward between the decoder output and the loss (:mod:`mpitp.logits`) that
+    differ between classes: the key that groups architectures by what they do around their head."""
+    import transformers
+
+    from mpitp.logits import _statements
+
+    from mpitp import logits as L
+
+    try:
+        stmts = [s for _, s in _statements(getattr(transformers, arch.class_name).forward)]
+    except (OSError, TypeError, AttributeError):
+        return ("<no source>",)
+    key = []
+    for s in stmts:  # what is the same for every model (slicing, the bare head call) is left out of the key
+        if any(p.match(s) for p in L._NEUTRAL):
+            continue
+        m = L._HEAD.match(s)
+        key.append("HEAD" if m and not m.group(2) else s)
+    return tuple(key)
+
+
+def ci_subset(archs: list[Arch]) -> list[Arch]:
+    """The architectures the CI test covers, chosen by rule from the full list:
+
+    - one per distinct head code among those with a TP plan (the statements between decoder and loss: Cohere's
+      scale, Granite's division, Gemma's soft-cap, Falcon-H1's multiplier, MiniCPM3's hidden division ...), the first
+      in transformers' order, with Llama standing for the plain ``logits = lm_head(h)`` group;
+    - Cohere and Granite, named in issue #13, whatever group they fall in;
+    - GPT-2 and OPT: no TP plan (refused at tp=2, parity at tp=1).
+    """
+    plain = [a for a in archs if not_plain_decoder(a) is None]
+    by_key: dict[tuple, Arch] = {}
+    for a in plain:
+        if a.tp_plan:
+            by_key.setdefault(head_statements(a), a)
+    chosen = {a.model_type for a in by_key.values()}
+    llama = next(a for a in plain if a.model_type == "llama")
+    plain_key = head_statements(llama)
+    chosen.discard(by_key[plain_key].model_type)
+    chosen |= {"llama", "cohere", "granite", "gpt2", "opt"}
+    return [a for a in plain if a.model_type in chosen]
+
+
+def reference(model_dir: Path, include: str, task_manager=None) -> dict:
+    """Single-process ``lm_eval --model hf`` on the matrix's tasks: ``{(task, doc, idx): (ll, greedy, text)}``."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from parity_util import reference_requests
+
+    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32", tasks=TASKS,
+                                  limit=LIMIT, batch_size=BATCH, device="cpu", gen_kwargs=GEN_KWARGS,
+                                  log_samples=True, bootstrap_iters=0,
+                                  task_manager=task_manager or TaskManager(include_path=include))
+    return reference_requests(res["samples"])
+
+
+def job_file(path: Path, models: dict[str, Path], include: str, out_dir: Path, tp: int, pp: int) -> Path:
+    """One job file running every model in ``models`` at this layout: one MPI launch for all of them."""
+    import yaml
+
+    runs = [dict(name=f"{name}-tp{tp}-pp{pp}", model=str(d), tp=tp, pp=pp, output=str(out_dir / f"{name}.h5"))
+            for name, d in models.items()]
+    doc = dict(defaults=dict(tasks=TASKS, include_path=include, limit=LIMIT, batch_size=BATCH, dtype="float32",
+                             gen_kwargs=GEN_KWARGS), runs=runs)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def compare(ref: dict, h5: Path) -> tuple[float, list[str]]:
+    from parity_util import compare_requests, mpitp_requests
+
+    return compare_requests(ref, mpitp_requests(str(h5), TASKS))
