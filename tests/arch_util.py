@@ -14,7 +14,7 @@ from pathlib import Path
 
 TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers" / "gpt2"
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, max_position_embeddings=256, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+             head_dim=16, max_position_embeddings=128, n_positions=128, n_embd=64, n_layer=2, n_head=4,
              ffn_dim=128, word_embed_proj_dim=64, num_experts=4, num_local_experts=4, n_routed_experts=4,
              num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
@@ -82,8 +82,10 @@ def tiny_config(arch: Arch, vocab: int, eos: int):
         if _SCALING.search(k) and not isinstance(v, bool):
             if v is None and "softcap" in k:
                 changed[k] = _SOFTCAP_DEFAULT
-            elif isinstance(v, (int, float)) and v not in (0,):
-                changed[k] = 8.0 if float(v) == 1.0 else float(v) * 0.5
+            elif isinstance(v, int) and v not in (0,):
+                changed[k] = 8 if v == 1 else max(2, v // 2)
+            elif isinstance(v, float) and v != 0.0:
+                changed[k] = 8.0 if v == 1.0 else v * 0.5
         elif re.search(r"(^|_)bias$", k) and v is False:
             changed[k] = True
     kw.update(changed)
@@ -123,9 +125,11 @@ def first_line(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the comparison
-TASKS = ["arc_easy_local", "wikitext_local", "gsm8k_local"]
+# One task per request kind that goes through the head: multiple choice, log-likelihood with greedy flags, greedy
+# generation. (Rolling windows score through the same head as any log-likelihood; tests/test_parity.py covers them.)
+TASKS = ["arc_easy_local", "lambada_openai_local", "gsm8k_local"]
 LIMIT = 2
-GEN_KWARGS = "max_gen_toks=8"
+GEN_KWARGS = "max_gen_toks=6"
 BATCH = 2
 
 

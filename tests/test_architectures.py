@@ -55,6 +55,7 @@ def test_exclusions_are_listed():
         print(f"  {name}: {why}")
 
 
+@pytest.mark.timeout(1200)
 def test_ci_subset_covers_head_steps(matrix):
     """The subset has Cohere and Granite, and architectures without a TP plan; nothing in it fails to build silently."""
     names = set(matrix)
@@ -68,6 +69,7 @@ def test_ci_subset_covers_head_steps(matrix):
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 
 
+@pytest.mark.timeout(2400)  # the first one builds the models and runs lm-eval's references
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=["tp1", "tp2", "pp2"])
 def test_matrix_layout_matches_lm_eval(tp, pp, matrix, references, test_tasks, tmp_path):
     """One launch runs every model of the subset at this layout; each matches lm-eval, or is refused clearly."""

@@ -1,0 +1,82 @@
+"""Reduced precision: bf16 and fp16 runs measured against the float32 result on the same requests.
+
+Parity with lm-eval in the same dtype is not the right test: mpitp's log-softmax is float32 over the model's logits,
+``HFLM``'s is in the model dtype. So both are measured against lm-eval's float32 log-likelihoods, per task: mpitp's
+error must be no larger than lm-eval's, and greedy generations must be the ones lm-eval produces in that dtype (both
+take the argmax of the same logits). One MPI launch (a job file with one run per dtype), tp=2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import STORIES, explain, run_mpi
+from parity_util import mpitp_requests, reference_requests
+
+TASKS = ["arc_easy_local", "lambada_openai_local", "wikitext_local", "gsm8k_local"]
+LIMIT = 3
+GEN_KWARGS = "max_gen_toks=24"
+DTYPES = ["bfloat16", "float16"]
+
+
+def _lm_eval(dtype: str, include: str, tm):
+    import lm_eval
+
+    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={STORIES},dtype={dtype}", tasks=TASKS,
+                                  limit=LIMIT, batch_size=4, device="cpu", gen_kwargs=GEN_KWARGS, log_samples=True,
+                                  bootstrap_iters=0, task_manager=tm)
+    return reference_requests(res["samples"])
+
+
+def _errors(truth: dict, got: dict, task: str) -> tuple[float, float]:
+    """(mean, max) |d ll| relative to max(1, |ll|) over the task's scored requests."""
+    ds = [abs(got[k][0] - v[0]) / max(1.0, abs(v[0])) for k, v in truth.items()
+          if k[0] == task and not math.isnan(v[0])]
+    return sum(ds) / len(ds), max(ds)
+
+
+@pytest.fixture(scope="module")
+def measured(test_tasks, tmp_path_factory):
+    import torch
+    import yaml
+    from lm_eval.tasks import TaskManager
+
+    torch.set_num_threads(2)
+    tm = TaskManager(include_path=test_tasks)
+    refs = {d: _lm_eval(d, test_tasks, tm) for d in ["float32", *DTYPES]}
+    tmp = tmp_path_factory.mktemp("precision")
+    runs = [dict(name=f"stories-{d}", dtype=d, output=str(tmp / f"{d}.h5")) for d in DTYPES]
+    job = tmp / "precision.yaml"
+    job.write_text(yaml.safe_dump(dict(defaults=dict(model=str(STORIES), tasks=TASKS, include_path=test_tasks,
+                                                     limit=LIMIT, batch_size=4, gen_kwargs=GEN_KWARGS, tp=2),
+                                       runs=runs), sort_keys=False))
+    proc = run_mpi(2, ["run", str(job)], timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    got = {d: mpitp_requests(str(tmp / f"{d}.h5"), TASKS) for d in DTYPES}
+    return refs, got
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduced_precision_error_no_larger_than_lm_eval(dtype, measured):
+    refs, got = measured
+    truth = refs["float32"]
+    print(f"\n{dtype} vs float32 lm-eval, relative |d ll| (mean / max) per task:")
+    failures = []
+    for task in TASKS:
+        if task == "gsm8k_local":
+            continue
+        lm_mean, lm_max = _errors(truth, refs[dtype], task)
+        mp_mean, mp_max = _errors(truth, got[dtype], task)
+        print(f"  {task:22s} lm-eval hf {lm_mean:.2e} / {lm_max:.2e}   mpitp tp=2 {mp_mean:.2e} / {mp_max:.2e}")
+        if not math.isfinite(mp_mean) or mp_mean > lm_mean:
+            failures.append(f"{task}: mpitp mean error {mp_mean:.3g} > lm-eval's {lm_mean:.3g}")
+    gens = {k: v[2] for k, v in refs[dtype].items() if k[0] == "gsm8k_local"}
+    same = sum(got[dtype][k][2] == g for k, g in gens.items())
+    vs32 = sum(got[dtype][k][2] == truth[k][2] for k in gens)
+    print(f"  gsm8k_local generations: {same}/{len(gens)} equal to lm-eval hf {dtype}, {vs32}/{len(gens)} equal to "
+          f"float32")
+    assert same == len(gens), "greedy generations differ from lm-eval's in the same dtype"
+    assert not failures, "\n".join(failures)
