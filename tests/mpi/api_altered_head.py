@@ -1,0 +1,32 @@
+"""Under mpiexec (dp replicas, tp=1): mpitp.evaluate on a model whose forward changes its logits in a way the
+vocab-parallel head does not know (the logits scaled by 1.5, as an unknown architecture's logit step would).
+
+argv: MODEL_DIR INCLUDE_PATH. Prints "REFUSED: <message>" on every rank when the head check refuses it.
+"""
+
+import sys
+
+import mpitp
+from mpitp.errors import UsageError, install_excepthook
+from mpitp.model import load_model
+from mpitp.runtime import start
+
+install_excepthook()
+model_dir, include_path = sys.argv[1:3]
+rt = start(tp=1, threads=1)
+model = load_model(model_dir, 1, rt.device, "float32")
+plain_forward = model.forward
+
+
+def scaled_forward(*args, **kwargs):
+    out = plain_forward(*args, **kwargs)
+    out.logits = out.logits * 1.5
+    return out
+
+
+model.forward = scaled_forward
+try:
+    mpitp.evaluate(model, model_dir, ["arc_easy_local"], include_path=include_path, limit=1, bootstrap_iters=0)
+    print(f"rank {rt.world.rank}: NOT REFUSED", flush=True)
+except UsageError as exc:
+    print(f"rank {rt.world.rank}: REFUSED: {exc}", flush=True)
