@@ -59,7 +59,8 @@ def not_plain_decoder(arch: Arch) -> str | None:
     if cfg_cls is None or getattr(transformers, arch.class_name, None) is None:
         return "config or model class not importable from transformers"
     subs = getattr(cfg_cls, "sub_configs", {}) or {}
-    if subs:
+    modal = ("vision", "audio", "speech", "encoder", "image", "video", "vq", "depth_decoder", "text_config")
+    if any(word in k for k in subs for word in modal):  # an attention sub-config (MPT's) is still a plain decoder
         return f"multimodal or composite (sub-configs: {', '.join(sorted(subs))})"
     if getattr(cfg_cls, "is_encoder_decoder", False):
         return "encoder-decoder"

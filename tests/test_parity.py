@@ -50,6 +50,7 @@ def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path):
     out = tmp_path / "out.h5"
     proc = _run_layout(n, tp, test_tasks, out, pp)
     assert proc.returncode == 0, explain(proc)
+    assert "head check: passed in" in proc.stdout, explain(proc)  # the probe ran on every replica, its cost shown
     ref = reference_requests(reference["samples"])
     got = mpitp_requests(str(out), TASKS)
     worst, problems = compare_requests(ref, got)
