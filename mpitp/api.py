@@ -75,7 +75,10 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
     model.eval()
     try:
         with torch.no_grad():
-            return evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
+            result = evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
     finally:
         model.train(was_training)
-        mpicomm.barrier(layout.world.comm, timeout, phase="end of mpitp.evaluate")
+    # Only after success: a rank that failed mid-forward leaves its peers inside a torch collective, which no barrier
+    # can reach; its exception must go straight to the caller (or the abort) instead of waiting out the timeout.
+    mpicomm.barrier(layout.world.comm, None, phase="end of mpitp.evaluate")
+    return result

@@ -84,6 +84,7 @@ class TPEngine:
         self._buf: torch.Tensor | None = None
         self._sent: dict[str, torch.Tensor] = {}
         self._restore_head = None
+        _install_forward_fault(model, layout, self.stats)
 
     # ------------------------------------------------------------------ control plane (MPI)
     @property
@@ -133,8 +134,13 @@ class TPEngine:
             try:
                 results = self._score_batch([rows[i] for i in idx])
             except _OOM as exc:
-                if len(idx) == 1 or self.has_workers:
-                    # With TP workers a one-sided retry would desynchronise the group's collectives.
+                if self.has_workers:
+                    # The workers may sit inside a collective of the very forward that failed: a retry cannot be
+                    # agreed with them, so the job fails fast (rows computed so far stay in the file).
+                    raise _OOM[0](f"out of memory on a batch of {len(idx)} rows in a replica of "
+                                  f"{self.replica_ops.size} ranks ({str(exc).splitlines()[0][:160]}); rerun with a "
+                                  f"smaller --batch-size and --resume") from exc
+                if len(idx) == 1:
                     raise
                 batch_size = max(1, len(idx) // 2)
                 log.warning("out of memory on a batch of %d rows (%s); retrying with batch size %d",
@@ -272,15 +278,18 @@ class TPEngine:
 
         if self.has_workers:
             model.forward = mirrored_forward
+        ok = False
         try:
             yield
+            ok = True
         finally:
             if self.has_workers:
                 if patched:
                     model.forward = original
                 else:
                     del model.forward  # back to the class's forward
-                self._control({"op": OP_GEN_END})
+                if ok:  # after a failure the workers may sit in a collective of the failed forward: no message
+                    self._control({"op": OP_GEN_END})
             if restore_head is not None:
                 restore_head()
             self.ops.reduce_counter = scoring_counter
@@ -448,3 +457,26 @@ def _test_raise(layout, forwards: int) -> None:
         rank, after = (int(x) for x in spec.split(":"))
         if layout.rank == rank and forwards >= after:
             raise RuntimeError(f"test hook: injected failure on rank {rank} after {forwards} forwards")
+
+
+def _install_forward_fault(model, layout, stats: Stats) -> None:
+    """Test-only: ``MPITP_TEST_RAISE_IN_FORWARD=<global rank>:<forwards>[:oom]`` raises inside the forward of that
+    rank's last decoder layer once it has run that many forwards: its TP peers are then inside a torch collective
+    of the same forward (or, with stages, waiting for its activations), not at a message boundary."""
+    spec = os.environ.get("MPITP_TEST_RAISE_IN_FORWARD")
+    if not spec:
+        return
+    parts = spec.split(":")
+    rank, after, oom = int(parts[0]), int(parts[1]), parts[2:] == ["oom"]
+    layers = getattr(_base(model), "layers", None)
+    if layout.rank != rank or not layers:
+        return
+
+    def hook(module, args):
+        if stats.forwards > after:
+            where = f"inside a forward on rank {rank} after {stats.forwards - 1} forwards"
+            if oom:
+                raise _OOM[0](f"test hook: simulated out of memory {where}")
+            raise RuntimeError(f"test hook: injected failure {where}")
+
+    layers[-1].register_forward_pre_hook(hook)

@@ -176,14 +176,14 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
 
         lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.batch_size, max_length=cfg.max_length,
                      trust_remote_code=cfg.trust_remote_code)
-        try:
-            if lay.is_root:
-                tm = task_manager or task_manager_for(cfg)
-                state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
-            else:
-                serve_remote(lay, lm.compute, rt.timeout, stats)
-        finally:
-            engine.stop()
+        # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
+        # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
+        if lay.is_root:
+            tm = task_manager or task_manager_for(cfg)
+            state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
+        else:
+            serve_remote(lay, lm.compute, rt.timeout, stats)
+        engine.stop()
         _merge_stage_stats(stats, lay, rt.timeout)
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")

@@ -49,8 +49,10 @@ def inspect_diff(a, b, *extra) -> subprocess.CompletedProcess:
 class Launch:
     """``mpiexec -n N python -m mpitp ARGS`` in its own session; output lines are kept with their arrival time."""
 
-    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None):
-        cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpitp", *args]
+    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None, script=None):
+        """``script``: run ``python SCRIPT ARGS`` instead of ``python -m mpitp ARGS``."""
+        entry = [str(script)] if script else ["-m", "mpitp"]
+        cmd = [mpiexec_path(), "-n", str(n), sys.executable, *entry, *args]
         self.t0 = time.monotonic()
         self.t_end: float | None = None
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
