@@ -32,6 +32,7 @@ OP_GEN_BEGIN = "gen_begin"
 OP_GEN_FORWARD = "gen_forward"
 OP_GEN_END = "gen_end"
 OP_STOP = "stop"
+OP_IDLE = "idle"
 
 
 @dataclass
@@ -91,10 +92,11 @@ class TPEngine:
     def has_workers(self) -> bool:
         return self.replica_ops.size > 1
 
-    def _control(self, msg: dict | None = None, phase: str = "TP control") -> dict:
+    def _control(self, msg: dict | None = None, phase: str = "TP control", idle: bool = False) -> dict:
         # Workers wait a little longer than their leader: when a stall upstream trips the deadline, the leader's
-        # message (which names the upstream phase) is the one the user sees.
-        timeout = self.timeout if self.layout.is_leader else self.timeout + 5.0
+        # message (which names the upstream phase) is the one the user sees. An idle worker (its leader between
+        # dispatch runs, see :meth:`idle`) waits without one.
+        timeout = None if idle else self.timeout if self.layout.is_leader else self.timeout + 5.0
         return mpicomm.bcast_obj(msg, self.layout.replica_comm, root=0, timeout=timeout, phase=phase)
 
     def _send_tensors(self, tensors: list[torch.Tensor]) -> None:
@@ -373,11 +375,23 @@ class TPEngine:
         if self.has_workers:
             self._control({"op": OP_STOP}, phase="TP stop")
 
+    def idle(self) -> None:
+        """Tell the workers that no forward comes until the next dispatch run (leader only): they wait without a
+        deadline while rank 0 does work of its own (lm-eval's metrics, the results file), however long it takes."""
+        if self.has_workers:
+            self._control({"op": OP_IDLE}, phase="TP idle")
+
     def serve(self) -> None:
-        """Worker loop: mirror the leader's forwards until it says stop."""
+        """Worker loop: mirror the leader's forwards until it says stop.
+
+        Idle until the first forward (rank 0 is building lm-eval's tasks) and after each :data:`OP_IDLE`: then the
+        wait has no deadline (see :func:`mpitp.dispatch.serve_remote` for why that still ends a broken job).
+        """
+        idle = True
         while True:
-            msg = self._control(phase=self._wait_phase)
+            msg = self._control(phase=self._wait_phase, idle=idle)
             op = msg["op"]
+            idle = op == OP_IDLE
             _test_raise(self.layout, self.stats.forwards)
             if op == OP_SCORE:
                 packed = self._buffer(msg["b"] * msg["t"] + 2 * msg["n"])
@@ -398,6 +412,8 @@ class TPEngine:
                 self.ops.reduce_counter = scoring_counter
             elif op == OP_STOP:
                 return
+            elif op == OP_IDLE:
+                pass
             else:  # pragma: no cover - protocol bug
                 raise RuntimeError(f"unknown TP control op {op!r}")
 

@@ -134,8 +134,8 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     t_start = time.perf_counter()
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
     lay = rt.layout
-    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, rt.timeout,
-                           "checking input")
+    # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
+    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
     if lay.pp > 1:
         from .pipeline import describe_split, load_stage, num_layers
 
@@ -182,14 +182,14 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
             tm = task_manager or task_manager_for(cfg)
             state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
         else:
-            serve_remote(lay, lm.compute, rt.timeout, stats)
+            serve_remote(lay, lm.compute, rt.timeout, stats, idle=engine.idle)
         engine.stop()
         _merge_stage_stats(stats, lay, rt.timeout)
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
             _finish_root(state, all_stats, time.perf_counter() - t_start)
-    mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")
+    mpicomm.barrier(rt.world.comm, None, phase="end of evaluation")  # rank 0 writes the file meanwhile
     return state["results"] if state else None
 
 
@@ -263,7 +263,8 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
     progress = _Progress()
-    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size)
+    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size,
+                            idle=lm.engine.idle)
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
