@@ -144,7 +144,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
             log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
     else:
         model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
-    mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
+    mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
     try:
         return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
                                t_start=t_start)
