@@ -512,11 +512,13 @@ def _diff_metrics(ma: dict, mb: dict, atol: float, rtol: float) -> list[str]:
     return out
 
 
-def _rows_by_key(cols: dict) -> dict[tuple[int, int], list[tuple]]:
-    out: dict[tuple[int, int], list[tuple]] = {}
+def _rows_by_key(cols: dict) -> dict[tuple[int, int, int], list[tuple]]:
+    out: dict[tuple[int, int, int], list[tuple]] = {}
+    rep = cols.get("repeat")
     for i in range(len(cols["doc_id"])):
         ll = float(cols["loglikelihood"][i])
-        out.setdefault((int(cols["doc_id"][i]), int(cols["idx"][i])), []).append(
+        key = (int(cols["doc_id"][i]), int(cols["idx"][i]), int(rep[i]) if rep is not None else 0)
+        out.setdefault(key, []).append(
             (ll, bool(cols["is_greedy"][i]), str(cols["generation"][i])))
     for v in out.values():  # duplicates of one key (should not happen): compare them in a canonical order
         v.sort(key=lambda r: (math.isnan(r[0]), r[0] if not math.isnan(r[0]) else 0.0, r[1], r[2]))
@@ -527,7 +529,7 @@ def _diff_requests(td: TaskDiff, ca: dict, cb: dict, atol: float, rtol: float) -
     ra, rb = _rows_by_key(ca), _rows_by_key(cb)
     for key in sorted(set(ra) | set(rb)):
         la, lb = ra.get(key, []), rb.get(key, [])
-        where = f"doc_id={key[0]} idx={key[1]}"
+        where = f"doc_id={key[0]} idx={key[1]}" + (f" repeat={key[2]}" if key[2] else "")
         for (lla, ga, gena), (llb, gb, genb) in zip(la, lb):
             td.compared += 1
             what = []

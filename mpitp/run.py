@@ -74,12 +74,6 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
                 config_json=json.dumps(cfg.identity(), sort_keys=True))
 
 
-def _resume_key(inst) -> tuple:
-    from .lm import args_hash
-
-    return (inst.task_name, int(inst.doc_id), int(inst.idx), args_hash(inst.args))
-
-
 def _result_from_row(row: dict, kind: str):
     from .lm import KIND_GENERATE
 
@@ -88,7 +82,7 @@ def _result_from_row(row: dict, kind: str):
     return (float(row["loglikelihood"]), bool(row["is_greedy"]), int(row["n_tokens"]))
 
 
-def _request_row(inst, result, kind: str) -> dict:
+def _request_row(inst, result, kind: str, repeat: int = 0) -> dict:
     from .lm import KIND_GENERATE, args_hash
 
     if kind == KIND_GENERATE:
@@ -100,7 +94,8 @@ def _request_row(inst, result, kind: str) -> dict:
     # Generated text can hold lone surrogates (byte-level tokens decoded mid-character); HDF5 stores UTF-8.
     text = text.encode("utf-8", "replace").decode("utf-8")
     return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
-                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args))
+                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args),
+                repeat=int(repeat))
 
 
 class _Progress:
@@ -256,7 +251,7 @@ def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
 def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     import lm_eval
 
-    from .lm import KIND_ROLLING
+    from .lm import KIND_ROLLING, request_keys
     from .results import ResultWriter
 
     tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
@@ -268,7 +263,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
-        keys = [_resume_key(inst) for inst in instances]
+        keys = request_keys(instances)
         results: list = [None] * len(items)
         todo = []
         for i, key in enumerate(keys):
@@ -287,7 +282,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
             by_task: dict[str, list] = {}
             for i, r in zip(indices, res):
                 inst = instances[todo[i]]
-                by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind))
+                by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
             for task, rows in by_task.items():
                 writer.append(task, rows)
 
@@ -307,6 +302,8 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         return results
 
     lm.runner = runner
+    if cfg.seed is not None:
+        lm.seed = cfg.seed
     seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
                                              torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
     kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
