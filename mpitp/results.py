@@ -127,7 +127,7 @@ class ResultWriter:
         cols = self._task(task)["rows"]
         for r in rows:
             for k in REQUEST_FIELDS:
-                cols[k].append(r[k])
+                cols[k].append(r.get(k, 0) if k == "repeat" else r[k])  # repeat: 0 unless a clone
         self.save()
 
     def write_task(self, task: str, attrs: dict, metrics: dict, samples: list | None = None) -> None:
