@@ -314,7 +314,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
     finally:
         progress.close()
-        dispatcher.shutdown()
+    dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
     stall_hook("post_processing")
     return {"results": res, "writer": writer}
 
