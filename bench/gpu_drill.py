@@ -40,7 +40,7 @@ def lm_eval_case(model: str, device: str, dtype: str, tasks: str, limit: int, ba
     samples = out_dir / f"lmeval-{dtype}.json"
     spec = dict(model_args=f"pretrained={model},dtype={dtype},device={device}", tasks=tasks.split(","),
                 include_path=include_path(), batch_size=batch_size, limit=limit, gen_kwargs=gen_kwargs,
-                samples_out=str(samples))
+                log_samples=True, samples_out=str(samples))
     r = _run([PYTHON, DRIVER, "lmeval", json.dumps(spec)], bench_env(), 3600, f"lm_eval hf {dtype}")
     from parity_util import reference_requests
 
@@ -63,6 +63,8 @@ def parity(ref: dict, got: dict) -> tuple[float, int, int]:
     """(max relative |d ll|, flag or generation mismatches, requests compared)."""
     from parity_util import compare_requests
 
+    if not ref or not got:
+        raise RuntimeError(f"nothing to compare: {len(ref)} reference and {len(got)} mpitp requests")
     worst, problems = compare_requests(ref, got)
     mism = sum(1 for p in problems if "is_greedy" in p or "generation" in p or "keys differ" in p)
     return worst, mism, len(set(ref) & set(got))
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     rows, failed = [], False
     for label, dtype in (("lm_eval hf", "float32"), ("lm_eval hf", "bfloat16")):
         r = ref[dtype]
-        err = parity(ref["float32"], r["requests"])[0] if dtype == "bfloat16" else 0.0
+        err = parity(ref["float32"]["requests"], r["requests"])[0] if dtype == "bfloat16" else 0.0
         r["tokens"] = None
         rows.append([f"{label} {dtype}", 1, "reference" if dtype == "float32" else f"bf16 err {err:.2e}",
                      r["time_s"], "", "", memory(r)])
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
         r = mpitp_case(n, tp, dtype=dtype, **run)
         tokens = tokens_of(r["output"], args.tasks)
         base = ref[dtype]
-        worst, mism, compared = parity(ref["float32"], r["requests"])
+        worst, mism, compared = parity(ref["float32"]["requests"], r["requests"])
         if dtype == "float32":
             ok = worst <= 1e-5 and mism == 0
             failed |= not ok
