@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the drill) or cpu (--dry: the logic only)")
     ap.add_argument("--dry", action="store_true", help="tiny model (stories260K), tiny limit: checks the script")
     ap.add_argument("--model", default=None, help="default: bench's 77M random Llama (GPT-2 vocab); --dry: stories")
-    ap.add_argument("--tasks", default=TASKS)
+    ap.add_argument("--tasks", default=None, help=f"default {TASKS} (--dry: arc_easy_local,gsm8k_local)")
     ap.add_argument("--dp", default="2,4", help="DP sizes to run as ranks sharing the one GPU")
     ap.add_argument("--gen-kwargs", default="max_gen_toks=64")
     args = ap.parse_args(argv)
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         say("gpu_drill: --device cuda but torch sees no GPU (use --device cpu --dry to check the script)")
         return 2
     model = args.model or (str(common.STORIES) if args.dry else common.small_model())
-    limit = 3 if args.dry and args.limit == 100 else args.limit
+    limit = 2 if args.dry and args.limit == 100 else args.limit
+    args.tasks = args.tasks or ("arc_easy_local,gsm8k_local" if args.dry else TASKS)
     out_dir = common.CACHE / "gpu_drill"
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"gpu_drill: {common.machine()}; device {args.device}, {gpus} GPU(s) "
