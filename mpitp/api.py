@@ -3,7 +3,7 @@
 For a training or analysis script that already runs under ``mpirun`` and holds a TP-sharded transformers model:
 no checkpoint, no reload. It runs the very code path of ``mpitp eval`` (:func:`mpitp.run.evaluate_loaded`) and
 leaves the caller's world as it found it: the model back in its previous train/eval mode, no process group
-destroyed, no message left in flight (a barrier with the timeout closes it), autograd off only inside.
+destroyed, no message left in flight (a closing barrier, after success), autograd off only inside.
 """
 
 from __future__ import annotations
