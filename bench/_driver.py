@@ -101,6 +101,9 @@ def _time_generate(cls) -> None:
 def _emit(payload: dict) -> None:
     if GEN["gen_calls"]:
         payload.update(GEN)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        payload["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20  # this process, its current device
     payload["maxrss_kb"] = _maxrss_kb()
     payload["end_rss_mb"] = _status_mb()
     sys.stdout.write("BENCHRESULT " + json.dumps(payload, default=str) + "\n")
@@ -169,6 +172,10 @@ def run_lmeval(spec: dict) -> None:
     out = dict(rank=rank, time_s=dt, cpu_s=dc, base_rss_kb=base)
     if res:
         out["results"] = res.get("results")
+        if spec.get("samples_out"):  # every request's response, for request-by-request parity (gpu_drill.py)
+            with open(spec["samples_out"], "w") as f:
+                json.dump({task: [{"doc_id": s["doc_id"], "resps": s["resps"]} for s in rows]
+                           for task, rows in res.get("samples", {}).items()}, f, default=str)
         if spec.get("log_samples"):
             gens = []
             for samples in res.get("samples", {}).values():

@@ -32,7 +32,7 @@ GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
 STORIES = SHARED / "models" / "stories260K"
 BIN = ROOT / ".venv" / "bin"
 PYTHON = str(BIN / "python") if (BIN / "python").exists() else sys.executable
-MPIEXEC = str(BIN / "mpiexec")
+MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else str(Path(sys.executable).parent / "mpiexec")
 TORCHRUN = str(BIN / "torchrun")
 DRIVER = str(BENCH / "_driver.py")
 

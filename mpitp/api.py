@@ -3,7 +3,7 @@
 For a training or analysis script that already runs under ``mpirun`` and holds a TP-sharded transformers model:
 no checkpoint, no reload. It runs the very code path of ``mpitp eval`` (:func:`mpitp.run.evaluate_loaded`) and
 leaves the caller's world as it found it: the model back in its previous train/eval mode, no process group
-destroyed, no message left in flight (a barrier with the timeout closes it), autograd off only inside.
+destroyed, no message left in flight (a closing barrier, after success), autograd off only inside.
 """
 
 from __future__ import annotations
@@ -39,25 +39,78 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
     ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
     (:mod:`mpitp.headcheck`).
     """
-    import torch
+    layout, group = layout_for(model, comm, layout)
+    return _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
+                     timeout, max_length, device, overwrite, lm_eval_kwargs)
 
+
+_LAYOUTS: list[tuple] = []  # (our duplicate of the caller's communicator, tp, layout), one per layout ever used
+
+
+def layout_for(model, comm=None, layout=None):
+    """``(layout, torch group)``: the caller's layout, or one inferred from the model's TP group over ``comm``.
+
+    Building a layout creates MPI communicators, and MPICH has about 2,048 context ids per process: a training
+    loop evaluating every few hundred steps ran out after ~500 calls. So inferred layouts are cached, keyed by the
+    communicator's group (``MPI.Comm.Compare`` against a duplicate we own, so a communicator the caller frees or
+    recreates never matches a stale entry) and tp. Collective over ``comm`` when it builds one. Refuses a torch
+    world that does not match the layout (:func:`check_torch_world`).
+    """
+    from mpi4py import MPI
+
+    from .errors import UsageError
     from .layout import make_layout
-    from .run import EvalConfig, evaluate_loaded
-    from .runtime import Runtime
-    from .tpgroup import TPGroup, backend_for
     from .world import world_from_comm
 
     if layout is None:
-        world = world_from_comm(comm)
+        comm = comm if comm is not None else MPI.COMM_WORLD
         tp, group = _infer_tp(model)
-        layout = make_layout(world, tp)
+        for dup, tp_cached, cached in _LAYOUTS:
+            if tp_cached == tp and MPI.Comm.Compare(comm, dup) in (MPI.IDENT, MPI.CONGRUENT):
+                layout = cached
+                break
+        else:
+            dup = comm.Dup()
+            layout = make_layout(world_from_comm(dup), tp)
+            _LAYOUTS.append((dup, tp, layout))
     else:
         group = None
     if layout.pp > 1:
-        from .errors import UsageError
-
         raise UsageError("mpitp.evaluate takes TP-sharded or whole models; for pipeline stages use "
                          "`mpitp eval --pp N`", collective=True)
+    check_torch_world(layout, group)
+    return layout, group
+
+
+def check_torch_world(layout, group) -> None:
+    """mpitp runs a replica's TP collectives on the default torch world (``group`` None), so that world must be
+    exactly the replica. A training script with one world over every rank and a (dp, tp) mesh would otherwise get
+    broadcasts and reductions across replicas: a hang or garbage. Refused on every rank alike (collective)."""
+    from .errors import UsageError
+
+    if group is not None or layout.replica_size == 1:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UsageError(f"mpitp.evaluate: the model is sharded over tp={layout.tp} ranks but torch.distributed is "
+                         f"not initialised", collective=True)
+    size = dist.get_world_size()
+    if size != layout.replica_size:
+        raise UsageError(f"mpitp.evaluate needs one torch world per model replica: the torch world has {size} ranks "
+                         f"but a replica has tp={layout.tp} (dp={layout.dp} replicas on {layout.world.size} MPI "
+                         f"ranks); create the worlds with mpitp.runtime.start(tp={layout.tp}) instead of one world "
+                         f"with a (dp, tp) mesh", collective=True)
+
+
+def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
+              timeout, max_length, device, overwrite, lm_eval_kwargs):
+    import torch
+
+    from .run import EvalConfig, evaluate_loaded
+    from .runtime import Runtime
+    from .tpgroup import TPGroup, backend_for
+
     dev = device or str(next(model.parameters()).device)
     rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,
                  tp_group=TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend_for(dev), device=dev,
@@ -78,7 +131,10 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
     model.eval()
     try:
         with torch.no_grad():
-            return evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
+            result = evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
     finally:
         model.train(was_training)
-        mpicomm.barrier(layout.world.comm, timeout, phase="end of mpitp.evaluate")
+    # Only after success: a rank that failed mid-forward leaves its peers inside a torch collective, which no barrier
+    # can reach; its exception must go straight to the caller (or the abort) instead of waiting out the timeout.
+    mpicomm.barrier(layout.world.comm, None, phase="end of mpitp.evaluate")
+    return result

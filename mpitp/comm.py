@@ -198,6 +198,11 @@ def recv_obj(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TA
     head = np.zeros(_HEADER_SLOTS, dtype=np.int64)
     status = wait(comm.Irecv(head, source=source, tag=tag), timeout, phase)
     src, tg = status.Get_source(), status.Get_tag()
+    return _recv_payload(comm, head, src, tg), src, tg
+
+
+def _recv_payload(comm: MPI.Comm, head: np.ndarray, src: int, tg: int) -> object:
+    """The rest of a framed object whose header has arrived (every part follows at once: blocking receives)."""
     sizes, complete = _sizes_from_header(head)
     if not complete:
         size_arr = np.zeros(int(head[0]), dtype=np.int64)
@@ -207,7 +212,7 @@ def recv_obj(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TA
     for view, n in zip(views, sizes):
         for part in _chunks(view, n):
             comm.Recv(part, source=src, tag=tg)
-    return _loads(views), src, tg
+    return _loads(views)
 
 
 _SCATTER_TAG = 7001
@@ -236,7 +241,13 @@ def gather_obj(obj, comm: MPI.Comm, root: int = 0, timeout: float | None = DEFAU
         return None
     out = [None] * comm.Get_size()
     out[root] = obj
-    for r in range(comm.Get_size()):
-        if r != root:
-            out[r], _, _ = recv_obj(comm, source=r, tag=_GATHER_TAG, timeout=timeout, phase=phase)
+    # Every header is awaited under one deadline (receiving rank by rank, each with its own, could wait N x timeout).
+    others = [r for r in range(comm.Get_size()) if r != root]
+    heads = [np.zeros(_HEADER_SLOTS, dtype=np.int64) for _ in others]
+    requests = [comm.Irecv(h, source=r, tag=_GATHER_TAG) for h, r in zip(heads, others)]
+    poller = Poller(timeout, phase)
+    while not MPI.Request.Testall(requests):
+        poller.sleep()
+    for r, head in zip(others, heads):
+        out[r] = _recv_payload(comm, head, r, _GATHER_TAG)
     return out

@@ -69,7 +69,9 @@ def stall_hook(where: str) -> None:
     """Test-only: ``MPITP_TEST_STALL=<where>:<seconds>`` sleeps on rank 0 at that point (fault drills)."""
     spec = os.environ.get("MPITP_TEST_STALL", "")
     if spec.startswith(where + ":"):
-        time.sleep(float(spec.split(":", 1)[1]))
+        seconds = float(spec.split(":", 1)[1])
+        log.warning("test hook: stalling %g s at %s", seconds, where)
+        time.sleep(seconds)
 
 
 class Dispatcher:
@@ -80,7 +82,7 @@ class Dispatcher:
     """
 
     def __init__(self, layout, compute, timeout: float, stats, prefetch: int = 2, per_group: int = 4,
-                 batch_size: int = 1):
+                 batch_size: int = 1, idle=None):
         self.comm = layout.dp_leader_comm
         self.n_groups = layout.dp
         self.compute = compute
@@ -89,6 +91,7 @@ class Dispatcher:
         self.prefetch = prefetch
         self.per_group = per_group
         self.batch_size = batch_size
+        self.idle = idle  # releases rank 0's own TP workers from the deadline when a run ends (see serve_remote)
 
     def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
         """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land."""
@@ -152,22 +155,42 @@ class Dispatcher:
                 receive(block=True)
         for s in sends:
             s.wait(self.timeout, "handing out chunks")
+        for dest in range(1, self.n_groups):
+            mpicomm.send_obj(("idle",), dest, TAG_WORK, self.comm, timeout=self.timeout, phase="releasing DP groups")
+        if self.idle is not None:
+            self.idle()
         return results
 
     def shutdown(self) -> None:
         for dest in range(1, self.n_groups):
-            mpicomm.send_obj(("stop",), dest, TAG_WORK, self.comm)
+            mpicomm.send_obj(("stop",), dest, TAG_WORK, self.comm, timeout=self.timeout, phase="stopping DP groups")
 
 
-def serve_remote(layout, compute, timeout: float, stats=None) -> None:
-    """A remote DP leader's loop: take chunks from rank 0, compute them, send results, until told to stop."""
+def serve_remote(layout, compute, timeout: float, stats=None, idle=None) -> None:
+    """A remote DP leader's loop: take chunks from rank 0, compute them, send results, until told to stop.
+
+    The deadline applies only while rank 0 hands out work (between a run's chunks). Outside a run rank 0 does work
+    of its own of any length (lm-eval building tasks, computing metrics, writing the file): the leader then waits
+    without a deadline, as its TP workers do (``idle``, called on each "idle" message, tells them) — a peer that
+    dies ends the job through the launcher (MPICH's hydra, Open MPI's mpirun and ``srun --kill-on-bad-exit`` kill
+    every rank) and a rank that fails aborts it itself, so an idle wait still ends when the job cannot go on.
+    """
     comm = layout.dp_leader_comm
     pending = None
+    busy = False  # inside a run: rank 0 is handing out chunks
     while True:
-        msg, _, _ = mpicomm.recv_obj(comm, source=0, tag=TAG_WORK, timeout=timeout,
+        msg, _, _ = mpicomm.recv_obj(comm, source=0, tag=TAG_WORK, timeout=timeout if busy else None,
                                      phase="DP leader waiting for work from rank 0")
         if msg[0] == "stop":
             break
+        if msg[0] == "idle":
+            busy = False
+            if pending is not None:
+                pending.wait(timeout, "returning results to rank 0")
+            if idle is not None:
+                idle()
+            continue
+        busy = True
         _, kind, cid, items = msg
         result = compute(kind, items, lambda: pending is None or pending.done())
         if pending is not None:

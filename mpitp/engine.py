@@ -32,6 +32,7 @@ OP_GEN_BEGIN = "gen_begin"
 OP_GEN_FORWARD = "gen_forward"
 OP_GEN_END = "gen_end"
 OP_STOP = "stop"
+OP_IDLE = "idle"
 
 
 @dataclass
@@ -85,16 +86,18 @@ class TPEngine:
         self._sent: dict[str, torch.Tensor] = {}
         self._restore_head = None
         self.nonfinite_steps = 0  # greedy steps whose logits held NaN (no token reached the maximum)
+        _install_forward_fault(model, layout, self.stats)
 
     # ------------------------------------------------------------------ control plane (MPI)
     @property
     def has_workers(self) -> bool:
         return self.replica_ops.size > 1
 
-    def _control(self, msg: dict | None = None, phase: str = "TP control") -> dict:
+    def _control(self, msg: dict | None = None, phase: str = "TP control", idle: bool = False) -> dict:
         # Workers wait a little longer than their leader: when a stall upstream trips the deadline, the leader's
-        # message (which names the upstream phase) is the one the user sees.
-        timeout = self.timeout if self.layout.is_leader else self.timeout + 5.0
+        # message (which names the upstream phase) is the one the user sees. An idle worker (its leader between
+        # dispatch runs, see :meth:`idle`) waits without one.
+        timeout = None if idle else self.timeout if self.layout.is_leader else self.timeout + 5.0
         return mpicomm.bcast_obj(msg, self.layout.replica_comm, root=0, timeout=timeout, phase=phase)
 
     def _send_tensors(self, tensors: list[torch.Tensor]) -> None:
@@ -134,8 +137,13 @@ class TPEngine:
             try:
                 results = self._score_batch([rows[i] for i in idx])
             except _OOM as exc:
-                if len(idx) == 1 or self.has_workers:
-                    # With TP workers a one-sided retry would desynchronise the group's collectives.
+                if self.has_workers:
+                    # The workers may sit inside a collective of the very forward that failed: a retry cannot be
+                    # agreed with them, so the job fails fast (rows computed so far stay in the file).
+                    raise _OOM[0](f"out of memory on a batch of {len(idx)} rows in a replica of "
+                                  f"{self.replica_ops.size} ranks ({str(exc).splitlines()[0][:160]}); rerun with a "
+                                  f"smaller --batch-size and --resume") from exc
+                if len(idx) == 1:
                     raise
                 batch_size = max(1, len(idx) // 2)
                 log.warning("out of memory on a batch of %d rows (%s); retrying with batch size %d",
@@ -268,15 +276,18 @@ class TPEngine:
 
         if self.has_workers:
             model.forward = mirrored_forward
+        ok = False
         try:
             yield
+            ok = True
         finally:
             if self.has_workers:
                 if patched:
                     model.forward = original
                 else:
                     del model.forward  # back to the class's forward
-                self._control({"op": OP_GEN_END})
+                if ok:  # after a failure the workers may sit in a collective of the failed forward: no message
+                    self._control({"op": OP_GEN_END})
             if restore_head is not None:
                 restore_head()
             self.ops.reduce_counter = scoring_counter
@@ -362,11 +373,23 @@ class TPEngine:
         if self.has_workers:
             self._control({"op": OP_STOP}, phase="TP stop")
 
+    def idle(self) -> None:
+        """Tell the workers that no forward comes until the next dispatch run (leader only): they wait without a
+        deadline while rank 0 does work of its own (lm-eval's metrics, the results file), however long it takes."""
+        if self.has_workers:
+            self._control({"op": OP_IDLE}, phase="TP idle")
+
     def serve(self) -> None:
-        """Worker loop: mirror the leader's forwards until it says stop."""
+        """Worker loop: mirror the leader's forwards until it says stop.
+
+        Idle until the first forward (rank 0 is building lm-eval's tasks) and after each :data:`OP_IDLE`: then the
+        wait has no deadline (see :func:`mpitp.dispatch.serve_remote` for why that still ends a broken job).
+        """
+        idle = True
         while True:
-            msg = self._control(phase=self._wait_phase)
+            msg = self._control(phase=self._wait_phase, idle=idle)
             op = msg["op"]
+            idle = op == OP_IDLE
             _test_raise(self.layout, self.stats.forwards)
             if op == OP_SCORE:
                 packed = self._buffer(msg["b"] * msg["t"] + 2 * msg["n"])
@@ -387,6 +410,8 @@ class TPEngine:
                 self.ops.reduce_counter = scoring_counter
             elif op == OP_STOP:
                 return
+            elif op == OP_IDLE:
+                pass
             else:  # pragma: no cover - protocol bug
                 raise RuntimeError(f"unknown TP control op {op!r}")
 
@@ -456,3 +481,26 @@ def _test_raise(layout, forwards: int) -> None:
         rank, after = (int(x) for x in spec.split(":"))
         if layout.rank == rank and forwards >= after:
             raise RuntimeError(f"test hook: injected failure on rank {rank} after {forwards} forwards")
+
+
+def _install_forward_fault(model, layout, stats: Stats) -> None:
+    """Test-only: ``MPITP_TEST_RAISE_IN_FORWARD=<global rank>:<forwards>[:oom]`` raises inside the forward of that
+    rank's last decoder layer once it has run that many forwards: its TP peers are then inside a torch collective
+    of the same forward (or, with stages, waiting for its activations), not at a message boundary."""
+    spec = os.environ.get("MPITP_TEST_RAISE_IN_FORWARD")
+    if not spec:
+        return
+    parts = spec.split(":")
+    rank, after, oom = int(parts[0]), int(parts[1]), parts[2:] == ["oom"]
+    layers = getattr(_base(model), "layers", None)
+    if layout.rank != rank or not layers:
+        return
+
+    def hook(module, args):
+        if stats.forwards > after:
+            where = f"inside a forward on rank {rank} after {stats.forwards - 1} forwards"
+            if oom:
+                raise _OOM[0](f"test hook: simulated out of memory {where}")
+            raise RuntimeError(f"test hook: injected failure {where}")
+
+    layers[-1].register_forward_pre_hook(hook)

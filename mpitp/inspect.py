@@ -136,8 +136,14 @@ def load(path: str) -> RunFile:
                 raise _not_mpitp(path, "no /tasks group")
             if "status" not in attrs:
                 raise _not_mpitp(path, "no 'status' attribute")
+            import h5py
+
+            if not isinstance(f["tasks"], h5py.Group):
+                raise _not_mpitp(path, "/tasks is not a group")
             tasks = {}
             for name, g in f["tasks"].items():
+                if not isinstance(g, h5py.Group) or not isinstance(g.get("requests", g), h5py.Group):
+                    raise _not_mpitp(path, f"/tasks/{name} is not a task group")
                 req = g.get("requests")
                 tasks[name] = TaskInfo(
                     name=name,
@@ -152,13 +158,15 @@ def load(path: str) -> RunFile:
                 stats = {k: np.asarray(st[k][()]) for k in ("dp_rank", *STATS_FIELDS) if k in st}
     except BadInput:
         raise
-    except (OSError, KeyError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
-        raise _not_mpitp(path, _one_line(exc)) from None
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:  # what h5py raises on a damaged or foreign file;
+        raise _not_mpitp(path, _one_line(exc)) from None  # a TypeError/AttributeError is a bug of ours: it surfaces
     run = RunFile(path=path, attrs=attrs, tasks=tasks, stats=stats)
     if "results_json" in attrs:
         try:
+            if not isinstance(attrs["results_json"], str):
+                raise ValueError(f"a {type(attrs['results_json']).__name__}, not a JSON string")
             run.results_json = json.loads(attrs["results_json"])
-        except (TypeError, ValueError) as exc:
+        except ValueError as exc:
             raise _not_mpitp(path, f"results_json is not valid JSON: {_one_line(exc)}") from None
         res = run.results_json.get("results", {}) if isinstance(run.results_json, dict) else {}
         run.extra_results = {k: v for k, v in res.items() if k not in tasks and isinstance(v, dict)}
@@ -504,11 +512,13 @@ def _diff_metrics(ma: dict, mb: dict, atol: float, rtol: float) -> list[str]:
     return out
 
 
-def _rows_by_key(cols: dict) -> dict[tuple[int, int], list[tuple]]:
-    out: dict[tuple[int, int], list[tuple]] = {}
+def _rows_by_key(cols: dict) -> dict[tuple[int, int, int], list[tuple]]:
+    out: dict[tuple[int, int, int], list[tuple]] = {}
+    rep = cols.get("repeat")
     for i in range(len(cols["doc_id"])):
         ll = float(cols["loglikelihood"][i])
-        out.setdefault((int(cols["doc_id"][i]), int(cols["idx"][i])), []).append(
+        key = (int(cols["doc_id"][i]), int(cols["idx"][i]), int(rep[i]) if rep is not None else 0)
+        out.setdefault(key, []).append(
             (ll, bool(cols["is_greedy"][i]), str(cols["generation"][i])))
     for v in out.values():  # duplicates of one key (should not happen): compare them in a canonical order
         v.sort(key=lambda r: (math.isnan(r[0]), r[0] if not math.isnan(r[0]) else 0.0, r[1], r[2]))
@@ -519,7 +529,7 @@ def _diff_requests(td: TaskDiff, ca: dict, cb: dict, atol: float, rtol: float) -
     ra, rb = _rows_by_key(ca), _rows_by_key(cb)
     for key in sorted(set(ra) | set(rb)):
         la, lb = ra.get(key, []), rb.get(key, [])
-        where = f"doc_id={key[0]} idx={key[1]}"
+        where = f"doc_id={key[0]} idx={key[1]}" + (f" repeat={key[2]}" if key[2] else "")
         for (lla, ga, gena), (llb, gb, genb) in zip(la, lb):
             td.compared += 1
             what = []

@@ -39,16 +39,29 @@ def eval_config(spec) -> EvalConfig:
 
 
 def output_status(path: str) -> str:
-    """``missing``, ``complete``, ``running`` or ``unreadable`` for a run's output file."""
+    """``missing``, ``complete`` or ``running`` for a run's output file.
+
+    Anything else there (a file HDF5 cannot open, an HDF5 file without mpitp's ``status``) is refused, never
+    overwritten: it may be another program's data, or results a damaged copy still holds.
+    """
     if not os.path.exists(path):
         return "missing"
     from .results import open_h5
 
     try:
         with open_h5(path) as f:
-            return str(f.attrs.get("status", "unreadable"))
-    except OSError:
-        return "unreadable"
+            status = f.attrs.get("status")
+    except OSError as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise UsageError(f"output {path} exists and is not an mpitp results file ({reason}); mpitp run does not "
+                         f"overwrite it: move it away or delete it") from None
+    if isinstance(status, bytes):
+        status = status.decode("utf-8", "replace")
+    if status not in ("complete", "running"):
+        what = "no 'status' attribute" if status is None else f"status {status!r}"
+        raise UsageError(f"output {path} exists and is not an mpitp results file ({what}); mpitp run does not "
+                         f"overwrite it: move it away or delete it")
+    return str(status)
 
 
 def _load(path):
@@ -65,6 +78,8 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
     world = world_from_comm()
     setup_logging(world.rank, log_all_ranks)
     job = agree(lambda: _load(path), world.comm, timeout, "reading the job file")
+    # Every existing output is checked before the first run, so a file mpitp would refuse stops nothing half-way.
+    agree(lambda: [output_status(spec.output) for spec in job.runs], world.comm, timeout, "checking outputs")
     summary = []
     for i, spec in enumerate(job.runs, 1):
         t0 = time.perf_counter()
@@ -78,7 +93,6 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
                      " resuming" if state == "running" else "")
         cfg = eval_config(spec)
         cfg.resume = state == "running"
-        cfg.overwrite = state == "unreadable"
         rt = None
         try:
             rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,

@@ -39,8 +39,31 @@ class _Req:
 
 
 def args_hash(args) -> str:
-    """Stable hash of a request's arguments: part of the resume key (task, doc_id, idx, hash)."""
+    """Stable hash of a request's arguments: part of the resume key (task, doc_id, idx, hash, repeat)."""
     return hashlib.sha1(repr(args).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def request_keys(instances) -> list[tuple]:
+    """Each request's key ``(task, doc_id, idx, args_hash, repeat)``, in request order.
+
+    A task with ``repeats: k`` (pass@k, self-consistency) hands lm-eval's model the same request k times in a row;
+    ``repeat`` (0..k-1, counted in request order, which lm-eval builds the same way in every run) tells the clones
+    apart, so each has its own row, its own resume entry and its own sampling seed.
+    """
+    seen: dict[tuple, int] = {}
+    keys = []
+    for inst in instances:
+        base = (inst.task_name, int(inst.doc_id), int(inst.idx), args_hash(inst.args))
+        rep = seen.get(base, 0)
+        seen[base] = rep + 1
+        keys.append(base + (rep,))
+    return keys
+
+
+def sample_seed(base: int, key: tuple) -> int:
+    """The seed of one sampled generation: a function of the run's seed and the request's key only, so a request
+    samples the same text whatever DP group, batch or resume computes it."""
+    return int(hashlib.sha1(repr((base,) + tuple(key)).encode()).hexdigest()[:8], 16)
 
 
 class MPITPLM(HFLM):
@@ -52,6 +75,7 @@ class MPITPLM(HFLM):
                          **hflm_kwargs)
         self.engine = engine
         self.runner = None  # set on rank 0: a callable (kind, items, weights, instances) -> results
+        self.seed = 1234  # base of the per-request sampling seeds (lm-eval's default torch seed; --seed sets it)
         self._instances = None
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
@@ -94,8 +118,9 @@ class MPITPLM(HFLM):
         return lls
 
     def generate_until(self, requests, disable_tqdm: bool = False):
-        items = [tuple(req.args) for req in requests]
-        weights = [len(self.tok_encode(ctx)) + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw in items]
+        keys = request_keys(requests)
+        items = [(*req.args, sample_seed(self.seed, key)) for req, key in zip(requests, keys)]
+        weights = [len(self.tok_encode(ctx)) + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw, _ in items]
         out = self.runner(KIND_GENERATE, items, weights, requests)
         return [text for text, _ in out]
 
@@ -118,11 +143,39 @@ class MPITPLM(HFLM):
             self._tick = tick
             self._gen_tokens = []
             try:
-                texts = HFLM.generate_until(self, [_Req(args) for args in items], disable_tqdm=True)
+                texts = self._generate(items)
             finally:
                 self._tick = None
             return [(t, len(self.tok_encode(t, add_special_tokens=False))) for t in texts]
         raise ValueError(f"unknown request kind {kind!r}")
+
+    def _generate(self, items: list) -> list[str]:
+        """Greedy requests batched as lm-eval batches them; each sampled one alone after seeding torch with its own
+        seed (a batch's random draws depend on its other rows: one row per generate makes a request's sample the
+        same in every layout, chunking and resume)."""
+        import torch
+
+        texts: list = [None] * len(items)
+        greedy = [i for i, (_, kw, _) in enumerate(items) if not self._samples(kw)]
+        if greedy:
+            out = HFLM.generate_until(self, [_Req(tuple(items[i][:2])) for i in greedy], disable_tqdm=True)
+            for i, t in zip(greedy, out):
+                texts[i] = t
+        for i, (ctx, kw, seed) in enumerate(items):
+            if texts[i] is None:
+                torch.manual_seed(seed)
+                texts[i] = HFLM.generate_until(self, [_Req((ctx, kw))], disable_tqdm=True)[0]
+        return texts
+
+    def _samples(self, kw: dict) -> bool:
+        """Whether lm-eval's HFLM samples for these generation kwargs (its rule: ``do_sample``, else sampling when a
+        non-zero temperature is given or the model's generation config samples)."""
+        do_sample = kw.get("do_sample")
+        if do_sample is not None:
+            return bool(do_sample)
+        if kw.get("temperature", 0.0) == 0.0:
+            return False
+        return bool(getattr(getattr(self.model, "generation_config", None), "do_sample", False))
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self.engine.has_workers:  # a task YAML's generation_kwargs get here without passing the checks

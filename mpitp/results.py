@@ -44,6 +44,7 @@ REQUEST_FIELDS = {
     "generation": STR,
     "n_tokens": np.int32,
     "args_hash": STR,
+    "repeat": np.int32,  # 0..k-1 for the k clones of a request of an lm-eval task with ``repeats: k``
 }
 STATS_FIELDS = ("busy_s", "requests", "tokens_scored", "tokens_generated", "forwards", "tp_bytes", "tp_score_bytes",
                 "mpi_bytes", "pp_bytes")
@@ -107,15 +108,17 @@ class ResultWriter:
                     for name in REQUEST_FIELDS:
                         if name in g["requests"]:
                             t["rows"][name] = [_py(x) for x in g["requests"][name][()]]
+                    if "repeat" not in g["requests"]:  # a file from before the column: no clone but the first
+                        t["rows"]["repeat"] = [0] * len(t["rows"]["doc_id"])
 
     def stored_rows(self) -> dict[tuple, dict]:
-        """Every stored request row by its resume key ``(task, doc_id, idx, args_hash)``."""
+        """Every stored request row by its resume key ``(task, doc_id, idx, args_hash, repeat)``."""
         out = {}
         for task, t in self.tasks.items():
             cols = t["rows"]
             for i in range(len(cols["doc_id"])):
                 row = {k: cols[k][i] for k in REQUEST_FIELDS}
-                out[(task, int(row["doc_id"]), int(row["idx"]), row["args_hash"])] = row
+                out[(task, int(row["doc_id"]), int(row["idx"]), row["args_hash"], int(row["repeat"]))] = row
         return out
 
     def append(self, task: str, rows: list[dict]) -> None:
@@ -124,7 +127,7 @@ class ResultWriter:
         cols = self._task(task)["rows"]
         for r in rows:
             for k in REQUEST_FIELDS:
-                cols[k].append(r[k])
+                cols[k].append(r.get(k, 0) if k == "repeat" else r[k])  # repeat: 0 unless a clone
         self.save()
 
     def write_task(self, task: str, attrs: dict, metrics: dict, samples: list | None = None) -> None:
@@ -190,6 +193,9 @@ def read_requests(path: str, task: str) -> dict[str, np.ndarray]:
         g = f[f"tasks/{task}/requests"]
         cols = {}
         for name in REQUEST_FIELDS:
+            if name == "repeat" and name not in g:
+                cols[name] = np.zeros(len(g["doc_id"]), dtype=np.int32)
+                continue
             a = g[name][()]
             if a.dtype == object:
                 a = np.array([x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in a],
@@ -197,7 +203,7 @@ def read_requests(path: str, task: str) -> dict[str, np.ndarray]:
             cols[name] = a
     if len({len(v) for v in cols.values()}) > 1:
         raise ValueError(f"requests of task {task}: columns of different lengths")
-    order = np.lexsort((cols["idx"], cols["doc_id"]))
+    order = np.lexsort((cols["repeat"], cols["idx"], cols["doc_id"]))
     return {k: v[order] for k, v in cols.items()}
 
 

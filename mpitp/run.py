@@ -75,12 +75,6 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
                 config_json=json.dumps(cfg.identity(), sort_keys=True))
 
 
-def _resume_key(inst) -> tuple:
-    from .lm import args_hash
-
-    return (inst.task_name, int(inst.doc_id), int(inst.idx), args_hash(inst.args))
-
-
 def _result_from_row(row: dict, kind: str):
     from .lm import KIND_GENERATE
 
@@ -89,7 +83,7 @@ def _result_from_row(row: dict, kind: str):
     return (float(row["loglikelihood"]), bool(row["is_greedy"]), int(row["n_tokens"]))
 
 
-def _request_row(inst, result, kind: str) -> dict:
+def _request_row(inst, result, kind: str, repeat: int = 0) -> dict:
     from .lm import KIND_GENERATE, args_hash
 
     if kind == KIND_GENERATE:
@@ -101,7 +95,8 @@ def _request_row(inst, result, kind: str) -> dict:
     # Generated text can hold lone surrogates (byte-level tokens decoded mid-character); HDF5 stores UTF-8.
     text = text.encode("utf-8", "replace").decode("utf-8")
     return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
-                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args))
+                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args),
+                repeat=int(repeat))
 
 
 class _Progress:
@@ -135,8 +130,8 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     t_start = time.perf_counter()
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
     lay = rt.layout
-    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, rt.timeout,
-                           "checking input")
+    # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
+    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
     if lay.pp > 1:
         from .pipeline import describe_split, load_stage, num_layers
 
@@ -145,7 +140,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
             log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
     else:
         model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
-    mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
+    mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
     try:
         return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
                                t_start=t_start)
@@ -180,20 +175,20 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
 
         lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.batch_size, max_length=cfg.max_length,
                      trust_remote_code=cfg.trust_remote_code)
-        try:
-            if lay.is_root:
-                tm = task_manager or task_manager_for(cfg)
-                state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
-            else:
-                serve_remote(lay, lm.compute, rt.timeout, stats)
-        finally:
-            engine.stop()
+        # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
+        # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
+        if lay.is_root:
+            tm = task_manager or task_manager_for(cfg)
+            state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
+        else:
+            serve_remote(lay, lm.compute, rt.timeout, stats, idle=engine.idle)
+        engine.stop()
         _merge_stage_stats(stats, lay, rt.timeout)
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
             _finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s)
-    mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")
+    mpicomm.barrier(rt.world.comm, None, phase="end of evaluation")  # rank 0 writes the file meanwhile
     return state["results"] if state else None
 
 
@@ -260,18 +255,19 @@ def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
 def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     import lm_eval
 
-    from .lm import KIND_ROLLING
+    from .lm import KIND_ROLLING, request_keys
     from .results import ResultWriter
 
     tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
     progress = _Progress()
-    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size)
+    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size,
+                            idle=lm.engine.idle)
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
-        keys = [_resume_key(inst) for inst in instances]
+        keys = request_keys(instances)
         results: list = [None] * len(items)
         todo = []
         for i, key in enumerate(keys):
@@ -290,7 +286,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
             by_task: dict[str, list] = {}
             for i, r in zip(indices, res):
                 inst = instances[todo[i]]
-                by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind))
+                by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
             for task, rows in by_task.items():
                 writer.append(task, rows)
 
@@ -310,6 +306,8 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         return results
 
     lm.runner = runner
+    if cfg.seed is not None:
+        lm.seed = cfg.seed
     seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
                                              torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
     kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
@@ -320,7 +318,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
     finally:
         progress.close()
-        dispatcher.shutdown()
+    dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
     stall_hook("post_processing")
     return {"results": res, "writer": writer}
 

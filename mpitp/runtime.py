@@ -85,9 +85,8 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
         layout = make_layout(world, tp, pp)
     except UsageError as exc:
         raise UsageError(str(exc), collective=True) from None
-    dev = device or world.default_device()
-    if dev.startswith("cuda") and ":" not in dev:
-        dev = f"cuda:{world.local_rank}" if dev == "cuda" else dev
+    plan = _device_plan(device, world.local_rank)
+    dev = plan.device
     n_threads = threads or world.default_threads
     rt = Runtime(world=world, layout=layout, device=dev, threads=n_threads, timeout=timeout)
     if init_torch:
@@ -96,8 +95,29 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
         torch.set_num_threads(n_threads)
         if dev.startswith("cuda"):
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if plan.set_device:
+            torch.cuda.set_device(torch.device(dev))
         rt.tp_group = init_tp_group(layout, dev, timeout)
     return rt
+
+
+def _device_plan(device: str | None, local_rank: int):
+    """:func:`mpitp.device.plan_device` for this process; hides the GPUs (before CUDA starts) when it says so."""
+    import torch
+
+    from .device import plan_device
+
+    # GPUs are not counted for "cpu": counting starts CUDA, after which hiding them would no longer take effect.
+    # Not a collective error: ranks may see different GPUs; one that cannot run ends the job (exit 2) on its own.
+    wants_cpu = (device or "").strip().lower() == "cpu"
+    plan = plan_device(device, local_rank, None if wants_cpu else
+                       torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if plan.hide_gpus:
+        if torch.cuda.is_initialized():
+            raise UsageError("--device cpu: CUDA was already initialised in this process, so its GPUs cannot be "
+                             "hidden from transformers' sharded loading; choose the device before using CUDA")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    return plan
 
 
 def stop(rt: Runtime) -> None:

@@ -7,8 +7,8 @@ pp * tp) because transformers' distributed loading (``DistributedConfig(tp_size,
 ephemeral port and broadcasts the port over the replica's MPI communicator, so users never set
 ``MASTER_ADDR``/``MASTER_PORT`` and concurrent replicas never collide. The store listens on the loopback interface
 when the whole replica is on one node (always so for pp=1: a TP group never spans nodes); when pipeline stages sit on
-other nodes, on the leader's host address (``MPITP_STORE_ADDR`` overrides it; gloo may also need
-``GLOO_SOCKET_IFNAME``).
+other nodes, on an address of the leader other nodes can reach (:mod:`mpitp.netaddr`: ``MPITP_STORE_ADDR``, the
+interface ``GLOO_SOCKET_IFNAME`` names, a non-loopback host address, else the first physical interface's).
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def _store_address(layout: Layout) -> str:
     node = layout.world.node_of_rank
     if len({node[r] for r in layout.replica_ranks}) == 1:
         return LOOPBACK
-    import socket
+    from .netaddr import store_address
 
-    return os.environ.get("MPITP_STORE_ADDR") or socket.gethostbyname(socket.gethostname())
+    return store_address()  # not the host name's resolution: 127.0.1.1 on Debian-style /etc/hosts
 
 
 def init_tp_group(layout: Layout, device: str, timeout: float) -> TPGroup:

@@ -49,8 +49,10 @@ def inspect_diff(a, b, *extra) -> subprocess.CompletedProcess:
 class Launch:
     """``mpiexec -n N python -m mpitp ARGS`` in its own session; output lines are kept with their arrival time."""
 
-    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None):
-        cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpitp", *args]
+    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None, script=None):
+        """``script``: run ``python SCRIPT ARGS`` instead of ``python -m mpitp ARGS``."""
+        entry = [str(script)] if script else ["-m", "mpitp"]
+        cmd = [mpiexec_path(), "-n", str(n), sys.executable, *entry, *args]
         self.t0 = time.monotonic()
         self.t_end: float | None = None
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
@@ -171,7 +173,7 @@ def reference(tmp_path_factory):
     assert proc.returncode == 0, explain(proc)
     status, n = file_rows(out)
     assert status == "complete" and n > 0
-    return out, n, proc.elapsed
+    return out, n, proc.elapsed, proc.stderr
 
 
 def _strike(out, more_than: int, total: int, strike, bound: float, label: str, report: list, resume: bool) -> int:
@@ -196,7 +198,7 @@ def _strike(out, more_than: int, total: int, strike, bound: float, label: str, r
 
 
 def _finish(out, reference, report: list, kept: int) -> None:
-    ref, total, _ = reference
+    ref, total = reference[0], reference[1]
     proc = run_mpi(4, DEMO + ["--output", str(out), "--resume"], timeout=600)
     assert proc.returncode == 0, explain(proc)
     reused = sum(int(m) for m in re.findall(r"resume: reusing (\d+) of", proc.stderr))
@@ -298,9 +300,14 @@ def test_exception_on_one_worker(tmp_path):
 
 
 def test_stall_shorter_than_timeout_completes(reference):
-    out, n, wall = reference
-    print(f"{STALL_OK_S} s stalls of rank 0 after each of its chunks, --timeout {STALL_OK_TIMEOUT}: complete, "
-          f"{n} rows, wall {wall:.1f} s")
+    """The reference run completed (checked by the fixture) although rank 0 stalled after each of its chunks: the
+    hook must have fired (logged by rank 0), and the run must have taken at least the stalls' total."""
+    out, n, wall, stderr = reference
+    stalls = re.findall(r"test hook: stalling ([\d.]+) s at between_chunks", stderr)
+    assert stalls and all(float(s) == STALL_OK_S for s in stalls), stderr[-3000:]
+    assert wall > STALL_OK_S * len(stalls), (wall, len(stalls))
+    print(f"{len(stalls)} stalls of {STALL_OK_S} s of rank 0 after its chunks, --timeout {STALL_OK_TIMEOUT}: "
+          f"complete, {n} rows, wall {wall:.1f} s")
 
 
 STALL_TASK = ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "4", "--batch-size", "1",

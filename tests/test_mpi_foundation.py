@@ -49,6 +49,7 @@ def test_deadline_barrier_and_idle_cpu():
     _ok(proc, "deadline")
     assert "barrier deadline: DeadlineError after" in proc.stdout, explain(proc)
     assert "idle bcast_obj:" in proc.stdout, explain(proc)
+    assert "gather_obj deadline: DeadlineError after" in proc.stdout, explain(proc)
 
 
 # --------------------------------------------------------------------------- TP worlds

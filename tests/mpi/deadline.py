@@ -8,6 +8,8 @@ Run: mpiexec -n N python tests/mpi/deadline.py      (N >= 2; the last rank is th
    core (process CPU time over wall time), i.e. it does not busy-spin.
 3. bcast_obj whose root sleeps past a 1 s deadline: the receivers raise DeadlineError naming the phase.
 4. the idle-CPU check of 2. for a rank waiting 3 s in bcast_obj for a late root.
+5. gather_obj under one 2 s deadline, rank r sending after 1.2 * r s (each one late by less than the deadline, all
+   together by more): the root raises DeadlineError at 2 s, not N x 2 s.
 """
 
 from __future__ import annotations
@@ -101,6 +103,17 @@ def main():
         check(wall >= 2.5, f"bcast_obj: waited {wall:.2f} s for a root 3 s late")
         check(cpu < 0.3 * wall, f"bcast_obj: busy-spins: {cpu:.2f} s CPU in {wall:.2f} s wall")
         say(f"  idle bcast_obj: {cpu:.3f} s CPU in {wall:.2f} s wall ({100 * cpu / wall:.1f}%)")
+
+    # 5. gather_obj: one deadline for the whole gather. On a Dup: the late senders' messages land on it unreceived.
+    phase = "deadline test gather"
+    gat = WORLD.Dup()
+    if RANK == 0:
+        took = expect_deadline(lambda: mc.gather_obj("x", gat, root=0, timeout=2.0, phase=phase), 2.0, phase)
+        say(f"  gather_obj deadline: DeadlineError after {took:.2f} s")
+    else:
+        time.sleep(1.2 * RANK)
+        mc.isend_obj(RANK, 0, mc._GATHER_TAG, gat)  # small: delivered eagerly, never received
+    mc.barrier(WORLD, timeout=RESYNC, phase="resync 5")
 
     mc.barrier(WORLD, timeout=RESYNC, phase="end")
     total = WORLD.allreduce(check.count)

@@ -1,0 +1,103 @@
+"""Pure selection logic with no GPU and no second node: the device each rank computes on, and the address a
+cross-node pipeline rendezvous listens on."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpitp.device import DevicePlan, plan_device
+from mpitp.errors import UsageError
+
+
+@pytest.mark.parametrize("requested", [None, "cuda"])
+def test_one_gpu_per_task(requested):
+    """SLURM --gpus-per-task=1 (or a per-rank CUDA_VISIBLE_DEVICES): each rank sees one GPU, numbered 0, whatever
+    its local rank (was cuda:{local_rank} for --device cuda: "invalid device ordinal" on every rank but the first)."""
+    for local_rank in range(4):
+        assert plan_device(requested, local_rank, visible=1) == DevicePlan("cuda:0", set_device=True, hide_gpus=False)
+
+
+@pytest.mark.parametrize("requested", [None, "cuda", "CUDA"])
+def test_several_gpus_per_node(requested):
+    """4 GPUs visible (CUDA_VISIBLE_DEVICES unset, or set to the node's 4): rank r -> cuda:r; 8 ranks share them
+    round robin."""
+    assert [plan_device(requested, r, 4).device for r in range(8)] == [f"cuda:{r % 4}" for r in range(8)]
+    assert all(plan_device(requested, r, 4).set_device for r in range(8))  # dp-only ranks too (was tp > 1 only)
+
+
+def test_cuda_visible_devices_subset():
+    """CUDA_VISIBLE_DEVICES=2,3 on a 4-GPU node: torch sees 2, indices 0 and 1 (never the physical 2, 3)."""
+    assert [plan_device("cuda", r, 2).device for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert plan_device("cuda:1", 0, 2).device == "cuda:1"
+    with pytest.raises(UsageError, match=r"--device cuda:2: this process sees 2 CUDA device\(s\) \(indices 0..1"):
+        plan_device("cuda:2", 0, 2)
+
+
+def test_no_gpu():
+    assert plan_device(None, 3, 0) == DevicePlan("cpu", set_device=False, hide_gpus=False)
+    with pytest.raises(UsageError, match="--device cuda: no CUDA device is visible"):
+        plan_device("cuda", 0, 0)
+    with pytest.raises(UsageError, match="no CUDA device is visible"):
+        plan_device("cuda:0", 0, 0)
+    with pytest.raises(UsageError, match="expected cpu, cuda or cuda:<index>"):
+        plan_device("gpu", 0, 1)
+
+
+def test_cpu_on_a_gpu_node_hides_the_gpus():
+    """--device cpu on a GPU node: the GPUs are hidden (not even counted) so that transformers' sharded loading,
+    which picks the accelerator itself, cannot put tp/pp shards on cuda:r while the engine feeds CPU tensors."""
+    for visible in (None, 0, 4):
+        assert plan_device("cpu", 2, visible) == DevicePlan("cpu", set_device=False, hide_gpus=True)
+
+
+def test_runtime_hides_gpus_for_cpu(monkeypatch):
+    """The runtime applies the plan: CUDA_VISIBLE_DEVICES="" before anything starts CUDA, and no device count."""
+    import torch
+
+    from mpitp import runtime
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: pytest.fail("GPUs counted for --device cpu"))
+    plan = runtime._device_plan("cpu", 1)
+    assert plan.device == "cpu"
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+# ------------------------------------------------------------------------------------ cross-node rendezvous address
+
+from mpitp.netaddr import choose_address, interface_addresses  # noqa: E402
+
+NODE = {"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "eth0": ["10.1.2.3"], "ib0": ["192.168.10.3"]}
+
+
+def test_debian_hosts_loopback_is_never_chosen():
+    """/etc/hosts maps the host name to 127.0.1.1 (Debian): the first physical interface's address instead (was
+    127.0.1.1: the other node waited until --timeout)."""
+    assert choose_address(NODE, ["127.0.1.1"], {}) == "10.1.2.3"
+    assert choose_address({"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "enp1s0": ["10.0.0.7"]}, [], {}) == \
+        "10.0.0.7"
+
+
+def test_resolvable_host_name_wins_over_interfaces():
+    assert choose_address(NODE, ["127.0.1.1", "192.168.10.3"], {}) == "192.168.10.3"
+
+
+def test_overrides():
+    assert choose_address(NODE, ["127.0.1.1"], {"MPITP_STORE_ADDR": "10.9.9.9"}) == "10.9.9.9"
+    assert choose_address(NODE, ["10.1.2.3"], {"GLOO_SOCKET_IFNAME": "ib0"}) == "192.168.10.3"
+    assert choose_address(NODE, [], {"NCCL_SOCKET_IFNAME": "=ib"}) == "192.168.10.3"  # NCCL's prefix syntax
+    assert choose_address(NODE, ["127.0.1.1"], {"NCCL_SOCKET_IFNAME": "^docker"}) == "10.1.2.3"  # exclusion: ignored
+    assert choose_address(NODE, ["127.0.1.1"], {"GLOO_SOCKET_IFNAME": "missing0"}) == "10.1.2.3"
+
+
+def test_link_local_and_loopback_only_is_an_error():
+    with pytest.raises(RuntimeError, match="set MPITP_STORE_ADDR"):
+        choose_address({"lo": ["127.0.0.1"], "eth0": ["169.254.3.4"], "docker0": ["172.17.0.1"]}, ["127.0.1.1"], {})
+
+
+def test_interface_addresses_of_this_host():
+    """The real enumeration (SIOCGIFADDR) finds the loopback at least, as IPv4 text."""
+    found = interface_addresses()
+    assert found.get("lo") == ["127.0.0.1"], found

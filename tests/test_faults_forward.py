@@ -1,0 +1,68 @@
+"""Fault drills inside a forward: a DP leader fails (an exception, a simulated out-of-memory) while its TP workers
+are inside a torch collective of the same forward, or while the next pipeline stage waits for its activations.
+
+The job must end within ``GONE_AFTER_ERROR`` seconds of the error line, print the real error once, and keep the rows
+computed so far (status ``running``): no message to the stuck workers (``GEN_END``, ``stop``, a barrier) may stand
+between the exception and the abort. Failures come from ``MPITP_TEST_RAISE_IN_FORWARD`` (mpitp/engine.py), which fires
+in a forward pre-hook of the last decoder layer, after the earlier layers' all-reduces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, STORIES
+from test_faults import Launch, file_rows
+
+GONE_AFTER_ERROR = 10.0
+TIMEOUT = "60"  # the failure must surface long before this
+DEMO_MC = ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "6", "--batch-size", "1", "--bootstrap-iters",
+           "0", "--timeout", TIMEOUT]
+
+CASES = {
+    # name: (layout args, hook spec, expected error text)
+    "tp2-leader-raises": (["--tp", "2"], "0:3", "RuntimeError: test hook: injected failure inside a forward on rank 0"),
+    "pp2-stage0-leader-raises": (["--pp", "2"], "0:3",
+                                 "RuntimeError: test hook: injected failure inside a forward on rank 0"),
+    "tp2-remote-leader-oom": (["--tp", "2"], "2:2:oom",
+                              "OutOfMemoryError: out of memory on a batch of 1 rows in a replica of 2 ranks"),
+}
+
+
+def _check(job, rc, out, expected: str, label: str) -> str:
+    assert rc != 0, job.explain()
+    fatal = [(t, line) for t, line in job.out["stderr"] if "mpitp: fatal" in line]
+    assert len(fatal) == 1, f"the error must be printed once\n{job.explain()}"
+    t_error, line = fatal[0]
+    assert expected in line, line
+    assert "DeadlineError" not in job.stderr, job.explain()
+    took = job.t_end - t_error
+    assert took < GONE_AFTER_ERROR, f"job ended {took:.1f} s after the error\n{job.explain()}"
+    status, n = file_rows(out)
+    assert status == "running" and n > 0, (status, n)
+    return (f"{label}: job gone {took:.2f} s after the error line, mpiexec exit {rc}, {n} rows kept, total wall "
+            f"{job.t_end - job.t0:.1f} s")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_leader_fails_inside_a_forward(case, tmp_path):
+    layout, spec, expected = CASES[case]
+    out = tmp_path / "failed.h5"
+    with Launch(4, DEMO_MC + layout + ["--output", str(out)], env={"MPITP_TEST_RAISE_IN_FORWARD": spec}) as job:
+        rc = job.wait(timeout=300)
+    print(_check(job, rc, out, expected, case))
+
+
+def test_leader_fails_inside_a_forward_under_the_api(tmp_path):
+    """mpitp.evaluate (tp=2, 4 ranks): the API's closing barrier must not hold the real error back."""
+    out = tmp_path / "api.h5"
+    script = Path(__file__).parent / "mpi" / "api_fail.py"
+    include = str(REPO / "mpitp" / "demo" / "tasks")
+    with Launch(4, [str(STORIES), include, str(out), TIMEOUT], script=script,
+                env={"MPITP_TEST_RAISE_IN_FORWARD": "0:3"}) as job:
+        rc = job.wait(timeout=300)
+    print(_check(job, rc, out, "RuntimeError: test hook: injected failure inside a forward on rank 0",
+                 "mpitp.evaluate, tp2 leader raises"))
+

@@ -1,0 +1,79 @@
+"""``mpitp run`` refuses an output it cannot read as an mpitp results file (exit 2 from every rank, the file
+untouched); ``mpitp inspect`` reports a bug of its own as a bug, not as a damaged file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import h5py
+import pytest
+
+from conftest import explain, run_mpi
+
+JOB = """\
+defaults:
+  model: demo
+  tasks: [mpitp_demo_mc]
+  limit: 2
+runs:
+  - name: first
+    output: {first}
+  - name: second
+    output: {second}
+"""
+
+
+def _fingerprint(path) -> tuple[str, int]:
+    return hashlib.sha256(path.read_bytes()).hexdigest(), os.stat(path).st_mtime_ns
+
+
+@pytest.mark.parametrize("kind", ["not-hdf5", "hdf5-without-status"])
+def test_run_refuses_a_foreign_output(kind, tmp_path):
+    """The foreign file is the second run's output: the refusal comes before the first run loads anything."""
+    foreign = tmp_path / "second.h5"
+    if kind == "not-hdf5":
+        foreign.write_bytes(b"my notes, not HDF5\n" * 10)
+        reason = "not an mpitp results file (Unable to synchronously open file"
+    else:
+        with h5py.File(foreign, "w") as f:
+            f.attrs["owner"] = "another program"
+            f["data"] = [1, 2, 3]
+        reason = "not an mpitp results file (no 'status' attribute)"
+    before = _fingerprint(foreign)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.format(first=tmp_path / "first.h5", second=foreign))
+    proc = run_mpi(2, ["run", str(job)], timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 2, explain(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mpitp: error:")]
+    assert len(lines) == 1 and f"output {foreign} exists and is {reason}" in lines[0], explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert _fingerprint(foreign) == before
+    assert not (tmp_path / "first.h5").exists()  # refused before any run
+    print(f"{kind}: exit 2 in {proc.elapsed:.1f} s, file untouched: {lines[0]}")
+
+
+def test_inspect_reports_its_own_bugs(tmp_path, monkeypatch):
+    """A TypeError raised by inspect's own code while reading a sound file propagates (a bug to fix), where a
+    damaged file gives the one-line "not an mpitp results file"."""
+    import mpitp.inspect as ins
+    from mpitp.results import ResultWriter
+
+    path = tmp_path / "ok.h5"
+    ResultWriter(str(path), {"model": "m"}).append("t", [dict(doc_id=0, idx=0, kind="loglikelihood",
+                                                             loglikelihood=-1.0, is_greedy=True, generation="",
+                                                             n_tokens=1, args_hash="h")])
+    assert ins.load(str(path)).attrs["status"] == "running"
+
+    def bug(v):
+        raise TypeError("a bug in inspect")
+
+    monkeypatch.setattr(ins, "_py", bug)
+    with pytest.raises(TypeError, match="a bug in inspect"):
+        ins.load(str(path))
+    monkeypatch.undo()
+    with h5py.File(path, "a") as f:  # a foreign layout: /tasks/t a dataset, not a group
+        del f["tasks/t"]
+        f["tasks/t"] = [1, 2]
+    with pytest.raises(ins.BadInput, match="is not an mpitp results file"):
+        ins.load(str(path))
