@@ -280,15 +280,19 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
             log.info("resume: reusing %d of %d %s results from %s", len(items) - len(todo), len(items), kind, out)
 
         def record(indices, res):
-            """Store the rows of requests whose results are complete (``indices`` into ``todo``)."""
+            """Store the rows of requests whose results are complete (``indices`` into ``todo``). The rows are
+            built and written on the writer's thread: the dispatch loop pays O(1) per chunk."""
             if writer is None:
                 return
-            by_task: dict[str, list] = {}
-            for i, r in zip(indices, res):
-                inst = instances[todo[i]]
-                by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind))
-            for task, rows in by_task.items():
-                writer.append(task, rows)
+
+            def rows():
+                by_task: dict[str, list] = {}
+                for i, r in zip(indices, res):
+                    inst = instances[todo[i]]
+                    by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind))
+                return by_task
+
+            writer.record(rows)
 
         if kind == KIND_ROLLING:
             computed = _run_windows(dispatcher, progress, [items[i] for i in todo], record)
@@ -314,6 +318,13 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     kwargs.update(extra)
     try:
         res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
+    except BaseException:
+        if writer is not None:  # what landed goes to disk before the job is torn down
+            try:
+                writer.close(timeout=30)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+        raise
     finally:
         progress.close()
         dispatcher.shutdown()
