@@ -140,11 +140,10 @@ class ResultWriter:
     def _add_rows(self, task: str, rows: list[dict]) -> None:
         cols = self._task(task)["rows"]
         pend = self._pending.setdefault(task, {k: [] for k in REQUEST_FIELDS})
-        for r in rows:
-            for k in REQUEST_FIELDS:
-                v = r[k]
-                cols[k].append(v)
-                pend[k].append(v)
+        for k in REQUEST_FIELDS:
+            vals = [r[k] for r in rows]
+            cols[k].extend(vals)
+            pend[k].extend(vals)
 
     def _n_rows(self) -> int:
         return sum(len(t["rows"]["doc_id"]) for t in self.tasks.values())
