@@ -112,6 +112,7 @@ class ResultWriter:
         self.attrs["status"] = "running"
         self.attrs.pop("results_json", None)
         self.busy_s = 0.0  # writer-thread seconds (journal + snapshots), for the phase timings
+        self.cpu_s = 0.0  # of which CPU (the rest: waiting for the disk or the interpreter lock)
         self.snapshots = 0
         self._pending: dict[str, dict[str, list]] = {}
         self._journal: Journal | None = None
@@ -177,7 +178,7 @@ class ResultWriter:
                     ops.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             done = []
             try:
                 if self._error is None:
@@ -191,6 +192,7 @@ class ResultWriter:
             except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's next call
                 self._error = exc
             self.busy_s += time.perf_counter() - t0
+            self.cpu_s += time.thread_time() - c0
             for ev in done:
                 ev.set()
             if None in ops:
