@@ -377,6 +377,10 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
                   apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
                   bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
+    if not extra:  # mpitp.evaluate's callers pass lm-eval arguments of their own: theirs to choose
+        from .requestcache import enable
+
+        kwargs.update(enable(cfg, tm, tokenizer_name))
     kwargs.update(extra)
     try:
         clock.t_eval = time.perf_counter()
