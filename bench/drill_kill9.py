@@ -1,0 +1,143 @@
+"""Drill: kill -9 of global rank 0 at a random instant of a real ``mpiexec`` evaluation, N tries.
+
+Question (issue 17): does a SIGKILL of the only writer at any instant leave a readable results file, and does
+``--resume`` then give the results of an uninterrupted run? One uninterrupted reference run first; then each try
+launches the run (or resumes the file the previous try left), waits a random time drawn over the whole run (start-up,
+lm-eval building requests, dispatch, metrics, the final snapshot), SIGKILLs rank 0, and checks that the file (if it
+exists yet) opens with ``mpitp inspect``-grade readers (snapshot + journal, every row whole). After the last try the
+file is resumed to the end and compared with ``mpitp inspect diff`` (exit 0 = same within tolerance).
+
+Run: ``python bench/drill_kill9.py --tries 10`` (4 ranks, dp 2 x tp 2, the built-in demo; ~1 min a try on a loaded
+2-core VM). Last line: ``RATIO kill9_readable <readable tries>/<tries>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+
+ARGS = ["eval", "--demo", "--tp", "2", "--batch-size", "1", "--limit", "8", "--bootstrap-iters", "0", "--timeout", "60"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "MPITP_REQUEST_CACHE": "0"}
+
+
+def mpiexec() -> str:
+    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+def launch(n: int, extra: list[str], cwd: str) -> subprocess.Popen:
+    """Output to a file (a pipe nobody reads while the drill sleeps would fill up and stall the run)."""
+    log = open(os.path.join(cwd, "launch.log"), "wb")
+    proc = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "mpitp", *ARGS, *extra], cwd=cwd,
+                            env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log.name
+    return proc
+
+
+def output(proc) -> str:
+    return Path(proc.log_path).read_text(errors="replace")
+
+
+def rank0_pid(proc: subprocess.Popen, timeout: float = 120) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if child.environ().get("PMI_RANK") == "0":
+                    return child.pid
+            except (psutil.Error, OSError):
+                continue
+        time.sleep(0.05)
+    return None
+
+
+def readable(path: str) -> tuple[bool, str]:
+    from mpitp.results import REQUEST_FIELDS, load_rows
+
+    if not os.path.exists(path):
+        return True, "no file yet"
+    try:
+        attrs, tasks = load_rows(path)
+        n = 0
+        for cols in tasks.values():
+            lens = {len(cols[k]) for k in REQUEST_FIELDS}
+            assert len(lens) == 1, lens
+            n += lens.pop()
+        return True, f"status {attrs.get('status')}, {n} rows"
+    except Exception as exc:  # noqa: BLE001 - the drill reports it
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tries", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=17)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    d = tempfile.mkdtemp(prefix="drill_kill9-")
+    try:
+        ref = os.path.join(d, "reference.h5")
+        t0 = time.monotonic()
+        p = launch(4, ["--output", ref], d)
+        p.wait(timeout=900)
+        ref_wall = time.monotonic() - t0
+        assert p.returncode == 0, output(p)[-3000:]
+        print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; reference run {ref_wall:.1f} s "
+              f"(launch to exit), {readable(ref)[1]}")
+        path = os.path.join(d, "killed.h5")
+        ok = 0
+        for t in range(args.tries):
+            resume = os.path.exists(path)
+            if resume and readable(path)[1].startswith("status complete"):
+                os.remove(path)  # the previous try finished before its kill: start again
+                resume = False
+            proc = launch(4, ["--output", path] + (["--resume"] if resume else []), d)
+            pid = rank0_pid(proc)
+            delay = rng.uniform(0.0, ref_wall)
+            time.sleep(delay)
+            finished = proc.poll() is not None
+            if pid is not None and not finished:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    finished = True
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            good, what = readable(path)
+            ok += good
+            journal = os.path.exists(path + ".journal")
+            print(f"try {t + 1}: {'resume' if resume else 'fresh'}, kill -9 of rank 0 {delay:.1f} s after it "
+                  f"started{' (the run had already ended)' if finished else ''}: "
+                  f"{'readable' if good else 'UNREADABLE'} ({what}; journal {'present' if journal else 'absent'})")
+        t0 = time.monotonic()
+        p = launch(4, ["--output", path] + (["--resume"] if os.path.exists(path) else []), d)
+        p.wait(timeout=900)
+        assert p.returncode == 0, output(p)[-3000:]
+        reused = [line for line in output(p).splitlines() if "resume: reusing" in line]
+        diff = subprocess.run([sys.executable, "-m", "mpitp", "inspect", "diff", path, ref], capture_output=True,
+                              text=True, env=ENV)
+        print(f"final resume {time.monotonic() - t0:.1f} s ({'; '.join(x.split('resume: ')[-1] for x in reused)}); "
+              f"inspect diff vs reference: exit {diff.returncode}: {diff.stdout.strip().splitlines()[-1:]}")
+        print(f"RATIO kill9_readable {ok}/{args.tries}" + ("" if diff.returncode == 0 else " (DIFF FAILED)"))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
