@@ -3,7 +3,8 @@
 Question (issue 17): does a SIGKILL of the only writer at any instant leave a readable results file, and does
 ``--resume`` then give the results of an uninterrupted run? One uninterrupted reference run first; then each try
 launches the run (or resumes the file the previous try left), waits a random time drawn over the whole run (start-up,
-lm-eval building requests, dispatch, metrics, the final snapshot), SIGKILLs rank 0, and checks that the file (if it
+lm-eval building requests, dispatch, metrics, the final snapshot: uniformly over the reference run's time from its
+first snapshot to its end, counted from this launch's first snapshot), SIGKILLs rank 0, and checks that the file (if it
 exists yet) opens with ``mpitp inspect``-grade readers (snapshot + journal, every row whole). After the last try the
 file is resumed to the end and compared with ``mpitp inspect diff`` (exit 0 = same within tolerance).
 
@@ -64,6 +65,21 @@ def rank0_pid(proc: subprocess.Popen, timeout: float = 120) -> int | None:
     return None
 
 
+def wait_written(proc, path: str, since: float, timeout: float = 900) -> float:
+    """Wait until this launch's writer has written ``path`` (its first snapshot: the file's mtime is after the
+    launch); returns that moment. Kills before it would only hit start-up, where the file is not touched."""
+    wall_since = time.time() - (time.monotonic() - since)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if os.stat(path).st_mtime >= wall_since:
+                return time.monotonic()
+        except FileNotFoundError:
+            pass
+        time.sleep(0.02)
+    return time.monotonic()
+
+
 def readable(path: str) -> tuple[bool, str]:
     from mpitp.results import REQUEST_FIELDS, load_rows
 
@@ -92,11 +108,14 @@ def main() -> None:
         ref = os.path.join(d, "reference.h5")
         t0 = time.monotonic()
         p = launch(4, ["--output", ref], d)
+        t_file = wait_written(p, ref, t0)
         p.wait(timeout=900)
         ref_wall = time.monotonic() - t0
+        window = ref_wall - (t_file - t0)  # from the first snapshot to the end of the job
         assert p.returncode == 0, output(p)[-3000:]
         print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; reference run {ref_wall:.1f} s "
-              f"(launch to exit), {readable(ref)[1]}")
+              f"(launch to exit; {window:.1f} s from its first snapshot), {readable(ref)[1]}; kills drawn uniformly "
+              f"over that window after each launch's first snapshot", flush=True)
         path = os.path.join(d, "killed.h5")
         ok = 0
         for t in range(args.tries):
@@ -104,9 +123,11 @@ def main() -> None:
             if resume and readable(path)[1].startswith("status complete"):
                 os.remove(path)  # the previous try finished before its kill: start again
                 resume = False
+            t_launch = time.monotonic()
             proc = launch(4, ["--output", path] + (["--resume"] if resume else []), d)
             pid = rank0_pid(proc)
-            delay = rng.uniform(0.0, ref_wall)
+            wait_written(proc, path, t_launch)
+            delay = rng.uniform(0.0, window)
             time.sleep(delay)
             finished = proc.poll() is not None
             if pid is not None and not finished:
@@ -122,9 +143,10 @@ def main() -> None:
             good, what = readable(path)
             ok += good
             journal = os.path.exists(path + ".journal")
-            print(f"try {t + 1}: {'resume' if resume else 'fresh'}, kill -9 of rank 0 {delay:.1f} s after it "
-                  f"started{' (the run had already ended)' if finished else ''}: "
-                  f"{'readable' if good else 'UNREADABLE'} ({what}; journal {'present' if journal else 'absent'})")
+            print(f"try {t + 1}: {'resume' if resume else 'fresh'}, kill -9 of rank 0 {delay:.1f} s after its first "
+                  f"snapshot{' (the run had already ended)' if finished else ''}: "
+                  f"{'readable' if good else 'UNREADABLE'} ({what}; journal {'present' if journal else 'absent'})",
+                  flush=True)
         t0 = time.monotonic()
         p = launch(4, ["--output", path] + (["--resume"] if os.path.exists(path) else []), d)
         p.wait(timeout=900)

@@ -98,8 +98,8 @@ class ResultWriter:
         self.path = path
         self.snapshot_interval_s = snapshot_interval_s
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        for stale in glob.glob(glob.escape(path) + ".tmp*"):  # a snapshot or journal a killed run did not finish
-            os.remove(stale)
+        for stale in glob.glob(glob.escape(path) + ".tmp*") + glob.glob(glob.escape(journal_path(path)) + ".tmp*"):
+            os.remove(stale)  # a snapshot or journal a killed run did not finish writing
         self.attrs: dict = {}
         self.tasks: dict[str, dict] = {}
         self.stats: list[dict] | None = None
