@@ -2,9 +2,10 @@
 
 Question (issue 17): does a SIGKILL of the only writer at any instant leave a readable results file, and does
 ``--resume`` then give the results of an uninterrupted run? One uninterrupted reference run first; then each try
-launches the run (or resumes the file the previous try left), waits a random time drawn over the whole run (start-up,
-lm-eval building requests, dispatch, metrics, the final snapshot: uniformly over the reference run's time from its
-first snapshot to its end, counted from this launch's first snapshot), SIGKILLs rank 0, and checks that the file (if it
+launches the run (or resumes the file the previous try left) and SIGKILLs rank 0 at a random instant: two tries in
+three within half a second after the file holds a random number of rows (chunks landing and being journalled), the
+third uniformly over the reference run's time from its first snapshot to its end (also lm-eval's metrics, the final
+snapshot and teardown), and checks that the file (if it
 exists yet) opens with ``mpitp inspect``-grade readers (snapshot + journal, every row whole). After the last try the
 file is resumed to the end and compared with ``mpitp inspect diff`` (exit 0 = same within tolerance).
 
@@ -30,9 +31,13 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-ARGS = ["eval", "--demo", "--tp", "2", "--batch-size", "1", "--limit", "8", "--bootstrap-iters", "0", "--timeout", "60"]
+ARGS = ["eval", "--demo", "--tp", "2", "--batch-size", "1", "--limit", "20", "--bootstrap-iters", "0",
+        "--timeout", "120"]
+# Rank 0 sleeps 0.5 s after each chunk it computes (the fault drills' hook), so that dispatch, not start-up and
+# teardown, fills most of a run and most kills land while chunks are landing and being journalled.
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-       "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "MPITP_REQUEST_CACHE": "0"}
+       "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "MPITP_REQUEST_CACHE": "0",
+       "MPITP_TEST_STALL": "between_chunks:0.5"}
 
 
 def mpiexec() -> str:
@@ -80,6 +85,15 @@ def wait_written(proc, path: str, since: float, timeout: float = 900) -> float:
     return time.monotonic()
 
 
+def rows(path: str) -> int:
+    from mpitp.results import request_counts
+
+    try:
+        return sum(request_counts(path).values())
+    except (OSError, KeyError):
+        return 0
+
+
 def readable(path: str) -> tuple[bool, str]:
     from mpitp.results import REQUEST_FIELDS, load_rows
 
@@ -114,8 +128,9 @@ def main() -> None:
         window = ref_wall - (t_file - t0)  # from the first snapshot to the end of the job
         assert p.returncode == 0, output(p)[-3000:]
         print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; reference run {ref_wall:.1f} s "
-              f"(launch to exit; {window:.1f} s from its first snapshot), {readable(ref)[1]}; kills drawn uniformly "
-              f"over that window after each launch's first snapshot", flush=True)
+              f"(launch to exit; {window:.1f} s from its first snapshot), {readable(ref)[1]}; two tries in three strike "
+              f"once a random number of rows has landed, the third uniformly over that window", flush=True)
+        total = rows(ref)
         path = os.path.join(d, "killed.h5")
         ok = 0
         for t in range(args.tries):
@@ -127,8 +142,17 @@ def main() -> None:
             proc = launch(4, ["--output", path] + (["--resume"] if resume else []), d)
             pid = rank0_pid(proc)
             wait_written(proc, path, t_launch)
-            delay = rng.uniform(0.0, window)
-            time.sleep(delay)
+            if t % 3 == 2:  # anywhere in the writer's lifetime (also metrics, final snapshot, teardown)
+                how = "after its first snapshot"
+                delay = rng.uniform(0.0, window)
+                time.sleep(delay)
+            else:  # while chunks land: once the file holds a random number of rows, within half a second
+                target = rng.randrange(total)
+                while proc.poll() is None and rows(path) <= target:
+                    time.sleep(0.02)
+                delay = rng.uniform(0.0, 0.5)
+                time.sleep(delay)
+                how = f"after row {target + 1} of {total} landed"
             finished = proc.poll() is not None
             if pid is not None and not finished:
                 try:
@@ -143,8 +167,8 @@ def main() -> None:
             good, what = readable(path)
             ok += good
             journal = os.path.exists(path + ".journal")
-            print(f"try {t + 1}: {'resume' if resume else 'fresh'}, kill -9 of rank 0 {delay:.1f} s after its first "
-                  f"snapshot{' (the run had already ended)' if finished else ''}: "
+            print(f"try {t + 1}: {'resume' if resume else 'fresh'}, kill -9 of rank 0 {delay:.2f} s {how}"
+                  f"{' (the run had already ended)' if finished else ''}: "
                   f"{'readable' if good else 'UNREADABLE'} ({what}; journal {'present' if journal else 'absent'})",
                   flush=True)
         t0 = time.monotonic()
