@@ -304,6 +304,28 @@ class _PhaseClock:
                 f"{wall - busy:.1f} s")
 
 
+class _EnvInfoEarly:
+    """lm-eval's ``simple_evaluate`` ends with ``add_env_info``, which runs torch's ``collect_env`` (``pip list``,
+    ``lscpu`` and more as subprocesses: 1-14 s measured here) on rank 0 after the last request, while every other
+    rank waits. Start it in a thread as the evaluation starts (rank 0 mostly waits for chunks then) and hand lm-eval
+    that same text when it asks; the stored environment info is unchanged."""
+
+    def __enter__(self):
+        import concurrent.futures
+
+        import torch.utils.collect_env as collect_env
+
+        self.module, self.original = collect_env, collect_env.get_pretty_env_info
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
+        self.future = self.pool.submit(self.original)
+        collect_env.get_pretty_env_info = lambda: self.future.result()
+        return self
+
+    def __exit__(self, *exc):
+        self.module.get_pretty_env_info = self.original
+        self.pool.shutdown(wait=False)
+
+
 def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     import lm_eval
 
@@ -382,9 +404,11 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
 
         kwargs.update(enable(cfg, tm, tokenizer_name))
     kwargs.update(extra)
+    env_info = _EnvInfoEarly()
     try:
         clock.t_eval = time.perf_counter()
-        res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
+        with env_info:
+            res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
         clock.eval_done()
     except BaseException:
         if writer is not None:  # what landed goes to disk before the job is torn down
