@@ -114,7 +114,8 @@ def run_new(path: str, rows: int, chunks: int, interval: float) -> dict:
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     n = sum(len(read_requests(path, t)["doc_id"]) for t in TASKS)
     assert n == per * chunks, (n, per * chunks)
-    return dict(total=total, cpu=cpu, last=last, last_cpu=last_cpu, append_mean=sum(calls) / len(calls), append_max=max(calls), drain=drain,
+    return dict(total=total, cpu=cpu, last=last, last_cpu=last_cpu, append_mean=sum(calls) / len(calls),
+                append_max=max(calls), drain=drain,
                 finish=finish_s, busy=w.busy_s, snapshots=w.snapshots, rows=n, size=os.path.getsize(path))
 
 
@@ -152,7 +153,8 @@ def main() -> None:
               f"{big['cpu']:.2f} s CPU "
               f"(backlog drained {big['drain']:.2f} s, final snapshot {big['finish']:.2f} s), last chunk on disk "
               f"{big['last'] * 1e3:.1f} ms ({big['last_cpu'] * 1e3:.1f} ms CPU), "
-              f"append call {big['append_mean'] * 1e3:.3f} ms mean / {big['append_max'] * 1e3:.2f} ms max, writer thread "
+              f"append call {big['append_mean'] * 1e3:.3f} ms mean / {big['append_max'] * 1e3:.2f} ms max, "
+              f"writer thread "
               f"busy {big['busy']:.2f} s, {big['snapshots']} snapshots, {big['rows']} rows read back, "
               f"{big['size'] / 1e6:.1f} MB")
         eager = None if args.skip_eager else run_new(os.path.join(d, "eager.h5"), args.rows, args.chunks, 0.0)

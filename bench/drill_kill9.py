@@ -128,7 +128,8 @@ def main() -> None:
         window = ref_wall - (t_file - t0)  # from the first snapshot to the end of the job
         assert p.returncode == 0, output(p)[-3000:]
         print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; reference run {ref_wall:.1f} s "
-              f"(launch to exit; {window:.1f} s from its first snapshot), {readable(ref)[1]}; two tries in three strike "
+              f"(launch to exit; {window:.1f} s from its first snapshot), {readable(ref)[1]}; two tries in three "
+              f"strike "
               f"once a random number of rows has landed, the third uniformly over that window", flush=True)
         total = rows(ref)
         path = os.path.join(d, "killed.h5")

@@ -99,10 +99,10 @@ def _check_rows(path, expected) -> int:
 
 
 def test_sigkill_at_random_instants_leaves_a_readable_file_and_resume_completes(tmp_path):
-    """10 SIGKILLs of a writing process at random instants (alternating a bounded-rate and an eager snapshot
-    policy, so kills land in snapshots and journal rotations too; every third from the launch): after each, the file opens, holds only whole
-    correct rows, at least every row the writer had flushed before the kill; the next run resumes it. The last
-    run completes: every row once, equal to the expected rows, no journal left."""
+    """10 SIGKILLs of a writing process at random instants (a bounded-rate and an eager snapshot policy in turn,
+    so kills land in snapshots and journal rotations too; every third from the launch): after each, the file opens,
+    holds only whole correct rows, at least every row the writer had flushed before the kill; the next run resumes
+    it. The last run completes: every row once, equal to the expected rows, no journal left."""
     expected = _expected()
     path = tmp_path / "killed.h5"
     rng = random.Random(17)
