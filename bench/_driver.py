@@ -157,7 +157,7 @@ def run_lmeval(spec: dict) -> None:
     import transformers  # noqa: F401
     from lm_eval.tasks import TaskManager
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(spec.get("threads", 1)))
     if spec.get("no_cache"):
         _patch_no_cache()
     _time_generate(lm_eval.models.huggingface.HFLM)

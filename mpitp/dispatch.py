@@ -133,8 +133,8 @@ class Dispatcher:
             (_, cid, res), src, _ = mpicomm.recv_obj(self.comm, tag=TAG_RESULT, timeout=self.timeout,
                                                      phase=f"waiting for {kind} results from DP groups")
             outstanding -= 1
+            send_next(src)  # the group's next chunk first: recording this one must not keep it waiting
             land(by_cid[cid].indices, res)
-            send_next(src)
             return True
 
         def tick() -> None:

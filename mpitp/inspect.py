@@ -10,7 +10,8 @@ finished, ``--samples`` where none were logged); 2 bad input (missing, unreadabl
 combination, ``--plot`` without matplotlib), always reported as one line on stderr.
 
 Files are only ever opened read-only (:func:`mpitp.results.open_h5`, HDF5 file locking off by default), so
-inspecting a file that a running evaluation keeps replacing is safe: each open sees one complete snapshot.
+inspecting a file that a running evaluation is writing is safe: each open sees one complete snapshot, merged with
+the rows of the journal beside it (:func:`mpitp.results.load_rows`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class RunFile:
 def load(path: str) -> RunFile:
     """Read the summary of ``path``; any failure is a one-line :class:`BadInput`."""
     import numpy as np
-    from .results import STATS_FIELDS, open_h5
+    from .results import STATS_FIELDS, open_h5, request_counts
 
     _check_path(path)
     try:
@@ -156,6 +157,11 @@ def load(path: str) -> RunFile:
             if "stats" in f:
                 st = f["stats"]
                 stats = {k: np.asarray(st[k][()]) for k in ("dp_rank", *STATS_FIELDS) if k in st}
+        for name, n in request_counts(path).items():  # a running or killed run's rows are partly in its journal
+            if name in tasks:
+                tasks[name].n_rows = n
+            else:
+                tasks[name] = TaskInfo(name=name, attrs={}, metrics={}, n_rows=n, has_samples=False)
     except BadInput:
         raise
     except (OSError, KeyError, ValueError, RuntimeError) as exc:  # what h5py raises on a damaged or foreign file;

@@ -132,6 +132,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     lay = rt.layout
     # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
     out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
+    phases = {"checks": time.perf_counter() - t_start}
     if lay.pp > 1:
         from .pipeline import describe_split, load_stage, num_layers
 
@@ -141,15 +142,17 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     else:
         model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
+    phases["load"] = time.perf_counter() - t_start - phases["checks"]
     try:
         return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
-                               t_start=t_start)
+                               t_start=t_start, phases=phases)
     finally:
         _remove_generated(keep.get("include"))
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
-                    task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None):
+                    task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None,
+                    phases: dict | None = None):
     """The one evaluation path (CLI, job files and :func:`mpitp.evaluate`) for a model already on this rank.
 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
@@ -180,6 +183,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         if lay.is_root:
             tm = task_manager or task_manager_for(cfg)
             state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
+            state["phases"].update(phases or {})
         else:
             serve_remote(lay, lm.compute, rt.timeout, stats, idle=engine.idle)
         engine.stop()
@@ -252,6 +256,75 @@ def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
     return results
 
 
+class _PhaseClock:
+    """Rank 0's seconds per phase. lm-eval's request methods on the LM are wrapped (instance attributes, so lm-eval
+    calls the wrappers): the time inside them minus the dispatch is tokenising (lm-eval's encoding, rolling windows),
+    before the first call lm-eval loads tasks and builds requests, after the last it computes metrics."""
+
+    ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
+
+    def __init__(self):
+        self.phases: dict[str, float] = {"writing": 0.0}
+        self.dispatch = 0.0
+        self.in_methods = 0.0
+        self.t_eval = self.first = self.last = None
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def wrap(self, lm) -> None:
+        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+            setattr(lm, name, self._timed(getattr(lm, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            self.first = self.first or t0
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.last = time.perf_counter()
+                self.in_methods += self.last - t0
+
+        return timed
+
+    def eval_done(self) -> None:
+        end = time.perf_counter()
+        first, last = self.first or end, self.last or end
+        self.phases.update(requests=first - self.t_eval, tokenising=self.in_methods - self.dispatch,
+                           dispatch=self.dispatch, metrics=end - last)
+
+    @classmethod
+    def describe(cls, phases: dict, wall: float, all_stats: list) -> str:
+        parts = [f"{k} {phases[k]:.1f} s" for k in cls.ORDER if k in phases]
+        busy = max((s["busy_s"] for s in all_stats), default=0.0)
+        return (f"rank 0 phases: {', '.join(parts)} (writing: the results thread, off the dispatch path; final "
+                f"snapshot {phases.get('final_snapshot', 0.0):.1f} s); rank 0 alone (wall - max group busy) "
+                f"{wall - busy:.1f} s")
+
+
+class _EnvInfoEarly:
+    """lm-eval's ``simple_evaluate`` ends with ``add_env_info``, which runs torch's ``collect_env`` (``pip list``,
+    ``lscpu`` and more as subprocesses: 1-14 s measured here) on rank 0 after the last request, while every other
+    rank waits. Start it in a thread as the evaluation starts (rank 0 mostly waits for chunks then) and hand lm-eval
+    that same text when it asks; the stored environment info is unchanged."""
+
+    def __enter__(self):
+        import concurrent.futures
+
+        import torch.utils.collect_env as collect_env
+
+        self.module, self.original = collect_env, collect_env.get_pretty_env_info
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
+        self.future = self.pool.submit(self.original)
+        collect_env.get_pretty_env_info = lambda: self.future.result()
+        return self
+
+    def __exit__(self, *exc):
+        self.module.get_pretty_env_info = self.original
+        self.pool.shutdown(wait=False)
+
+
 def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     import lm_eval
 
@@ -259,14 +332,24 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     from .results import ResultWriter
 
     tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
+    clock = _PhaseClock()
+    t0 = time.perf_counter()
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
+    clock.add("writing", time.perf_counter() - t0)
     progress = _Progress()
     dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size,
                             idle=lm.engine.idle)
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
+        t_run = time.perf_counter()
+        try:
+            return _runner(kind, items, weights, instances)
+        finally:
+            clock.dispatch += time.perf_counter() - t_run
+
+    def _runner(kind, items, weights, instances):
         keys = request_keys(instances)
         results: list = [None] * len(items)
         todo = []
@@ -280,15 +363,19 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
             log.info("resume: reusing %d of %d %s results from %s", len(items) - len(todo), len(items), kind, out)
 
         def record(indices, res):
-            """Store the rows of requests whose results are complete (``indices`` into ``todo``)."""
+            """Store the rows of requests whose results are complete (``indices`` into ``todo``). The rows are
+            built and written on the writer's thread: the dispatch loop pays O(1) per chunk."""
             if writer is None:
                 return
-            by_task: dict[str, list] = {}
-            for i, r in zip(indices, res):
-                inst = instances[todo[i]]
-                by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
-            for task, rows in by_task.items():
-                writer.append(task, rows)
+
+            def rows():
+                by_task: dict[str, list] = {}
+                for i, r in zip(indices, res):
+                    inst = instances[todo[i]]
+                    by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
+                return by_task
+
+            writer.record(rows)
 
         if kind == KIND_ROLLING:
             computed = _run_windows(dispatcher, progress, [items[i] for i in todo], record)
@@ -308,25 +395,43 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     lm.runner = runner
     if cfg.seed is not None:
         lm.seed = cfg.seed
+    clock.wrap(lm)
     seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
                                              torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
     kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
                   apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
                   bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
+    if not extra:  # mpitp.evaluate's callers pass lm-eval arguments of their own: theirs to choose
+        from .requestcache import enable
+
+        kwargs.update(enable(cfg, tm, tokenizer_name))
     kwargs.update(extra)
+    env_info = _EnvInfoEarly()
     try:
-        res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
+        clock.t_eval = time.perf_counter()
+        with env_info:
+            res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
+        clock.eval_done()
+    except BaseException:
+        if writer is not None:  # what landed goes to disk before the job is torn down
+            try:
+                writer.close(timeout=30)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+        raise
     finally:
         progress.close()
     dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
     stall_hook("post_processing")
-    return {"results": res, "writer": writer}
+    return {"results": res, "writer": writer, "phases": clock.phases}
 
 
 def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None) -> None:
     from lm_eval.utils import make_table
 
-    res, writer = state["results"], state["writer"]
+    res, writer, phases = state["results"], state["writer"], state["phases"]
+    if head_check_s is not None:
+        phases["head_check"] = head_check_s
     if writer is not None:
         for task, cfgd in res.get("configs", {}).items():
             metrics = {k: v for k, v in res["results"].get(task, {}).items() if k != "alias"}
@@ -338,7 +443,12 @@ def _finish_root(state, all_stats, wall: float, head_check_s: float | None = Non
         writer.write_stats(all_stats)
         serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
                                             "n-samples", "config", "groups", "group_subtasks") if k in res}
+        phases["writing"] += writer.busy_s  # the writer thread's seconds, off the dispatch path
+        phases["wall"], phases["max_group_busy"] = wall, max((s["busy_s"] for s in all_stats), default=0.0)
+        writer.extra_attrs(phases_json=json.dumps({k: round(v, 4) for k, v in phases.items()}))
+        t0 = time.perf_counter()
         writer.finish(serialisable, wall)
+        phases["final_snapshot"] = time.perf_counter() - t0
     print(make_table(res))
     total_busy = sum(s["busy_s"] for s in all_stats)
     for g, s in enumerate(all_stats):
@@ -357,3 +467,4 @@ def _finish_root(state, all_stats, wall: float, head_check_s: float | None = Non
         rows, cols = PROBE_SHAPE
         print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
               f"replica)")
+    print(_PhaseClock.describe(phases, wall, all_stats))

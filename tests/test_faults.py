@@ -31,12 +31,11 @@ GONE_AFTER_SIGNAL = 15.0  # seconds from SIGTERM / SIGINT to mpiexec until every
 
 def file_rows(path) -> tuple[str | None, int]:
     """(status, number of request rows) of a results file, (None, 0) while it does not exist or cannot be read."""
-    from mpitp.results import open_h5
+    from mpitp.results import load_rows
 
-    try:
-        with open_h5(str(path)) as f:
-            n = sum(len(g["requests/doc_id"]) for g in f["tasks"].values()) if "tasks" in f else 0
-            return str(f.attrs.get("status")), n
+    try:  # the HDF5 snapshot and the journal beside it (rows landed since the snapshot)
+        attrs, counts = load_rows(str(path), counts_only=True)
+        return str(attrs.get("status")), sum(counts.values())
     except (OSError, KeyError):
         return None, 0
 

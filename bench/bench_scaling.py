@@ -1,0 +1,81 @@
+"""Scaling with real compute: mpitp dp=1, 2, 4 on full hellaswag (stories260K) vs single-process lm-eval hf.
+
+    python bench/bench_scaling.py [--batch-size 16] [--limit N]
+
+Question (issue 17): with a tiny model (so compute per group is small, as it is per group on many GPUs), how much of
+a run is rank 0 alone? Runs, one after the other on the same machine (``hellaswag_local``: the real HellaSwag
+validation split in ``../shared/data``, 10,042 documents, 40,168 requests; stories260K, float32):
+
+- ``lm_eval`` single process, ``HFLM`` on CPU with 2 torch threads (the issue's baseline);
+- ``mpitp`` dp=1 (``mpiexec -n 1 --threads 2``), dp=2 (``-n 2 --threads 1``), dp=4 (``-n 4 --threads 1``, two ranks
+  per core on a 2-core VM).
+
+Timed inside each process, imports excluded (``bench/_driver.py``). For each mpitp run: the slowest DP group's busy
+seconds (``/stats``), the serial seconds ``wall - max group busy`` (rank 0 alone: checks, model load, lm-eval's
+request building and metrics, tokenising, writing), and rank 0's phase timings (root attr ``phases_json``).
+
+Last line: ``RATIO scaling_dp2_vs_lmeval <mpitp dp=2 time / lm-eval time>`` (target <= 0.6).
+"""
+
+from __future__ import annotations
+
+import json
+
+import common
+
+TASK = "hellaswag_local"
+
+
+def phases(path: str) -> dict:
+    import h5py
+
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            return json.loads(f.attrs.get("phases_json", "{}"))
+    except (OSError, ValueError):
+        return {}
+
+
+def run_lm_eval(model: str, batch_size: int, limit, threads: int) -> dict:
+    spec = dict(model_args=f"pretrained={model},dtype=float32,device=cpu", tasks=[TASK],
+                include_path=common.include_path(), batch_size=batch_size, limit=limit, gen_kwargs=None,
+                threads=threads)
+    env = common.bench_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return common._run([common.PYTHON, common.DRIVER, "lmeval", json.dumps(spec)], env, 3600,
+                       f"lm_eval hf threads={threads}")
+
+
+def main() -> None:
+    ap = common.parser(__doc__, limit=None, batch_size=16, reps=1)
+    ap.add_argument("--dp", default="1,2,4")
+    args = ap.parse_args()
+    model = str(common.STORIES)
+    common.say(common.machine())
+    common.say(f"model {model}, {TASK}" + (f" --limit {args.limit}" if args.limit else " (all documents)") +
+               f", batch size {args.batch_size}")
+    ref = run_lm_eval(model, args.batch_size, args.limit, threads=2)
+    common.say(f"lm_eval hf (1 process, 2 threads): {ref['time_s']:.1f} s, CPU {ref['cpu_s']:.1f} s; "
+               f"{common.loadavg()}")
+    rows, times = [["lm_eval hf, 2 threads", ref["time_s"], 1.0, "", "", "", ""]], {}
+    for dp in [int(x) for x in args.dp.split(",")]:
+        threads = "2" if dp == 1 else "1"
+        r = common.run_mpitp(dp, model, TASK, batch_size=args.batch_size, limit=args.limit,
+                             extra=["--threads", threads, "--dtype", "float32"], timeout=3600)
+        busy = max(r["h5_stats"]["busy_s"])
+        ph = phases(r["output"])
+        times[dp] = r["time_s"]
+        serial = r["time_s"] - busy
+        order = ("checks", "load", "requests", "tokenising", "metrics", "writing", "final_snapshot")
+        detail = ", ".join(f"{k} {ph[k]:.1f}" for k in order if k in ph)
+        rows.append([f"mpitp dp={dp} (threads {threads})", r["time_s"], r["time_s"] / ref["time_s"], busy, serial,
+                     ph.get("dispatch", float("nan")), detail])
+        common.say(f"mpitp dp={dp}: {r['time_s']:.1f} s, max group busy {busy:.1f} s, serial {serial:.1f} s "
+                   f"[{detail}]; {common.loadavg()}")
+    common.say(common.fmt_table(rows, ["run", "eval wall s", "time / lm-eval", "max group busy s",
+                                       "wall - max busy s", "rank 0 dispatch s", "rank 0 phases s"]))
+    if 2 in times:
+        common.say(f"RATIO scaling_dp2_vs_lmeval {times[2] / ref['time_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

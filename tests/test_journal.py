@@ -1,0 +1,194 @@
+"""Crash safety of the results writer (:mod:`mpitp.results` + :mod:`mpitp.journal`) without MPI: a real writer in a
+real child process, killed with SIGKILL at random instants; torn journal tails cut at every byte.
+
+The full-run drill (kill -9 of rank 0 of a real ``mpiexec`` evaluation, then ``--resume`` and ``inspect diff``) is
+``bench/drill_kill9.py``; ``tests/test_faults.py`` kills rank 0 mid-run once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from mpitp.journal import journal_path, read_journal
+from mpitp.results import REQUEST_FIELDS, ResultWriter, load_rows, read_requests, request_counts
+
+META = dict(model="m", tokenizer="t", dtype="float32", world_size=1, tp=1, dp=1, config_json="{}")
+TASKS = ("t_mc", "t_gen")
+CHUNKS, PER_CHUNK = 600, 50
+
+
+def rows_of(c: int) -> dict[str, list[dict]]:
+    out = {t: [] for t in TASKS}
+    for i in range(PER_CHUNK):
+        n = c * PER_CHUNK + i
+        gen = n % 7 == 0
+        out[TASKS[gen]].append(dict(doc_id=n, idx=n % 3, kind="generate_until" if gen else "loglikelihood",
+                                    loglikelihood=math.nan if gen else -0.25 * n, is_greedy=bool(n % 2),
+                                    generation=f"gen {n} \u00e9\n" if gen else "", n_tokens=n % 40,
+                                    args_hash=f"{n:016x}"))
+    return out
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = {paths!r}
+    from test_journal import META, CHUNKS, rows_of
+    from mpitp.results import ResultWriter
+    path, resume, snap = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3])
+    w = ResultWriter(path, META, resume=resume, snapshot_interval_s=snap)
+    have = {{k[1] for k in w.stored_rows()}}
+    print("started", len(have), flush=True)
+    for c in range(CHUNKS):
+        todo = {{t: [r for r in rs if r["doc_id"] not in have] for t, rs in rows_of(c).items()}}
+        if not any(todo.values()):
+            continue
+        for t, rs in todo.items():
+            w.append(t, rs)
+        if c % 5 == 0:
+            w.flush()
+            print("durable", c, flush=True)
+        time.sleep(0.002)
+    w.finish({{"results": {{}}}}, 1.0)
+    print("done", flush=True)
+""")
+
+
+def _child(path, resume: bool, snap: float) -> subprocess.Popen:
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = CHILD.format(paths=[here, os.path.dirname(here)])
+    return subprocess.Popen([sys.executable, "-c", code, str(path), "1" if resume else "0", str(snap)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _expected() -> dict[str, dict]:
+    out = {}
+    for c in range(CHUNKS):
+        for t, rs in rows_of(c).items():
+            for r in rs:
+                out[(t, r["doc_id"])] = r
+    return out
+
+
+def _check_rows(path, expected) -> int:
+    """Every row in the file is one of the expected rows, exactly, and none twice; returns how many."""
+    _, tasks = load_rows(str(path))
+    n = 0
+    for t, cols in tasks.items():
+        ids = cols["doc_id"]
+        assert len(set(ids.tolist())) == len(ids), f"duplicate rows in {t}"
+        for i in range(len(ids)):
+            want = expected[(t, int(ids[i]))]
+            for k in REQUEST_FIELDS:
+                got = cols[k][i]
+                if k == "loglikelihood" and math.isnan(want[k]):
+                    assert math.isnan(got)
+                else:
+                    assert got == want[k], (t, k, got, want[k])
+        n += len(ids)
+    return n
+
+
+def test_sigkill_at_random_instants_leaves_a_readable_file_and_resume_completes(tmp_path):
+    """10 SIGKILLs of a writing process at random instants (a bounded-rate and an eager snapshot policy in turn,
+    so kills land in snapshots and journal rotations too; every third from the launch): after each, the file opens,
+    holds only whole correct rows, at least every row the writer had flushed before the kill; the next run resumes
+    it. The last run completes: every row once, equal to the expected rows, no journal left."""
+    expected = _expected()
+    path = tmp_path / "killed.h5"
+    rng = random.Random(17)
+    report = []
+    for attempt in range(10):
+        snap = 0.0 if attempt % 2 else 60.0
+        if path.exists() and load_rows(str(path))[0]["status"] == "complete":
+            path.unlink()  # a try that finished before its kill: start the next from scratch
+        child = _child(path, resume=path.exists(), snap=snap)
+        lines = []
+        if attempt % 3 == 2:  # from the launch: may land in start-up, the resume's load or its first snapshot
+            time.sleep(rng.uniform(0.1, 2.0))
+        else:  # once it writes (rows, journal records, fsyncs, snapshots, rotations): a random point of the run
+            target = rng.randrange(CHUNKS)
+            for line in iter(child.stdout.readline, ""):
+                lines.append(line)
+                if line.startswith("done") or (line.startswith("durable") and int(line.split()[1]) >= target):
+                    break
+            time.sleep(rng.uniform(0.0, 0.05))
+        child.send_signal(signal.SIGKILL)
+        out, err = child.communicate(timeout=60)
+        lines += out.splitlines()
+        durable = [int(line.split()[1]) for line in lines if line.startswith("durable")]
+        if not path.exists():
+            report.append(f"kill {attempt}: before the first snapshot")
+            continue
+        n = _check_rows(path, expected)
+        # rows flushed before the kill survive it (chunk c's flush covers chunks 0..c of this attempt)
+        assert n >= min(len(expected), (durable[-1] + 1) * PER_CHUNK if durable else 0), (n, durable[-1:])
+        report.append(f"kill {attempt} (snapshot interval {snap:g} s): {n} rows readable, "
+                      f"journal {'present' if os.path.exists(journal_path(str(path))) else 'absent'}")
+    child = _child(path, resume=path.exists(), snap=60.0)
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0 and "done" in out, err
+    assert _check_rows(path, expected) == len(expected)
+    assert load_rows(str(path))[0]["status"] == "complete"
+    assert not os.path.exists(journal_path(str(path)))
+    print("\n".join(report))
+
+
+def test_torn_journal_tail_is_ignored_at_every_cut(tmp_path):
+    """Cut the journal's last record at every byte: readers see exactly the rows of the whole records before it,
+    and a resume appends after them (the torn journal is replaced, not appended to)."""
+    path = tmp_path / "torn.h5"
+    w = ResultWriter(str(path), META)
+    for c in range(3):
+        for t, rs in rows_of(c).items():
+            w.append(t, rs)
+        w.flush()
+    w.close()
+    jp = journal_path(str(path))
+    whole = open(jp, "rb").read()
+    _, records = read_journal(jp)
+    assert len(records) == 3
+    last_len = len(whole) - len(whole[: whole.rfind(b'{"seq":3') - 8])
+    two_chunks = 2 * PER_CHUNK
+    for cut in range(1, last_len):
+        with open(jp, "wb") as f:
+            f.write(whole[: len(whole) - cut])
+        assert sum(request_counts(str(path)).values()) == two_chunks, cut
+    with open(jp, "wb") as f:  # a flipped byte inside the last record: its checksum fails
+        f.write(whole[:-5] + bytes([whole[-5] ^ 0xFF]) + whole[-4:])
+    assert sum(request_counts(str(path)).values()) == two_chunks
+    w = ResultWriter(str(path), META, resume=True)
+    assert len(w.stored_rows()) == two_chunks
+    for t, rs in rows_of(2).items():
+        w.append(t, rs)
+    w.flush()
+    w.close()
+    assert sum(request_counts(str(path)).values()) == 3 * PER_CHUNK
+    got = read_requests(str(path), "t_mc")
+    assert np.all(np.diff(got["doc_id"]) > 0)
+
+
+def test_journal_of_another_run_is_ignored(tmp_path):
+    """A journal left by an earlier run (another ``run_id``) beside a new file adds nothing to it."""
+    path = tmp_path / "a.h5"
+    w = ResultWriter(str(path), META)
+    for t, rs in rows_of(0).items():
+        w.append(t, rs)
+    w.close()
+    old = open(journal_path(str(path)), "rb").read()
+    w2 = ResultWriter(str(path), META)  # --overwrite: a new run
+    w2.close()
+    with open(journal_path(str(path)), "wb") as f:
+        f.write(old)
+    assert request_counts(str(path)) == {}
+    with pytest.raises(KeyError):
+        read_requests(str(path), "t_mc")
