@@ -150,6 +150,8 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
                                t_start=t_start)
     finally:
         _remove_generated(keep.get("include"))
+        if keep.get("claim") is not None:
+            keep["claim"].release()
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,

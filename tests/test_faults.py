@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import OFFLINE_ENV, STORIES, explain, mpiexec_path, run_mpi
+from conftest import OFFLINE_ENV, STORIES, explain, mpi_env, mpiexec_cmd, run_mpi
 
 psutil = pytest.importorskip("psutil")
 
@@ -50,11 +50,12 @@ class Launch:
     """``mpiexec -n N python -m mpitp ARGS`` in its own session; output lines are kept with their arrival time."""
 
     def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None):
-        cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpitp", *args]
+        cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpitp", *args]
         self.t0 = time.monotonic()
         self.t_end: float | None = None
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                     env={**os.environ, **OFFLINE_ENV, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})},
+                                     start_new_session=True)
         self.out: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
         self.readers = [threading.Thread(target=self._read, args=(s, name), daemon=True)
                         for s, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
@@ -85,8 +86,9 @@ class Launch:
                 env = child.environ()
             except (psutil.Error, OSError):
                 continue
-            if "PMI_RANK" in env and child.pid not in found.values():
-                found[int(env["PMI_RANK"])] = child.pid
+            rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))  # MPICH's Hydra / Open MPI's prterun
+            if rank is not None and child.pid not in found.values():
+                found[int(rank)] = child.pid
         self.pids.update(found)
         return found
 
@@ -217,6 +219,7 @@ def _signal_mpiexec(sig):
     return lambda job: job.proc.send_signal(sig)
 
 
+@pytest.mark.openmpi
 def test_sigkill_tp_worker_then_rank0_then_resume(reference, tmp_path):
     """SIGKILL a TP worker (global rank 3, of DP group 1) mid-run; resume; SIGKILL global rank 0 mid-resume; resume."""
     out = tmp_path / "killed.h5"
@@ -276,6 +279,7 @@ def test_sigkill_middle_pipeline_stage_then_resume(test_tasks, tmp_path):
           f"rows kept; resume reused {reused}, wall {proc.elapsed:.1f} s; inspect diff vs one rank: same")
 
 
+@pytest.mark.openmpi
 def test_exception_on_one_worker(tmp_path):
     """A Python exception on TP worker rank 1: printed once with its rank, the whole job ends at once."""
     out = tmp_path / "raised.h5"
