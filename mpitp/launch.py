@@ -55,3 +55,22 @@ def check_launch(world_size: int, mpi_name: str = "", env=os.environ) -> None:
         if n > world_size:
             raise UsageError(f"{who} started {n} tasks ({var}={n}) but MPI sees a world of {world_size}: each process "
                              f"would run the whole evaluation alone; {_fix(who, n, mpi_name)}", collective=True)
+
+
+def _truthy(value: str | None) -> bool:
+    return str(value).strip().lower() in ("1", "t", "true", "yes", "y", "enabled")
+
+
+def oversubscription_warning(ranks_on_node: int, cores_on_node: int, mpi_name: str, env=os.environ) -> str | None:
+    """A warning when more ranks than cores share a node and the MPI library busy-polls while it waits.
+
+    Open MPI spins in its progress engine unless ``mpi_yield_when_idle`` is on; a spinning rank holds a core its
+    peer needs for the very message it waits for. (mpitp's own waits poll with sleeps; torch's gloo and Open MPI's
+    internal waits do not.)
+    """
+    if ranks_on_node <= cores_on_node:
+        return None
+    head = f"{ranks_on_node} ranks on {cores_on_node} cores: oversubscribed (slow; fine for trying things out)"
+    if mpi_name.startswith("Open MPI") and not _truthy(env.get("OMPI_MCA_mpi_yield_when_idle")):
+        return f"{head}; Open MPI busy-polls while waiting: export OMPI_MCA_mpi_yield_when_idle=1"
+    return head

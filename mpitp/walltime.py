@@ -1,0 +1,39 @@
+"""Stopping at a walltime: the scheduler's warning signal ends the job at once, keeping every landed request.
+
+SLURM sends ``SIGUSR1`` (the script asks for it with ``--signal=B:USR1@GRACE`` and forwards it to the step), PBS
+sends ``SIGTERM`` at the walltime. Nothing needs flushing: the results file is replaced atomically after every
+landed chunk, so at any instant it already holds every finished request (status ``running``). Rank 0 says so in one
+line and aborts the MPI job with :data:`STOP_EXIT`, which tells the batch script to requeue; the next start skips the
+completed runs of the job file and resumes the interrupted one. Only chunks in flight are computed again.
+
+A signal handler runs between two Python bytecodes of the main thread; aborting there is safe for the results file
+(an interrupted snapshot is a ``.tmp`` file the next writer removes) and prompt unless a single forward is running.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from .errors import _stderr, abort
+
+#: EX_TEMPFAIL: "stopped before the end, run me again". Distinct from 1 (a fault) and 2 (bad input).
+STOP_EXIT = 75
+
+_NAMES = {signal.SIGUSR1: "SIGUSR1 (walltime near)", signal.SIGTERM: "SIGTERM"}
+
+
+def install(rank: int) -> None:
+    """Rank 0 stops the job on SIGUSR1 or SIGTERM; other ranks ignore SIGUSR1 (rank 0's abort ends them) and keep
+    the default for SIGTERM (a launcher that SIGTERMs every rank ends them anyway)."""
+    if rank == 0:
+        for sig in _NAMES:
+            signal.signal(sig, _stop)
+    else:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _stop(signum, frame) -> None:
+    _stderr().write(f"\nmpitp: stopping on {_NAMES.get(signum, signum)}: every request that landed is in the results "
+                    f"file (status running); run the job file again (or mpitp eval with --resume) to continue; "
+                    f"exit {STOP_EXIT}\n")
+    abort(STOP_EXIT)
