@@ -16,6 +16,7 @@ set -euo pipefail
 DIR=${MPITP_SLURM_DIR:-/var/tmp/mpitp-slurm}
 CPUS=${MPITP_SLURM_CPUS:-16}
 CONF=/etc/slurm/slurm.conf
+CONFIG_CHANGED=0
 MARK="# written by mpitp hpc/local-slurm.sh"
 HOST=$(hostname -s)
 
@@ -49,6 +50,8 @@ $MARK
 ClusterName=mpitp-local
 SlurmctldHost=$HOST
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120): short here, for quick requeues.
+AuthInfo=cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$DIR/state
@@ -72,7 +75,9 @@ InactiveLimit=0
 NodeName=$HOST CPUs=$CPUS RealMemory=$mem State=UNKNOWN
 PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
-    if [[ -f $CONF ]] && cmp -s "$CONF" "$CONF.new"; then rm "$CONF.new"; else mv "$CONF.new" "$CONF"; fi
+    if [[ -f $CONF ]] && cmp -s "$CONF" "$CONF.new"; then rm "$CONF.new"; return; fi
+    mv "$CONF.new" "$CONF"
+    CONFIG_CHANGED=1
 }
 
 start_munge() {
@@ -88,8 +93,11 @@ start_munge() {
     cp /run/munge/munged.pid "$DIR/started/munged.pid"
 }
 
-start_daemon() {  # start_daemon NAME: slurmctld or slurmd, unless the one we started runs
+start_daemon() {  # start_daemon NAME: slurmctld or slurmd, unless the one we started runs (restarted: new config)
     local name=$1
+    if alive "$name" && [[ $CONFIG_CHANGED == 1 ]]; then
+        say "config changed: restarting $name"; stop_one "$name"
+    fi
     if alive "$name"; then return; fi
     if pgrep -x "$name" >/dev/null; then say "a $name this script did not start is running: leaving it"; return; fi
     rm -f "$DIR/$name.pid"
@@ -111,16 +119,19 @@ wait_idle() {
     say "node $HOST did not become idle (state '${state:-?}'); see $DIR/slurmctld.log and $DIR/slurmd.log"; exit 1
 }
 
+stop_one() {
+    local name=$1 pid
+    if alive "$name"; then
+        pid=$(cat "$DIR/started/$name.pid")
+        kill "$pid"
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        say "stopped $name (pid $pid)"
+    fi
+    rm -f "$DIR/started/$name.pid"
+}
+
 stop() {
-    for name in slurmd slurmctld munged; do
-        if alive "$name"; then
-            pid=$(cat "$DIR/started/$name.pid")
-            kill "$pid"
-            for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-            say "stopped $name (pid $pid)"
-        fi
-        rm -f "$DIR/started/$name.pid"
-    done
+    for name in slurmd slurmctld munged; do stop_one "$name"; done
 }
 
 case ${1:-start} in

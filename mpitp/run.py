@@ -18,6 +18,7 @@ from . import __version__
 from . import comm as mpicomm
 from .checks import _check_all, _remove_generated, check_tasks, offline_include
 from .dispatch import stall_hook
+from .progress import make_progress
 from .runtime import Runtime, agree
 
 log = logging.getLogger("mpitp")
@@ -264,7 +265,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
-    progress = _Progress()
+    progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
     dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size)
 
     def runner(kind, items, weights, instances):

@@ -20,6 +20,28 @@ from .errors import _stderr, abort
 STOP_EXIT = 75
 
 _NAMES = {signal.SIGUSR1: "SIGUSR1 (walltime near)", signal.SIGTERM: "SIGTERM"}
+_dispatcher = None
+_early: int | None = None  # a stop signal that came before the rank was known (while Python and MPI start up)
+
+
+def listen_early() -> None:
+    """Called first thing in ``main``: remember SIGUSR1 until :func:`install` knows the rank.
+
+    Starting a rank (imports of torch and lm-eval, MPI_Init) takes tens of seconds on a loaded node, and a walltime
+    signal in that window must not be lost: SIGUSR1's default action would kill the rank, and once MPI is up MPICH's
+    own handler swallows it. :func:`install` acts on a remembered signal at once.
+    """
+    def remember(signum, frame):
+        global _early
+        _early = signum
+
+    signal.signal(signal.SIGUSR1, remember)
+
+
+def watch(dispatcher) -> None:
+    """The dispatcher whose requests in flight a stop abandons (reported in the stop line)."""
+    global _dispatcher
+    _dispatcher = dispatcher
 
 
 def install(rank: int) -> None:
@@ -28,12 +50,16 @@ def install(rank: int) -> None:
     if rank == 0:
         for sig in _NAMES:
             signal.signal(sig, _stop)
+        if _early is not None:
+            _stop(_early, None)
     else:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _stop(signum, frame) -> None:
-    _stderr().write(f"\nmpitp: stopping on {_NAMES.get(signum, signum)}: every request that landed is in the results "
-                    f"file (status running); run the job file again (or mpitp eval with --resume) to continue; "
-                    f"exit {STOP_EXIT}\n")
+    d = _dispatcher
+    lost = f"{d.handed_out - d.landed} requests in flight abandoned, " if d is not None else ""
+    _stderr().write(f"\nmpitp: stopping on {_NAMES.get(signum, signum)}: {lost}every request that landed is in the "
+                    f"results file (status running); run the job file again (or mpitp eval with --resume) to "
+                    f"continue; exit {STOP_EXIT}\n")
     abort(STOP_EXIT)

@@ -30,10 +30,18 @@ set -u
 
 # srun --mpi=pmi2: as given (--srun-mpi pmi2)
 # On USR1 mpitp stops at once (every landed request is already in its results file) and exits 75; this
-# script then requeues the job. The next start skips completed runs and resumes the interrupted one.
-echo "mpitp: start $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID at $(date -u +%FT%TZ)"
+# script then requeues the job. The next start skips completed runs and resumes the interrupted one. Should the step
+# not end within half the grace, it is terminated (the rows stay) so that the requeue still happens in time.
+echo "mpitp: start $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID at $(date -u +%T)"
 stopping=0
-trap 'stopping=1; echo "mpitp: walltime near (USR1)"; kill -USR1 "$step" 2>/dev/null || true' USR1
+step=
+stop_step() {
+    stopping=1
+    echo "mpitp: walltime near (USR1) at $(date -u +%T)"
+    kill -USR1 "$step" 2>/dev/null || true
+    (sleep 30; kill -TERM "$step" 2>/dev/null) &
+}
+trap stop_step USR1
 set +e
 srun --mpi=pmi2 --kill-on-bad-exit=1 mpitp run @REPO@/jobs/demo.yaml &
 step=$!
@@ -41,7 +49,7 @@ wait "$step"; status=$?
 while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
 set -e
 if [[ $stopping == 1 && $status != 0 ]]; then
-    echo "mpitp: stopped before the walltime (exit $status); requeueing job $SLURM_JOB_ID"
+    echo "mpitp: stopped before the walltime (exit $status) at $(date -u +%T); requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$status"
