@@ -67,7 +67,7 @@ def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: st
         impl = mpi_implementation()
         print(f"MPI: {impl} ({mpi_library_version()})")
         crowded = max(((r["node"], sum(1 for x in rows if x["node"] == r["node"])) for r in rows), key=lambda x: x[1])
-        warning = oversubscription_warning(crowded[1], rt.world.cores_per_node, impl)
+        warning = oversubscription_warning(crowded[1], rt.world.cores_per_node, impl, rt.world.launcher)
         if warning:
             print(f"warning: node {crowded[0]}: {warning}")
         print(f"torch {torch.__version__}, TP backend: {backend}, timeout {rt.timeout:g} s")

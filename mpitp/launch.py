@@ -61,16 +61,19 @@ def _truthy(value: str | None) -> bool:
     return str(value).strip().lower() in ("1", "t", "true", "yes", "y", "enabled")
 
 
-def oversubscription_warning(ranks_on_node: int, cores_on_node: int, mpi_name: str, env=os.environ) -> str | None:
-    """A warning when more ranks than cores share a node and the MPI library busy-polls while it waits.
+def oversubscription_warning(ranks_on_node: int, cores_on_node: int, mpi_name: str, launcher: str = "",
+                             env=os.environ) -> str | None:
+    """A warning when more ranks than cores share a node, naming the setting known to hurt there.
 
-    Open MPI spins in its progress engine unless ``mpi_yield_when_idle`` is on; a spinning rank holds a core its
-    peer needs for the very message it waits for. (mpitp's own waits poll with sleeps; torch's gloo and Open MPI's
-    internal waits do not.)
+    Open MPI busy-polls in its progress engine unless ``mpi_yield_when_idle`` is on. Open MPI 5 turns it on by itself
+    only when its own launcher knows the node is oversubscribed (``mpirun --oversubscribe``: ``mpi_show_mca_params``
+    shows ``mpi_yield_when_idle=true (default)``); started by ``srun``, or by ``mpirun`` with a hostfile that claims
+    more slots than cores, it stays off and each waiting rank holds a core its peer needs.
     """
     if ranks_on_node <= cores_on_node:
         return None
     head = f"{ranks_on_node} ranks on {cores_on_node} cores: oversubscribed (slow; fine for trying things out)"
-    if mpi_name.startswith("Open MPI") and not _truthy(env.get("OMPI_MCA_mpi_yield_when_idle")):
-        return f"{head}; Open MPI busy-polls while waiting: export OMPI_MCA_mpi_yield_when_idle=1"
+    if (mpi_name.startswith("Open MPI") and not launcher.startswith("prterun")
+            and not _truthy(env.get("OMPI_MCA_mpi_yield_when_idle"))):
+        return f"{head}; Open MPI busy-polls while waiting unless told: export OMPI_MCA_mpi_yield_when_idle=1"
     return head

@@ -38,11 +38,14 @@ def test_torchrun_two_singletons_refuse(tmp_path):
     line = ("mpitp: error: torchrun started 2 tasks (WORLD_SIZE=2) but MPI sees a world of 1: each process would run "
             "the whole evaluation alone; mpitp is launched by MPI, not torchrun: run `mpiexec -n 2 mpitp ...`")
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mpitp:")]
-    assert lines == [line, line], explain(proc)  # one line from each task, nothing else from mpitp
-    assert proc.stderr.count("exitcode  : 2") == 2, explain(proc)  # torchrun's report: both tasks exited 2
+    # One line from each task that got that far: torchrun SIGTERMs the other worker as soon as one fails, so the
+    # second line is there only when both refused within the same instant.
+    assert lines in ([line], [line, line]), explain(proc)
+    assert proc.stderr.count("exitcode  : 2") >= 1, explain(proc)  # torchrun's report of the tasks that exited 2
     assert not re.search(r'File "[^"]*/mpitp/', proc.stderr), explain(proc)  # torchrun's own traceback only
     assert not out.exists() and not list(tmp_path.iterdir()), list(tmp_path.iterdir())
-    print(f"torchrun --nproc-per-node 2: both tasks exit 2 with one line each, {took:.1f} s, no file")
+    print(f"torchrun --nproc-per-node 2: {len(lines)} task(s) refused with exit 2 before torchrun stopped the "
+          f"rest, {took:.1f} s, no file")
 
 
 @pytest.mark.openmpi
@@ -133,3 +136,17 @@ def test_srun_variables_are_read_only_inside_steps():
 
     # A batch script's own shell: SLURM_NTASKS of the allocation, no step variables: mpirun -n 2 inside is fine.
     assert launcher_tasks({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) == []
+
+
+def test_oversubscription_warning_names_the_setting_only_where_it_is_off():
+    from mpitp.launch import oversubscription_warning
+
+    assert oversubscription_warning(2, 2, "MPICH 5.0.2") is None
+    assert oversubscription_warning(4, 2, "MPICH 5.0.2") == "4 ranks on 2 cores: oversubscribed (slow; fine for " \
+                                                           "trying things out)"
+    # mpirun --oversubscribe turns Open MPI's yield on by itself; srun does not.
+    assert "yield" not in oversubscription_warning(4, 2, "Open MPI 5.0.11", "prterun (Open MPI)", env={})
+    assert oversubscription_warning(4, 2, "Open MPI 5.0.11", "srun (PMIx)", env={}).endswith(
+        "export OMPI_MCA_mpi_yield_when_idle=1")
+    assert "yield" not in oversubscription_warning(4, 2, "Open MPI 5.0.11", "srun (PMIx)",
+                                                   env={"OMPI_MCA_mpi_yield_when_idle": "1"})
