@@ -28,6 +28,7 @@ class LineProgress:
         self.stream = stream or sys.stderr
         self.t0 = self.last = time.perf_counter()
         self.total = self.done = self.tokens = 0
+        self.written = -1  # requests done at the last line written
 
     def add_total(self, n: int) -> None:
         self.total += n
@@ -48,11 +49,12 @@ class LineProgress:
 
     def _write(self) -> None:
         self.last = time.perf_counter()
+        self.written = self.done
         self.stream.write(self.line() + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.done:
+        if self.done and self.written != self.done:
             self._write()
 
 

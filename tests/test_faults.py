@@ -176,6 +176,9 @@ def reference(tmp_path_factory):
     return out, n, proc.elapsed
 
 
+_last_stderr, _last_returncode = [""], [None]  # of the last struck launch, for drills that check what it said
+
+
 def _strike(out, more_than: int, total: int, strike, bound: float, label: str, report: list, resume: bool) -> int:
     """Launch the demo run (or its resumption), strike once rows beyond ``more_than`` land, check it all went."""
     with Launch(4, DEMO + ["--output", str(out)] + (["--resume"] if resume else [])) as job:
@@ -186,6 +189,7 @@ def _strike(out, more_than: int, total: int, strike, bound: float, label: str, r
         t_strike = time.monotonic()
         strike(job)
         took = job.gone_within(t_strike, bound)
+        _last_stderr[0], _last_returncode[0] = job.stderr, job.proc.returncode
         assert job.proc.returncode != 0, job.explain()
         assert "Traceback" not in job.stdout, job.explain()
     status, kept = file_rows(out)
@@ -230,6 +234,22 @@ def test_sigkill_tp_worker_then_rank0_then_resume(reference, tmp_path):
     kept = _strike(out, kept, total, _kill_rank(0), GONE_AFTER_KILL, "SIGKILL rank 0 (during --resume)", report,
                    resume=True)
     _finish(out, reference, report, kept)
+    print("\n".join(report))
+
+
+def test_walltime_signal_to_rank0_stops_with_75_then_resume(reference, tmp_path):
+    """SIGUSR1 (SLURM's walltime warning, as the batch script forwards it) to global rank 0 mid-run: one stop line
+    counting the requests in flight, exit 75 (the code the batch script requeues on), rows kept; resume = reference."""
+    out = tmp_path / "stopped.h5"
+    report: list[str] = []
+    kept = _strike(out, 0, reference[1], lambda job: os.kill(job.pids[0], signal.SIGUSR1), GONE_AFTER_SIGNAL,
+                   "SIGUSR1 to rank 0", report, resume=False)
+    stderr = _last_stderr[0]
+    line = re.search(r"mpitp: stopping on SIGUSR1 \(walltime near\): (\d+) requests in flight abandoned", stderr)
+    assert line and stderr.count("mpitp: stopping on") == 1, stderr[-3000:]
+    assert _last_returncode[0] == 75, _last_returncode
+    _finish(out, reference, report, kept)
+    report.append(f"abandoned in flight: {line.group(1)} requests")
     print("\n".join(report))
 
 

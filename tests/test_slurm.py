@@ -42,13 +42,25 @@ def _job_copy(folder: Path) -> Path:
 
 
 def _submit(folder: Path, *options: str, timeout: float = 1200, env: dict | None = None):
+    """``mpitp submit ... --wait`` as a user types it; a job still queued when the test gives up is cancelled (a
+    requeueing job would otherwise go on after the test)."""
     cmd = [sys.executable, "-m", "mpitp", "submit", "jobs/demo.yaml", "--scheduler", "slurm", "--nodes", "1",
            "--ranks-per-node", "4", *options, "--wait"]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=folder,
-                          env={**os.environ, **OFFLINE_ENV, "MPITP_PROGRESS_INTERVAL": "5", **(env or {})})
-    proc.elapsed = time.monotonic() - t0
-    return proc
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder,
+                            env={**os.environ, **OFFLINE_ENV, "MPITP_PROGRESS_INTERVAL": "5", **(env or {})})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        job = re.search(r"Submitted slurm job (\d+)", stdout)
+        if job:
+            subprocess.run(["scancel", job.group(1)], timeout=60)
+        pytest.fail(f"submit --wait still waiting after {timeout} s (job cancelled)\n{stdout}\n{stderr}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    done.elapsed = time.monotonic() - t0
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +117,10 @@ def test_srun_without_the_mpi_plugin_refuses_on_every_task(slurm, tmp_path):
 
 
 def test_walltime_requeue_resumes_to_the_same_results(slurm, reference, tmp_path):
-    """--time 00:01:00 for about two minutes of work: USR1 15 s before the limit, requeue, resume, until done."""
+    """--time 00:01:00 for about two minutes of work: USR1 5 s before the limit (SLURM checks limits every 30 s, so
+    it comes 5-35 s before), requeue, resume, until done."""
     folder = _job_copy(tmp_path)
-    proc = _submit(folder, "--time", "00:01:00", "--signal-grace", "15", timeout=1800)
+    proc = _submit(folder, "--time", "00:01:00", "--signal-grace", "5", timeout=1800)
     assert proc.returncode == 0, explain(proc)
     restarts = int(re.search(r"ended COMPLETED \(exit 0:0, restarts (\d+),", proc.stdout).group(1))
     assert restarts >= 1, proc.stdout  # the work did not fit one start
@@ -118,6 +131,6 @@ def test_walltime_requeue_resumes_to_the_same_results(slurm, reference, tmp_path
     abandoned = [int(n) for n in re.findall(r"stopping on SIGUSR1 \(walltime near\): (\d+) requests in flight", err)]
     reused = [int(n) for n in re.findall(r"resume: reusing (\d+) of", err)]
     _same_results(folder / "results" / "demo", reference[0])
-    print(f"walltime requeue: {restarts + 1} starts for the demo job under --time 00:01:00 --signal-grace 15, "
+    print(f"walltime requeue: {restarts + 1} starts for the demo job under --time 00:01:00 --signal-grace 5, "
           f"submit --wait {proc.elapsed:.0f} s; requests abandoned in flight per stop {abandoned} "
           f"(computed twice: {sum(abandoned)}); resumes reused {reused} rows; inspect diff: same for all 3 outputs")
