@@ -210,4 +210,7 @@ def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
     check_tp(config, tp)
     check_pp(config, pp)
     out = check_output(cfg)
+    from .claim import claim_output
+
+    keep["claim"] = claim_output(out)  # last: a refused check must not leave a claim behind
     return out, cfg.tokenizer or cfg.model

@@ -68,6 +68,9 @@ def _register_optional():
 
 
 def main(argv=None) -> None:
+    from .walltime import listen_early
+
+    listen_early()  # before the slow imports: a walltime signal during start-up must not be lost
     install_excepthook()
     _register_optional()
     try:

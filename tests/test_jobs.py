@@ -74,6 +74,7 @@ runs:
 """
 
 
+@pytest.mark.openmpi
 def test_job_with_a_failing_run(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(JOB)

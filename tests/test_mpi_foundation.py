@@ -17,6 +17,8 @@ import pytest
 
 from conftest import OFFLINE_ENV, REPO, explain, run_mpi, run_mpi_script
 
+pytestmark = pytest.mark.openmpi  # the MPI layer itself: every test here also runs under Open MPI
+
 SCRIPTS = REPO / "tests" / "mpi"
 LAUNCH_TIMEOUT = 180
 

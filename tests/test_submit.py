@@ -31,24 +31,33 @@ SITE_ENV = "module load cuda/12.4 openmpi\nsource /opt/venvs/mpitp/bin/activate\
 NCCL = {"NCCL_SOCKET_IFNAME": "hsn0,hsn1", "NCCL_NET_GDR_LEVEL": "PHB"}
 
 CASES = {
-    "slurm-1x4": ("slurm", DEMO, dict(nodes=1, gpus_per_node=4, time="00:30:00")),
+    "slurm-1x4": ("slurm", DEMO, dict(nodes=1, gpus_per_node=4, time="00:30:00", srun_mpi="pmix")),
     "slurm-2x8": ("slurm", LLAMA, dict(nodes=2, gpus_per_node=8, time="1-12:00:00", account="proj42",
                                        partition="gpu", cpus_per_task=8, env_setup=SITE_ENV,
-                                       nccl_env=NCCL)),
+                                       nccl_env=NCCL, srun_mpi="pmix")),
     "slurm-4x4-mpirun": ("slurm", DEMO, dict(nodes=4, gpus_per_node=4, time="02:00:00", launcher="mpirun",
                                              cpus_per_task=4, nccl_env=["NCCL_DEBUG=WARN"],
                                              extra_args=["--log-level", "debug info"])),
+    # CPU partition (no GPU request), PMI-2 (PyPI MPICH), walltime requeue with a short grace.
+    "slurm-cpu-pmi2-requeue": ("slurm", DEMO, dict(nodes=1, ranks_per_node=4, time="00:10:00", srun_mpi="pmi2",
+                                                   signal_grace=60)),
+    "slurm-cpu-no-requeue": ("slurm", DEMO, dict(nodes=2, ranks_per_node=8, cpus_per_task=2, time="04:00:00",
+                                                 srun_mpi="pmi2", requeue=False)),
     "pbs-1x4": ("pbs", DEMO, dict(nodes=1, gpus_per_node=4, time="00:30:00")),
     "pbs-2x8": ("pbs", LLAMA, dict(nodes=2, gpus_per_node=8, time="12:00:00", account="proj42",
                                    queue="gpu", cpus_per_task=8, env_setup=SITE_ENV, nccl_env=NCCL)),
     "pbs-4x4": ("pbs", DEMO, dict(nodes=4, gpus_per_node=4, time="02:00:00", cpus_per_task=4,
                                   extra_args=["--log-level", "debug info"])),
+    "pbs-cpu": ("pbs", DEMO, dict(nodes=2, ranks_per_node=8, cpus_per_task=2, time="04:00:00")),
+    "pbs-cpu-no-requeue": ("pbs", DEMO, dict(nodes=1, ranks_per_node=4, time="01:00:00", requeue=False)),
 }
 
 
 def _render(case: str) -> str:
     scheduler, job, kwargs = CASES[case]
-    return render_script(scheduler, job, **kwargs).replace(str(REPO), "@REPO@")
+    text = render_script(scheduler, job, **kwargs)
+    bin_dir = submit_mod._mpitp_bin()
+    return text.replace(f"export PATH={bin_dir}:", "export PATH=@BIN@:").replace(str(REPO), "@REPO@")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -81,8 +90,18 @@ def test_rendered_scripts_have_the_essentials():
                  "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK",
                  "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
                  "module load cuda/12.4 openmpi", "export NCCL_SOCKET_IFNAME=hsn0,hsn1",
-                 "srun --mpi=pmix --kill-on-bad-exit=1 mpitp run @REPO@/jobs/example-llama.yaml"):
+                 "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 '    scontrol requeue "$SLURM_JOB_ID"', "srun --mpi=pmix --kill-on-bad-exit=1 mpitp run "
+                 "@REPO@/jobs/example-llama.yaml &"):
         assert line in slurm.splitlines(), line
+    cpu = _render("slurm-cpu-no-requeue")
+    for line in ("#SBATCH --ntasks-per-node=8", "# srun --mpi=pmi2: as given (--srun-mpi pmi2)", "export PATH=@BIN@:\"$PATH\"",
+                 "srun --mpi=pmi2 --kill-on-bad-exit=1 mpitp run @REPO@/jobs/demo.yaml"):
+        assert line in cpu.splitlines(), line
+    assert "gpus" not in cpu and "--signal" not in cpu and "requeue" not in cpu
+    assert "#SBATCH --signal=B:USR1@60" in _render("slurm-cpu-pmi2-requeue").splitlines()
+    assert "#PBS -l select=2:ncpus=16:mpiprocs=8" in _render("pbs-cpu").splitlines()
+    assert "#PBS -r y" in _render("pbs-cpu") and "#PBS -r" not in _render("pbs-cpu-no-requeue")
     assert "mpirun -n $SLURM_NTASKS mpitp run @REPO@/jobs/demo.yaml --log-level 'debug info'" in mpirun
     assert not any(line.startswith("srun ") for line in mpirun.splitlines())
     for line in ("#PBS -l select=2:ncpus=64:ngpus=8:mpiprocs=8", "#PBS -l walltime=12:00:00",
@@ -110,7 +129,7 @@ def test_strict_undefined_catches_missing_variable():
                 env.get_template(f"{scheduler}.sh.j2").render(**ctx)
 
 
-BASE = dict(nodes=1, gpus_per_node=4, time="01:00:00")
+BASE = dict(nodes=1, gpus_per_node=4, time="01:00:00", srun_mpi="pmix")
 
 
 @pytest.mark.parametrize("scheduler,changes,message", [
@@ -120,7 +139,15 @@ BASE = dict(nodes=1, gpus_per_node=4, time="01:00:00")
     ("slurm", dict(time="00:00:00"), "--time '00:00:00': expected a non-zero walltime as HH:MM:SS or D-HH:MM:SS"),
     ("pbs", dict(time="1-00:00:00"), "--time '1-00:00:00': expected a non-zero walltime as HH:MM:SS"),
     ("slurm", dict(nodes=0), "--nodes must be a positive integer, got 0"),
-    ("pbs", dict(gpus_per_node=0), "--gpus-per-node must be a positive integer, got 0"),
+    ("pbs", dict(gpus_per_node=0), "give --ranks-per-node (MPI ranks per node; CPU partitions) or --gpus-per-node "
+                                   "(one rank per GPU)"),
+    ("slurm", dict(gpus_per_node=-1), "--gpus-per-node must be a non-negative integer, got -1"),
+    ("slurm", dict(ranks_per_node=0), "--ranks-per-node must be a positive integer, got 0"),
+    ("slurm", dict(ranks_per_node=8), "--ranks-per-node 8 is more than --gpus-per-node 4: ranks would share a GPU"),
+    ("slurm", dict(signal_grace=3600), "--signal-grace 3600 s is not shorter than --time 01:00:00 = 3600 s: the job "
+                                       "would be told to stop before it starts"),
+    ("slurm", dict(signal_grace=0), "--signal-grace must be a positive integer, got 0"),
+    ("slurm", dict(srun_mpi="pmi 2"), "--srun-mpi 'pmi 2': expected a plugin name such as pmi2 or pmix"),
     ("slurm", dict(cpus_per_task=0), "--cpus-per-task must be a positive integer, got 0"),
     ("pbs", dict(partition="gpu"), "--partition is a slurm option; use --queue with pbs"),
     ("slurm", dict(queue="gpu"), "--queue is a pbs option; use --partition with slurm"),
@@ -271,9 +298,36 @@ def test_cli_submits(job, fake_path, tmp_path):
                                                  "--env-setup", "module load cuda", "--run-arg", "-v"])
     assert result.exit_code == 0, result.output
     script = tmp_path / "results/demo/mpitp-demo.slurm.sh"
-    assert result.output == f"Submitted slurm job 12345 (script: {script})\n"
+    logs = tmp_path / "results/demo/mpitp-demo-12345"
+    assert result.output == (f"Submitted slurm job 12345 (script: {script})\nlogs: {logs}.out and {logs}.err\n"
+                             f"follow: squeue -j 12345; tail -f {logs}.out\n")
     assert "module load cuda\n" in script.read_text()
-    assert script.read_text().rstrip().endswith("jobs/demo.yaml -v")
+    assert "jobs/demo.yaml -v &\n" in script.read_text()
+
+
+def _fake_srun(folder: Path, plugins: list[str]) -> None:
+    listing = "\\n".join(["MPI plugin types are..."] + [f"\\t{p}" for p in plugins])
+    _fake_command(folder, "srun", f'printf "{listing}\\n"')
+
+
+@pytest.mark.parametrize("plugins", [["none", "pmi2", "cray_shasta", "pmix"], ["none", "pmi2"], ["none", "pmix_v4"]])
+def test_srun_mpi_auto_follows_the_linked_mpi(fake_path, plugins):
+    family = submit_mod.linked_mpi()
+    assert family and family.split()[0] in ("MPICH", "Open")
+    want = "pmix" if family.startswith("Open MPI") else "pmi2"
+    _fake_srun(fake_path, plugins)
+    if not any(p.startswith(want) for p in plugins):
+        with pytest.raises(SubmitError) as info:
+            render_script("slurm", DEMO, **{**BASE, "srun_mpi": "auto"})
+        assert str(info.value) == (f"--srun-mpi auto: {family} needs `srun --mpi={want}`, but `srun --mpi=list` "
+                                   f"offers {', '.join(plugins)}; use --launcher mpirun or name a plugin with "
+                                   f"--srun-mpi")
+        return
+    text = render_script("slurm", DEMO, **{**BASE, "srun_mpi": "auto"})
+    speaks = "PMIx" if want == "pmix" else "PMI-2"
+    assert (f"# srun --mpi={want}: mpi4py here is linked against {family}, which speaks {speaks}; `srun --mpi=list` "
+            f"offers {', '.join(plugins)} (--srun-mpi auto)") in text.splitlines()
+    assert f"srun --mpi={want} --kill-on-bad-exit=1 mpitp run {DEMO} &" in text.splitlines()
 
 
 def test_cli_usage_error(job):

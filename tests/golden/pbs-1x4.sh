@@ -8,6 +8,7 @@
 #PBS -l walltime=00:30:00
 #PBS -o @REPO@/results/demo/
 #PBS -e @REPO@/results/demo/
+#PBS -r y
 
 set -euo pipefail
 cd "$PBS_O_WORKDIR"
@@ -20,10 +21,16 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 # Site environment (--env-setup); module/conda scripts often read unset variables.
 set +u
-# (none given)
+# (none given) the mpitp that wrote this script:
+export PATH=@BIN@:"$PATH"
 set -u
 
 # Site NCCL settings (--nccl-env).
 # (none given)
 
+# Walltime: PBS sends SIGTERM (then SIGKILL after its kill_delay). mpitp stops at once, every landed request already
+# in its results file, and exits 75. Running this script again continues: completed runs are skipped, the
+# interrupted one resumes. Ways to get the next start: `qrerun JOBID` while it runs (the job is rerunnable, -r y),
+# or queue the continuation up front: `qsub -W depend=afterany:JOBID SCRIPT` (it starts when this one ends, for any
+# reason, and does only what is left).
 mpiexec -n 4 --ppn 4 mpitp run @REPO@/jobs/demo.yaml

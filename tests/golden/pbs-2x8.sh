@@ -10,6 +10,7 @@
 #PBS -q gpu
 #PBS -o @REPO@/results/
 #PBS -e @REPO@/results/
+#PBS -r y
 
 set -euo pipefail
 cd "$PBS_O_WORKDIR"
@@ -30,4 +31,9 @@ set -u
 export NCCL_SOCKET_IFNAME=hsn0,hsn1
 export NCCL_NET_GDR_LEVEL=PHB
 
+# Walltime: PBS sends SIGTERM (then SIGKILL after its kill_delay). mpitp stops at once, every landed request already
+# in its results file, and exits 75. Running this script again continues: completed runs are skipped, the
+# interrupted one resumes. Ways to get the next start: `qrerun JOBID` while it runs (the job is rerunnable, -r y),
+# or queue the continuation up front: `qsub -W depend=afterany:JOBID SCRIPT` (it starts when this one ends, for any
+# reason, and does only what is left).
 mpiexec -n 16 --ppn 8 mpitp run @REPO@/jobs/example-llama.yaml

@@ -11,6 +11,10 @@
 #SBATCH --partition=gpu
 #SBATCH --output=@REPO@/results/%x-%j.out
 #SBATCH --error=@REPO@/results/%x-%j.err
+# Walltime: USR1 to this script 300 s before the limit; requeued, the job starts again where it stopped.
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 
 set -euo pipefail
 
@@ -31,4 +35,28 @@ set -u
 export NCCL_SOCKET_IFNAME=hsn0,hsn1
 export NCCL_NET_GDR_LEVEL=PHB
 
-srun --mpi=pmix --kill-on-bad-exit=1 mpitp run @REPO@/jobs/example-llama.yaml
+# srun --mpi=pmix: as given (--srun-mpi pmix)
+# On USR1 mpitp stops at once (every landed request is already in its results file) and exits 75; this
+# script then requeues the job. The next start skips completed runs and resumes the interrupted one. Should the step
+# not end within half the grace, it is terminated (the rows stay) so that the requeue still happens in time.
+echo "mpitp: start $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID at $(date -u +%T)"
+stopping=0
+step=
+stop_step() {
+    stopping=1
+    echo "mpitp: walltime near (USR1) at $(date -u +%T)"
+    kill -USR1 "$step" 2>/dev/null || true
+    (sleep 150; kill -TERM "$step" 2>/dev/null) &
+}
+trap stop_step USR1
+set +e
+srun --mpi=pmix --kill-on-bad-exit=1 mpitp run @REPO@/jobs/example-llama.yaml &
+step=$!
+wait "$step"; status=$?
+while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
+set -e
+if [[ $stopping == 1 && $status != 0 ]]; then
+    echo "mpitp: stopped before the walltime (exit $status) at $(date -u +%T); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

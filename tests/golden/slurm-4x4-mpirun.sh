@@ -9,6 +9,10 @@
 #SBATCH --time=02:00:00
 #SBATCH --output=@REPO@/results/demo/%x-%j.out
 #SBATCH --error=@REPO@/results/demo/%x-%j.err
+# Walltime: USR1 to this script 300 s before the limit; requeued, the job starts again where it stopped.
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 
 set -euo pipefail
 
@@ -21,10 +25,34 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 # Site environment (--env-setup); module/conda scripts often read unset variables.
 set +u
-# (none given)
+# (none given) the mpitp that wrote this script:
+export PATH=@BIN@:"$PATH"
 set -u
 
 # Site NCCL settings (--nccl-env).
 export NCCL_DEBUG=WARN
 
-mpirun -n $SLURM_NTASKS mpitp run @REPO@/jobs/demo.yaml --log-level 'debug info'
+# On USR1 mpitp stops at once (every landed request is already in its results file) and exits 75; this
+# script then requeues the job. The next start skips completed runs and resumes the interrupted one. Should the step
+# not end within half the grace, it is terminated (the rows stay) so that the requeue still happens in time.
+echo "mpitp: start $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID at $(date -u +%T)"
+stopping=0
+step=
+stop_step() {
+    stopping=1
+    echo "mpitp: walltime near (USR1) at $(date -u +%T)"
+    kill -USR1 "$step" 2>/dev/null || true
+    (sleep 150; kill -TERM "$step" 2>/dev/null) &
+}
+trap stop_step USR1
+set +e
+mpirun -n $SLURM_NTASKS mpitp run @REPO@/jobs/demo.yaml --log-level 'debug info' &
+step=$!
+wait "$step"; status=$?
+while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
+set -e
+if [[ $stopping == 1 && $status != 0 ]]; then
+    echo "mpitp: stopped before the walltime (exit $status) at $(date -u +%T); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
