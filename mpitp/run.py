@@ -25,7 +25,11 @@ log = logging.getLogger("mpitp")
 
 @dataclass
 class EvalConfig:
-    """Everything that defines an evaluation (lm-eval's vocabulary). Resume compares the ``identity`` part."""
+    """Everything that defines an evaluation (lm-eval's vocabulary). Resume compares the ``identity`` part.
+
+    The fields after ``demo`` are lm-eval's settings that ``mpitp eval`` took over from ``lm_eval`` (see
+    :mod:`mpitp.lmeval_cli`); their defaults are lm-eval's, so older results files still resume.
+    """
 
     model: str | None = None
     tasks: list[str] = field(default_factory=list)
@@ -34,13 +38,13 @@ class EvalConfig:
     dtype: str = "auto"
     num_fewshot: int | None = None
     limit: float | None = None
-    batch_size: int = 1
+    batch_size: int | str = 1
     max_length: int | None = None
-    gen_kwargs: str | None = None
-    apply_chat_template: bool = False
+    gen_kwargs: str | dict | None = None
+    apply_chat_template: bool | str = False
     include_path: str | list[str] | None = None
     data_dir: str | None = None
-    seed: int | None = None
+    seed: int | list | None = None
     output: str | None = None
     overwrite: bool = False
     resume: bool = False
@@ -48,12 +52,75 @@ class EvalConfig:
     bootstrap_iters: int = 100000
     trust_remote_code: bool = False
     demo: bool = False
+    model_source: str = "hf"
+    model_args: dict | None = None
+    hflm_args: dict | None = None
+    attn_implementation: str | None = None
+    subfolder: str | None = None
+    max_batch_size: int | None = None
+    device: str | None = None
+    output_path: str | None = None
+    samples: dict | None = None
+    use_cache: str | None = None
+    cache_requests: dict | None = None
+    check_integrity: bool = False
+    write_out: bool = False
+    system_instruction: str | None = None
+    fewshot_as_multiturn: bool | None = None
+    show_config: bool = False
+    verbosity: str | None = None
+    wandb_args: dict | None = None
+    wandb_config_args: dict | None = None
+    hf_hub_log_args: dict | None = None
+    trackio_args: dict | None = None
+    predict_only: bool = False
+    confirm_run_unsafe_code: bool = False
+    metadata: dict | None = None
+
+    _RESULT_KEYS = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
+                    "gen_kwargs", "apply_chat_template", "seed", "data_dir")
+    _RESULT_KEYS_IF_SET = ("hflm_args", "attn_implementation", "subfolder", "samples", "system_instruction",
+                           "fewshot_as_multiturn", "predict_only", "metadata")
+    """Later settings that change results: recorded only when set, so files written before them still resume."""
 
     def identity(self) -> dict:
         """The settings that determine results: a resumed run must match them exactly."""
-        keys = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
-                "gen_kwargs", "apply_chat_template", "seed", "data_dir")
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in self._RESULT_KEYS}
+        out["seed"] = _seed_identity(self.seed)
+        for k in self._RESULT_KEYS_IF_SET:
+            v = getattr(self, k)
+            if v not in (None, False, {}, []):
+                out[k] = v
+        return out
+
+    def load_kwargs(self) -> dict:
+        """``from_pretrained`` arguments from ``--model_args`` beyond model, revision, dtype and remote code."""
+        return {k: getattr(self, k) for k in ("attn_implementation", "subfolder") if getattr(self, k)}
+
+    def fixed_batch_size(self) -> int:
+        """The batch size to start from: the number given, or 1 for ``auto`` (sized later, see mpitp.batchsize)."""
+        return int(self.batch_size) if str(self.batch_size).isdigit() else 1
+
+    def seeds(self) -> dict:
+        """``simple_evaluate``'s four seed arguments (lm-eval's ``--seed`` slots: python, numpy, torch, few-shot)."""
+        if self.seed is None:
+            return {}
+        s = list(self.seed) if isinstance(self.seed, (list, tuple)) else [self.seed] * 4
+        return dict(random_seed=s[0], numpy_random_seed=s[1], torch_random_seed=s[2], fewshot_random_seed=s[3])
+
+
+_DEFAULT_SEEDS = [0, 1234, 1234, 1234]  # lm-eval's (simple_evaluate's defaults, and its CLI's)
+
+
+def _seed_identity(seed):
+    """One spelling per meaning: lm-eval's default seeds as None (no --seed), four equal seeds as one int."""
+    if isinstance(seed, (list, tuple)):
+        seed = list(seed)
+        if seed == _DEFAULT_SEEDS:
+            return None
+        if len(set(seed)) == 1:
+            return seed[0]
+    return seed
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -139,11 +206,13 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     if lay.pp > 1:
         from .pipeline import describe_split, load_stage, num_layers
 
-        model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code)
+        model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                           **cfg.load_kwargs())
         if lay.is_root:
             log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
     else:
-        model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
+        model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                           **cfg.load_kwargs())
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
     try:
         return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
@@ -174,8 +243,8 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     else:
         from .lm import MPITPLM
 
-        lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.batch_size, max_length=cfg.max_length,
-                     trust_remote_code=cfg.trust_remote_code)
+        lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
+                     trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
         try:
             if lay.is_root:
                 tm = task_manager or task_manager_for(cfg)
@@ -263,7 +332,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
     stored = writer.stored_rows() if (writer and cfg.resume) else {}
     progress = _Progress()
-    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size)
+    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size())
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
@@ -306,11 +375,18 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         return results
 
     lm.runner = runner
-    seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
-                                             torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
-    kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
+    from .outputs import as_lm_eval_ran, full_num_parameters, start_loggers
+
+    loggers = start_loggers(cfg)
+    kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs or {},
                   apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
-                  bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
+                  bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, model_args=cfg.model_args or "",
+                  batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
+                  samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
+                  system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
+                  fewshot_as_multiturn=bool(cfg.fewshot_as_multiturn), evaluation_tracker=loggers["tracker"],
+                  confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
+                  **_requests_cache(cfg.cache_requests), **cfg.seeds())
     kwargs.update(extra)
     try:
         res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
@@ -318,7 +394,16 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         progress.close()
         dispatcher.shutdown()
     stall_hook("post_processing")
-    return {"results": res, "writer": writer}
+    as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, rt.layout), device=rt.device,
+                   loggers=loggers)
+    return {"results": res, "writer": writer, "cfg": cfg, "loggers": loggers}
+
+
+def _requests_cache(cache_requests: dict | None) -> dict:
+    """lm-eval's ``--cache_requests true|refresh|delete`` as ``simple_evaluate``'s three flags."""
+    c = cache_requests or {}
+    return dict(cache_requests=bool(c.get("cache_requests")), rewrite_requests_cache=bool(c.get(
+        "rewrite_requests_cache")), delete_requests_cache=bool(c.get("delete_requests_cache")))
 
 
 def _finish_root(state, all_stats, wall: float) -> None:
@@ -337,7 +422,16 @@ def _finish_root(state, all_stats, wall: float) -> None:
         serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
                                             "n-samples", "config", "groups", "group_subtasks") if k in res}
         writer.finish(serialisable, wall)
+    if state.get("loggers"):
+        from .outputs import finish_loggers, header_line, write_lm_eval_outputs
+
+        write_lm_eval_outputs(res, state["cfg"], state["loggers"])
+        print(header_line(state["cfg"], res))
     print(make_table(res))
+    if "groups" in res:
+        print(make_table(res, "groups"))
+    if state.get("loggers"):
+        finish_loggers(state["loggers"])
     total_busy = sum(s["busy_s"] for s in all_stats)
     for g, s in enumerate(all_stats):
         per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
