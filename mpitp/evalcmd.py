@@ -6,7 +6,7 @@ import sys
 
 from .errors import UsageError
 from .run import EvalConfig, run_eval
-from .runtime import agree, setup_logging, start
+from .runtime import agree, setup_logging, start, stop
 from .world import world_from_comm
 
 
@@ -35,6 +35,10 @@ def eval_main(argv: list[str]) -> None:
     from .quiet import quiet_integration
 
     world = world_from_comm()
+    if world.rank == 0:
+        from lm_eval.utils import setup_logging as lm_eval_logging
+
+        lm_eval_logging()  # as lm_eval's own entry point does first: its parse-time warnings look like its others
     parsed = agree(lambda: parse_eval_args(argv), world.comm, DEFAULT_TIMEOUT, "parsing the command line")
     if parsed[0] == "exit":
         if world.rank == 0 and parsed[2]:
@@ -47,14 +51,17 @@ def eval_main(argv: list[str]) -> None:
     quiet_integration(cfg.verbosity, world.rank == 0)
     rt = start(tp=opts["tp"], pp=opts["pp"], device=opts["device"], threads=opts["threads"], timeout=opts["timeout"],
                world=world)
-    if cfg.demo:
-        cfg = demo_config(cfg, rt)
-    if not cfg.model:
-        raise UsageError("no model given: pass --model hf --model_args pretrained=PATH_OR_ID, --model PATH "
-                         "(or --demo)", collective=True)
-    if cfg.output is None:
-        cfg.output = default_output(cfg)
-    run_eval(cfg, rt)
+    try:
+        if cfg.demo:
+            cfg = demo_config(cfg, rt)
+        if not cfg.model:
+            raise UsageError("no model given: pass --model hf --model_args pretrained=PATH_OR_ID, --model PATH "
+                             "(or --demo)", collective=True)
+        if cfg.output is None:
+            cfg.output = default_output(cfg)
+        run_eval(cfg, rt)
+    finally:
+        stop(rt)
 
 
 def default_output(cfg: EvalConfig) -> str | None:

@@ -384,7 +384,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
                   batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
                   samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
                   system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
-                  fewshot_as_multiturn=bool(cfg.fewshot_as_multiturn), evaluation_tracker=loggers["tracker"],
+                  fewshot_as_multiturn=cfg.fewshot_as_multiturn, evaluation_tracker=loggers["tracker"],
                   confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
                   **_requests_cache(cfg.cache_requests), **cfg.seeds())
     kwargs.update(extra)
