@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 
 from .comm import DEFAULT_TIMEOUT
 from .errors import UsageError
@@ -96,7 +97,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing and exiting, so rank 0 can decide and share the outcome."""
 
     def error(self, message):
-        raise UsageError(message)
+        # "argument --batch_size/-b/--batch-size: must be >= 1" -> "--batch_size: must be >= 1"
+        raise UsageError(re.sub(r"^argument (--?[\w-]+)(/\S+)*:", r"\1:", message))
 
     def exit(self, status=0, message=None):
         raise _Exit(status, message or "")
