@@ -52,6 +52,7 @@ class MPITPLM(HFLM):
                          **hflm_kwargs)
         self.engine = engine
         self.runner = None  # set on rank 0: a callable (kind, items, weights, instances) -> results
+        self.auto = None  # a mpitp.batchsize.AutoBatch with --batch_size auto
         self._instances = None
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
@@ -109,10 +110,14 @@ class MPITPLM(HFLM):
 
     def _compute(self, kind: str, items: list, tick) -> list:
         if kind == KIND_SCORE:
-            return self.engine.score_rows(items, self.batch_size, tick)
+            return self._score_rows(items, tick)
         if kind == KIND_WINDOW:
-            return self.engine.score_rows([row for row, _ in items], self.batch_size, tick)
+            return self._score_rows([row for row, _ in items], tick)
         if kind == KIND_GENERATE:
+            if self.auto is not None:  # one size for the chunk, from its longest prompt plus the tokens to generate
+                longest = max(len(self.tok_encode(ctx)) for ctx, _ in items)
+                new = max(int(kw.get("max_gen_toks", self.max_gen_toks)) for _, kw in items)
+                self.batch_size_per_gpu = self.auto.size(min(longest, self.max_length), new)
             self._tick = tick
             self._gen_tokens = []
             try:
@@ -121,6 +126,16 @@ class MPITPLM(HFLM):
                 self._tick = None
             return [(t, len(self.tok_encode(t, add_special_tokens=False))) for t in texts]
         raise ValueError(f"unknown request kind {kind!r}")
+
+    def _score_rows(self, rows: list, tick) -> list:
+        """Score rows at the fixed batch size, or with ``--batch_size auto`` bucket by bucket at each one's size."""
+        if self.auto is None:
+            return self.engine.score_rows(rows, self.batch_size, tick)
+        out: list = [None] * len(rows)
+        for size, idx in self.auto.groups([len(r[0]) for r in rows]):
+            for i, r in zip(idx, self.engine.score_rows([rows[i] for i in idx], size, tick)):
+                out[i] = r
+        return out
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         with self.engine.generating(greedy=plain_greedy(self.model, generation_kwargs)):

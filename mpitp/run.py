@@ -228,6 +228,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
     other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
     """
+    from .batchsize import AutoBatch, agreed_budget, is_auto
     from .dispatch import Dispatcher, serve_remote
     from .engine import Stats, TPEngine
 
@@ -237,6 +238,9 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     stats = Stats()
     engine = TPEngine(model, lay, rt.device, rt.timeout, lay.tp, stats, group=group)
     state = None
+    budget = None
+    if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
+        budget = agreed_budget(lay.replica_comm, rt.device, rt.world.local_size)
     if not lay.is_leader:
         engine.serve()
         _merge_stage_stats(stats, lay, rt.timeout)
@@ -245,6 +249,10 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
 
         lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
                      trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
+        if budget is not None:
+            lm.auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
+                                cfg.max_batch_size)
+            lm.batch_sizes = lm.auto.chosen
         try:
             if lay.is_root:
                 tm = task_manager or task_manager_for(cfg)

@@ -2,7 +2,8 @@
 
 Each line is run twice on the same work: as ``lm_eval <line>`` (lm-eval's own CLI code, in-process) and as
 ``mpiexec -n 2 mpitp eval <line> --tp 2``. Placeholders: ``{model}`` stories260K, ``{chat}`` a copy with a chat
-template, ``{tasks}`` the offline task YAMLs, ``{out}`` this line's output folder, ``{config}`` a YAML config file.
+template, ``{tasks}`` the offline task YAMLs, ``{out}`` this line's output folder, ``{config}`` a YAML config file, ``{wandb}`` the line's W&B
+offline directory.
 A line without ``--output_path`` gets ``--output_path {out}`` on both sides, so the results can be compared file by
 file.
 """
@@ -55,6 +56,9 @@ CORPUS: list[tuple[str, str]] = [
     ("flags-misc", "--model hf --model_args pretrained={model} --tasks arc_easy_local --trust_remote_code "
                    "--confirm_run_unsafe_code --write_out --show_config --verbosity WARNING --include_path {tasks} "
                    "--limit 2"),
+    ("wandb-offline", "--model hf --model_args pretrained={model} --tasks arc_easy_local --include_path {tasks} "
+                      "--limit 3 --output_path {out} --log_samples --wandb_args project=mpitp-dropin,mode=offline,"
+                      "dir={wandb}"),
     ("fraction-limit", "--model hf --model_args '{{\"pretrained\": \"{model}\", \"dtype\": \"float32\"}}' "
                        "--tasks lambada_openai_local --include_path {tasks} --limit 0.001"),
 ]
@@ -95,7 +99,9 @@ def command_lines(model: Path, tasks: str, work: Path, side: str) -> list[tuple[
         config.parent.mkdir(parents=True, exist_ok=True)
         text = config_file(model, tasks, config).read_text().replace("{out}", str(out))
         config.write_text(text)
-        argv = shlex.split(line.format(model=model, chat=chat, tasks=tasks, out=out, config=config))
+        wandb = work / side / f"{name}-wandb"
+        wandb.mkdir(parents=True, exist_ok=True)
+        argv = shlex.split(line.format(model=model, chat=chat, tasks=tasks, out=out, config=config, wandb=wandb))
         if "--output_path" not in argv and name != "config-file":
             argv += ["--output_path", str(out)]
         lines.append((name, argv))

@@ -86,6 +86,18 @@ def test_same_output_files(corpus_runs, name):
     assert set(stored) == set(lm_results)
 
 
+def test_wandb_offline_run_holds_the_metrics(corpus_runs):
+    """--wandb_args: rank 0 logged through lm-eval's WandbLogger; the offline run's results table has the metrics."""
+    work, _, _ = corpus_runs
+    results = json.loads(sorted((work / "mpitp" / "wandb-offline").rglob("results_*.json"))[0].read_text())
+    tables = sorted((work / "mpitp" / "wandb-offline-wandb").rglob("eval_results_*.table.json"))
+    assert len(tables) == 1, "expected one offline W&B run with its evaluation table"
+    rows = json.loads(tables[0].read_text())["data"]
+    logged = {(r[0], r[4]): float(r[5]) for r in rows if r[4] in ("acc", "acc_norm")}
+    want = results["results"]["arc_easy_local"]
+    assert logged == {("arc_easy_local", "acc"): want["acc,none"], ("arc_easy_local", "acc_norm"): want["acc_norm,none"]}
+
+
 # ------------------------------------------------------------------ parsing, in-process (no launch)
 
 
