@@ -32,7 +32,6 @@ def eval_main(argv: list[str]) -> None:
     """Rank 0 parses (a ``--config`` or ``--samples`` file is read once) and every rank gets its verdict."""
     from .comm import DEFAULT_TIMEOUT
     from .lmeval_cli import parse_eval_args
-    from .quiet import quiet_integration
 
     world = world_from_comm()
     if world.rank == 0:
@@ -48,7 +47,6 @@ def eval_main(argv: list[str]) -> None:
     if world.rank == 0 and shown:
         sys.stdout.write(shown)  # lm-eval prints the settings read from --config
     setup_logging(world.rank, opts["log_all_ranks"])
-    quiet_integration(cfg.verbosity, world.rank == 0)
     rt = start(tp=opts["tp"], pp=opts["pp"], device=opts["device"], threads=opts["threads"], timeout=opts["timeout"],
                world=world)
     try:

@@ -441,3 +441,60 @@ def check_lm_eval_settings(cfg) -> None:
     samples = getattr(cfg, "samples", None)
     if samples is not None and not isinstance(samples, dict):
         raise UsageError(f"--samples {samples!r}: expected a JSON object of task: [doc indices] or a JSON file")
+
+
+def model_args_dict(args) -> dict:
+    """``--model_args`` as lm-eval reads it: a mapping, or ``key=value,key2=value2`` (values typed as lm-eval types
+    them)."""
+    if isinstance(args, str):
+        from lm_eval._cli.utils import key_val_to_dict
+
+        try:
+            return key_val_to_dict(args)
+        except ValueError as exc:
+            raise UsageError(f"--model_args {args!r}: {exc}") from None
+    return dict(args or {})
+
+
+def apply_lm_eval_settings(cfg, settings: dict) -> None:
+    """A job file's lm-eval fields (named as lm-eval's EvaluatorConfig fields) onto ``cfg``, with the flags' meaning:
+    model_args split and refused as for ``--model_args``, ``predict_only`` implying ``log_samples``, ``metadata``
+    merged over model_args for the TaskManager."""
+    from lm_eval.config.evaluate_config import DICT_KEYS
+    from lm_eval.utils import simple_parse_args_string
+
+    settings = {k: v for k, v in settings.items() if v is not None}
+    for key in DICT_KEYS:
+        if isinstance(settings.get(key), str):
+            settings[key] = model_args_dict(settings[key]) if key == "model_args" else \
+                simple_parse_args_string(settings[key])
+        elif key in settings:
+            settings[key] = dict(settings[key])
+    model_args = {"pretrained": cfg.model, **settings.pop("model_args", {})}
+    for key in ("tokenizer", "revision", "dtype", "max_length"):
+        if key in model_args:
+            current = getattr(cfg, key)
+            if current not in (None, "auto") and str(current) != str(model_args[key]):
+                raise UsageError(f"{key}: {current} and model_args {key}={model_args[key]} disagree")
+            setattr(cfg, key, int(model_args[key]) if key == "max_length" else str(model_args[key]))
+    if str(model_args.get("trust_remote_code", "")).lower() in ("true", "1"):
+        cfg.trust_remote_code = True
+    loading, hflm = split_model_args(model_args)
+    hflm.pop("max_length", None)
+    if "max_batch_size" in hflm:
+        settings.setdefault("max_batch_size", int(hflm.pop("max_batch_size")))
+    cfg.model_args, cfg.hflm_args = model_args, hflm
+    cfg.attn_implementation = _opt_str(loading.get("attn_implementation"))
+    cfg.subfolder = _opt_str(loading.get("subfolder"))
+    if "cache_requests" in settings:
+        from lm_eval._cli.utils import request_caching_arg_to_dict
+
+        settings["cache_requests"] = request_caching_arg_to_dict(str(settings["cache_requests"]).lower())
+    for key, value in settings.items():
+        setattr(cfg, key, value)
+    if cfg.predict_only:
+        cfg.log_samples = True
+    cfg.metadata = {**model_args, **(cfg.metadata or {})}
+    for key, why in NETWORK_ONLY.items():
+        if str((cfg.hf_hub_log_args or {}).get(key, "")).lower() in ("true", "1"):
+            raise UsageError(why)

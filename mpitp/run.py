@@ -198,6 +198,9 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
     from .model import load_model
 
+    from .quiet import quiet_integration
+
+    quiet_integration(cfg.verbosity, rt.world.rank == 0)
     t_start = time.perf_counter()
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
     lay = rt.layout
@@ -392,7 +395,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
                   batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
                   samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
                   system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
-                  fewshot_as_multiturn=cfg.fewshot_as_multiturn, evaluation_tracker=loggers["tracker"],
+                  fewshot_as_multiturn=_multiturn(cfg), evaluation_tracker=loggers["tracker"],
                   confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
                   **_requests_cache(cfg.cache_requests), **cfg.seeds())
     kwargs.update(extra)
@@ -405,6 +408,13 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, rt.layout), device=rt.device,
                    loggers=loggers)
     return {"results": res, "writer": writer, "cfg": cfg, "loggers": loggers}
+
+
+def _multiturn(cfg) -> bool | None:
+    """lm-eval's CLI rule: few-shot as multi-turn defaults to on with a chat template, else stays unset."""
+    if cfg.fewshot_as_multiturn is None and cfg.apply_chat_template:
+        return True
+    return cfg.fewshot_as_multiturn
 
 
 def _requests_cache(cache_requests: dict | None) -> dict:
