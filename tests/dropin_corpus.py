@@ -3,7 +3,8 @@
 Each line is run twice on the same work: as ``lm_eval <line>`` (lm-eval's own CLI code, in-process) and as
 ``mpiexec -n 2 mpitp eval <line> --tp 2``. Placeholders: ``{model}`` stories260K, ``{chat}`` a copy with a chat
 template, ``{tasks}`` the offline task YAMLs, ``{out}`` this line's output folder, ``{config}`` a YAML config file, ``{wandb}`` the line's W&B
-offline directory.
+offline directory, ``{cache}`` its ``--use_cache`` path. mpitp runs each line with ``--tp 2`` or the layout in
+:data:`LAYOUTS`.
 A line without ``--output_path`` gets ``--output_path {out}`` on both sides, so the results can be compared file by
 file.
 """
@@ -59,9 +60,22 @@ CORPUS: list[tuple[str, str]] = [
     ("wandb-offline", "--model hf --model_args pretrained={model} --tasks arc_easy_local --include_path {tasks} "
                       "--limit 3 --output_path {out} --log_samples --wandb_args project=mpitp-dropin,mode=offline,"
                       "dir={wandb}"),
+    ("auto-batch", "--model hf --model_args pretrained={model} --tasks arc_easy_local,wikitext_local "
+                   "--include_path {tasks} --limit 2 --batch_size auto --max_batch_size 8"),
+    ("use-cache", "--model hf --model_args pretrained={model} --tasks arc_easy_local --include_path {tasks} "
+                  "--limit 2 --use_cache {cache}"),
     ("fraction-limit", "--model hf --model_args '{{\"pretrained\": \"{model}\", \"dtype\": \"float32\"}}' "
                        "--tasks lambada_openai_local --include_path {tasks} --limit 0.001"),
 ]
+
+LAYOUTS: dict[str, list[str]] = {"dtype-two-tasks-samples": ["--pp", "2"], "fewshot-gen": ["--pp", "2"]}
+"""mpitp's layout per line on 2 ranks: ``--tp 2`` unless named here (pipeline stages where it matters: scoring
+and generation through stages)."""
+
+
+def layout(name: str) -> list[str]:
+    return LAYOUTS.get(name, ["--tp", "2"])
+
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
                  "{% elif m['role'] == 'user' %}Q: {{ m['content'] }}\n{% else %}A: {{ m['content'] }}\n{% endif %}"
@@ -101,7 +115,8 @@ def command_lines(model: Path, tasks: str, work: Path, side: str) -> list[tuple[
         config.write_text(text)
         wandb = work / side / f"{name}-wandb"
         wandb.mkdir(parents=True, exist_ok=True)
-        argv = shlex.split(line.format(model=model, chat=chat, tasks=tasks, out=out, config=config, wandb=wandb))
+        argv = shlex.split(line.format(model=model, chat=chat, tasks=tasks, out=out, config=config, wandb=wandb,
+                                       cache=work / side / f"{name}-cache"))
         if "--output_path" not in argv and name != "config-file":
             argv += ["--output_path", str(out)]
         lines.append((name, argv))

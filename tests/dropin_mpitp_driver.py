@@ -1,4 +1,4 @@
-"""Run every corpus line as ``mpitp eval <argv> --tp 2`` in one MPI world: ``mpiexec -n 2 python THIS LINES``.
+"""Run every corpus line as ``mpitp eval <argv> --tp 2`` (or the line's layout) in one MPI world: ``mpiexec -n 2 python THIS LINES``.
 
 One launch for the whole corpus (a launch costs ~10-20 s on a loaded CI box); each line still goes through the whole
 ``mpitp eval`` path: parsing on rank 0, checks, loading, evaluation, files, and tears its torch world down after.
@@ -13,15 +13,17 @@ import sys
 def main(path: str) -> int:
     from mpi4py import MPI
 
+    from dropin_corpus import layout
+
     from mpitp.errors import UsageError
     from mpitp.evalcmd import eval_main
 
     failed = 0
     for name, argv in json.load(open(path)):
         if MPI.COMM_WORLD.Get_rank() == 0:
-            print(f"=== mpitp {name}: {' '.join(argv)} --tp 2", flush=True)
+            print(f"=== mpitp {name}: {' '.join(argv + layout(name))}", flush=True)
         try:
-            eval_main([*argv, "--tp", "2"])
+            eval_main([*argv, *layout(name)])
         except UsageError as exc:
             failed += 1
             if MPI.COMM_WORLD.Get_rank() == 0:
@@ -31,6 +33,9 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from mpitp.errors import install_excepthook
 
     install_excepthook()

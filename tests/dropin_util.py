@@ -15,6 +15,9 @@ VOLATILE = {"date", "start_time", "end_time", "total_evaluation_time_seconds", "
             "upper_git_hash", "device"}
 """Keys that record when or where a run happened, not what it computed."""
 
+BY_DESIGN = {"batch_sizes"}
+"""Keys mpitp fills differently on purpose: ``--batch_size auto`` picks a size per length bucket (lm-eval: one)."""
+
 ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 """A function's repr in a task config (``<function process_docs at 0x7f...>``) differs from process to process."""
 
@@ -28,7 +31,7 @@ def compare(a, b, path: str = "", rel: float = 1e-5, out: list | None = None) ->
     out = [] if out is None else out
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b), key=str):
-            if k in VOLATILE:
+            if k in VOLATILE or k in BY_DESIGN:
                 continue
             if k not in a or k not in b:
                 out.append(f"{path}/{k}: only in {'second' if k not in a else 'first'}")

@@ -1,9 +1,9 @@
 """lm-eval drop-in: real ``lm_eval`` command lines run unchanged as ``mpiexec -n 2 mpitp eval <line> --tp 2``.
 
-The corpus (tests/dropin_corpus.py, 20 lines in lm-eval's documentation style) runs once through lm-eval's own CLI
+The corpus (tests/dropin_corpus.py, 23 lines in lm-eval's documentation style) runs once through lm-eval's own CLI
 code (one process, tests/dropin_ref_driver.py) and once through ``mpitp eval`` (one ``mpiexec -n 2`` launch,
-tests/dropin_mpitp_driver.py; every line goes through mpitp's whole parse-check-load-evaluate path with tp=2), side by
-side. Then, line by line: the same output files under ``--output_path`` (names, timestamps aside), every key present
+tests/dropin_mpitp_driver.py; every line goes through mpitp's whole parse-check-load-evaluate path with tp=2, or pp=2
+for two lines), side by side. Then, line by line: the same output files under ``--output_path`` (names, timestamps aside), every key present
 in both, every value equal (numbers within 1e-5 relative: fp32 parity), dates, durations and host details aside; and
 the HDF5 file beside them.
 """
@@ -21,7 +21,7 @@ import pytest
 from conftest import OFFLINE_ENV, REPO, STORIES, explain, mpiexec_path
 
 sys.path.insert(0, str(REPO / "tests"))
-from dropin_corpus import CORPUS, command_lines  # noqa: E402
+from dropin_corpus import CORPUS, command_lines, layout  # noqa: E402
 from dropin_util import compare_output_dirs  # noqa: E402
 
 CORPUS_TIMEOUT = 1500
@@ -75,8 +75,12 @@ def test_same_output_files(corpus_runs, name):
     assert results, f"lm-eval wrote no results for {name}"
     diffs = compare_output_dirs(mine, ref)
     assert not diffs, f"{name}: " + "\n".join(diffs[:30])
-    h5 = sorted(mine.rglob("*.h5"))
-    assert len(h5) == 1 and h5[0].parent == sorted(mine.rglob("results_*.json"))[0].parent
+    if name == "use-cache":  # --use_cache is mpitp's request store: <path>.h5, not beside the JSON
+        h5 = [work / "mpitp" / "use-cache-cache.h5"]
+        assert h5[0].exists() and not list(mine.rglob("*.h5"))
+    else:
+        h5 = sorted(mine.rglob("*.h5"))
+        assert len(h5) == 1 and h5[0].parent == sorted(mine.rglob("results_*.json"))[0].parent
     lm_results = json.loads(results[0].read_text())["results"]
     from mpitp.results import open_h5
 
@@ -117,8 +121,8 @@ def test_parsed_as_lm_eval_parses(name, tmp_path, test_tasks):
 
     argv = dict(command_lines(STORIES, test_tasks, tmp_path, "p"))[name]
     ec = _lm_eval_config(argv)
-    kind, cfg, opts, _ = parse_eval_args([*argv, "--tp", "2"])
-    assert kind == "run" and opts["tp"] == 2
+    kind, cfg, opts, _ = parse_eval_args([*argv, *layout(name)])
+    assert kind == "run" and opts["tp"] * opts["pp"] == 2
     assert cfg.model_args == ec.model_args and cfg.model == str(ec.model_args["pretrained"])
     assert cfg.tasks == ec.tasks
     for key in ("num_fewshot", "gen_kwargs", "system_instruction", "fewshot_as_multiturn", "apply_chat_template",
