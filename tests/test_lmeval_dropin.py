@@ -190,6 +190,9 @@ def test_help_lists_every_lm_eval_flag():
         assert flag.replace("_", "-") in text, flag
     for ours in ("--tp", "--pp", "--output", "--resume", "--data-dir", "--timeout"):
         assert ours in text
+    shown = subprocess.run([sys.executable, "-m", "mpitp", "eval", "--help"], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO)})
+    assert shown.returncode == 0 and all(flag in shown.stdout for flag in flags), explain(shown)
 
 
 def test_integration_messages_hidden_unless_debug(capsys):
