@@ -1,4 +1,4 @@
-"""``--batch_size auto``: a batch size per request-length bucket, from a memory budget the whole model replica agrees on.
+"""``--batch_size auto``: a batch size per request-length bucket, from a memory budget the whole replica agrees on.
 
 lm-eval's ``auto`` runs trial forwards until one does not run out of CUDA memory, on the longest request of the first
 task it meets, and keeps that size (``auto:N`` re-detects N times): short tasks after a long one stay at the long one's

@@ -184,12 +184,13 @@ def _add_mpitp_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mpitp: model_args shorthands (the same as --model_args key=value)")
     g.add_argument("--tokenizer", default=None, help="model_args tokenizer=")
     g.add_argument("--revision", default=None, help="model_args revision=")
-    g.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"), help="model_args dtype=")
+    g.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="model_args dtype=")
     g.add_argument("--max-length", type=_at_least(2), default=None, help="model_args max_length=")
 
 
 def _add_dash_aliases(p: argparse.ArgumentParser) -> None:
-    """Accept ``--batch-size`` for ``--batch_size`` and ``--data_dir`` for ``--data-dir``: both spellings, everywhere."""
+    """Accept ``--batch-size`` for ``--batch_size`` and ``--data_dir`` for ``--data-dir``: both spellings."""
     for action in list(p._actions):
         for opt in list(action.option_strings):
             if not opt.startswith("--"):
@@ -387,7 +388,8 @@ def to_eval_config(ec, mine: dict):
     return EvalConfig(
         model=pretrained, tasks=tasks, tokenizer=_opt_str(loading.get("tokenizer")),
         revision=_opt_str(loading.get("revision")), dtype=str(loading.get("dtype", "auto")),
-        num_fewshot=ec.num_fewshot, limit=_limit_number(ec.limit), batch_size=ec.batch_size, max_length=_opt_int(max_length),
+        num_fewshot=ec.num_fewshot, limit=_limit_number(ec.limit), batch_size=ec.batch_size,
+        max_length=_opt_int(max_length),
         gen_kwargs=ec.gen_kwargs or None, apply_chat_template=ec.apply_chat_template,
         include_path=ec.include_path, data_dir=mine.get("data_dir"), seed=ec.seed, output=mine.get("output"),
         overwrite=mine.get("overwrite", False), resume=mine.get("resume", False), log_samples=bool(ec.log_samples),

@@ -1,4 +1,4 @@
-"""Run every corpus line as ``mpitp eval <argv> --tp 2`` (or the line's layout) in one MPI world: ``mpiexec -n 2 python THIS LINES``.
+"""Every corpus line as ``mpitp eval <argv> --tp 2`` (or its layout), one MPI world: ``mpiexec -n 2 python THIS LINES``.
 
 One launch for the whole corpus (a launch costs ~10-20 s on a loaded CI box); each line still goes through the whole
 ``mpitp eval`` path: parsing on rank 0, checks, loading, evaluation, files, and tears its torch world down after.

@@ -3,9 +3,9 @@
 The corpus (tests/dropin_corpus.py, 23 lines in lm-eval's documentation style) runs once through lm-eval's own CLI
 code (one process, tests/dropin_ref_driver.py) and once through ``mpitp eval`` (one ``mpiexec -n 2`` launch,
 tests/dropin_mpitp_driver.py; every line goes through mpitp's whole parse-check-load-evaluate path with tp=2, or pp=2
-for two lines), side by side. Then, line by line: the same output files under ``--output_path`` (names, timestamps aside), every key present
-in both, every value equal (numbers within 1e-5 relative: fp32 parity), dates, durations and host details aside; and
-the HDF5 file beside them.
+for two lines), side by side. Then, line by line: the same output files under ``--output_path`` (names, timestamps
+aside), every key present in both, every value equal (numbers within 1e-5 relative: fp32 parity), dates,
+durations and host details aside; and the HDF5 file beside them.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def test_wandb_offline_run_holds_the_metrics(corpus_runs):
     rows = json.loads(tables[0].read_text())["data"]
     logged = {(r[0], r[4]): float(r[5]) for r in rows if r[4] in ("acc", "acc_norm")}
     want = results["results"]["arc_easy_local"]
-    assert logged == {("arc_easy_local", "acc"): want["acc,none"], ("arc_easy_local", "acc_norm"): want["acc_norm,none"]}
+    assert logged == {("arc_easy_local", "acc"): want["acc,none"],
+                      ("arc_easy_local", "acc_norm"): want["acc_norm,none"]}
 
 
 # ------------------------------------------------------------------ parsing, in-process (no launch)
