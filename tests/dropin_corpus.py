@@ -4,8 +4,8 @@ Each line is run twice on the same work: as ``lm_eval <line>`` (lm-eval's own CL
 ``mpiexec -n 2 mpitp eval <line> --tp 2``. Placeholders: ``{model}`` stories260K, ``{chat}`` a copy with a chat
 template, ``{tasks}`` the offline task YAMLs, ``{out}`` this line's output folder, ``{config}`` a YAML config file,
 ``{wandb}`` the line's W&B offline directory, ``{cache}`` its ``--use_cache`` path. mpitp runs each line with
-``--tp 2`` or the layout in :data:`LAYOUTS`. A line without ``--output_path`` gets ``--output_path {out}`` on both sides, so the results can be compared file by
-file.
+``--tp 2`` or the layout in :data:`LAYOUTS`. A line without ``--output_path`` gets ``--output_path {out}`` on both
+sides, so the results can be compared file by file.
 """
 
 from __future__ import annotations
