@@ -23,9 +23,9 @@ CORPUS: list[tuple[str, str]] = [
     ("space-separated", "--model hf --model_args pretrained={model} dtype=float32 --tasks arc_easy_local "
                         "hellaswag_local --num_fewshot 2 --limit 2 --include_path {tasks}"),
     ("rolling-bos", "--model hf --model_args pretrained={model},add_bos_token=True --tasks wikitext_local "
-                    "--include_path {tasks} --limit 2 --device cpu"),
-    ("rolling-max-length", "--model hf --model_args pretrained={model},max_length=64 --tasks wikitext_local "
-                           "--include_path {tasks} --limit 2 --batch_size 2"),
+                    "--include_path {tasks} --limit 1 --device cpu"),
+    ("rolling-max-length", "--model hf --model_args pretrained={model},max_length=256 --tasks wikitext_local "
+                           "--include_path {tasks} --limit 1 --batch_size 2"),
     ("fewshot-gen", "--model hf --model_args pretrained={model} --tasks gsm8k_local --num_fewshot 1 "
                     "--gen_kwargs max_gen_toks=16 --limit 2 --include_path {tasks} --output_path {out} --log_samples"),
     ("gen-kwargs-until", "--model hf --model_args pretrained={model} --tasks gsm8k_local --include_path {tasks} "
@@ -60,7 +60,7 @@ CORPUS: list[tuple[str, str]] = [
                       "--limit 3 --output_path {out} --log_samples --wandb_args project=mpitp-dropin,mode=offline,"
                       "dir={wandb}"),
     ("auto-batch", "--model hf --model_args pretrained={model} --tasks arc_easy_local,wikitext_local "
-                   "--include_path {tasks} --limit 2 --batch_size auto --max_batch_size 8"),
+                   "--include_path {tasks} --limit 1 --batch_size auto --max_batch_size 8"),
     ("use-cache", "--model hf --model_args pretrained={model} --tasks arc_easy_local --include_path {tasks} "
                   "--limit 2 --use_cache {cache}"),
     ("fraction-limit", "--model hf --model_args '{{\"pretrained\": \"{model}\", \"dtype\": \"float32\"}}' "

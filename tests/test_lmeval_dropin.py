@@ -25,6 +25,7 @@ from dropin_corpus import CORPUS, command_lines, layout  # noqa: E402
 from dropin_util import compare_output_dirs  # noqa: E402
 
 CORPUS_TIMEOUT = 1500
+corpus_timeout = pytest.mark.timeout(CORPUS_TIMEOUT + 300)  # both sides of the whole corpus, in the first test
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def test_corpus_size():
     assert len({name for name, _ in CORPUS}) == len(CORPUS)
 
 
+@corpus_timeout
 def test_both_sides_ran_every_line(corpus_runs):
     _, ref, mine = corpus_runs
     assert ref.returncode == 0, explain(ref)
@@ -66,6 +68,7 @@ def test_both_sides_ran_every_line(corpus_runs):
         assert f"=== lm-eval {name}:" in ref.stdout
 
 
+@corpus_timeout
 @pytest.mark.parametrize("name", [n for n, _ in CORPUS])
 def test_same_output_files(corpus_runs, name):
     """lm-eval's files, key by key; the metrics (and per-sample log-likelihoods) within 1e-5."""
@@ -90,6 +93,7 @@ def test_same_output_files(corpus_runs, name):
     assert set(stored) == set(lm_results)
 
 
+@corpus_timeout
 def test_wandb_offline_run_holds_the_metrics(corpus_runs):
     """--wandb_args: rank 0 logged through lm-eval's WandbLogger; the offline run's results table has the metrics."""
     work, _, _ = corpus_runs
