@@ -89,6 +89,8 @@ class EvalConfig:
         out["seed"] = _seed_identity(self.seed)
         for k in self._RESULT_KEYS_IF_SET:
             v = getattr(self, k)
+            if k == "metadata" and v:  # lm-eval merges model_args into it: only what --metadata added counts
+                v = {mk: mv for mk, mv in v.items() if (self.model_args or {}).get(mk, object()) != mv}
             if v not in (None, False, {}, []):
                 out[k] = v
         return out
@@ -197,7 +199,6 @@ class _Progress:
 def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
     from .model import load_model
-
     from .quiet import quiet_integration
 
     quiet_integration(cfg.verbosity, rt.world.rank == 0)

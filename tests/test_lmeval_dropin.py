@@ -219,3 +219,28 @@ def test_integration_messages_hidden_unless_debug(capsys):
     assert "Left truncation applied" in err
     assert "kwarg is not of type" not in err
     assert "already-initialized model" in err
+
+
+def test_resume_refuses_other_lm_eval_settings(tmp_path):
+    """Settings that change results enter the resume identity; lm-eval's defaults do not (older files resume)."""
+    import h5py
+
+    from mpitp.checks import check_resumable
+    from mpitp.errors import UsageError
+    from mpitp.lmeval_cli import parse_eval_args
+
+    base = ["--model", "hf", "--model_args", f"pretrained={STORIES}", "--tasks", "arc_easy_local"]
+    cfg = parse_eval_args(base)[1]
+    old_style = {k: v for k, v in cfg.identity().items()}  # what files written before these settings hold
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["config_json"] = json.dumps(old_style, sort_keys=True)
+    check_resumable(str(path), cfg)  # lm-eval's default seeds, no metadata beyond model_args: the same identity
+    check_resumable(str(path), parse_eval_args([*base, "--seed", "0,1234,1234,1234"])[1])
+    for extra, named in ((["--system_instruction", "Be brief."], "system_instruction"),
+                         (["--seed", "7"], "seed"), (["--metadata", "max_seq_lengths=[64]"], "metadata"),
+                         (["--model_args", "add_bos_token=True"], "hflm_args"),
+                         (["--samples", '{"arc_easy_local": [1]}'], "samples"),
+                         (["--gen_kwargs", "max_gen_toks=4"], "gen_kwargs")):
+        with pytest.raises(UsageError, match=f"different settings: {named}"):
+            check_resumable(str(path), parse_eval_args([*base, *extra])[1])
