@@ -348,6 +348,10 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
 
     def runner(kind, items, weights, instances):
         """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
+        if lm.auto is not None:  # chunks hold whole auto-sized batches of their longest rows (as for a fixed size)
+            rows = [r for rs in items for r in rs] if kind == KIND_ROLLING else None
+            longest = max((len(r[0]) for r in rows), default=1) if rows is not None else max(weights, default=1)
+            dispatcher.batch_size = lm.auto.size(longest)
         keys = [_resume_key(inst) for inst in instances]
         results: list = [None] * len(items)
         todo = []
