@@ -271,7 +271,16 @@ def parse_eval_args(argv: list[str]):
                                  "such field)")
     try:
         with _captured_stdout() as shown:
-            ec = EvaluatorConfig.from_cli(lm_ns)
+            try:
+                ec = EvaluatorConfig.from_cli(lm_ns)
+            except ValueError as exc:
+                if "Specify --output_path" not in str(exc):
+                    raise
+                # lm-eval needs --output_path for samples because it has nowhere else to keep them; mpitp's HDF5
+                # file holds them (as it always did), so lm-eval's files are then simply not written.
+                lm_ns.output_path = _NO_OUTPUT_PATH
+                ec = EvaluatorConfig.from_cli(lm_ns)
+                ec.output_path = None
     except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
         raise UsageError(_first_line(exc)) from None
     if ns.device is None and yaml_device is None:
@@ -288,6 +297,7 @@ def parse_eval_args(argv: list[str]):
 
 
 MPITPLM_KEYS = MPITP_DESTS
+_NO_OUTPUT_PATH = "<mpitp: samples go to the HDF5 file>"
 
 
 def _first_line(exc: BaseException) -> str:

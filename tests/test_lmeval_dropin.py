@@ -160,7 +160,6 @@ def test_dash_and_underscore_spellings_agree(test_tasks):
     ("--model hf --model_args pretrained=x,no_such_arg=1 --tasks t", "--model_args no_such_arg: not an HFLM"),
     ("--model hf --model_args pretrained=x --tasks t --hf_hub_log_args push_results_to_hub=True",
      "push_results_to_hub: pushing to the Hugging Face Hub needs the network"),
-    ("--model hf --model_args pretrained=x --tasks t --log_samples", "Specify --output_path"),
     ("--model hf --model_args pretrained=x --tasks t --limit 2 --samples '{\"t\": [1]}'", "--limit must be None"),
     ("--model hf --model_args pretrained=x --tasks t --batch_size auto:0", "auto:N with N a positive integer"),
     ("--model hf --model_args pretrained=x --tasks t --batch_size 0", "must be >= 1, got 0"),
@@ -178,6 +177,16 @@ def test_refusals_name_the_flag(argv, message):
         parse_eval_args(shlex.split(argv))
     assert message in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+def test_samples_without_output_path_go_to_the_hdf5_file():
+    """lm-eval demands --output_path with --log_samples (nowhere else to put them); mpitp's HDF5 file holds them."""
+    from mpitp.lmeval_cli import parse_eval_args
+
+    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --log-samples --output r.h5"))[1]
+    assert cfg.log_samples and cfg.output_path is None and cfg.output == "r.h5"
+    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --predict_only"))[1]
+    assert cfg.predict_only and cfg.log_samples and cfg.output_path is None
 
 
 def test_help_lists_every_lm_eval_flag():
