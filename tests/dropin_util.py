@@ -26,9 +26,13 @@ EXP_STDERR_REL = 1e-4
 tenfold (lambada, 2 docs: 1.1e-5 relative); the perplexity itself and every log-likelihood are held to ``rel``."""
 
 
-def compare(a, b, path: str = "", rel: float = 1e-5, out: list | None = None) -> list[str]:
-    """Differences between two JSON values, as ``path: what`` lines (empty when they match)."""
+def compare(a, b, path: str = "", rel: float = 1e-5, out: list | None = None,
+            aliases: tuple[str, str] | None = None) -> list[str]:
+    """Differences between two JSON values, as ``path: what`` lines (empty when they match). ``aliases``: a path
+    prefix of the first run's and of the second's that stand for the same place (each run's own work folder)."""
     out = [] if out is None else out
+    if aliases and isinstance(a, str) and isinstance(b, str):
+        a, b = a.replace(aliases[0], "<work>"), b.replace(aliases[1], "<work>")
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b), key=str):
             if k in VOLATILE or k in BY_DESIGN:
@@ -37,12 +41,12 @@ def compare(a, b, path: str = "", rel: float = 1e-5, out: list | None = None) ->
                 out.append(f"{path}/{k}: only in {'second' if k not in a else 'first'}")
                 continue
             tol = max(rel, EXP_STDERR_REL) if "perplexity_stderr" in str(k) else rel
-            compare(a[k], b[k], f"{path}/{k}", tol, out)
+            compare(a[k], b[k], f"{path}/{k}", tol, out, aliases)
     elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             out.append(f"{path}: length {len(a)} vs {len(b)}")
         for i, (x, y) in enumerate(zip(a, b)):
-            compare(x, y, f"{path}[{i}]", rel, out)
+            compare(x, y, f"{path}[{i}]", rel, out, aliases)
     elif isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
         if a != b:
             out.append(f"{path}: {a!r} vs {b!r}")
@@ -75,7 +79,7 @@ def output_files(root: Path) -> dict[str, Path]:
     return files
 
 
-def compare_output_dirs(mine: Path, ref: Path, rel: float = 1e-5) -> list[str]:
+def compare_output_dirs(mine: Path, ref: Path, rel: float = 1e-5, aliases: tuple[str, str] | None = None) -> list[str]:
     """Same file names (timestamps aside) and, file by file, the same keys and values."""
     a, b = output_files(mine), output_files(ref)
     diffs = [f"file {k}: only in {'mpitp' if k in a else 'lm-eval'}" for k in sorted(set(a) ^ set(b))]
@@ -84,7 +88,7 @@ def compare_output_dirs(mine: Path, ref: Path, rel: float = 1e-5) -> list[str]:
             ra = [json.loads(line) for line in a[k].read_text().splitlines()]
             rb = [json.loads(line) for line in b[k].read_text().splitlines()]
             key = lambda r: (r.get("doc_id"), json.dumps(r.get("arguments"), sort_keys=True))  # noqa: E731
-            compare(sorted(ra, key=key), sorted(rb, key=key), k, rel, diffs)
+            compare(sorted(ra, key=key), sorted(rb, key=key), k, rel, diffs, aliases)
         else:
-            compare(json.loads(a[k].read_text()), json.loads(b[k].read_text()), k, rel, diffs)
+            compare(json.loads(a[k].read_text()), json.loads(b[k].read_text()), k, rel, diffs, aliases)
     return diffs
