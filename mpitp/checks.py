@@ -22,7 +22,7 @@ def _paths(include_path) -> list[str]:
     return [include_path] if isinstance(include_path, str) else list(include_path or [])
 
 
-def task_manager(tasks: list[str], include_path):
+def task_manager(tasks: list[str], include_path, metadata: dict | None = None):
     """lm-eval's TaskManager for ``tasks``; refuses unknown names before the slow part.
 
     Indexing lm-eval's ~14k stock task YAMLs takes 8-12 s (more on a loaded node), so it is skipped when the include
@@ -33,14 +33,14 @@ def task_manager(tasks: list[str], include_path):
 
     included: list[str] = []
     if include_path:
-        tm = TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR")
+        tm = TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR", metadata=metadata)
         if all(t in tm.all_tasks for t in tasks):
             return tm
         included = tm.all_tasks
     from .tasknames import stock_task_names
 
     _refuse_unknown(tasks, set(included) | stock_task_names())
-    return TaskManager(include_path=include_path or None, verbosity="ERROR")
+    return TaskManager(include_path=include_path or None, verbosity="ERROR", metadata=metadata)
 
 
 def _refuse_unknown(tasks: list[str], known: set[str]) -> None:
@@ -74,14 +74,14 @@ def _remove_generated(include: list[str] | None) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def check_tasks(tasks: list[str], include_path):
+def check_tasks(tasks: list[str], include_path, metadata: dict | None = None):
     """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
     for path in _paths(include_path):
         if not os.path.isdir(path):
             raise UsageError(f"--include-path {path}: no such directory")
     if not tasks:
         raise UsageError("no tasks given: pass --tasks a,b (or --demo)")
-    tm = task_manager(tasks, include_path)
+    tm = task_manager(tasks, include_path, metadata)
     _refuse_unknown(tasks, set(tm.all_tasks))  # the scan's few extra names are not tasks: lm-eval's index decides
     return tm
 
@@ -195,7 +195,7 @@ def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
 
     if cfg.data_dir and not os.path.isdir(cfg.data_dir):
         raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
-    if cfg.batch_size < 1:
+    if str(cfg.batch_size).isdigit() and int(cfg.batch_size) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
     if cfg.limit is not None and not cfg.limit > 0:
         raise UsageError(f"--limit must be > 0, got {cfg.limit:g}")
@@ -205,7 +205,10 @@ def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
                          "KV cache (it passes use_cache=True itself)")
     _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
     keep["include"] = offline_include(cfg)
-    keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
+    keep["task_manager"] = check_tasks(cfg.tasks, keep["include"], getattr(cfg, "metadata", None))
+    from .lmeval_cli import check_lm_eval_settings
+
+    check_lm_eval_settings(cfg)
     config = keep["config"] = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
     check_tp(config, tp)
     check_pp(config, pp)

@@ -95,68 +95,11 @@ def main(argv=None) -> None:
         sys.exit(exc.exit_code)
 
 
-def _limit(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        v = float(value)
-    except ValueError:
-        raise click.BadParameter(f"expected a number, got {value!r}") from None
-    if not v > 0:
-        raise click.BadParameter(f"must be > 0, got {value}")
-    return int(v) if v >= 1 and v == int(v) else v
-
-
-def _batch(ctx, param, value):
-    try:
-        v = int(value)
-    except ValueError:
-        raise click.BadParameter(f"expected a positive integer, got {value!r}") from None
-    if v < 1:
-        raise click.BadParameter(f"must be >= 1, got {value}")
-    return v
-
-
-def eval_options(f):
-    """lm-eval's vocabulary, so an ``lm_eval --model hf`` command line translates one to one."""
-    opts = [
-        click.option("--model", "model", default=None, help="HF model path or hub id."),
-        click.option("--tasks", default=None, help="Comma-separated lm-eval task names."),
-        click.option("--tokenizer", default=None, help="Tokenizer path or id (default: the model's)."),
-        click.option("--revision", default=None, help="Model revision (hub models)."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-                     show_default=True),
-        click.option("--num-fewshot", type=click.IntRange(min=0), default=None),
-        click.option("--limit", default=None, callback=_limit, help="Docs per task (int) or fraction (< 1)."),
-        click.option("--batch-size", default="1", callback=_batch, show_default=True),
-        click.option("--max-length", type=click.IntRange(min=2), default=None),
-        click.option("--gen-kwargs", default=None, help="e.g. temperature=0,max_gen_toks=64"),
-        click.option("--apply-chat-template", is_flag=True),
-        click.option("--include-path", default=None, help="Directory of extra task YAMLs (as lm-eval)."),
-        click.option("--data-dir", default=None, help="Serve stock tasks offline from DIR/<task>/<split>.jsonl."),
-        click.option("--seed", type=int, default=None, help="One seed for python, numpy, torch and few-shot."),
-        click.option("--output", default=None, help="HDF5 results file (default results/<model>-<time>.h5)."),
-        click.option("--overwrite", is_flag=True, help="Replace an existing output file."),
-        click.option("--resume", is_flag=True, help="Continue an existing output file."),
-        click.option("--log-samples", is_flag=True, help="Store lm-eval's per-document samples."),
-        click.option("--bootstrap-iters", type=click.IntRange(min=0), default=100000, show_default=True),
-        click.option("--trust-remote-code", is_flag=True),
-        click.option("--demo", is_flag=True, help="Built-in offline demo: tiny random Llama, three small tasks."),
-        click.option("--skip-head-check", is_flag=True,
-                     help="Do not compare the vocab-parallel head with the model's own logits on a probe after "
-                          "loading (saves one small forward; risks wrong log-likelihoods for a model whose forward "
-                          "changes its logits in a way mpitp does not apply)."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-@cli.command(name="eval")
-@runtime_options
-@eval_options
-def eval_cmd(tp, pp, device, threads, timeout, log_all_ranks, **kw):
-    """Evaluate a model on lm-eval tasks: mpirun -n 4 mpitp eval --model M --tasks T --tp 2."""
+@cli.command(name="eval", add_help_option=False,
+             context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def eval_cmd(args):
+    """Evaluate a model on lm-eval tasks: every lm_eval --model hf command line, plus --tp/--pp (mpitp eval -h)."""
     from .evalcmd import eval_main
 
-    eval_main(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks, **kw)
+    eval_main(list(args))

@@ -1,10 +1,12 @@
-"""``mpitp eval``: turn command-line options into an :class:`EvalConfig` and run it."""
+"""``mpitp eval``: parse lm-eval's command line (plus mpitp's options) into an :class:`EvalConfig` and run it."""
 
 from __future__ import annotations
 
+import sys
+
 from .errors import UsageError
 from .run import EvalConfig, run_eval
-from .runtime import setup_logging, start
+from .runtime import agree, setup_logging, start, stop
 from .world import world_from_comm
 
 
@@ -21,19 +23,59 @@ def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
     cfg.model = cfg.model or model_dir
     cfg.include_path = [include_path, cfg.include_path] if cfg.include_path else include_path
     cfg.tasks = cfg.tasks or list(tasks)
+    if cfg.model_args is not None:
+        cfg.model_args.setdefault("pretrained", cfg.model)
     return cfg
 
 
-def eval_main(*, tp, device, threads, timeout, log_all_ranks, tasks, pp=1, **kw) -> None:
+def eval_main(argv: list[str]) -> None:
+    """Rank 0 parses (a ``--config`` or ``--samples`` file is read once) and every rank gets its verdict."""
+    from .comm import DEFAULT_TIMEOUT
+    from .lmeval_cli import parse_eval_args
+
+    world = world_from_comm()
+    if world.rank == 0:
+        from lm_eval.utils import setup_logging as lm_eval_logging
+
+        lm_eval_logging()  # as lm_eval's own entry point does first: its parse-time warnings look like its others
+    parsed = agree(lambda: parse_eval_args(argv), world.comm, DEFAULT_TIMEOUT, "parsing the command line")
+    if parsed[0] == "exit":
+        if world.rank == 0 and parsed[2]:
+            (sys.stdout if parsed[1] == 0 else sys.stderr).write(parsed[2])
+        sys.exit(parsed[1])
+    _, cfg, opts, shown = parsed
+    if world.rank == 0 and shown:
+        sys.stdout.write(shown)  # lm-eval prints the settings read from --config
+    setup_logging(world.rank, opts["log_all_ranks"])
     from .walltime import install
 
-    rank = world_from_comm().rank
-    setup_logging(rank, log_all_ranks)
-    install(rank)
-    cfg = EvalConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else [], **kw)
-    rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout)
-    if cfg.demo:
-        cfg = demo_config(cfg, rt)
-    if not cfg.model:
-        raise UsageError("no model given: pass --model PATH_OR_ID (or --demo)", collective=True)
-    run_eval(cfg, rt)
+    install(world.rank)
+    rt = start(tp=opts["tp"], pp=opts["pp"], device=opts["device"], threads=opts["threads"], timeout=opts["timeout"],
+               world=world)
+    try:
+        if cfg.demo:
+            cfg = demo_config(cfg, rt)
+        if not cfg.model:
+            raise UsageError("no model given: pass --model hf --model_args pretrained=PATH_OR_ID, --model PATH "
+                             "(or --demo)", collective=True)
+        if cfg.output is None:
+            cfg.output = default_output(cfg)
+        run_eval(cfg, rt)
+    finally:
+        stop(rt)
+
+
+def default_output(cfg: EvalConfig) -> str | None:
+    """The HDF5 file's place: ``--use_cache PATH`` is mpitp's request store (``PATH.h5``, resumed when it exists);
+    with ``--output_path`` the file goes beside lm-eval's; otherwise the checks pick results/<model>-<time>.h5."""
+    if cfg.use_cache:
+        import os
+
+        cfg.resume = True
+        return cfg.use_cache if cfg.use_cache.endswith((".h5", ".hdf5")) else f"{cfg.use_cache}.h5" if not \
+            os.path.isdir(cfg.use_cache) else os.path.join(cfg.use_cache, "mpitp-cache.h5")
+    if cfg.output_path:
+        from .outputs import hdf5_beside
+
+        return hdf5_beside(cfg.output_path, cfg.model_args or {}, cfg.model)
+    return None

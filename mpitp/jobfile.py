@@ -68,7 +68,7 @@ class RunSpec:
     tp: int = 1
     pp: int = 1
     dtype: str = "auto"
-    batch_size: int = 1
+    batch_size: int | str = 1
     num_fewshot: int | None = None
     limit: int | float | None = None
     max_length: int | None = None
@@ -82,6 +82,9 @@ class RunSpec:
     device: str | None = None
     timeout: float | None = None
     log_samples: bool = False
+    # lm-eval settings named as its EvaluatorConfig fields (model_args, system_instruction, predict_only, ...):
+    # the same meaning as the flags of ``mpitp eval``; a read-only mapping.
+    lm_eval: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
 
     def to_eval_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the eval function, one per field, same names.
@@ -222,6 +225,15 @@ def _output(v: Any) -> str:
     return v
 
 
+def _batch_size(v: Any) -> int | str:
+    """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N``."""
+    if _is_int(v) and v >= 1:
+        return v
+    if isinstance(v, str) and (v == "auto" or (v.startswith("auto:") and v[5:].isdigit() and int(v[5:]) >= 1)):
+        return v
+    raise _Bad(f"expected a positive integer, 'auto' or 'auto:N', got {_show(v)}")
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "name": _name,
     "model": _string,
@@ -231,7 +243,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "tp": _int_at_least(1, "a positive integer"),
     "pp": _int_at_least(1, "a positive integer"),
     "dtype": _dtype,
-    "batch_size": _int_at_least(1, "a positive integer"),
+    "batch_size": _batch_size,
     "num_fewshot": _int_at_least(0, "a non-negative integer"),
     "limit": _limit,
     "max_length": _int_at_least(1, "a positive integer"),
@@ -245,6 +257,38 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "timeout": _timeout,
     "log_samples": _boolean,
 }
+_LM_EVAL_STRUCTURAL = ("config", "model", "tasks", "batch_size")
+
+
+def _lm_eval_fields() -> dict[str, str]:
+    """Job-file fields taken from lm-eval's own declaration (``EvaluatorConfig``) rather than re-declared here:
+    every field of it that has no job-file field of its own, with its declared type. Imported only when a job file
+    uses one (lm-eval's import costs seconds on a login node)."""
+    import dataclasses as dc
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    return {f.name: str(f.type) for f in dc.fields(EvaluatorConfig)
+            if f.name not in _CHECKS and f.name not in _LM_EVAL_STRUCTURAL}
+
+
+def _lm_eval_value(field: str, kind: str, v: Any) -> Any:
+    """A value for lm-eval field ``field`` of declared type ``kind`` (``dict``, ``bool``, ``str | None`` ...)."""
+    if kind == "dict" or "dict" in kind.split(" | "):
+        if isinstance(v, str):
+            return v.strip()
+        if isinstance(v, dict):
+            return MappingProxyType(dict(v))
+        raise _Bad(f"expected a mapping or a string like 'key=value,key2=value2', got {_show(v)}")
+    if kind.startswith("bool"):
+        if isinstance(v, bool) or (v is None and "None" in kind):
+            return v
+        raise _Bad(f"expected true or false, got {_show(v)}")
+    if kind.startswith("int"):
+        return _int_at_least(1, "a positive integer")(v)
+    return _string(v)
+
+
 _REQUIRED = ("model", "tasks")
 # Fields whose RunSpec default is None accept an explicit null (to clear a default).
 _NULLABLE = {f.name for f in dataclasses.fields(RunSpec) if f.default is None}
@@ -391,12 +435,19 @@ def load_job(path: str | os.PathLike[str]) -> Job:
         if name is not None:
             label = f"run {index} ({name!r})"
         for key in raw:  # defaults' keys were checked already
-            if key not in _CHECKS:
-                raise run_fail(key, f"unknown field{_suggest(key, _CHECKS)}")
+            if key not in _CHECKS and key not in _lm_eval_fields():
+                raise run_fail(key, f"unknown field{_suggest(key, [*_CHECKS, *_lm_eval_fields()])}")
         for field in _REQUIRED:
             if merged.get(field) is None:
                 raise run_fail(field, "required field is missing")
         values = {field: _check_field(field, value, run_fail) for field, value in merged.items()}
+        extras = {k: values.pop(k) for k in list(values) if k not in _CHECKS}
+        if extras:
+            try:
+                _check_lm_eval(extras)
+            except _Bad as exc:
+                raise run_fail("model_args", str(exc)) from None
+            values["lm_eval"] = MappingProxyType(extras)
         values["name"] = name
         values.setdefault("output", f"results/{name}.h5")
         for field in _PATH_FIELDS + _MAYBE_PATH_FIELDS:
@@ -417,10 +468,32 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 
 def _check_field(field: str, value: Any, fail: Callable[[str, str], JobFileError]) -> Any:
     if field not in _CHECKS:
-        raise fail(field, f"unknown field{_suggest(field, _CHECKS)}")
+        lm_eval = _lm_eval_fields()
+        if field not in lm_eval:
+            raise fail(field, f"unknown field{_suggest(field, [*_CHECKS, *lm_eval])}")
+        if value is None:
+            return None
+        try:
+            return _lm_eval_value(field, lm_eval[field], value)
+        except _Bad as exc:
+            raise fail(field, str(exc)) from None
     if value is None and field in _NULLABLE:
         return None
     try:
         return _CHECKS[field](value)
     except _Bad as exc:
         raise fail(field, str(exc)) from None
+
+
+def _check_lm_eval(extras: dict) -> None:
+    """Refuse model_args mpitp cannot honour (by name) while reading the file, not on the compute nodes."""
+    args = extras.get("model_args")
+    if args is None:
+        return
+    from .errors import UsageError
+    from .lmeval_cli import model_args_dict, split_model_args
+
+    try:
+        split_model_args(model_args_dict(args))
+    except UsageError as exc:
+        raise _Bad(str(exc)) from None

@@ -35,7 +35,12 @@ def eval_config(spec) -> EvalConfig:
     demo = kw.get("model") == DEMO_MODEL
     if demo:
         kw["model"] = None
-    return EvalConfig(demo=demo, **kw)
+    cfg = EvalConfig(demo=demo, **kw)
+    if spec.lm_eval:
+        from .lmeval_cli import apply_lm_eval_settings
+
+        apply_lm_eval_settings(cfg, dict(spec.lm_eval))
+    return cfg
 
 
 def output_status(path: str) -> str:
@@ -94,10 +99,10 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
                      f", pp={spec.pp}" if spec.pp > 1 else "",
                      " resuming" if state == "running" else "")
-        cfg = eval_config(spec)
-        cfg.resume = state == "running"
         rt = None
         try:
+            cfg = agree(lambda: eval_config(spec), world.comm, timeout, "reading the run's settings")
+            cfg.resume = state == "running"
             rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                        timeout=spec.timeout or timeout, world=world)
             if cfg.demo:

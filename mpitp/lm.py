@@ -76,6 +76,7 @@ class MPITPLM(HFLM):
         self.engine = engine
         self.runner = None  # set on rank 0: a callable (kind, items, weights, instances) -> results
         self.seed = 1234  # base of the per-request sampling seeds (lm-eval's default torch seed; --seed sets it)
+        self.auto = None  # a mpitp.batchsize.AutoBatch with --batch_size auto
         self._instances = None
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
@@ -136,10 +137,14 @@ class MPITPLM(HFLM):
 
     def _compute(self, kind: str, items: list, tick) -> list:
         if kind == KIND_SCORE:
-            return self.engine.score_rows(items, self.batch_size, tick)
+            return self._score_rows(items, tick)
         if kind == KIND_WINDOW:
-            return self.engine.score_rows([row for row, _ in items], self.batch_size, tick)
+            return self._score_rows([row for row, _ in items], tick)
         if kind == KIND_GENERATE:
+            if self.auto is not None:  # one size for the chunk, from its longest prompt plus the tokens to generate
+                longest = max(len(self.tok_encode(item[0])) for item in items)  # items: (context, kwargs, seed)
+                new = max(int(item[1].get("max_gen_toks", self.max_gen_toks)) for item in items)
+                self.batch_size_per_gpu = self.auto.size(min(longest, self.max_length), new)
             self._tick = tick
             self._gen_tokens = []
             try:
@@ -176,6 +181,15 @@ class MPITPLM(HFLM):
         if kw.get("temperature", 0.0) == 0.0:
             return False
         return bool(getattr(getattr(self.model, "generation_config", None), "do_sample", False))
+    def _score_rows(self, rows: list, tick) -> list:
+        """Score rows at the fixed batch size, or with ``--batch_size auto`` bucket by bucket at each one's size."""
+        if self.auto is None:
+            return self.engine.score_rows(rows, self.batch_size, tick)
+        out: list = [None] * len(rows)
+        for size, idx in self.auto.groups([len(r[0]) for r in rows]):
+            for i, r in zip(idx, self.engine.score_rows([rows[i] for i in idx], size, tick)):
+                out[i] = r
+        return out
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self.engine.has_workers:  # a task YAML's generation_kwargs get here without passing the checks

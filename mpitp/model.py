@@ -151,8 +151,10 @@ def strided_shards_with_pread():
 
 
 def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, **load_kwargs):
     """Load ``model`` for this rank: whole for tp=1, sharded by transformers' TP plan for tp > 1.
+
+    ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``).
 
     With tp > 1 each rank reads its strided (dim >= 1) shards with ``pread`` (:func:`strided_shards_with_pread`):
     only its shards' bytes, rather than faulting whole tensors of the memory-mapped checkpoint into its RSS.
@@ -161,7 +163,7 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
     from transformers import AutoModelForCausalLM
 
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    kwargs = dict(dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code)
+    kwargs = dict(dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code, **load_kwargs)
     if tp > 1:
         from transformers.distributed import DistributedConfig
 

@@ -77,8 +77,10 @@ def _tp_plan_without_stubs():
 
 
 def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False):
-    """Load this rank's stage: its layers only, TP-sharded over its stage's ranks. Collective over the replica."""
+               trust_remote_code: bool = False, **load_kwargs):
+    """Load this rank's stage: its layers only, TP-sharded over its stage's ranks. Collective over the replica.
+
+    ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -89,7 +91,7 @@ def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", 
     with _tp_plan_without_stubs(), reads:
         m = AutoModelForCausalLM.from_pretrained(model, distributed_config=DistributedConfig(tp_size=tp, pp_size=pp),
                                                  dtype=torch_dtype, revision=revision,
-                                                 trust_remote_code=trust_remote_code)
+                                                 trust_remote_code=trust_remote_code, **load_kwargs)
     start, end = split_layers(num_layers(m.config), pp)[pp_rank]
     compact(m, start, end)
     m.eval()

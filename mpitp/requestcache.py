@@ -52,7 +52,9 @@ def request_key(cfg, task_manager, tokenizer_name: str) -> str | None:
     h = hashlib.sha256()
     ident = dict(mpitp=__version__, lm_eval=getattr(lm_eval, "__version__", "?"), python=sys.version_info[:2],
                  tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, seed=cfg.seed,
-                 apply_chat_template=cfg.apply_chat_template, tokenizer=tokenizer_name, max_length=cfg.max_length)
+                 apply_chat_template=cfg.apply_chat_template, tokenizer=tokenizer_name, max_length=cfg.max_length,
+                 gen_kwargs=cfg.gen_kwargs, **{k: getattr(cfg, k, None) for k in (
+                     "system_instruction", "fewshot_as_multiturn", "samples", "metadata", "hflm_args")})
     h.update(json.dumps(ident, sort_keys=True, default=str).encode())
     index = getattr(task_manager, "task_index", {}) or {}
     for name in cfg.tasks:

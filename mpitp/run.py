@@ -26,7 +26,11 @@ log = logging.getLogger("mpitp")
 
 @dataclass
 class EvalConfig:
-    """Everything that defines an evaluation (lm-eval's vocabulary). Resume compares the ``identity`` part."""
+    """Everything that defines an evaluation (lm-eval's vocabulary). Resume compares the ``identity`` part.
+
+    The fields after ``demo`` are lm-eval's settings that ``mpitp eval`` took over from ``lm_eval`` (see
+    :mod:`mpitp.lmeval_cli`); their defaults are lm-eval's, so older results files still resume.
+    """
 
     model: str | None = None
     tasks: list[str] = field(default_factory=list)
@@ -35,13 +39,13 @@ class EvalConfig:
     dtype: str = "auto"
     num_fewshot: int | None = None
     limit: float | None = None
-    batch_size: int = 1
+    batch_size: int | str = 1
     max_length: int | None = None
-    gen_kwargs: str | None = None
-    apply_chat_template: bool = False
+    gen_kwargs: str | dict | None = None
+    apply_chat_template: bool | str = False
     include_path: str | list[str] | None = None
     data_dir: str | None = None
-    seed: int | None = None
+    seed: int | list | None = None
     output: str | None = None
     overwrite: bool = False
     resume: bool = False
@@ -50,12 +54,77 @@ class EvalConfig:
     trust_remote_code: bool = False
     demo: bool = False
     skip_head_check: bool = False  # see mpitp.headcheck: what it risks is said when it is used
+    model_source: str = "hf"
+    model_args: dict | None = None
+    hflm_args: dict | None = None
+    attn_implementation: str | None = None
+    subfolder: str | None = None
+    max_batch_size: int | None = None
+    device: str | None = None
+    output_path: str | None = None
+    samples: dict | None = None
+    use_cache: str | None = None
+    cache_requests: dict | None = None
+    check_integrity: bool = False
+    write_out: bool = False
+    system_instruction: str | None = None
+    fewshot_as_multiturn: bool | None = None
+    show_config: bool = False
+    verbosity: str | None = None
+    wandb_args: dict | None = None
+    wandb_config_args: dict | None = None
+    hf_hub_log_args: dict | None = None
+    trackio_args: dict | None = None
+    predict_only: bool = False
+    confirm_run_unsafe_code: bool = False
+    metadata: dict | None = None
+
+    _RESULT_KEYS = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
+                    "gen_kwargs", "apply_chat_template", "seed", "data_dir")
+    _RESULT_KEYS_IF_SET = ("hflm_args", "attn_implementation", "subfolder", "samples", "system_instruction",
+                           "fewshot_as_multiturn", "predict_only", "metadata")
+    """Later settings that change results: recorded only when set, so files written before them still resume."""
 
     def identity(self) -> dict:
         """The settings that determine results: a resumed run must match them exactly."""
-        keys = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
-                "gen_kwargs", "apply_chat_template", "seed", "data_dir")
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in self._RESULT_KEYS}
+        out["seed"] = _seed_identity(self.seed)
+        for k in self._RESULT_KEYS_IF_SET:
+            v = getattr(self, k)
+            if k == "metadata" and v:  # lm-eval merges model_args into it: only what --metadata added counts
+                v = {mk: mv for mk, mv in v.items() if (self.model_args or {}).get(mk, object()) != mv}
+            if v not in (None, False, {}, []):
+                out[k] = v
+        return out
+
+    def load_kwargs(self) -> dict:
+        """``from_pretrained`` arguments from ``--model_args`` beyond model, revision, dtype and remote code."""
+        return {k: getattr(self, k) for k in ("attn_implementation", "subfolder") if getattr(self, k)}
+
+    def fixed_batch_size(self) -> int:
+        """The batch size to start from: the number given, or 1 for ``auto`` (sized later, see mpitp.batchsize)."""
+        return int(self.batch_size) if str(self.batch_size).isdigit() else 1
+
+    def seeds(self) -> dict:
+        """``simple_evaluate``'s four seed arguments (lm-eval's ``--seed`` slots: python, numpy, torch, few-shot)."""
+        if self.seed is None:
+            return {}
+        s = list(self.seed) if isinstance(self.seed, (list, tuple)) else [self.seed] * 4
+        return dict(random_seed=s[0], numpy_random_seed=s[1], torch_random_seed=s[2], fewshot_random_seed=s[3])
+
+
+_DEFAULT_SEEDS = [0, 1234, 1234, 1234]  # lm-eval's (simple_evaluate's defaults, and its CLI's)
+
+
+def _seed_identity(seed):
+    """One spelling per meaning: lm-eval's default seeds as None (no --seed), four equal seeds as one int."""
+    if isinstance(seed, (list, tuple)):
+        seed = list(seed)
+        if seed == _DEFAULT_SEEDS:
+            return None
+        if len(set(seed)) == 1:
+            return seed[0]
+    return seed
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -127,7 +196,9 @@ class _Progress:
 def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
     from .model import load_model
+    from .quiet import quiet_integration
 
+    quiet_integration(cfg.verbosity, rt.world.rank == 0)
     t_start = time.perf_counter()
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
     lay = rt.layout
@@ -137,11 +208,13 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     if lay.pp > 1:
         from .pipeline import describe_split, load_stage, num_layers
 
-        model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code)
+        model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                           **cfg.load_kwargs())
         if lay.is_root:
             log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
     else:
-        model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
+        model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                           **cfg.load_kwargs())
     mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
     phases["load"] = time.perf_counter() - t_start - phases["checks"]
     try:
@@ -161,6 +234,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
     other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
     """
+    from .batchsize import AutoBatch, agreed_budget, is_auto
     from .dispatch import Dispatcher, serve_remote
     from .engine import Stats, TPEngine
 
@@ -173,14 +247,21 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
 
     head_check_s = check_head(engine, rt.world.comm, rt.timeout, skip=cfg.skip_head_check)
     state = None
+    budget = None
+    if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
+        budget = agreed_budget(lay.replica_comm, rt.device, rt.world.local_size)
     if not lay.is_leader:
         engine.serve()
         _merge_stage_stats(stats, lay, rt.timeout)
     else:
         from .lm import MPITPLM
 
-        lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.batch_size, max_length=cfg.max_length,
-                     trust_remote_code=cfg.trust_remote_code)
+        lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
+                     trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
+        if budget is not None:
+            lm.auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
+                                cfg.max_batch_size)
+            lm.batch_sizes = lm.auto.chosen
         # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
         if lay.is_root:
@@ -345,7 +426,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         watch_writer(writer)
     clock.add("writing", time.perf_counter() - t0)
     progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
-    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.batch_size,
+    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
                             idle=lm.engine.idle)
 
     def runner(kind, items, weights, instances):
@@ -357,6 +438,10 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
             clock.dispatch += time.perf_counter() - t_run
 
     def _runner(kind, items, weights, instances):
+        if lm.auto is not None:  # chunks hold whole auto-sized batches of their longest rows (as for a fixed size)
+            rows = [r for rs in items for r in rs] if kind == KIND_ROLLING else None
+            longest = max((len(r[0]) for r in rows), default=1) if rows is not None else max(weights, default=1)
+            dispatcher.batch_size = lm.auto.size(longest)
         keys = request_keys(instances)
         results: list = [None] * len(items)
         todo = []
@@ -403,12 +488,19 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     if cfg.seed is not None:
         lm.seed = cfg.seed
     clock.wrap(lm)
-    seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
-                                             torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
-    kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs,
+    from .outputs import as_lm_eval_ran, full_num_parameters, start_loggers
+
+    loggers = start_loggers(cfg)
+    kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs or {},
                   apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
-                  bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
-    if not extra:  # mpitp.evaluate's callers pass lm-eval arguments of their own: theirs to choose
+                  bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, model_args=cfg.model_args or "",
+                  batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
+                  samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
+                  system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
+                  fewshot_as_multiturn=_multiturn(cfg), evaluation_tracker=loggers["tracker"],
+                  confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
+                  **_requests_cache(cfg.cache_requests), **cfg.seeds())
+    if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
         from .requestcache import enable
 
         kwargs.update(enable(cfg, tm, tokenizer_name))
@@ -430,7 +522,23 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         progress.close()
     dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
     stall_hook("post_processing")
-    return {"results": res, "writer": writer, "phases": clock.phases}
+    as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, rt.layout), device=rt.device,
+                   loggers=loggers)
+    return {"results": res, "writer": writer, "phases": clock.phases, "cfg": cfg, "loggers": loggers}
+
+
+def _multiturn(cfg) -> bool | None:
+    """lm-eval's CLI rule: few-shot as multi-turn defaults to on with a chat template, else stays unset."""
+    if cfg.fewshot_as_multiturn is None and cfg.apply_chat_template:
+        return True
+    return cfg.fewshot_as_multiturn
+
+
+def _requests_cache(cache_requests: dict | None) -> dict:
+    """lm-eval's ``--cache_requests true|refresh|delete`` as ``simple_evaluate``'s three flags."""
+    c = cache_requests or {}
+    return dict(cache_requests=bool(c.get("cache_requests")), rewrite_requests_cache=bool(c.get(
+        "rewrite_requests_cache")), delete_requests_cache=bool(c.get("delete_requests_cache")))
 
 
 def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None) -> None:
@@ -456,7 +564,16 @@ def _finish_root(state, all_stats, wall: float, head_check_s: float | None = Non
         t0 = time.perf_counter()
         writer.finish(serialisable, wall)
         phases["final_snapshot"] = time.perf_counter() - t0
+    if state.get("loggers"):
+        from .outputs import finish_loggers, header_line, write_lm_eval_outputs
+
+        write_lm_eval_outputs(res, state["cfg"], state["loggers"])
+        print(header_line(state["cfg"], res))
     print(make_table(res))
+    if "groups" in res:
+        print(make_table(res, "groups"))
+    if state.get("loggers"):
+        finish_loggers(state["loggers"])
     total_busy = sum(s["busy_s"] for s in all_stats)
     for g, s in enumerate(all_stats):
         per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])

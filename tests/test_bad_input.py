@@ -62,11 +62,11 @@ ROWS = [
         ("eval", "--demo", "--tasks", "hellaswagg"), _err("unknown task 'hellaswagg'; did you mean: hellaswag"),
         prefix=True),
     Row("limit-0", "`--limit 0`", 2, ("eval", "--demo", "--limit", "0"),
-        _click("Invalid value for '--limit': must be > 0, got 0")),
+        _err("--limit: must be > 0, got 0")),
     Row("limit-negative", "`--limit -1`", 2, ("eval", "--demo", "--limit", "-1"),
-        _click("Invalid value for '--limit': must be > 0, got -1")),
+        _err("--limit: must be > 0, got -1")),
     Row("batch-size-0", "`--batch-size 0`", 2, ("eval", "--demo", "--batch-size", "0"),
-        _click("Invalid value for '--batch-size': must be >= 1, got 0")),
+        _err("--batch_size: must be >= 1, got 0")),
     Row("unwritable-output", "output cannot be written (its parent is a file)", 2,
         ("eval", "--demo", "--output", "./notes.txt/out.h5"),
         _err("cannot write output ./notes.txt/out.h5: {scratch}/notes.txt is not a directory"),
@@ -92,8 +92,20 @@ ROWS = [
         ("eval", "--demo", "--include-path", "./no-such-dir"), _err("--include-path ./no-such-dir: no such directory")),
     Row("missing-data-dir", "`--data-dir` does not exist", 2, ("eval", "--demo", "--data-dir", "./no-such-dir"),
         _err("--data-dir ./no-such-dir: no such directory")),
+    Row("other-backend", "another lm-eval backend (`--model vllm`)", 2,
+        ("eval", "--model", "vllm", "--model_args", "pretrained=./not-a-model", "--tasks", "mpitp_demo_mc"),
+        _err("--model vllm: mpitp runs Hugging Face transformers models only (--model hf --model_args "
+             "pretrained=...); 'vllm' is lm-eval's VLLM backend")),
+    Row("model-args-parallelize", "an HFLM argument that places the model another way", 2,
+        ("eval", "--demo", "--model_args", "parallelize=True"),
+        _err("--model_args parallelize: mpitp places the model itself: use --tp/--pp (and more ranks) instead of "
+             "parallelize")),
+    Row("hub-push", "a Hub push (needs the network)", 2,
+        ("eval", "--demo", "--output_path", "out", "--hf_hub_log_args", "push_results_to_hub=True"),
+        _err("--hf_hub_log_args push_results_to_hub: pushing to the Hugging Face Hub needs the network; the files "
+             "are written under --output_path, push them from a login node")),
     Row("timeout-not-a-number", "`--timeout abc`", 2, ("eval", "--demo", "--timeout", "abc"),
-        _click("Invalid value for '--timeout': expected a number of seconds, got 'abc'")),
+        _err("--timeout: expected a number of seconds, got 'abc'")),
     Row("launcher-more-tasks", "the launcher started more tasks than MPI joined (srun's plugin does not match the MPI)",
         2, ("eval", "--demo"), _err("srun started 4 tasks (SLURM_STEP_NUM_TASKS=4) but MPI sees a world of 2: each "
                                     "process would run the whole evaluation alone; srun's MPI plugin does not match "
@@ -192,9 +204,9 @@ def _write_table(path: Path, scratch: Path) -> None:
     text = ("# Bad input\n\n"
             "What `mpitp` prints for common mistakes, measured by `tests/test_bad_input.py` under a real `mpiexec`. "
             "Each is one line, printed once (by rank 0, not once per rank); every rank exits with status 2 within "
-            "seconds, before any model weights are loaded, and an existing results file is left untouched. Option "
-            "errors caught while parsing the command line are shown by click as `Usage: ...` / "
-            "`Try 'mpitp eval --help' for help.` followed by the `Error:` line below.\n\n"
+            "seconds, before any model weights are loaded, and an existing results file is left untouched. `mpitp "
+            "eval` parses lm-eval's command line (its own parser, see `mpitp eval --help`) on rank 0 and reports an "
+            "option error as one `mpitp: error:` line too.\n\n"
             + "\n".join(lines) + "\n")
     path = path if path.is_absolute() else REPO / path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ BAD_FIELDS = [
     ("pp", "two", P + "'pp': expected a positive integer, got 'two'"),
     ("dtype", "bf16", P + "'dtype': expected one of 'auto', 'float32', 'bfloat16', 'float16', "
                           "got 'bf16' (did you mean 'bfloat16'?)"),
-    ("batch_size", "0", P + "'batch_size': expected a positive integer, got 0"),
+    ("batch_size", "0", P + "'batch_size': expected a positive integer, 'auto' or 'auto:N', got 0"),
     ("num_fewshot", "-1", P + "'num_fewshot': expected a non-negative integer, got -1"),
     ("limit", "0", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got 0"),
     ("limit", "1.5", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got 1.5"),
@@ -295,3 +295,27 @@ def test_message_uses_path_as_given(write, tmp_path):
     path = write(_one_run("tp", "two"))
     with pytest.raises(JobFileError, match=f"^{os.path.join(str(tmp_path), path)}: run 2"):
         load_job(tmp_path / path)
+
+
+def test_lm_eval_fields_in_job_files(tmp_path):
+    """Fields named as lm-eval's EvaluatorConfig fields are accepted (from its declaration, not a copy) and mean
+    what the flags mean; model_args that cannot apply under TP are refused while reading the file."""
+    from mpitp.jobrun import eval_config
+
+    job = tmp_path / "job.yaml"
+    job.write_text("defaults:\n  system_instruction: Be brief.\nruns:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n"
+                   "    batch_size: auto:2\n    model_args: add_bos_token=True,dtype=float32\n"
+                   "    predict_only: true\n    fewshot_as_multiturn: false\n    metadata: {max_seq_lengths: [64]}\n")
+    spec = load_job(job).runs[0]
+    assert spec.batch_size == "auto:2"
+    cfg = eval_config(spec)
+    assert cfg.system_instruction == "Be brief." and cfg.predict_only and cfg.log_samples
+    assert cfg.hflm_args == {"add_bos_token": True} and cfg.dtype == "float32"
+    assert cfg.fewshot_as_multiturn is False and cfg.metadata["max_seq_lengths"] == [64]
+    assert cfg.identity()["system_instruction"] == "Be brief."
+    job.write_text("runs:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n    model_args: {device_map: auto}\n")
+    with pytest.raises(JobFileError, match="model_args device_map: mpitp places the model itself"):
+        load_job(job)
+    job.write_text("runs:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n    system_instructions: x\n")
+    with pytest.raises(JobFileError, match="did you mean 'system_instruction'"):
+        load_job(job)

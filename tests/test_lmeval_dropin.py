@@ -1,0 +1,255 @@
+"""lm-eval drop-in: real ``lm_eval`` command lines run unchanged as ``mpiexec -n 2 mpitp eval <line> --tp 2``.
+
+The corpus (tests/dropin_corpus.py, 23 lines in lm-eval's documentation style) runs once through lm-eval's own CLI
+code (one process, tests/dropin_ref_driver.py) and once through ``mpitp eval`` (one ``mpiexec -n 2`` launch,
+tests/dropin_mpitp_driver.py; every line goes through mpitp's whole parse-check-load-evaluate path with tp=2, or pp=2
+for two lines), side by side. Then, line by line: the same output files under ``--output_path`` (names, timestamps
+aside), every key present in both, every value equal (numbers within 1e-5 relative: fp32 parity), dates,
+durations and host details aside; and the HDF5 file beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import OFFLINE_ENV, REPO, STORIES, explain, mpiexec_path
+
+sys.path.insert(0, str(REPO / "tests"))
+from dropin_corpus import CORPUS, command_lines, layout  # noqa: E402
+from dropin_util import compare_output_dirs  # noqa: E402
+
+CORPUS_TIMEOUT = 1500
+corpus_timeout = pytest.mark.timeout(CORPUS_TIMEOUT + 300)  # both sides of the whole corpus, in the first test
+
+
+@pytest.fixture(scope="module")
+def corpus_runs(tmp_path_factory, test_tasks):
+    """Both sides of the whole corpus, run concurrently: ``(work dir, lm-eval process, mpitp process)``."""
+    work = tmp_path_factory.mktemp("dropin")
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "LM_HARNESS_CACHE_PATH": str(work / "lm-cache")}
+    procs = {}
+    for side in ("ref", "mpitp"):
+        lines = work / f"{side}.json"
+        lines.write_text(json.dumps([[n, [str(a) for a in argv]]
+                                     for n, argv in command_lines(STORIES, test_tasks, work, side)]))
+        if side == "ref":
+            cmd = [sys.executable, str(REPO / "tests" / "dropin_ref_driver.py"), str(lines)]
+        else:
+            cmd = [mpiexec_path(), "-n", "2", sys.executable, str(REPO / "tests" / "dropin_mpitp_driver.py"),
+                   str(lines)]
+        log = open(work / f"{side}.log", "w")
+        procs[side] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=work), log)
+    done = {}
+    for side, (proc, log) in procs.items():
+        proc.wait(timeout=CORPUS_TIMEOUT)
+        log.close()
+        done[side] = subprocess.CompletedProcess(proc.args, proc.returncode, (work / f"{side}.log").read_text(), "")
+    return work, done["ref"], done["mpitp"]
+
+
+def test_corpus_size():
+    assert len(CORPUS) >= 15
+    assert len({name for name, _ in CORPUS}) == len(CORPUS)
+
+
+@corpus_timeout
+def test_both_sides_ran_every_line(corpus_runs):
+    _, ref, mine = corpus_runs
+    assert ref.returncode == 0, explain(ref)
+    assert mine.returncode == 0, explain(mine)
+    for name, _ in CORPUS:
+        assert f"=== mpitp {name}:" in mine.stdout
+        assert f"=== lm-eval {name}:" in ref.stdout
+
+
+@corpus_timeout
+@pytest.mark.parametrize("name", [n for n, _ in CORPUS])
+def test_same_output_files(corpus_runs, name):
+    """lm-eval's files, key by key; the metrics (and per-sample log-likelihoods) within 1e-5."""
+    work, _, _ = corpus_runs
+    mine, ref = work / "mpitp" / name, work / "ref" / name
+    results = sorted(ref.rglob("results_*.json"))
+    assert results, f"lm-eval wrote no results for {name}"
+    diffs = compare_output_dirs(mine, ref, aliases=(str(work / "mpitp"), str(work / "ref")))  # e.g. --use_cache
+    assert not diffs, f"{name}: " + "\n".join(diffs[:30])
+    if name == "use-cache":  # --use_cache is mpitp's request store: <path>.h5, not beside the JSON
+        h5 = [work / "mpitp" / "use-cache-cache.h5"]
+        assert h5[0].exists() and not list(mine.rglob("*.h5"))
+    else:
+        h5 = sorted(mine.rglob("*.h5"))
+        assert len(h5) == 1 and h5[0].parent == sorted(mine.rglob("results_*.json"))[0].parent
+    lm_results = json.loads(results[0].read_text())["results"]
+    from mpitp.results import open_h5
+
+    with open_h5(str(h5[0])) as f:
+        assert f.attrs["status"] == "complete"
+        stored = json.loads(f.attrs["results_json"])["results"]
+    assert set(stored) == set(lm_results)
+
+
+@corpus_timeout
+def test_wandb_offline_run_holds_the_metrics(corpus_runs):
+    """--wandb_args: rank 0 logged through lm-eval's WandbLogger; the offline run's results table has the metrics."""
+    work, _, _ = corpus_runs
+    results = json.loads(sorted((work / "mpitp" / "wandb-offline").rglob("results_*.json"))[0].read_text())
+    tables = sorted((work / "mpitp" / "wandb-offline-wandb").rglob("eval_results_*.table.json"))
+    assert len(tables) == 1, "expected one offline W&B run with its evaluation table"
+    rows = json.loads(tables[0].read_text())["data"]
+    logged = {(r[0], r[4]): float(r[5]) for r in rows if r[4] in ("acc", "acc_norm")}
+    want = results["results"]["arc_easy_local"]
+    assert logged == {("arc_easy_local", "acc"): want["acc,none"],
+                      ("arc_easy_local", "acc_norm"): want["acc_norm,none"]}
+
+
+# ------------------------------------------------------------------ parsing, in-process (no launch)
+
+
+def _lm_eval_config(argv):
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    cli = HarnessCLI()
+    ns = cli._parser.parse_args(["run", *argv])
+    return EvaluatorConfig.from_cli(ns)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in CORPUS])
+def test_parsed_as_lm_eval_parses(name, tmp_path, test_tasks):
+    """Each corpus line means to mpitp what it means to lm-eval: same tasks, model_args, few-shot, limit, seeds, ..."""
+    from mpitp.lmeval_cli import parse_eval_args
+
+    argv = dict(command_lines(STORIES, test_tasks, tmp_path, "p"))[name]
+    ec = _lm_eval_config(argv)
+    kind, cfg, opts, _ = parse_eval_args([*argv, *layout(name)])
+    assert kind == "run" and opts["tp"] * opts["pp"] == 2
+    assert cfg.model_args == ec.model_args and cfg.model == str(ec.model_args["pretrained"])
+    assert cfg.tasks == ec.tasks
+    for key in ("num_fewshot", "gen_kwargs", "system_instruction", "fewshot_as_multiturn", "apply_chat_template",
+                "predict_only", "log_samples", "samples", "output_path", "seed", "metadata", "write_out",
+                "show_config", "confirm_run_unsafe_code", "trust_remote_code"):
+        assert (getattr(cfg, key) or None) == (getattr(ec, key) or None), key
+    assert (cfg.limit is None and ec.limit is None) or float(cfg.limit) == float(ec.limit)
+    assert str(cfg.batch_size) == str(ec.batch_size)
+
+
+def test_dash_and_underscore_spellings_agree(test_tasks):
+    from mpitp.lmeval_cli import parse_eval_args
+
+    under = shlex.split(f"--model hf --model_args pretrained={STORIES} --tasks arc_easy_local --num_fewshot 2 "
+                        f"--batch_size auto:2 --max_batch_size 8 --include_path {test_tasks} --log_samples "
+                        "--output_path o --apply_chat_template --fewshot_as_multiturn --gen_kwargs max_gen_toks=4")
+    dash = [a.replace("_", "-") if a.startswith("--") else a for a in under]
+    assert dash != under
+    a, b = parse_eval_args(under)[1], parse_eval_args(dash)[1]
+    assert a == b and a.batch_size == "auto:2" and a.max_batch_size == 8
+
+
+@pytest.mark.parametrize("argv,message", [
+    ("--model vllm --model_args pretrained=x --tasks t", "--model vllm: mpitp runs Hugging Face transformers models "
+                                                         "only"),
+    ("--model hf --model_args pretrained=x,parallelize=True --tasks t", "--model_args parallelize: mpitp places"),
+    ("--model hf --model_args pretrained=x,device_map=auto --tasks t", "--model_args device_map: mpitp places"),
+    ("--model hf --model_args pretrained=x,peft=adapter --tasks t", "--model_args peft: PEFT adapters"),
+    ("--model hf --model_args pretrained=x,softmax_dtype=bfloat16 --tasks t", "softmax_dtype=bfloat16"),
+    ("--model hf --model_args pretrained=x,no_such_arg=1 --tasks t", "--model_args no_such_arg: not an HFLM"),
+    ("--model hf --model_args pretrained=x --tasks t --hf_hub_log_args push_results_to_hub=True",
+     "push_results_to_hub: pushing to the Hugging Face Hub needs the network"),
+    ("--model hf --model_args pretrained=x --tasks t --limit 2 --samples '{\"t\": [1]}'", "--limit must be None"),
+    ("--model hf --model_args pretrained=x --tasks t --batch_size auto:0", "auto:N with N a positive integer"),
+    ("--model hf --model_args pretrained=x --tasks t --batch_size 0", "must be >= 1, got 0"),
+    ("--model hf --model_args pretrained=x --tasks t --fewshot_as_multiturn", "`apply_chat_template` must be set"),
+    ("--model hf --model_args pretrained=x,dtype=float16 --tasks t --dtype float32", "--dtype float32 and "
+                                                                                     "--model_args dtype=float16"),
+    ("--config /no/such.yaml", "--config /no/such.yaml: Config file not found"),
+    ("--model hf --model_args pretrained=x --tasks t --no_such_flag", "unrecognized arguments: --no_such_flag"),
+])
+def test_refusals_name_the_flag(argv, message):
+    from mpitp.errors import UsageError
+    from mpitp.lmeval_cli import parse_eval_args
+
+    with pytest.raises(UsageError) as exc:
+        parse_eval_args(shlex.split(argv))
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_samples_without_output_path_go_to_the_hdf5_file():
+    """lm-eval demands --output_path with --log_samples (nowhere else to put them); mpitp's HDF5 file holds them."""
+    from mpitp.lmeval_cli import parse_eval_args
+
+    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --log-samples --output r.h5"))[1]
+    assert cfg.log_samples and cfg.output_path is None and cfg.output == "r.h5"
+    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --predict_only"))[1]
+    assert cfg.predict_only and cfg.log_samples and cfg.output_path is None
+
+
+def test_help_lists_every_lm_eval_flag():
+    """``mpitp eval --help`` names each of lm-eval's run flags (its own parser's list) in both spellings."""
+    from lm_eval._cli import HarnessCLI
+
+    from mpitp.lmeval_cli import help_text
+
+    text = help_text()
+    run = HarnessCLI()._subparsers.choices["run"]
+    flags = [o for a in run._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert len(flags) >= 31
+    for flag in flags:
+        assert flag in text, flag
+        assert flag.replace("_", "-") in text, flag
+    for ours in ("--tp", "--pp", "--output", "--resume", "--data-dir", "--timeout"):
+        assert ours in text
+    shown = subprocess.run([sys.executable, "-m", "mpitp", "eval", "--help"], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO)})
+    assert shown.returncode == 0 and all(flag in shown.stdout for flag in flags), explain(shown)
+
+
+def test_integration_messages_hidden_unless_debug(capsys):
+    """lm-eval's warnings about a pre-built model describe mpitp, not the user's run: hidden; DEBUG shows them."""
+    import logging
+
+    from mpitp.quiet import quiet_integration
+
+    log = logging.getLogger("lm_eval.models.huggingface")
+    try:
+        quiet_integration(None, True)
+        log.warning("`pretrained` model kwarg is not of type `str`. Many other model arguments may be ignored.")
+        log.warning("Left truncation applied. Original sequence length was 2183")
+        quiet_integration("DEBUG", True)
+        log.warning("Passed an already-initialized model through `pretrained`, assuming single-process call")
+    finally:
+        quiet_integration("INFO", True)
+    err = capsys.readouterr().err
+    assert "Left truncation applied" in err
+    assert "kwarg is not of type" not in err
+    assert "already-initialized model" in err
+
+
+def test_resume_refuses_other_lm_eval_settings(tmp_path):
+    """Settings that change results enter the resume identity; lm-eval's defaults do not (older files resume)."""
+    import h5py
+
+    from mpitp.checks import check_resumable
+    from mpitp.errors import UsageError
+    from mpitp.lmeval_cli import parse_eval_args
+
+    base = ["--model", "hf", "--model_args", f"pretrained={STORIES}", "--tasks", "arc_easy_local"]
+    cfg = parse_eval_args(base)[1]
+    old_style = {k: v for k, v in cfg.identity().items()}  # what files written before these settings hold
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["config_json"] = json.dumps(old_style, sort_keys=True)
+    check_resumable(str(path), cfg)  # lm-eval's default seeds, no metadata beyond model_args: the same identity
+    check_resumable(str(path), parse_eval_args([*base, "--seed", "0,1234,1234,1234"])[1])
+    for extra, named in ((["--system_instruction", "Be brief."], "system_instruction"),
+                         (["--seed", "7"], "seed"), (["--metadata", "max_seq_lengths=[64]"], "metadata"),
+                         (["--model_args", "add_bos_token=True"], "hflm_args"),
+                         (["--samples", '{"arc_easy_local": [1]}'], "samples"),
+                         (["--gen_kwargs", "max_gen_toks=4"], "gen_kwargs")):
+        with pytest.raises(UsageError, match=f"different settings: {named}"):
+            check_resumable(str(path), parse_eval_args([*base, *extra])[1])
