@@ -586,6 +586,21 @@ def render_diff(a: RunFile, b: RunFile, diffs: list[TaskDiff], only: list[tuple[
     return "\n".join(lines), differ
 
 
+def render_statistics(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed: int) -> str:
+    """Paired tests of B against A per task and metric (:mod:`mpitp.compare`)."""
+    from .compare import compare_files, render
+
+    higher = {}
+    for run in (a, b):
+        for task, h in ((run.results_json or {}).get("higher_is_better") or {}).items():
+            higher.setdefault(task, h)
+    try:
+        comparisons = compare_files(a.path, b.path, tasks, iters=iters, seed=seed, higher=higher)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise BadInput(f"per-document scores: {_one_line(exc)}") from None
+    return render(comparisons) or "no tasks to compare"
+
+
 # --------------------------------------------------------------------------------------------------------- CLI
 
 
@@ -716,17 +731,26 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
               help="Relative tolerance (of B's value).")
 @click.option("--show", type=click.IntRange(min=0), default=10, show_default=True,
               help="Differing requests listed per task.")
-def diff_command(a, b, atol, rtol, show):
+@click.option("--bootstrap-iters", type=click.IntRange(min=0), default=10000, show_default=True,
+              help="Paired bootstrap resamples per metric (0: no statistics).")
+@click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the bootstrap resampling.")
+def diff_command(a, b, atol, rtol, show, bootstrap_iters, seed):
     """Compare two results files: metrics, and each request's loglikelihood, is_greedy and generation, matched by
     (task, doc_id, idx) whatever order the rows were stored in.
 
     Floats match when |a - b| <= atol + rtol * |b|; generations and is_greedy must be equal; a task or request
     present in one file only is a difference. Exit status 0 when the files agree, 1 when they differ, 2 on bad
     input.
+
+    Then, per task and metric, B - A with paired tests on the per-document scores (paired bootstrap CI and
+    p-value; McNemar for 0/1 metrics), so "B is better than A" comes with a confidence. The statistics do not
+    change the exit status.
     """
     ra, rb = load(a), load(b)
     diffs, only = diff_runs(ra, rb, atol, rtol)
     text, differ = render_diff(ra, rb, diffs, only, atol, rtol, show)
     click.echo(text)
+    if bootstrap_iters:
+        click.echo("\n" + render_statistics(ra, rb, [d.task for d in diffs], bootstrap_iters, seed))
     if differ:
         raise Negative(f"{a} and {b} differ")

@@ -19,6 +19,7 @@ Schema (stable; extend, don't break):
   scoring happens). ``requests`` counts a rolling request's windows as shares of it (they may run in different
   groups), so a group's value can be fractional; the sum over groups is whole.
 - ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
+- ``/tasks/<task>/doc_scores``: lm-eval's per-document metric values (see :mod:`mpitp.docscores`).
 
 Files are opened with HDF5 file locking off by default: lock failures on Lustre and NFS are a common h5py failure
 on clusters and there is only ever one writer. Set ``MPITP_HDF5_LOCKING=1`` to turn it back on.
@@ -95,7 +96,7 @@ class ResultWriter:
 
     def _task(self, task: str) -> dict:
         return self.tasks.setdefault(task, {"attrs": {}, "metrics": {}, "rows": {k: [] for k in REQUEST_FIELDS},
-                                            "samples": None})
+                                            "samples": None, "doc_scores": None})
 
     def _load(self, path: str) -> None:
         with open_h5(path) as f:
@@ -134,6 +135,10 @@ class ResultWriter:
         if samples is not None:
             t["samples"] = [json.dumps(s, default=str) for s in samples]
 
+    def write_doc_scores(self, task: str, scores) -> None:
+        """lm-eval's per-document metric values (a :class:`mpitp.docscores.DocScores`), written with the file."""
+        self._task(task)["doc_scores"] = scores
+
     def write_stats(self, per_group: list[dict]) -> None:
         self.stats = per_group
 
@@ -164,6 +169,10 @@ class ResultWriter:
                                        compression="gzip", compression_opts=4)
                 if t["samples"] is not None:
                     g.create_dataset("samples", data=np.asarray(t["samples"], dtype=object), dtype=STR)
+                if t.get("doc_scores") is not None:
+                    from .docscores import write as write_doc_scores
+
+                    write_doc_scores(g, t["doc_scores"])
             if self.stats is not None:
                 st = f.create_group("stats")
                 st.create_dataset("dp_rank", data=np.arange(len(self.stats), dtype=np.int32))

@@ -312,13 +312,16 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
                   apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
                   bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, **seeds)
     kwargs.update(extra)
+    from .docscores import capture
+
     try:
-        res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
+        with capture() as doc_scores:
+            res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
     finally:
         progress.close()
         dispatcher.shutdown()
     stall_hook("post_processing")
-    return {"results": res, "writer": writer}
+    return {"results": res, "writer": writer, "doc_scores": doc_scores}
 
 
 def _finish_root(state, all_stats, wall: float) -> None:
@@ -333,6 +336,8 @@ def _finish_root(state, all_stats, wall: float) -> None:
                                          num_fewshot=res.get("n-shot", {}).get(task, 0),
                                          n_docs=n.get("effective", n.get("original", 0))), metrics,
                               samples=res.get("samples", {}).get(task))
+            if task in state.get("doc_scores", {}):
+                writer.write_doc_scores(task, state["doc_scores"][task])
         writer.write_stats(all_stats)
         serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
                                             "n-samples", "config", "groups", "group_subtasks") if k in res}
