@@ -124,15 +124,25 @@ def check_resumable(path: str, cfg) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
     from .results import open_h5
 
+    from .fingerprint import IDENTITY_KEYS, changed_files, detail
+
     try:
         with open_h5(path) as f:
             stored = json.loads(f.attrs["config_json"])
+            stored_files = json.loads(f.attrs["fingerprint_json"]) if "fingerprint_json" in f.attrs else None
     except (OSError, KeyError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UsageError(f"cannot resume {path}: not an mpitp results file ({reason})") from None
     now = json.loads(json.dumps(cfg.identity()))
+    for k in IDENTITY_KEYS:  # a file written before fingerprints existed: nothing to compare them with
+        if k not in stored:
+            now.pop(k, None)
     diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
              if stored.get(k) != now.get(k)]
+    if any(k in ("weights", "tokenizer_files") and stored.get(k) != now.get(k) for k in now):
+        files = changed_files(stored_files, detail(cfg.model, cfg.tokenizer, cfg.revision))
+        if files:
+            diffs.append(f"changed on disk: {files}")
     if diffs:
         raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
 

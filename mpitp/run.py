@@ -53,7 +53,11 @@ class EvalConfig:
         """The settings that determine results: a resumed run must match them exactly."""
         keys = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
                 "gen_kwargs", "apply_chat_template", "seed", "data_dir")
-        return {k: getattr(self, k) for k in keys}
+        ident = {k: getattr(self, k) for k in keys}
+        from .fingerprint import identity as fingerprint  # what is on disk: weights, tokenizer, library versions
+
+        ident.update(fingerprint(self.model, self.tokenizer, self.revision))
+        return ident
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -71,7 +75,18 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
                 command=" ".join(sys.argv),
                 lm_eval_version=getattr(lm_eval, "__version__", "unknown"), torch_version=torch.__version__,
                 transformers_version=transformers.__version__, mpi_version=mpi_library_version(),
-                config_json=json.dumps(cfg.identity(), sort_keys=True))
+                config_json=json.dumps(cfg.identity(), sort_keys=True), **_extra_metadata(cfg))
+
+
+def _extra_metadata(cfg: EvalConfig) -> dict:
+    """Per-file fingerprints (so a refused resume names the file that changed) and the whole configuration (so
+    ``mpitp rescore`` can rebuild the tasks: include paths, data directory, bootstrap iterations)."""
+    from dataclasses import asdict
+
+    from .fingerprint import detail
+
+    return dict(fingerprint_json=json.dumps(detail(cfg.model, cfg.tokenizer, cfg.revision), sort_keys=True),
+                eval_config_json=json.dumps(asdict(cfg), default=str, sort_keys=True))
 
 
 def _resume_key(inst) -> tuple:
