@@ -198,6 +198,7 @@ def metric_changes(path: str, res: dict) -> list[str]:
                     continue
                 o = old.get(k)
                 o = o.item() if hasattr(o, "item") else (o.decode() if isinstance(o, bytes) else o)
+                v = v.item() if hasattr(v, "item") else v
                 if o is None or (o != v and not (isinstance(o, float) and isinstance(v, float) and o == v)):
                     out.append(f"{task} {k}: {o!r} -> {v!r}")
     return out
