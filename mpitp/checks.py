@@ -137,6 +137,11 @@ def check_resumable(path: str, cfg) -> None:
     for k in IDENTITY_KEYS:  # a file written before fingerprints existed: nothing to compare them with
         if k not in stored:
             now.pop(k, None)
+    # Another model or tokenizer path is the difference to name; that its files differ too goes without saying.
+    if stored.get("model") != now.get("model") or stored.get("revision") != now.get("revision"):
+        stored.pop("weights", None), now.pop("weights", None)
+    if (stored.get("tokenizer") or stored.get("model")) != (now.get("tokenizer") or now.get("model")):
+        stored.pop("tokenizer_files", None), now.pop("tokenizer_files", None)
     diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
              if stored.get(k) != now.get(k)]
     if any(k in ("weights", "tokenizer_files") and stored.get(k) != now.get(k) for k in now):
