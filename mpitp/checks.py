@@ -166,8 +166,9 @@ def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
     if cfg.gen_kwargs and "use_cache" in str(cfg.gen_kwargs):
         raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
                          "KV cache (it passes use_cache=True itself)")
-    keep["include"] = offline_include(cfg)
-    keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
+    if "task_manager" not in keep:  # a sweep checks its tasks once for every checkpoint (mpitp.sweep)
+        keep["include"] = offline_include(cfg)
+        keep["task_manager"] = check_tasks(cfg.tasks, keep["include"])
     config = keep["config"] = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
     check_tp(config, tp)
     check_pp(config, pp)

@@ -117,7 +117,8 @@ def _batch(ctx, param, value):
 def eval_options(f):
     """lm-eval's vocabulary, so an ``lm_eval --model hf`` command line translates one to one."""
     opts = [
-        click.option("--model", "model", default=None, help="HF model path or hub id."),
+        click.option("--model", "model", default=None,
+                     help="HF model path or hub id; a glob or comma list evaluates each checkpoint (a sweep)."),
         click.option("--tasks", default=None, help="Comma-separated lm-eval task names."),
         click.option("--tokenizer", default=None, help="Tokenizer path or id (default: the model's)."),
         click.option("--revision", default=None, help="Model revision (hub models)."),
@@ -132,7 +133,8 @@ def eval_options(f):
         click.option("--include-path", default=None, help="Directory of extra task YAMLs (as lm-eval)."),
         click.option("--data-dir", default=None, help="Serve stock tasks offline from DIR/<task>/<split>.jsonl."),
         click.option("--seed", type=int, default=None, help="One seed for python, numpy, torch and few-shot."),
-        click.option("--output", default=None, help="HDF5 results file (default results/<model>-<time>.h5)."),
+        click.option("--output", default=None, help="HDF5 results file (default results/<model>-<time>.h5); for a "
+                     "sweep a directory or a pattern with {name}."),
         click.option("--overwrite", is_flag=True, help="Replace an existing output file."),
         click.option("--resume", is_flag=True, help="Continue an existing output file."),
         click.option("--log-samples", is_flag=True, help="Store lm-eval's per-document samples."),
@@ -145,9 +147,16 @@ def eval_options(f):
     return f
 
 
+def _sweep_options(f):
+    from .sweep import sweep_options
+
+    return sweep_options(f)
+
+
 @cli.command(name="eval")
 @runtime_options
 @eval_options
+@_sweep_options
 def eval_cmd(tp, pp, device, threads, timeout, log_all_ranks, **kw):
     """Evaluate a model on lm-eval tasks: mpirun -n 4 mpitp eval --model M --tasks T --tp 2."""
     from .evalcmd import eval_main

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from .errors import UsageError
 from .run import EvalConfig, run_eval
 from .runtime import setup_logging, start
@@ -24,12 +26,21 @@ def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
     return cfg
 
 
-def eval_main(*, tp, device, threads, timeout, log_all_ranks, tasks, pp=1, **kw) -> None:
+def eval_main(*, tp, device, threads, timeout, log_all_ranks, tasks, pp=1, watch=None, watch_idle=600.0,
+              **kw) -> None:
     setup_logging(world_from_comm().rank, log_all_ranks)
     cfg = EvalConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else [], **kw)
     rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout)
     if cfg.demo:
         cfg = demo_config(cfg, rt)
+    if watch is not None:
+        from .watch import run_watch
+
+        sys.exit(run_watch(cfg, rt, watch, watch_idle))
     if not cfg.model:
         raise UsageError("no model given: pass --model PATH_OR_ID (or --demo)", collective=True)
+    from .sweep import is_sweep, run_sweep
+
+    if is_sweep(cfg.model):
+        sys.exit(run_sweep(cfg, rt))
     run_eval(cfg, rt)

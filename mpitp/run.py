@@ -335,6 +335,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     finally:
         progress.close()
         dispatcher.shutdown()
+        lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
     stall_hook("post_processing")
     return {"results": res, "writer": writer, "doc_scores": doc_scores}
 
