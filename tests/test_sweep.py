@@ -1,0 +1,198 @@
+"""Checkpoint sweeps and watch mode under a real ``mpiexec``.
+
+Checkpoints are made from ../shared: ``step-1`` is stories260K with perturbed weights, ``step-2`` a tiny random Llama
+with the GPT-2 tokenizer (another tokenizer: its own tokenisation), ``step-10`` stories260K with a truncated
+safetensors file (fails to load). Natural order puts step-10 last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from conftest import OFFLINE_ENV, explain, mpiexec_path, run_mpi
+
+from mpitp.results import read_metrics, read_requests
+
+TASKS = "mpitp_demo_mc,mpitp_demo_ppl"
+
+
+def _copy_dir(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, dst / f.name)
+    return dst
+
+
+def perturbed_stories(shared: Path, dst: Path, seed: int) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _copy_dir(shared / "models" / "stories260K", dst)
+    tensors = load_file(dst / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors.values():
+        t.add_(torch.randn(t.shape, generator=g) * 0.01 * t.float().std())
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def gpt2_tiny_llama(shared: Path, dst: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=50257, max_position_embeddings=512, bos_token_id=50256,
+                      eos_token_id=50256)
+    LlamaForCausalLM(cfg).save_pretrained(dst)
+    for f in (shared / "tokenizers" / "gpt2").iterdir():
+        if f.name not in ("config.json", "SOURCE.txt"):
+            shutil.copyfile(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shared_dir):
+    from mpitp.demo import demo_tasks_dir
+
+    d = tmp_path_factory.mktemp("sweep")
+    ck = d / "ckpts"
+    perturbed_stories(shared_dir, ck / "step-1", 0)
+    gpt2_tiny_llama(shared_dir, ck / "step-2")
+    broken = _copy_dir(shared_dir / "models" / "stories260K", ck / "step-10")
+    with open(broken / "model.safetensors", "r+b") as f:
+        f.truncate(4000)
+    return dict(dir=d, ckpts=ck, tasks=demo_tasks_dir())
+
+
+def test_sweep_over_three_checkpoints(setup):
+    d, ck = setup["dir"], setup["ckpts"]
+    out = d / "out"
+    common = ["--include-path", setup["tasks"], "--tasks", TASKS, "--limit", "4"]
+    proc = run_mpi(2, ["eval", "--model", f"{ck}/step-*", *common, "--output", f"{out}/"], timeout=900, cwd=str(d))
+    assert proc.returncode == 1, explain(proc)  # one checkpoint failed: the sweep says so, after finishing the rest
+    assert "sweep: 2/3 checkpoints ok" in proc.stdout, explain(proc)
+    summary = json.loads((out / "sweep-summary.json").read_text())
+    rows = summary["checkpoints"]
+    assert [r["name"] for r in rows] == ["step-1", "step-2", "step-10"]  # natural order
+    assert [r["status"] for r in rows] == ["complete", "complete", "failed"]
+    assert "SafetensorError" in rows[2]["error"] and not (out / "step-10.h5").exists()
+    for name in ("step-1", "step-2"):
+        assert f"{ck}/{name}: model released before the next checkpoint" in proc.stderr, explain(proc)
+    assert "still referenced" not in proc.stderr
+
+    with h5py.File(out / "step-1.h5") as f1, h5py.File(out / "step-2.h5") as f2:
+        assert f1.attrs["status"] == f2.attrs["status"] == "complete"
+        assert f2.attrs["tokenizer"].endswith("step-2") and f1.attrs["tokenizer"].endswith("step-1")
+    r1 = read_requests(str(out / "step-1.h5"), "mpitp_demo_ppl")
+    r2 = read_requests(str(out / "step-2.h5"), "mpitp_demo_ppl")
+    assert list(r1["args_hash"]) == list(r2["args_hash"])  # the same requests ...
+    assert list(r1["n_tokens"]) != list(r2["n_tokens"])  # ... tokenised by each checkpoint's own tokenizer
+    comps = summary["comparisons"]
+    assert comps and all(c["a"] == "step-1" and c["b"] == "step-2" for c in comps)
+    assert any(c["metric"] == "acc,none" and c["test"].startswith("McNemar") for c in comps)
+
+    # the second checkpoint of the sweep (tasks reused from the first) equals a separate launch
+    sep = d / "separate.h5"
+    proc = run_mpi(2, ["eval", "--model", str(ck / "step-2"), *common, "--output", str(sep)], timeout=600,
+                   cwd=str(d))
+    assert proc.returncode == 0, explain(proc)
+    for task in TASKS.split(","):
+        assert read_metrics(str(sep), task) == read_metrics(str(out / "step-2.h5"), task)
+        a, b = read_requests(str(sep), task), read_requests(str(out / "step-2.h5"), task)
+        assert list(a["args_hash"]) == list(b["args_hash"])
+        assert list(a["loglikelihood"]) == list(b["loglikelihood"])
+
+    # rerun with --resume: both complete files are skipped without loading, the broken one fails again
+    proc = run_mpi(2, ["eval", "--model", f"{ck}/step-1,{ck}/step-2", *common, "--output", f"{out}/", "--resume"],
+                   timeout=600, cwd=str(d))
+    assert proc.returncode == 0, explain(proc)
+    rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
+    assert [r["status"] for r in rows] == ["skipped (complete)"] * 2
+
+
+def test_sweep_bad_output_is_one_line(setup):
+    proc = run_mpi(2, ["eval", "--model", f"{setup['ckpts']}/step-*", "--tasks", "mpitp_demo_mc", "--include-path",
+                       setup["tasks"], "--output", "one.h5"], timeout=120, cwd=str(setup["dir"]))
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "mpitp: error: --output one.h5: a sweep writes one file per checkpoint: give a directory or a pattern with "
+        "{name} (e.g. results/{name}.h5)")
+    proc = run_mpi(2, ["eval", "--model", f"{setup['ckpts']}/nothing-*", "--tasks", "mpitp_demo_mc"], timeout=120,
+                   cwd=str(setup["dir"]))
+    assert proc.returncode == 2 and "matches no directory" in proc.stderr.strip().splitlines()[-1], explain(proc)
+
+
+def _wait_for(pred, timeout: float, proc=None) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return pred()
+        time.sleep(0.5)
+    return False
+
+
+def _complete(path: Path) -> bool:
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            return f.attrs.get("status") == "complete"
+    except OSError:
+        return False
+
+
+def test_watch_picks_up_a_checkpoint_written_during_the_run(setup, shared_dir):
+    d = setup["dir"]
+    watched = d / "watched"
+    watched.mkdir()
+    perturbed_stories(shared_dir, watched / "a", 1)
+    out = d / "watch-out"
+    args = [mpiexec_path(), "-n", "1", sys.executable, "-m", "mpitp", "eval", "--watch", str(watched),
+            "--watch-idle", "12", "--include-path", setup["tasks"], "--tasks", "mpitp_demo_mc", "--limit", "3",
+            "--output", f"{out}/{{name}}.h5"]
+    env = {**os.environ, **OFFLINE_ENV}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(d))
+    try:
+        assert _wait_for(lambda: _complete(out / "a.h5"), 400, proc), proc.communicate(timeout=5)
+        # a training job writes step b: weights first, in two parts with a pause, config.json last
+        src = shared_dir / "models" / "stories260K"
+        b = watched / "b"
+        b.mkdir()
+        data = (src / "model.safetensors").read_bytes()
+        with open(b / "model.safetensors", "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(3)
+            f.write(data[len(data) // 2:])
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                     "config.json"):
+            shutil.copyfile(src / name, b / name)
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
+    assert [(r["name"], r["status"]) for r in rows] == [("a", "complete"), ("b", "complete")]
+    with h5py.File(out / "b.h5") as f:  # evaluated from the finished files: its fingerprint is the final one
+        from mpitp.fingerprint import detail
+
+        assert json.loads(f.attrs["fingerprint_json"]) == json.loads(json.dumps(detail(str(b))))
+
+    # a restarted watch skips what is done
+    again = [a if a != "12" else "3" for a in args[args.index("eval"):]]  # --watch-idle 3
+    proc = run_mpi(1, again, timeout=300, cwd=str(d))
+    assert proc.returncode == 0, explain(proc)
+    rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
+    assert [(r["name"], r["status"]) for r in rows] == [("a", "skipped (complete)"), ("b", "skipped (complete)")]
