@@ -124,30 +124,19 @@ def check_resumable(path: str, cfg) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
     from .results import open_h5
 
-    from .fingerprint import IDENTITY_KEYS, changed_files, detail
+    from .fingerprint import resume_differences
 
     try:
         with open_h5(path) as f:
             stored = json.loads(f.attrs["config_json"])
-            stored_files = json.loads(f.attrs["fingerprint_json"]) if "fingerprint_json" in f.attrs else None
+            on_disk = json.loads(f.attrs["fingerprint_json"]) if "fingerprint_json" in f.attrs else None
     except (OSError, KeyError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UsageError(f"cannot resume {path}: not an mpitp results file ({reason})") from None
     now = json.loads(json.dumps(cfg.identity()))
-    for k in IDENTITY_KEYS:  # a file written before fingerprints existed: nothing to compare them with
-        if k not in stored:
-            now.pop(k, None)
-    # Another model or tokenizer path is the difference to name; that its files differ too goes without saying.
-    if stored.get("model") != now.get("model") or stored.get("revision") != now.get("revision"):
-        stored.pop("weights", None), now.pop("weights", None)
-    if (stored.get("tokenizer") or stored.get("model")) != (now.get("tokenizer") or now.get("model")):
-        stored.pop("tokenizer_files", None), now.pop("tokenizer_files", None)
     diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
              if stored.get(k) != now.get(k)]
-    if any(k in ("weights", "tokenizer_files") and stored.get(k) != now.get(k) for k in now):
-        files = changed_files(stored_files, detail(cfg.model, cfg.tokenizer, cfg.revision))
-        if files:
-            diffs.append(f"changed on disk: {files}")
+    diffs += resume_differences(on_disk, stored, now, cfg)
     if diffs:
         raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
 

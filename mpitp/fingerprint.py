@@ -119,16 +119,49 @@ def detail(model: str | None, tokenizer: str | None = None, revision: str | None
             "tokenizer_files": tokenizer_files(tdir) if tdir else None}
 
 
-def identity(model: str | None, tokenizer: str | None = None, revision: str | None = None) -> dict:
-    """The fingerprint entries of :meth:`mpitp.run.EvalConfig.identity` (keys :data:`IDENTITY_KEYS`)."""
+def identity(model: str | None, tokenizer: str | None = None, revision: str | None = None,
+             d: dict | None = None) -> dict:
+    """What resume compares besides the settings (keys :data:`IDENTITY_KEYS`); ``d``: :func:`detail` if known."""
     import lm_eval
     import transformers
 
-    d = detail(model, tokenizer, revision)
+    d = d if d is not None else detail(model, tokenizer, revision)
     return {"weights": _digest(d["model_files"]) if d["model_files"] is not None else "not local",
             "tokenizer_files": _digest(d["tokenizer_files"]) if d["tokenizer_files"] is not None else "not local",
             "transformers_version": transformers.__version__,
             "lm_eval_version": getattr(lm_eval, "__version__", "unknown")}
+
+
+def record(model: str | None, tokenizer: str | None = None, revision: str | None = None) -> dict:
+    """The root attr ``fingerprint_json``: the identity entries and the per-file detail behind them."""
+    d = detail(model, tokenizer, revision)
+    return {"identity": identity(model, tokenizer, revision, d), **d}
+
+
+def resume_differences(on_disk: dict | None, stored: dict, now: dict, cfg) -> list[str]:
+    """What changed on disk since the file was written, as ``weights 'a' in the file, 'b' now; changed on disk:
+    model.safetensors content differs`` parts; none for a file written before fingerprints existed.
+
+    Another model (or tokenizer) path is already named by the settings comparison; that its files differ too goes
+    without saying, so only the same path's files are compared.
+    """
+    if not on_disk or "identity" not in on_disk:
+        return []
+    d = detail(cfg.model, cfg.tokenizer, cfg.revision)
+    before, after = on_disk["identity"], identity(cfg.model, cfg.tokenizer, cfg.revision, d)
+    skip = set()
+    if stored.get("model") != now.get("model") or stored.get("revision") != now.get("revision"):
+        skip.add("weights")
+    if (stored.get("tokenizer") or stored.get("model")) != (now.get("tokenizer") or now.get("model")):
+        skip.add("tokenizer_files")
+    out = [f"{k} {before.get(k)!r} in the file, {after.get(k)!r} now" for k in IDENTITY_KEYS
+           if k not in skip and k in before and before.get(k) != after.get(k)]
+    if any(k in ("weights", "tokenizer_files") and k not in skip and before.get(k) != after.get(k)
+           for k in IDENTITY_KEYS if k in before):
+        files = changed_files(on_disk, d)
+        if files:
+            out.append(f"changed on disk: {files}")
+    return out
 
 
 def changed_files(stored: dict | None, now: dict | None) -> str:

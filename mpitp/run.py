@@ -53,11 +53,7 @@ class EvalConfig:
         """The settings that determine results: a resumed run must match them exactly."""
         keys = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
                 "gen_kwargs", "apply_chat_template", "seed", "data_dir")
-        ident = {k: getattr(self, k) for k in keys}
-        from .fingerprint import identity as fingerprint  # what is on disk: weights, tokenizer, library versions
-
-        ident.update(fingerprint(self.model, self.tokenizer, self.revision))
-        return ident
+        return {k: getattr(self, k) for k in keys}
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -79,13 +75,14 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
 
 
 def _extra_metadata(cfg: EvalConfig) -> dict:
-    """Per-file fingerprints (so a refused resume names the file that changed) and the whole configuration (so
-    ``mpitp rescore`` can rebuild the tasks: include paths, data directory, bootstrap iterations)."""
+    """What is on disk (weights, tokenizer, library versions: the rest of the resume identity, see
+    :mod:`mpitp.fingerprint`) and the whole configuration (so ``mpitp rescore`` can rebuild the tasks: include
+    paths, data directory, bootstrap iterations)."""
     from dataclasses import asdict
 
-    from .fingerprint import detail
+    from .fingerprint import record
 
-    return dict(fingerprint_json=json.dumps(detail(cfg.model, cfg.tokenizer, cfg.revision), sort_keys=True),
+    return dict(fingerprint_json=json.dumps(record(cfg.model, cfg.tokenizer, cfg.revision), sort_keys=True),
                 eval_config_json=json.dumps(asdict(cfg), default=str, sort_keys=True))
 
 
