@@ -197,3 +197,20 @@ def test_watch_picks_up_a_checkpoint_written_during_the_run(setup, shared_dir):
     assert proc.returncode == 0, explain(proc)
     rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
     assert [(r["name"], r["status"]) for r in rows] == [("a", "skipped (complete)"), ("b", "skipped (complete)")]
+
+
+def test_job_file_models_field(tmp_path):
+    from mpitp.jobfile import JobFileError, load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text("runs:\n  - name: curve\n    models: ['ckpts/step-*', ./final]\n    tasks: [mpitp_demo_mc]\n")
+    (tmp_path / "final").mkdir()
+    spec = load_job(job).runs[0]
+    assert spec.model == f"{tmp_path}/ckpts/step-*,{tmp_path}/final"  # resolved against the job file's folder
+    assert spec.output == f"{tmp_path}/results/curve/{{name}}.h5"
+    job.write_text("runs:\n  - models: a,b\n    model: c\n    tasks: [t]\n")
+    with pytest.raises(JobFileError, match="give either 'model' or 'models', not both"):
+        load_job(job)
+    job.write_text("runs:\n  - name: s\n    models: [a, b]\n    tasks: [t]\n    output: one.h5\n")
+    with pytest.raises(JobFileError, match=r"field 'output': a sweep \('models'\) writes one file per checkpoint"):
+        load_job(job)
