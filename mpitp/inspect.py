@@ -662,6 +662,7 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
     mpitp inspect FILE --task T --requests     request rows (--limit N)
     mpitp inspect FILE --task T --samples      logged samples (--limit N)
     mpitp inspect diff A.h5 B.h5               compare two runs (see diff --help)
+    mpitp inspect sweep-summary.json --plot P  a sweep: metric vs checkpoint with error bars
 
     Exit status: 0 ok; 1 --json of an unfinished run, or no samples logged; 2 bad input.
     """
@@ -679,6 +680,8 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
         raise BadInput("--limit applies to --requests and --samples only")
     Figure = _figure_class() if plot else None  # fail before any output when matplotlib is missing
 
+    if file.endswith(".json"):  # a sweep summary: metric vs checkpoint
+        return _inspect_sweep(file, task, plot, Figure)
     run = load(file)
     if task is not None:
         run.task(task)
@@ -720,6 +723,26 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
         click.echo(f"mpitp: wrote {plot}", err=True)
     if failure:
         raise Negative(failure)
+
+
+def _inspect_sweep(path: str, task: str | None, plot: str | None, Figure) -> None:
+    """``mpitp inspect sweep-summary.json [--plot out.png]``: the sweep's table; the plot draws metric vs checkpoint
+    with lm-eval's stderr as error bars."""
+    from .sweep import Row, plot_summary, render_summary
+
+    _check_path(path)
+    try:
+        with open(path) as f:
+            rows = [Row(**r) for r in json.load(f)["checkpoints"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"{path} is not a sweep summary ({_one_line(exc)})") from None
+    click.echo(render_summary(rows, path))
+    if plot:
+        try:
+            plot_summary(path, plot, Figure, task)
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"--plot {plot}: {_one_line(exc)}") from None
+        click.echo(f"mpitp: wrote {plot}", err=True)
 
 
 @inspect_command.command("diff", context_settings=CONTEXT)

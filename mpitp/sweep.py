@@ -429,3 +429,44 @@ def render_summary(rows: list[Row], path: str) -> str:
         lines += [f"  {c['b']} vs {c['a']}: {c['sentence']}" for c in comps if "sentence" in c]
     lines.append(f"summary: {path}")
     return "\n".join(lines)
+
+
+def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
+    """Metric vs checkpoint (one panel per task and metric, lm-eval's stderr as error bars) from a sweep summary.
+    Returns the number of panels drawn."""
+    import math
+
+    with open(path) as f:
+        rows = [r for r in json.load(f)["checkpoints"] if r.get("metrics")]
+    keys: list[tuple[str, str]] = []
+    for r in rows:
+        for t, m in r["metrics"].items():
+            for k in m:
+                if "," in k and "_stderr" not in k and (t, k) not in keys and (task is None or t == task):
+                    keys.append((t, k))
+    if not keys:
+        raise ValueError(f"{path}: no metrics of evaluated checkpoints to plot")
+    ncols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig = Figure(figsize=(5 * ncols, 3.6 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, (t, k) in zip(axes, keys):
+        metric, _, filt = k.partition(",")
+        xs, ys, es, names = [], [], [], []
+        for i, r in enumerate(rows):
+            v = r["metrics"].get(t, {}).get(k)
+            if isinstance(v, (int, float)):
+                e = r["metrics"][t].get(f"{metric}_stderr,{filt}")
+                xs.append(i)
+                ys.append(float(v))
+                es.append(float(e) if isinstance(e, (int, float)) else float("nan"))
+                names.append(r["name"])
+        ax.errorbar(xs, ys, yerr=[0.0 if math.isnan(e) else e for e in es], marker="o", capsize=4)
+        ax.set_xticks(xs, names, rotation=45 if len(xs) > 4 else 0, ha="right" if len(xs) > 4 else "center",
+                      fontsize=8)
+        ax.set_title(f"{t}: {metric}" + ("" if filt == "none" else f" [{filt}]"), fontsize=9)
+    for extra in axes[len(keys):]:
+        extra.set_axis_off()
+    fig.suptitle(f"sweep: {os.path.dirname(os.path.abspath(path))}")
+    fig.savefig(out, dpi=120)
+    return len(keys)

@@ -214,3 +214,49 @@ def test_job_file_models_field(tmp_path):
     job.write_text("runs:\n  - name: s\n    models: [a, b]\n    tasks: [t]\n    output: one.h5\n")
     with pytest.raises(JobFileError, match=r"field 'output': a sweep \('models'\) writes one file per checkpoint"):
         load_job(job)
+
+
+def test_inspect_sweep_summary_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from click.testing import CliRunner
+
+    from mpitp.inspect import inspect_command
+    from mpitp.sweep import Row, plot_summary, write_summary
+
+    rows = [Row(f"ck/step-{i}", f"step-{i}", str(tmp_path / f"step-{i}.h5"), "complete", wall_s=1.0,
+                metrics={"t": {"acc,none": 0.5 + 0.1 * i, "acc_stderr,none": 0.05, "sample_len": 10}})
+            for i in (1, 2, 3)] + [Row("ck/bad", "bad", str(tmp_path / "bad.h5"), "failed", error="boom")]
+    path = tmp_path / "sweep-summary.json"
+    write_summary(str(path), rows, 3.0)
+    r = CliRunner().invoke(inspect_command, [str(path), "--plot", str(tmp_path / "s.png")], prog_name="mpitp inspect")
+    assert r.exit_code == 0, r.output
+    assert "sweep: 3/4 checkpoints ok" in r.output and "bad: boom" in r.output
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+    class Recording:  # the real drawing above; here what was drawn
+        def __init__(self, **kw):
+            from matplotlib.figure import Figure
+
+            self.fig = Figure(**kw)
+            self.calls = []
+
+        def subplots(self, *a, **kw):
+            axes = self.fig.subplots(*a, **kw)
+            for ax in axes.ravel():
+                ax.errorbar = self._recorded(ax.errorbar)
+            return axes
+
+        def _recorded(self, errorbar):
+            def call(x, y, yerr=None, **kw):
+                self.calls.append((x, y, yerr))
+                return errorbar(x, y, yerr=yerr, **kw)
+
+            return call
+
+        def __getattr__(self, name):
+            return getattr(self.fig, name)
+
+    made = []
+    assert plot_summary(str(path), str(tmp_path / "t.png"), lambda **kw: made.append(Recording(**kw)) or made[-1]) == 1
+    (xs, ys, errs), = made[0].calls
+    assert xs == [0, 1, 2] and ys == pytest.approx([0.6, 0.7, 0.8]) and errs == [0.05] * 3
