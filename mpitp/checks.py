@@ -122,9 +122,8 @@ def check_output(cfg) -> str:
 
 def check_resumable(path: str, cfg) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
-    from .results import open_h5
-
     from .fingerprint import resume_differences
+    from .results import open_h5
 
     try:
         with open_h5(path) as f:

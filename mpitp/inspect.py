@@ -3,7 +3,9 @@
 Two forms share one entry point, :data:`inspect_command`:
 
 - ``mpitp inspect FILE [--task T] [--requests | --samples | --json | --csv] [--limit N] [--plot out.png]``
-- ``mpitp inspect diff A.h5 B.h5 [--atol 1e-6] [--rtol 1e-5]``
+- ``mpitp inspect diff A.h5 B.h5 [--atol 1e-6] [--rtol 1e-5] [--bootstrap-iters 10000]`` (with paired tests of B
+  against A on the per-document scores: :mod:`mpitp.compare`)
+- ``mpitp inspect sweep-summary.json [--plot out.png]`` (a sweep's summary: :mod:`mpitp.sweep`)
 
 Exit status: 0 success; 1 "the answer is no" (``diff`` found differences, ``--json`` on a file whose run has not
 finished, ``--samples`` where none were logged); 2 bad input (missing, unreadable or non-mpitp file, bad option
