@@ -165,7 +165,8 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
-                    task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None):
+                    task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None,
+                    encode_cache: dict | None = None):
     """The one evaluation path (CLI, job files and :func:`mpitp.evaluate`) for a model already on this rank.
 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
@@ -188,6 +189,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
 
         lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.batch_size, max_length=cfg.max_length,
                      trust_remote_code=cfg.trust_remote_code)
+        lm.encode_cache = encode_cache  # token ids shared by a sweep's checkpoints with one tokenizer
         try:
             if lay.is_root:
                 tm = task_manager or task_manager_for(cfg)

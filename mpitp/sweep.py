@@ -3,9 +3,9 @@
 ``mpitp eval --model 'ckpts/step-*'`` (a glob, a comma list, or both) and ``--watch DIR`` come here. What a launch
 per checkpoint pays again and again is paid once: MPI start-up, the torch world of each replica, importing torch,
 transformers and lm-eval, lm-eval's task index (``TaskManager``) and the tasks themselves (datasets read, documents
-and prompts built: ``TaskManager.load`` is memoised for the sweep). Per checkpoint remain the weights and lm-eval's
-request building and tokenisation (prompts do not depend on the tokenizer, token ids do: a checkpoint with another
-tokenizer simply tokenises with its own).
+and prompts built: ``TaskManager.load`` is memoised for the sweep) and the token ids of every prompt, once per
+tokenizer (``MPITPLM.encode_cache``, keyed by the hash of the tokenizer's files: a checkpoint with another tokenizer
+tokenises with its own). Per checkpoint remain the weights and lm-eval's request building (prompt rendering).
 
 Each checkpoint gets its own results file, exactly as a separate ``mpitp eval`` would write it (same identity, so
 ``--resume`` works per file; with ``--resume`` a file already ``complete`` for the same checkpoint is skipped without
@@ -119,6 +119,17 @@ class SweepState:
 
     keep: dict = field(default_factory=dict)
     prefetch: threading.Thread | None = None
+    encode_caches: dict = field(default_factory=dict)  # tokenizer fingerprint -> {prompt: token ids}
+    encodings_reused: int = 0  # cached token encodings available when the last checkpoint started
+
+
+def tokenizer_key(cfg) -> str | None:
+    """The files of the checkpoint's tokenizer (hashed): checkpoints with equal files share token ids."""
+    from .fingerprint import local_dir, tokenizer_files
+
+    d = local_dir(cfg.tokenizer or cfg.model, cfg.revision if not cfg.tokenizer else None)
+    files = tokenizer_files(d) if d else {}
+    return json.dumps(files, sort_keys=True) if files else None
 
 
 def memoize_task_loading(tm) -> None:
@@ -240,8 +251,11 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     model = _load_everywhere(cfg, rt)
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
     state.prefetch = start_prefetch(next_model, rt)
+    key = tokenizer_key(cfg)
+    cache = state.encode_caches.setdefault(key, {}) if key is not None else None
+    state.encodings_reused = len(cache or {})
     res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
-                          t_start=t_start)
+                          t_start=t_start, encode_cache=cache)
     ref = weakref.ref(model)
     del model
     released = ref() is None  # freed by reference counting alone: nothing of the run still holds it
@@ -311,6 +325,8 @@ def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str],
             rows.append(Row(model, name, out, "complete", wall_s=time.perf_counter() - t0,
                             metrics=_metrics_of(res)))
             if rt.world.rank == 0:
+                log.info("%s: tokenizer: %s", model, f"{state.encodings_reused} token encodings reused from earlier "
+                         "checkpoints" if state.encodings_reused else "tokenised afresh")
                 if released:
                     log.info("%s: model released before the next checkpoint", model)
                 else:

@@ -1,8 +1,9 @@
 """Checkpoint sweeps and watch mode under a real ``mpiexec``.
 
 Checkpoints are made from ../shared: ``step-1`` is stories260K with perturbed weights, ``step-2`` a tiny random Llama
-with the GPT-2 tokenizer (another tokenizer: its own tokenisation), ``step-10`` stories260K with a truncated
-safetensors file (fails to load). Natural order puts step-10 last.
+with the GPT-2 tokenizer (another tokenizer: its own tokenisation), ``step-3`` stories260K perturbed otherwise (the
+tokenizer of step-1: its token ids come from the sweep's cache), ``step-10`` stories260K with a truncated safetensors
+file (fails to load). Natural order puts step-10 last.
 """
 
 from __future__ import annotations
@@ -69,27 +70,30 @@ def setup(tmp_path_factory, shared_dir):
     ck = d / "ckpts"
     perturbed_stories(shared_dir, ck / "step-1", 0)
     gpt2_tiny_llama(shared_dir, ck / "step-2")
+    perturbed_stories(shared_dir, ck / "step-3", 3)
     broken = _copy_dir(shared_dir / "models" / "stories260K", ck / "step-10")
     with open(broken / "model.safetensors", "r+b") as f:
         f.truncate(4000)
     return dict(dir=d, ckpts=ck, tasks=demo_tasks_dir())
 
 
-def test_sweep_over_three_checkpoints(setup):
+def test_sweep_over_checkpoints_with_two_tokenizers_and_a_broken_one(setup):
     d, ck = setup["dir"], setup["ckpts"]
     out = d / "out"
     common = ["--include-path", setup["tasks"], "--tasks", TASKS, "--limit", "4"]
     proc = run_mpi(2, ["eval", "--model", f"{ck}/step-*", *common, "--output", f"{out}/"], timeout=900, cwd=str(d))
     assert proc.returncode == 1, explain(proc)  # one checkpoint failed: the sweep says so, after finishing the rest
-    assert "sweep: 2/3 checkpoints ok" in proc.stdout, explain(proc)
+    assert "sweep: 3/4 checkpoints ok" in proc.stdout, explain(proc)
     summary = json.loads((out / "sweep-summary.json").read_text())
     rows = summary["checkpoints"]
-    assert [r["name"] for r in rows] == ["step-1", "step-2", "step-10"]  # natural order
-    assert [r["status"] for r in rows] == ["complete", "complete", "failed"]
-    assert "SafetensorError" in rows[2]["error"] and not (out / "step-10.h5").exists()
-    for name in ("step-1", "step-2"):
+    assert [r["name"] for r in rows] == ["step-1", "step-2", "step-3", "step-10"]  # natural order
+    assert [r["status"] for r in rows] == ["complete", "complete", "complete", "failed"]
+    assert "SafetensorError" in rows[3]["error"] and not (out / "step-10.h5").exists()
+    for name in ("step-1", "step-2", "step-3"):
         assert f"{ck}/{name}: model released before the next checkpoint" in proc.stderr, explain(proc)
     assert "still referenced" not in proc.stderr
+    assert f"{ck}/step-2: tokenizer: tokenised afresh" in proc.stderr  # GPT-2's: nothing to reuse
+    assert f"{ck}/step-3: tokenizer: " in proc.stderr and " token encodings reused from earlier" in proc.stderr
 
     with h5py.File(out / "step-1.h5") as f1, h5py.File(out / "step-2.h5") as f2:
         assert f1.attrs["status"] == f2.attrs["status"] == "complete"
@@ -99,19 +103,20 @@ def test_sweep_over_three_checkpoints(setup):
     assert list(r1["args_hash"]) == list(r2["args_hash"])  # the same requests ...
     assert list(r1["n_tokens"]) != list(r2["n_tokens"])  # ... tokenised by each checkpoint's own tokenizer
     comps = summary["comparisons"]
-    assert comps and all(c["a"] == "step-1" and c["b"] == "step-2" for c in comps)
+    assert comps and {(c["a"], c["b"]) for c in comps} == {("step-1", "step-2"), ("step-2", "step-3")}
     assert any(c["metric"] == "acc,none" and c["test"].startswith("McNemar") for c in comps)
 
-    # the second checkpoint of the sweep (tasks reused from the first) equals a separate launch
+    # step-3 (loaded tasks and token ids reused from step-1) equals a separate launch
     sep = d / "separate.h5"
-    proc = run_mpi(2, ["eval", "--model", str(ck / "step-2"), *common, "--output", str(sep)], timeout=600,
+    proc = run_mpi(2, ["eval", "--model", str(ck / "step-3"), *common, "--output", str(sep)], timeout=600,
                    cwd=str(d))
     assert proc.returncode == 0, explain(proc)
     for task in TASKS.split(","):
-        assert read_metrics(str(sep), task) == read_metrics(str(out / "step-2.h5"), task)
-        a, b = read_requests(str(sep), task), read_requests(str(out / "step-2.h5"), task)
+        assert read_metrics(str(sep), task) == read_metrics(str(out / "step-3.h5"), task)
+        a, b = read_requests(str(sep), task), read_requests(str(out / "step-3.h5"), task)
         assert list(a["args_hash"]) == list(b["args_hash"])
         assert list(a["loglikelihood"]) == list(b["loglikelihood"])
+        assert list(a["n_tokens"]) == list(b["n_tokens"])
 
     # rerun with --resume: both complete files are skipped without loading, the broken one fails again
     proc = run_mpi(2, ["eval", "--model", f"{ck}/step-1,{ck}/step-2", *common, "--output", f"{out}/", "--resume"],
