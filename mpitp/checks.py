@@ -122,17 +122,20 @@ def check_output(cfg) -> str:
 
 def check_resumable(path: str, cfg) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
+    from .fingerprint import resume_differences
     from .results import open_h5
 
     try:
         with open_h5(path) as f:
             stored = json.loads(f.attrs["config_json"])
+            on_disk = json.loads(f.attrs["fingerprint_json"]) if "fingerprint_json" in f.attrs else None
     except (OSError, KeyError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UsageError(f"cannot resume {path}: not an mpitp results file ({reason})") from None
     now = json.loads(json.dumps(cfg.identity()))
     diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
              if stored.get(k) != now.get(k)]
+    diffs += resume_differences(on_disk, stored, now, cfg)
     if diffs:
         raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
 
@@ -204,8 +207,9 @@ def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
         raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
                          "KV cache (it passes use_cache=True itself)")
     _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
-    keep["include"] = offline_include(cfg)
-    keep["task_manager"] = check_tasks(cfg.tasks, keep["include"], getattr(cfg, "metadata", None))
+    if "task_manager" not in keep:  # a sweep checks its tasks once for every checkpoint (mpitp.sweep)
+        keep["include"] = offline_include(cfg)
+        keep["task_manager"] = check_tasks(cfg.tasks, keep["include"], getattr(cfg, "metadata", None))
     from .lmeval_cli import check_lm_eval_settings
 
     check_lm_eval_settings(cfg)

@@ -54,6 +54,9 @@ def register(cli) -> None:
     cli.add_command(run_command)
     cli.add_command(tasks_command)
     cli.add_command(submit_command)
+    from .rescore import rescore_command
+
+    cli.add_command(rescore_command)
     try:
         from .inspect import inspect_command
     except ImportError:  # pragma: no cover - being written

@@ -55,9 +55,17 @@ def eval_main(argv: list[str]) -> None:
     try:
         if cfg.demo:
             cfg = demo_config(cfg, rt)
+        if opts.get("watch") is not None:
+            from .watch import run_watch
+
+            sys.exit(run_watch(cfg, rt, opts["watch"], opts["watch_idle"]))
         if not cfg.model:
             raise UsageError("no model given: pass --model hf --model_args pretrained=PATH_OR_ID, --model PATH "
                              "(or --demo)", collective=True)
+        from .sweep import is_sweep, run_sweep
+
+        if is_sweep(cfg.model):
+            sys.exit(run_sweep(cfg, rt))
         if cfg.output is None:
             cfg.output = default_output(cfg)
         run_eval(cfg, rt)

@@ -3,7 +3,9 @@
 Two forms share one entry point, :data:`inspect_command`:
 
 - ``mpitp inspect FILE [--task T] [--requests | --samples | --json | --csv] [--limit N] [--plot out.png]``
-- ``mpitp inspect diff A.h5 B.h5 [--atol 1e-6] [--rtol 1e-5]``
+- ``mpitp inspect diff A.h5 B.h5 [--atol 1e-6] [--rtol 1e-5] [--bootstrap-iters 10000]`` (with paired tests of B
+  against A on the per-document scores: :mod:`mpitp.compare`)
+- ``mpitp inspect sweep-summary.json [--plot out.png]`` (a sweep's summary: :mod:`mpitp.sweep`)
 
 Exit status: 0 success; 1 "the answer is no" (``diff`` found differences, ``--json`` on a file whose run has not
 finished, ``--samples`` where none were logged); 2 bad input (missing, unreadable or non-mpitp file, bad option
@@ -602,6 +604,21 @@ def render_diff(a: RunFile, b: RunFile, diffs: list[TaskDiff], only: list[tuple[
     return "\n".join(lines), differ
 
 
+def render_statistics(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed: int) -> str:
+    """Paired tests of B against A per task and metric (:mod:`mpitp.compare`)."""
+    from .compare import compare_files, render
+
+    higher = {}
+    for run in (a, b):
+        for task, h in ((run.results_json or {}).get("higher_is_better") or {}).items():
+            higher.setdefault(task, h)
+    try:
+        comparisons = compare_files(a.path, b.path, tasks, iters=iters, seed=seed, higher=higher)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise BadInput(f"per-document scores: {_one_line(exc)}") from None
+    return render(comparisons) or "no tasks to compare"
+
+
 # --------------------------------------------------------------------------------------------------------- CLI
 
 
@@ -663,6 +680,7 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
     mpitp inspect FILE --task T --requests     request rows (--limit N)
     mpitp inspect FILE --task T --samples      logged samples (--limit N)
     mpitp inspect diff A.h5 B.h5               compare two runs (see diff --help)
+    mpitp inspect sweep-summary.json --plot P  a sweep: metric vs checkpoint with error bars
 
     Exit status: 0 ok; 1 --json of an unfinished run, or no samples logged; 2 bad input.
     """
@@ -680,6 +698,8 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
         raise BadInput("--limit applies to --requests and --samples only")
     Figure = _figure_class() if plot else None  # fail before any output when matplotlib is missing
 
+    if file.endswith(".json"):  # a sweep summary: metric vs checkpoint
+        return _inspect_sweep(file, task, plot, Figure)
     run = load(file)
     if task is not None:
         run.task(task)
@@ -723,6 +743,26 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
         raise Negative(failure)
 
 
+def _inspect_sweep(path: str, task: str | None, plot: str | None, Figure) -> None:
+    """``mpitp inspect sweep-summary.json [--plot out.png]``: the sweep's table; the plot draws metric vs checkpoint
+    with lm-eval's stderr as error bars."""
+    from .sweep import Row, plot_summary, render_summary
+
+    _check_path(path)
+    try:
+        with open(path) as f:
+            rows = [Row(**r) for r in json.load(f)["checkpoints"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"{path} is not a sweep summary ({_one_line(exc)})") from None
+    click.echo(render_summary(rows, path))
+    if plot:
+        try:
+            plot_summary(path, plot, Figure, task)
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"--plot {plot}: {_one_line(exc)}") from None
+        click.echo(f"mpitp: wrote {plot}", err=True)
+
+
 @inspect_command.command("diff", context_settings=CONTEXT)
 @click.argument("a", metavar="A.h5")
 @click.argument("b", metavar="B.h5")
@@ -732,17 +772,26 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
               help="Relative tolerance (of B's value).")
 @click.option("--show", type=click.IntRange(min=0), default=10, show_default=True,
               help="Differing requests listed per task.")
-def diff_command(a, b, atol, rtol, show):
+@click.option("--bootstrap-iters", type=click.IntRange(min=0), default=10000, show_default=True,
+              help="Paired bootstrap resamples per metric (0: no statistics).")
+@click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the bootstrap resampling.")
+def diff_command(a, b, atol, rtol, show, bootstrap_iters, seed):
     """Compare two results files: metrics, and each request's loglikelihood, is_greedy and generation, matched by
     (task, doc_id, idx) whatever order the rows were stored in.
 
     Floats match when |a - b| <= atol + rtol * |b|; generations and is_greedy must be equal; a task or request
     present in one file only is a difference. Exit status 0 when the files agree, 1 when they differ, 2 on bad
     input.
+
+    Then, per task and metric, B - A with paired tests on the per-document scores (paired bootstrap CI and
+    p-value; McNemar for 0/1 metrics), so "B is better than A" comes with a confidence. The statistics do not
+    change the exit status.
     """
     ra, rb = load(a), load(b)
     diffs, only = diff_runs(ra, rb, atol, rtol)
     text, differ = render_diff(ra, rb, diffs, only, atol, rtol, show)
     click.echo(text)
+    if bootstrap_iters:
+        click.echo("\n" + render_statistics(ra, rb, [d.task for d in diffs], bootstrap_iters, seed))
     if differ:
         raise Negative(f"{a} and {b} differ")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import math
 import os
 import re
@@ -234,9 +235,18 @@ def _batch_size(v: Any) -> int | str:
     raise _Bad(f"expected a positive integer, 'auto' or 'auto:N', got {_show(v)}")
 
 
+def _models(v: Any) -> tuple[str, ...]:
+    """A sweep: a list of checkpoints (paths, globs) or one string (a glob or comma list)."""
+    items = [p.strip() for p in v.split(",")] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(p, str) and p.strip() for p in items):
+        raise _Bad(f"expected a list of model paths or globs, or a glob string, got {_show(v)}")
+    return tuple(p.strip() for p in items)
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "name": _name,
     "model": _string,
+    "models": _models,
     "tasks": _tasks,
     "tokenizer": _string,
     "revision": _string,
@@ -425,6 +435,12 @@ def load_job(path: str | os.PathLike[str]) -> Job:
             return fail(label, field, msg, index, name)
 
         merged = {**defaults, **raw}
+        if "models" in merged:  # a sweep (mpitp.sweep): one run, one results file per checkpoint
+            if "model" in merged:
+                raise run_fail("models", "give either 'model' or 'models', not both")
+            merged["model"] = ",".join(
+                os.path.normpath(base / _expand(m)) if glob.has_magic(m) else _resolve("model", m, base)
+                for m in _check_field("models", merged.pop("models"), run_fail))
         if "name" in raw:
             name = _check_field("name", raw["name"], run_fail)
         else:  # best effort, so later messages can name the run
@@ -449,7 +465,11 @@ def load_job(path: str | os.PathLike[str]) -> Job:
                 raise run_fail("model_args", str(exc)) from None
             values["lm_eval"] = MappingProxyType(extras)
         values["name"] = name
-        values.setdefault("output", f"results/{name}.h5")
+        sweep = "," in values["model"] or glob.has_magic(values["model"])
+        values.setdefault("output", f"results/{name}/{{name}}.h5" if sweep else f"results/{name}.h5")
+        if sweep and "{name}" not in values["output"]:
+            raise run_fail("output", f"a sweep ('models') writes one file per checkpoint: use a pattern with "
+                                     f"{{name}}, e.g. results/{name}/{{name}}.h5")
         for field in _PATH_FIELDS + _MAYBE_PATH_FIELDS:
             if values.get(field) is not None:
                 try:

@@ -109,8 +109,16 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
                 from .evalcmd import demo_config
 
                 cfg = demo_config(cfg, rt)
-            run_eval(cfg, rt)
-            summary.append((spec.name, spec.tp, "complete", time.perf_counter() - t0, spec.output))
+            status = "complete"
+            from .sweep import is_sweep, run_sweep
+
+            if is_sweep(cfg.model):  # models: one file per checkpoint; complete ones skipped, running ones resumed
+                cfg.resume, cfg.overwrite = True, False
+                if run_sweep(cfg, rt):
+                    status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)"
+            else:
+                run_eval(cfg, rt)
+            summary.append((spec.name, spec.tp, status, time.perf_counter() - t0, spec.output))
         except UsageError as exc:
             if not exc.collective:
                 raise

@@ -78,6 +78,21 @@ class MPITPLM(HFLM):
         self.seed = 1234  # base of the per-request sampling seeds (lm-eval's default torch seed; --seed sets it)
         self.auto = None  # a mpitp.batchsize.AutoBatch with --batch_size auto
         self._instances = None
+        self.encode_cache: dict | None = None  # a sweep shares one among checkpoints with the same tokenizer
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        """``HFLM.tok_encode``, memoised when :attr:`encode_cache` is set (:mod:`mpitp.sweep`): a sweep's
+        checkpoints with the same tokenizer tokenise each prompt once."""
+        if self.encode_cache is None or kwargs:
+            return super().tok_encode(string, add_special_tokens=add_special_tokens,
+                                      left_truncate_len=left_truncate_len, **kwargs)
+        key = (string, add_special_tokens, left_truncate_len, self.add_bos_token)
+        hit = self.encode_cache.get(key)
+        if hit is None:
+            hit = self.encode_cache[key] = super().tok_encode(string, add_special_tokens=add_special_tokens,
+                                                              left_truncate_len=left_truncate_len)
+        return list(hit)
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
     def loglikelihood(self, requests, disable_tqdm: bool = False):

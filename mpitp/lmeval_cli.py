@@ -108,7 +108,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 MPITP_DESTS = ("tp", "pp", "threads", "timeout", "log_all_ranks", "output", "resume", "overwrite", "data_dir",
-               "demo", "bootstrap_iters", "tokenizer", "revision", "dtype", "max_length", "skip_head_check")
+               "demo", "bootstrap_iters", "tokenizer", "revision", "dtype", "max_length", "skip_head_check",
+               "watch", "watch_idle")
 
 
 def _positive_float(value: str) -> float:
@@ -185,6 +186,11 @@ def _add_mpitp_options(p: argparse.ArgumentParser) -> None:
                    help="Do not compare the vocab-parallel head with the model's own logits on a probe after loading "
                         "(saves one small forward; risks wrong log-likelihoods for a model whose forward changes its "
                         "logits in a way mpitp does not apply).")
+    g = p.add_argument_group("mpitp: checkpoint sweeps (--model 'ckpts/step-*' or a comma list evaluates each)")
+    g.add_argument("--watch", default=None, metavar="DIR",
+                   help="Evaluate checkpoints (subdirectories of DIR) as they appear; resumable.")
+    g.add_argument("--watch-idle", type=_positive_float, default=600.0,
+                   help="With --watch: stop after this many seconds without a new complete checkpoint (default 600).")
     g = p.add_argument_group("mpitp: model_args shorthands (the same as --model_args key=value)")
     g.add_argument("--tokenizer", default=None, help="model_args tokenizer=")
     g.add_argument("--revision", default=None, help="model_args revision=")
@@ -296,7 +302,8 @@ def parse_eval_args(argv: list[str]):
             raise UsageError(f"--batch_size: {exc}") from None
     cfg = to_eval_config(ec, mine)
     runtime = dict(tp=mine["tp"], pp=mine["pp"], threads=mine["threads"], timeout=mine["timeout"],
-                   log_all_ranks=mine["log_all_ranks"], device=runtime_device(ec.device))
+                   log_all_ranks=mine["log_all_ranks"], device=runtime_device(ec.device), watch=mine["watch"],
+                   watch_idle=mine["watch_idle"])
     return ("run", cfg, runtime, shown.getvalue())
 
 

@@ -25,6 +25,7 @@ Schema (stable; extend, don't break):
 - ``<file>.journal`` beside the file while a run is going (or was killed): the rows landed since the last snapshot,
   in the format of :mod:`mpitp.journal`. Read the file with :func:`load_rows` / :func:`read_requests` (or
   ``mpitp inspect``), which merge both; a finished run (``status`` ``complete``) has no journal.
+- ``/tasks/<task>/doc_scores``: lm-eval's per-document metric values (see :mod:`mpitp.docscores`).
 
 Files are opened with HDF5 file locking off by default: lock failures on Lustre and NFS are a common h5py failure
 on clusters and there is only ever one writer. Set ``MPITP_HDF5_LOCKING=1`` to turn it back on.
@@ -126,7 +127,7 @@ class ResultWriter:
     # ------------------------------------------------------------------ state (touched by the writer thread only)
     def _task(self, task: str) -> dict:
         return self.tasks.setdefault(task, {"attrs": {}, "metrics": {}, "rows": {k: [] for k in REQUEST_FIELDS},
-                                            "samples": None})
+                                            "samples": None, "doc_scores": None})
 
     def _load(self, path: str) -> None:
         attrs, tasks = load_rows(path, with_task_attrs=True)
@@ -245,6 +246,11 @@ class ResultWriter:
         self._check()
         self._queue.put(op)
 
+    def write_doc_scores(self, task: str, scores) -> None:
+        """lm-eval's per-document metric values (a :class:`mpitp.docscores.DocScores`), written with the file."""
+        self._check()
+        self._queue.put(lambda: self._task(task).__setitem__("doc_scores", scores))
+
     def write_stats(self, per_group: list[dict]) -> None:
         self._check()
         self._queue.put(lambda: setattr(self, "stats", per_group))
@@ -309,6 +315,10 @@ class ResultWriter:
                                        compression="gzip", compression_opts=4)
                 if t["samples"] is not None:
                     g.create_dataset("samples", data=np.asarray(t["samples"], dtype=object), dtype=STR)
+                if t.get("doc_scores") is not None:
+                    from .docscores import write as write_doc_scores
+
+                    write_doc_scores(g, t["doc_scores"])
             if self.stats is not None:
                 st = f.create_group("stats")
                 st.create_dataset("dp_rank", data=np.arange(len(self.stats), dtype=np.int32))

@@ -142,7 +142,19 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
                 command=" ".join(sys.argv),
                 lm_eval_version=getattr(lm_eval, "__version__", "unknown"), torch_version=torch.__version__,
                 transformers_version=transformers.__version__, mpi_version=mpi_library_version(),
-                config_json=json.dumps(cfg.identity(), sort_keys=True))
+                config_json=json.dumps(cfg.identity(), sort_keys=True), **_extra_metadata(cfg))
+
+
+def _extra_metadata(cfg: EvalConfig) -> dict:
+    """What is on disk (weights, tokenizer, library versions: the rest of the resume identity, see
+    :mod:`mpitp.fingerprint`) and the whole configuration (so ``mpitp rescore`` can rebuild the tasks: include
+    paths, data directory, bootstrap iterations)."""
+    from dataclasses import asdict
+
+    from .fingerprint import record
+
+    return dict(fingerprint_json=json.dumps(record(cfg.model, cfg.tokenizer, cfg.revision), sort_keys=True),
+                eval_config_json=json.dumps(asdict(cfg), default=str, sort_keys=True))
 
 
 def _result_from_row(row: dict, kind: str):
@@ -228,7 +240,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
                     task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None,
-                    phases: dict | None = None):
+                    phases: dict | None = None, encode_cache: dict | None = None):
     """The one evaluation path (CLI, job files and :func:`mpitp.evaluate`) for a model already on this rank.
 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
@@ -262,6 +274,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
             lm.auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
                                 cfg.max_batch_size)
             lm.batch_sizes = lm.auto.chosen
+        lm.encode_cache = encode_cache  # token ids shared by a sweep's checkpoints with one tokenizer
         # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
         if lay.is_root:
@@ -505,10 +518,12 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
 
         kwargs.update(enable(cfg, tm, tokenizer_name))
     kwargs.update(extra)
+    from .docscores import capture
+
     env_info = _EnvInfoEarly()
     try:
         clock.t_eval = time.perf_counter()
-        with env_info:
+        with env_info, capture() as doc_scores:
             res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
         clock.eval_done()
     except BaseException:
@@ -521,10 +536,12 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
     finally:
         progress.close()
     dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
+    lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
     stall_hook("post_processing")
     as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, rt.layout), device=rt.device,
                    loggers=loggers)
-    return {"results": res, "writer": writer, "phases": clock.phases, "cfg": cfg, "loggers": loggers}
+    return {"results": res, "writer": writer, "phases": clock.phases, "cfg": cfg, "loggers": loggers,
+            "doc_scores": doc_scores}
 
 
 def _multiturn(cfg) -> bool | None:
@@ -555,6 +572,8 @@ def _finish_root(state, all_stats, wall: float, head_check_s: float | None = Non
                                          num_fewshot=res.get("n-shot", {}).get(task, 0),
                                          n_docs=n.get("effective", n.get("original", 0))), metrics,
                               samples=res.get("samples", {}).get(task))
+            if task in state.get("doc_scores", {}):
+                writer.write_doc_scores(task, state["doc_scores"][task])
         writer.write_stats(all_stats)
         serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
                                             "n-samples", "config", "groups", "group_subtasks") if k in res}

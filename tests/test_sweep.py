@@ -1,0 +1,267 @@
+"""Checkpoint sweeps and watch mode under a real ``mpiexec``.
+
+Checkpoints are made from ../shared: ``step-1`` is stories260K with perturbed weights, ``step-2`` a tiny random Llama
+with the GPT-2 tokenizer (another tokenizer: its own tokenisation), ``step-3`` stories260K perturbed otherwise (the
+tokenizer of step-1: its token ids come from the sweep's cache), ``step-10`` stories260K with a truncated safetensors
+file (fails to load). Natural order puts step-10 last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from conftest import OFFLINE_ENV, explain, mpiexec_path, run_mpi
+
+from mpitp.results import read_metrics, read_requests
+
+TASKS = "mpitp_demo_mc,mpitp_demo_ppl"
+
+
+def _copy_dir(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, dst / f.name)
+    return dst
+
+
+def perturbed_stories(shared: Path, dst: Path, seed: int) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _copy_dir(shared / "models" / "stories260K", dst)
+    tensors = load_file(dst / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors.values():
+        t.add_(torch.randn(t.shape, generator=g) * 0.01 * t.float().std())
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def gpt2_tiny_llama(shared: Path, dst: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=50257, max_position_embeddings=512, bos_token_id=50256,
+                      eos_token_id=50256)
+    LlamaForCausalLM(cfg).save_pretrained(dst)
+    for f in (shared / "tokenizers" / "gpt2").iterdir():
+        if f.name not in ("config.json", "SOURCE.txt"):
+            shutil.copyfile(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shared_dir):
+    from mpitp.demo import demo_tasks_dir
+
+    d = tmp_path_factory.mktemp("sweep")
+    ck = d / "ckpts"
+    perturbed_stories(shared_dir, ck / "step-1", 0)
+    gpt2_tiny_llama(shared_dir, ck / "step-2")
+    perturbed_stories(shared_dir, ck / "step-3", 3)
+    broken = _copy_dir(shared_dir / "models" / "stories260K", ck / "step-10")
+    with open(broken / "model.safetensors", "r+b") as f:
+        f.truncate(4000)
+    return dict(dir=d, ckpts=ck, tasks=demo_tasks_dir())
+
+
+def test_sweep_over_checkpoints_with_two_tokenizers_and_a_broken_one(setup):
+    d, ck = setup["dir"], setup["ckpts"]
+    out = d / "out"
+    common = ["--include-path", setup["tasks"], "--tasks", TASKS, "--limit", "4"]
+    proc = run_mpi(2, ["eval", "--model", f"{ck}/step-*", *common, "--output", f"{out}/"], timeout=900, cwd=str(d))
+    assert proc.returncode == 1, explain(proc)  # one checkpoint failed: the sweep says so, after finishing the rest
+    assert "sweep: 3/4 checkpoints ok" in proc.stdout, explain(proc)
+    summary = json.loads((out / "sweep-summary.json").read_text())
+    rows = summary["checkpoints"]
+    assert [r["name"] for r in rows] == ["step-1", "step-2", "step-3", "step-10"]  # natural order
+    assert [r["status"] for r in rows] == ["complete", "complete", "complete", "failed"]
+    assert "SafetensorError" in rows[3]["error"] and not (out / "step-10.h5").exists()
+    for name in ("step-1", "step-2", "step-3"):
+        assert f"{ck}/{name}: model released before the next checkpoint" in proc.stderr, explain(proc)
+    assert "still referenced" not in proc.stderr
+    assert f"{ck}/step-2: tokenizer: tokenised afresh" in proc.stderr  # GPT-2's: nothing to reuse
+    assert f"{ck}/step-3: tokenizer: " in proc.stderr and " token encodings reused from earlier" in proc.stderr
+
+    with h5py.File(out / "step-1.h5") as f1, h5py.File(out / "step-2.h5") as f2:
+        assert f1.attrs["status"] == f2.attrs["status"] == "complete"
+        assert f2.attrs["tokenizer"].endswith("step-2") and f1.attrs["tokenizer"].endswith("step-1")
+    r1 = read_requests(str(out / "step-1.h5"), "mpitp_demo_ppl")
+    r2 = read_requests(str(out / "step-2.h5"), "mpitp_demo_ppl")
+    assert list(r1["args_hash"]) == list(r2["args_hash"])  # the same requests ...
+    assert list(r1["n_tokens"]) != list(r2["n_tokens"])  # ... tokenised by each checkpoint's own tokenizer
+    comps = summary["comparisons"]
+    assert comps and {(c["a"], c["b"]) for c in comps} == {("step-1", "step-2"), ("step-2", "step-3")}
+    assert any(c["metric"] == "acc,none" and c["test"].startswith("McNemar") for c in comps)
+
+    # step-3 (loaded tasks and token ids reused from step-1) equals a separate launch
+    sep = d / "separate.h5"
+    proc = run_mpi(2, ["eval", "--model", str(ck / "step-3"), *common, "--output", str(sep)], timeout=600,
+                   cwd=str(d))
+    assert proc.returncode == 0, explain(proc)
+    for task in TASKS.split(","):
+        assert read_metrics(str(sep), task) == read_metrics(str(out / "step-3.h5"), task)
+        a, b = read_requests(str(sep), task), read_requests(str(out / "step-3.h5"), task)
+        assert list(a["args_hash"]) == list(b["args_hash"])
+        assert list(a["loglikelihood"]) == list(b["loglikelihood"])
+        assert list(a["n_tokens"]) == list(b["n_tokens"])
+
+    # rerun with --resume: both complete files are skipped without loading, the broken one fails again
+    proc = run_mpi(2, ["eval", "--model", f"{ck}/step-1,{ck}/step-2", *common, "--output", f"{out}/", "--resume"],
+                   timeout=600, cwd=str(d))
+    assert proc.returncode == 0, explain(proc)
+    rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
+    assert [r["status"] for r in rows] == ["skipped (complete)"] * 2
+
+
+def test_sweep_bad_output_is_one_line(setup):
+    proc = run_mpi(2, ["eval", "--model", f"{setup['ckpts']}/step-*", "--tasks", "mpitp_demo_mc", "--include-path",
+                       setup["tasks"], "--output", "one.h5"], timeout=120, cwd=str(setup["dir"]))
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "mpitp: error: --output one.h5: a sweep writes one file per checkpoint: give a directory or a pattern with "
+        "{name} (e.g. results/{name}.h5)")
+    proc = run_mpi(2, ["eval", "--model", f"{setup['ckpts']}/nothing-*", "--tasks", "mpitp_demo_mc"], timeout=120,
+                   cwd=str(setup["dir"]))
+    assert proc.returncode == 2 and "matches no directory" in proc.stderr.strip().splitlines()[-1], explain(proc)
+
+
+def _wait_for(pred, timeout: float, proc=None) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return pred()
+        time.sleep(0.5)
+    return False
+
+
+def _complete(path: Path) -> bool:
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            return f.attrs.get("status") == "complete"
+    except OSError:
+        return False
+
+
+def test_watch_picks_up_a_checkpoint_written_during_the_run(setup, shared_dir):
+    d = setup["dir"]
+    watched = d / "watched"
+    watched.mkdir()
+    perturbed_stories(shared_dir, watched / "a", 1)
+    out = d / "watch-out"
+    args = [mpiexec_path(), "-n", "1", sys.executable, "-m", "mpitp", "eval", "--watch", str(watched),
+            "--watch-idle", "12", "--include-path", setup["tasks"], "--tasks", "mpitp_demo_mc", "--limit", "3",
+            "--output", f"{out}/{{name}}.h5"]
+    env = {**os.environ, **OFFLINE_ENV}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(d))
+    try:
+        assert _wait_for(lambda: _complete(out / "a.h5"), 400, proc), proc.communicate(timeout=5)
+        # a training job writes step b: weights first, in two parts with a pause, config.json last
+        src = shared_dir / "models" / "stories260K"
+        b = watched / "b"
+        b.mkdir()
+        data = (src / "model.safetensors").read_bytes()
+        with open(b / "model.safetensors", "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(3)
+            f.write(data[len(data) // 2:])
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                     "config.json"):
+            shutil.copyfile(src / name, b / name)
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
+    assert [(r["name"], r["status"]) for r in rows] == [("a", "complete"), ("b", "complete")]
+    with h5py.File(out / "b.h5") as f:  # evaluated from the finished files: its fingerprint is the final one
+        from mpitp.fingerprint import detail
+
+        stored = json.loads(f.attrs["fingerprint_json"])
+        assert {k: stored[k] for k in ("model_files", "tokenizer_files")} == detail(str(b))
+
+    # a restarted watch skips what is done
+    again = [a if a != "12" else "3" for a in args[args.index("eval"):]]  # --watch-idle 3
+    proc = run_mpi(1, again, timeout=300, cwd=str(d))
+    assert proc.returncode == 0, explain(proc)
+    rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
+    assert [(r["name"], r["status"]) for r in rows] == [("a", "skipped (complete)"), ("b", "skipped (complete)")]
+
+
+def test_job_file_models_field(tmp_path):
+    from mpitp.jobfile import JobFileError, load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text("runs:\n  - name: curve\n    models: ['ckpts/step-*', ./final]\n    tasks: [mpitp_demo_mc]\n")
+    (tmp_path / "final").mkdir()
+    spec = load_job(job).runs[0]
+    assert spec.model == f"{tmp_path}/ckpts/step-*,{tmp_path}/final"  # resolved against the job file's folder
+    assert spec.output == f"{tmp_path}/results/curve/{{name}}.h5"
+    job.write_text("runs:\n  - models: a,b\n    model: c\n    tasks: [t]\n")
+    with pytest.raises(JobFileError, match="give either 'model' or 'models', not both"):
+        load_job(job)
+    job.write_text("runs:\n  - name: s\n    models: [a, b]\n    tasks: [t]\n    output: one.h5\n")
+    with pytest.raises(JobFileError, match=r"field 'output': a sweep \('models'\) writes one file per checkpoint"):
+        load_job(job)
+
+
+def test_inspect_sweep_summary_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from click.testing import CliRunner
+
+    from mpitp.inspect import inspect_command
+    from mpitp.sweep import Row, plot_summary, write_summary
+
+    rows = [Row(f"ck/step-{i}", f"step-{i}", str(tmp_path / f"step-{i}.h5"), "complete", wall_s=1.0,
+                metrics={"t": {"acc,none": 0.5 + 0.1 * i, "acc_stderr,none": 0.05, "sample_len": 10}})
+            for i in (1, 2, 3)] + [Row("ck/bad", "bad", str(tmp_path / "bad.h5"), "failed", error="boom")]
+    path = tmp_path / "sweep-summary.json"
+    write_summary(str(path), rows, 3.0)
+    r = CliRunner().invoke(inspect_command, [str(path), "--plot", str(tmp_path / "s.png")], prog_name="mpitp inspect")
+    assert r.exit_code == 0, r.output
+    assert "sweep: 3/4 checkpoints ok" in r.output and "bad: boom" in r.output
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+    class Recording:  # the real drawing above; here what was drawn
+        def __init__(self, **kw):
+            from matplotlib.figure import Figure
+
+            self.fig = Figure(**kw)
+            self.calls = []
+
+        def subplots(self, *a, **kw):
+            axes = self.fig.subplots(*a, **kw)
+            for ax in axes.ravel():
+                ax.errorbar = self._recorded(ax.errorbar)
+            return axes
+
+        def _recorded(self, errorbar):
+            def call(x, y, yerr=None, **kw):
+                self.calls.append((x, y, yerr))
+                return errorbar(x, y, yerr=yerr, **kw)
+
+            return call
+
+        def __getattr__(self, name):
+            return getattr(self.fig, name)
+
+    made = []
+    assert plot_summary(str(path), str(tmp_path / "t.png"), lambda **kw: made.append(Recording(**kw)) or made[-1]) == 1
+    (xs, ys, errs), = made[0].calls
+    assert xs == [0, 1, 2] and ys == pytest.approx([0.6, 0.7, 0.8]) and errs == [0.05] * 3
