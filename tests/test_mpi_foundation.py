@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import OFFLINE_ENV, REPO, explain, run_mpi, run_mpi_script
+from conftest import OFFLINE_ENV, REPO, explain, mpitp_stderr, run_mpi, run_mpi_script
 
 pytestmark = pytest.mark.openmpi  # the MPI layer itself: every test here also runs under Open MPI
 
@@ -132,7 +132,7 @@ def test_info_pp2_tp2_prints_stages_and_the_layer_split(shared_dir):
     bad = run_mpi(4, ["info", "--pp", "4", "--tp", "1", "--model", str(model)], timeout=LAUNCH_TIMEOUT)
     assert bad.returncode == 0, explain(bad)  # 4 stages of 5 layers: fine
     bad = run_mpi(2, ["info", "--pp", "2", "--tp", "2"], timeout=LAUNCH_TIMEOUT)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+    assert bad.returncode == 2 and mpitp_stderr(bad.stderr).strip().splitlines() == [
         "mpitp: error: tp=2 x pp=2 = 4 does not divide world size 2"], explain(bad)
 
 
@@ -140,7 +140,8 @@ def test_info_tp3_on_4_ranks_is_one_usage_error():
     proc = run_mpi(4, ["info", "--tp", "3"], timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 2, explain(proc)
     # Printed once (rank 0), not once per rank, and nothing else.
-    assert proc.stderr.strip().splitlines() == ["mpitp: error: tp=3 does not divide world size 4"], explain(proc)
+    assert mpitp_stderr(proc.stderr).strip().splitlines() == ["mpitp: error: tp=3 does not divide world size 4"], \
+        explain(proc)
     assert proc.stdout.strip() == "", explain(proc)
 
 
