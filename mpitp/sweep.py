@@ -217,7 +217,8 @@ def _load_everywhere(cfg, rt):
             model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision,
                                cfg.trust_remote_code)
         else:
-            model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
+            model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                               **cfg.load_kwargs())
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint is the sweep's business, not a crash
         text = " ".join(str(exc).split()) or type(exc).__name__
         err = f"{type(exc).__name__}: {text[:300]}"
@@ -254,8 +255,13 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     key = tokenizer_key(cfg)
     cache = state.encode_caches.setdefault(key, {}) if key is not None else None
     state.encodings_reused = len(cache or {})
-    res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
-                          t_start=t_start, encode_cache=cache)
+    try:
+        res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
+                              t_start=t_start, encode_cache=cache)
+    finally:
+        claim = keep.pop("claim", None)  # this checkpoint's output (mpitp.claim): the next one claims its own
+        if claim is not None:
+            claim.release()
     ref = weakref.ref(model)
     del model
     released = ref() is None  # freed by reference counting alone: nothing of the run still holds it
@@ -311,7 +317,11 @@ def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str],
     state = state or SweepState()
     rows = [] if rows is None else rows
     for i, (model, out, name) in enumerate(zip(models, outputs, names)):
-        cfg_i = dataclasses.replace(cfg, model=model, output=out, tasks=list(cfg.tasks))
+        model_args = dict(cfg.model_args or {})
+        if "pretrained" in model_args:  # lm-eval's output files name the checkpoint, not the sweep's glob
+            model_args["pretrained"] = model
+        cfg_i = dataclasses.replace(cfg, model=model, output=out, tasks=list(cfg.tasks),
+                                    model_args=model_args or cfg.model_args)
         t0 = time.perf_counter()
         if rt.world.rank == 0:
             log.info("=== checkpoint %d/%d: %s -> %s", i + 1, len(models), model, out)
