@@ -8,8 +8,8 @@ desynchronise the group's collectives. Here instead:
 - every rank of a replica (all its TP ranks and pipeline stages) measures the memory it may use (free device memory,
   or its share of the node's available RAM on CPU) and the replica takes the minimum (:func:`agreed_budget`, one
   MPI all-reduce before the roles split), so the leader's choice fits every rank and workers just follow its batches;
-- rows are batched within power-of-two length buckets, and a bucket's size comes from an estimate of a forward's
-  transient memory per row at its longest row's length (:func:`row_bytes`: hidden states, the TP shard of the
+- rows are batched longest first, each batch as large as its longest row allows by an estimate of a forward's
+  transient memory per row at that length (:func:`row_bytes`: hidden states, the TP shard of the
   attention and MLP activations, attention scores, and for generation the KV-cache shard), capped by
   ``max_batch_size``;
 - so each task, and each length range within a task, gets its own size; ``auto:N`` is accepted and means the same.
@@ -103,9 +103,12 @@ class AutoBatch:
         return self.chosen[key]
 
     def groups(self, lengths: list[int]) -> list[tuple[int, list[int]]]:
-        """``(batch size, indices)`` per power-of-two length bucket, longest bucket first; each bucket sized for its
-        longest row (not the bucket's bound: rows of max_length + 1 tokens would be sized as twice as long)."""
-        by: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            by.setdefault(bucket(n), []).append(i)
-        return [(self.size(max(lengths[i] for i in by[b])), by[b]) for b in sorted(by, reverse=True)]
+        """Batches ``(batch size, indices)``, longest rows first, each as large as its longest (first) row allows:
+        as few forwards as the memory budget permits, and padding as in fixed-size batching (rows sorted by length)."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        out, start = [], 0
+        while start < len(order):
+            size = self.size(lengths[order[start]])
+            out.append((size, order[start : start + size]))
+            start += size
+        return out
