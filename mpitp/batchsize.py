@@ -8,9 +8,10 @@ desynchronise the group's collectives. Here instead:
 - every rank of a replica (all its TP ranks and pipeline stages) measures the memory it may use (free device memory,
   or its share of the node's available RAM on CPU) and the replica takes the minimum (:func:`agreed_budget`, one
   MPI all-reduce before the roles split), so the leader's choice fits every rank and workers just follow its batches;
-- the size for a batch comes from an estimate of a forward's transient memory per row at that row length
-  (:func:`row_bytes`: hidden states, the TP shard of the attention and MLP activations, attention scores, and for
-  generation the KV-cache shard), for the power-of-two length bucket the row falls in, capped by ``max_batch_size``;
+- rows are batched longest first, each batch as large as its longest row allows by an estimate of a forward's
+  transient memory per row at that length (:func:`row_bytes`: hidden states, the TP shard of the
+  attention and MLP activations, attention scores, and for generation the KV-cache shard), capped by
+  ``max_batch_size``;
 - so each task, and each length range within a task, gets its own size; ``auto:N`` is accepted and means the same.
 
 An out-of-memory error in a batch anyway is the engine's retry path (a smaller batch for the whole group).
@@ -27,6 +28,7 @@ DEFAULT_MAX_BATCH_SIZE = 64  # lm-eval's HFLM default
 SAFETY = 2.0  # estimate x SAFETY must fit: allocator slack, temporaries the estimate leaves out
 CPU_SHARE = 0.5  # of a rank's share of the node's available memory (the page cache and peers need the rest)
 GPU_SHARE = 0.85  # of the free device memory after loading
+SIZE_STEP = 64  # sizes are computed for row lengths rounded up to this many tokens (one size per step)
 
 
 def is_auto(batch_size) -> bool:
@@ -92,7 +94,8 @@ class AutoBatch:
         self.chosen: dict[tuple[int, int], int] = {}
 
     def size(self, tokens: int, new_tokens: int = 0) -> int:
-        key = (bucket(tokens), new_tokens)
+        """Rows for a batch whose longest row has ``tokens`` tokens (rounded up to a multiple of 64)."""
+        key = (-(-int(tokens) // SIZE_STEP) * SIZE_STEP, new_tokens)
         if key not in self.chosen:
             need = row_bytes(self.config, self.tp, self.pp, self.dtype_bytes, key[0], new_tokens) * SAFETY
             self.chosen[key] = max(1, min(self.max_batch_size, int(self.budget // max(1.0, need))))
@@ -100,8 +103,12 @@ class AutoBatch:
         return self.chosen[key]
 
     def groups(self, lengths: list[int]) -> list[tuple[int, list[int]]]:
-        """``(batch size, indices)`` per length bucket, longest bucket first."""
-        by: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            by.setdefault(bucket(n), []).append(i)
-        return [(self.size(b), by[b]) for b in sorted(by, reverse=True)]
+        """Batches ``(batch size, indices)``, longest rows first, each as large as its longest (first) row allows:
+        as few forwards as the memory budget permits, and padding as in fixed-size batching (rows sorted by length)."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        out, start = [], 0
+        while start < len(order):
+            size = self.size(lengths[order[start]])
+            out.append((size, order[start : start + size]))
+            start += size
+        return out

@@ -34,16 +34,20 @@ def test_tp_shards_the_estimate():
     assert row_bytes(cfg, 1, 1, 4, 512, new_tokens=64) > row_bytes(cfg, 1, 1, 4, 512)  # the KV cache
 
 
-def test_groups_partition_by_length_bucket():
-    from mpitp.batchsize import AutoBatch, bucket
+def test_batches_longest_first_each_as_large_as_its_longest_row_allows():
+    from mpitp.batchsize import AutoBatch, row_bytes
 
-    assert [bucket(n) for n in (1, 2, 3, 64, 65, 1025)] == [1, 2, 4, 64, 128, 2048]
-    auto = AutoBatch(budget=10**12, config=_config(), tp=1, pp=1, dtype_bytes=4, max_batch_size=8)
-    lengths = [5, 70, 6, 130, 7]
+    cfg = _config()
+    auto = AutoBatch(budget=int(row_bytes(cfg, 1, 1, 4, 192) * 2 * 2.5), config=cfg, tp=1, pp=1, dtype_bytes=4,
+                     max_batch_size=8)
+    lengths = [5, 70, 6, 130, 7, 180, 9, 3, 4, 8, 10, 11, 12]
     groups = auto.groups(lengths)
-    assert [sorted(ix) for _, ix in groups] == [[3], [1], [0, 2, 4]]  # longest bucket first
-    assert all(size == 8 for size, _ in groups)
-    assert set(auto.chosen.values()) == {8}  # recorded as lm-eval's batch_sizes
+    assert sorted(i for _, ix in groups for i in ix) == list(range(len(lengths)))  # every row once
+    first_size, first = groups[0]
+    assert first == [5, 3] and first_size == 2  # the two longest: the budget holds two 192-token rows
+    for size, ix in groups:
+        assert len(ix) <= size <= 8 and size == auto.size(max(lengths[i] for i in ix))
+    assert set(auto.chosen.values()) >= {2, 8}  # recorded as lm-eval's batch_sizes
 
 
 def test_local_budget_on_cpu_is_a_share_of_available_memory():
