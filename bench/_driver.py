@@ -136,10 +136,10 @@ def run_mpitp(argv: list[str]) -> None:
     captured: dict = {}
     finish = mpitp.run._finish_root
 
-    def finish_root(state, all_stats, wall):
+    def finish_root(state, all_stats, wall, *args, **kwargs):
         captured["stats"] = all_stats
         captured["mpitp_wall_s"] = wall
-        return finish(state, all_stats, wall)
+        return finish(state, all_stats, wall, *args, **kwargs)
 
     mpitp.run._finish_root = finish_root
     base = _maxrss_kb()

@@ -2,7 +2,7 @@
 
 After a filter or metric change in a task's YAML, lm-eval's own pipeline runs again (tasks built from the same
 settings, the same seeds, ``simple_evaluate``) with an lm that answers every request from the file. A request is
-found by the resume key (task, doc_id, idx, hash of its arguments: :func:`mpitp.run._resume_key`), so a change that
+found by the resume key (task, doc_id, idx, hash of its arguments: :func:`mpitp.lm.request_keys`), so a change that
 alters the requests themselves (prompt template, few-shot, limit) finds requests missing and is refused, one line,
 exit 2: rerun those with ``mpitp eval --resume``.
 
@@ -39,7 +39,7 @@ def stored_lm(rows: dict[tuple, dict]):
     """
     from lm_eval.api.model import LM
 
-    from .run import _resume_key
+    from .lm import request_keys
 
     class StoredLM(LM):
         def __init__(self):
@@ -47,7 +47,7 @@ def stored_lm(rows: dict[tuple, dict]):
             self.served = 0
 
         def _rows(self, kind: str, requests) -> list[dict]:
-            keys = [_resume_key(inst) for inst in requests]
+            keys = request_keys(requests)
             found = [rows.get(k) for k in keys]
             missing = [k for k, r in zip(keys, found) if r is None or r["kind"] != kind]
             if missing:
@@ -77,7 +77,7 @@ def _stored_rows(path: str) -> dict[tuple, dict]:
         cols = read_requests(path, task)
         for i in range(len(cols["doc_id"])):
             row = {k: cols[k][i] for k in REQUEST_FIELDS}
-            out[(task, int(row["doc_id"]), int(row["idx"]), str(row["args_hash"]))] = row
+            out[(task, int(row["doc_id"]), int(row["idx"]), str(row["args_hash"]), int(row.get("repeat", 0)))] = row
     return out
 
 
@@ -122,18 +122,19 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
     include = offline_include(cfg)
     try:
         tm = check_tasks(cfg.tasks, include)
-        seeds = {} if cfg.seed is None else dict(random_seed=cfg.seed, numpy_random_seed=cfg.seed,
-                                                 torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+        seeds = cfg.seeds()
         lm = stored_lm(rows)
         with capture() as doc_scores:
             try:
                 res = lm_eval.simple_evaluate(
                     model=lm, tasks=cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
-                    gen_kwargs=cfg.gen_kwargs, log_samples=cfg.log_samples,
+                    gen_kwargs=cfg.gen_kwargs, log_samples=cfg.log_samples, samples=cfg.samples,
+                    system_instruction=cfg.system_instruction, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+                    predict_only=cfg.predict_only, metadata=cfg.metadata,
                     bootstrap_iters=cfg.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
                     task_manager=tm, **seeds)
             except MissingRequests as exc:
-                task, doc, idx, _ = exc.missing[0]
+                task, doc, idx = exc.missing[0][:3]
                 raise UsageError(
                     f"cannot rescore {path}: {len(exc.missing)} of {exc.total} {exc.kind} requests are not in the "
                     f"file (first: task {task} doc_id {doc} idx {idx}): the requests changed (prompt, few-shot, "

@@ -369,9 +369,17 @@ class _PhaseClock:
     def add(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
 
+    _METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
     def wrap(self, lm) -> None:
-        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+        for name in self._METHODS:
             setattr(lm, name, self._timed(getattr(lm, name)))
+
+    def unwrap(self, lm) -> None:
+        """Remove the timed methods: each holds a bound method of ``lm`` in ``lm``'s own dict, a cycle that would
+        keep the model alive after the run (a sweep frees it before loading the next checkpoint)."""
+        for name in self._METHODS:
+            lm.__dict__.pop(name, None)
 
     def _timed(self, method):
         def timed(*args, **kwargs):
@@ -537,6 +545,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
         progress.close()
     dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
     lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
+    clock.unwrap(lm)
     stall_hook("post_processing")
     as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, rt.layout), device=rt.device,
                    loggers=loggers)

@@ -60,6 +60,13 @@ def test_launcher_count_above_mpi_world_is_one_usage_error(tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+def _own_lines(stderr: str) -> str:
+    """What mpitp said, without lm-eval's own timestamped log lines (``--limit`` draws its "SHOULD ONLY BE USED FOR
+    TESTING" warning from lm-eval's argument parsing, as under ``lm_eval`` itself)."""
+    lm_eval_log = re.compile(r"^\d{4}-\d{2}-\d{2}:\d{2}:\d{2}:\d{2} (DEBUG|INFO|WARNING) ")
+    return "\n".join(ln for ln in stderr.strip().splitlines() if not lm_eval_log.match(ln))
+
+
 def test_second_writer_is_refused_and_stale_claims_are_taken_over(tmp_path):
     from mpitp.claim import claim_output, claim_path
 
@@ -70,7 +77,7 @@ def test_second_writer_is_refused_and_stale_claims_are_taken_over(tmp_path):
         proc = _singleton([*SMALL, "--output", str(out)])
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 2, stderr
-        assert stderr.strip() == (f"mpitp: error: output {out} is being written by another mpitp process (pid "
+        assert _own_lines(stderr) == (f"mpitp: error: output {out} is being written by another mpitp process (pid "
                                   f"{os.getpid()} on {os.uname().nodename}); wait for it to finish or choose another "
                                   f"--output"), stderr
         assert not out.exists()
@@ -100,7 +107,7 @@ def test_two_singletons_on_one_output_never_both_write(tmp_path):
     done = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
     codes = sorted(rc for _, _, rc in done)
     assert codes == [0, 2], [(rc, err[-2000:]) for _, err, rc in done]
-    loser = next(err for _, err, rc in done if rc == 2).strip()
+    loser = _own_lines(next(err for _, err, rc in done if rc == 2))
     assert loser.startswith(f"mpitp: error: output {out} ") and loser.count("\n") == 0, loser
     assert ("is being written by another mpitp process" in loser or "already exists" in loser), loser
     from mpitp.results import open_h5

@@ -60,9 +60,11 @@ def test_inspect_reports_its_own_bugs(tmp_path, monkeypatch):
     from mpitp.results import ResultWriter
 
     path = tmp_path / "ok.h5"
-    ResultWriter(str(path), {"model": "m"}).append("t", [dict(doc_id=0, idx=0, kind="loglikelihood",
-                                                             loglikelihood=-1.0, is_greedy=True, generation="",
-                                                             n_tokens=1, args_hash="h")])
+    writer = ResultWriter(str(path), {"model": "m"})
+    writer.append("t", [dict(doc_id=0, idx=0, kind="loglikelihood", loglikelihood=-1.0, is_greedy=True, generation="",
+                             n_tokens=1, args_hash="h")])
+    writer.save()  # the rows into the HDF5 snapshot (not only the journal), so that /tasks/t exists below
+    writer.close()
     assert ins.load(str(path)).attrs["status"] == "running"
 
     def bug(v):
