@@ -72,6 +72,15 @@ def world_rank() -> int:
         return 0
 
 
+PEER_ABORT_WAIT_S = 5.0
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """A torch.distributed error that says a peer of this rank's collective went away (gloo, NCCL)."""
+    return any(s in str(exc) for s in _PEER_LOST)
+
+
 def report_and_abort(exc: BaseException) -> None:
     """Print ``exc`` once with the failing rank and bring the whole job down."""
     rank = world_rank()
@@ -79,6 +88,10 @@ def report_and_abort(exc: BaseException) -> None:
         # A usage error raised on a single rank (not agreed collectively) still ends the job with status 2.
         _stderr().write(f"mpitp: error: {exc}\n")
         abort(USAGE_EXIT)
+    if _peer_lost(exc):
+        # The real error is a peer's: it is printing it and aborting the job. Under MPICH that abort arrives at
+        # once; Open MPI takes a moment longer, and this rank's echo of it would be printed as a second fatal error.
+        time.sleep(PEER_ABORT_WAIT_S)
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     # Leading newline: rank 0's progress bar may own the current terminal line.
     _stderr().write(f"\n[rank {rank}] mpitp: fatal {type(exc).__name__}: {exc}\n{tb}")

@@ -41,15 +41,20 @@ def listen_early() -> None:
 
 
 def watch(dispatcher) -> None:
-    """The dispatcher whose requests in flight a stop abandons (reported in the stop line)."""
+    """The dispatcher whose requests in flight a stop abandons (reported in the stop line). Held weakly: the
+    dispatcher reaches the model (through its compute callable), which a sweep must free between checkpoints."""
+    import weakref
+
     global _dispatcher
-    _dispatcher = dispatcher
+    _dispatcher = weakref.ref(dispatcher)
 
 
 def watch_writer(writer) -> None:
-    """The results writer a stop flushes before the abort (rank 0)."""
+    """The results writer a stop flushes before the abort (rank 0); held weakly, like the dispatcher."""
+    import weakref
+
     global _writer
-    _writer = writer
+    _writer = weakref.ref(writer)
 
 
 def install(rank: int) -> None:
@@ -71,13 +76,13 @@ def _stop(signum, frame) -> None:
 
 
 def _flush_and_abort(signum) -> None:
-    w = _writer
+    w = _writer() if _writer is not None else None
     if w is not None:
         try:
             w.flush(timeout=FLUSH_S)
         except Exception as exc:  # noqa: BLE001 - the stop goes on; say what may be missing
             _stderr().write(f"\nmpitp: the results writer did not confirm the last rows: {exc}\n")
-    d = _dispatcher
+    d = _dispatcher() if _dispatcher is not None else None
     lost = f"{d.handed_out - d.landed} requests in flight abandoned, " if d is not None else ""
     _stderr().write(f"\nmpitp: stopping on {_NAMES.get(signum, signum)}: {lost}every request that landed is in the "
                     f"results file (status running); run the job file again (or mpitp eval with --resume) to "

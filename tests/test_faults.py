@@ -22,8 +22,9 @@ from conftest import OFFLINE_ENV, STORIES, explain, mpi_env, mpiexec_cmd, run_mp
 
 psutil = pytest.importorskip("psutil")
 
-# 4 ranks = dp 2 x tp 2 on the demo model, batch size 1: rows land within a second of the start of the evaluation
-# and several seconds of work remain after them, so a strike as soon as rows appear lands mid-run.
+# 4 ranks = dp 2 x tp 2 on the demo model, batch size 1: rows land within a second of the start of the evaluation;
+# struck launches stall rank 0 after each of its chunks (STRIKE_STALL_S) so that several seconds of work remain
+# after them, and a strike as soon as rows appear lands mid-run.
 DEMO = ["eval", "--demo", "--tp", "2", "--batch-size", "1", "--limit", "6", "--bootstrap-iters", "0"]
 GONE_AFTER_KILL = 30.0  # seconds from SIGKILL of a rank until every rank has gone
 GONE_AFTER_SIGNAL = 15.0  # seconds from SIGTERM / SIGINT to mpiexec until every rank has gone
@@ -80,16 +81,24 @@ class Launch:
         return f"exit {self.proc.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
 
     def rank_pids(self) -> dict[int, int]:
-        """Global rank -> pid of the python processes under this mpiexec."""
-        found = {}
+        """Global rank -> pid of the python processes under this mpiexec.
+
+        A rank's own subprocesses inherit its environment (rank 0 runs ``pip list`` while lm-eval collects its
+        environment info through torch.utils.collect_env), so a rank is the topmost process carrying the rank
+        variable: one whose parent does not carry it too. (Taking the last match picked that ``pip``: a SIGKILL or
+        SIGUSR1 meant for rank 0 hit it and the run went on to exit 0.)
+        """
+        tagged = {}
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
                 env = child.environ()
+                parent = child.ppid()
             except (psutil.Error, OSError):
                 continue
             rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))  # MPICH's Hydra / Open MPI's prterun
-            if rank is not None and child.pid not in found.values():
-                found[int(rank)] = child.pid
+            if rank is not None:
+                tagged[child.pid] = (int(rank), parent)
+        found = {rank: pid for pid, (rank, parent) in tagged.items() if parent not in tagged}
         self.pids.update(found)
         return found
 
@@ -180,9 +189,18 @@ def reference(tmp_path_factory):
 _last_stderr, _last_returncode = [""], [None]  # of the last struck launch, for drills that check what it said
 
 
+# Rank 0 sleeps this long after each chunk it computes in a struck launch. Rows reach the file within
+# milliseconds of landing (the results journal), and on a quiet machine the demo run's remaining chunks would
+# otherwise finish before the strike: the stall keeps the run going (rank 0 hands out no work while it sleeps, so
+# the other DP group runs dry too) and leaves the strike mid-run. The results do not depend on it (the reference
+# run stalls as well).
+STRIKE_STALL_S = 1
+
+
 def _strike(out, more_than: int, total: int, strike, bound: float, label: str, report: list, resume: bool) -> int:
     """Launch the demo run (or its resumption), strike once rows beyond ``more_than`` land, check it all went."""
-    with Launch(4, DEMO + ["--output", str(out)] + (["--resume"] if resume else [])) as job:
+    with Launch(4, DEMO + ["--output", str(out)] + (["--resume"] if resume else []),
+                env={"MPITP_TEST_STALL": f"between_chunks:{STRIKE_STALL_S}"}) as job:
         job.wait_rows(out, more_than)
         pids = job.rank_pids()
         assert sorted(pids) == [0, 1, 2, 3], pids
