@@ -67,24 +67,9 @@ def _register_optional():
 
 
 
-def _default_stop_signals_in_child() -> None:
-    """In a process forked from a rank (lm-eval's bootstrap pool for stderrs is a ``multiprocessing.Pool``, forked
-    on Linux): SIGTERM and SIGUSR1 back to their default actions. The rank's handlers (:mod:`mpitp.walltime`) are
-    for the rank alone: the pool's ``terminate()`` SIGTERMs its workers, and a worker that ran rank 0's stop handler
-    instead of dying flushed a results writer whose thread it does not have, then aborted the whole MPI job (exit
-    75) while rank 0 waited in ``Pool.join``."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 def main(argv=None) -> None:
-    import os
-
     from .walltime import listen_early
 
-    os.register_at_fork(after_in_child=_default_stop_signals_in_child)
     listen_early()  # before the slow imports: a walltime signal during start-up must not be lost
     install_excepthook()
     _register_optional()

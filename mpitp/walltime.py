@@ -57,9 +57,26 @@ def watch_writer(writer) -> None:
     _writer = weakref.ref(writer)
 
 
+_owner_pid: int | None = None  # the rank's own process: a fork of it (lm-eval's bootstrap pool) is not the rank
+
+
+def _default_in_child() -> None:
+    """In a process forked from the rank: SIGTERM and SIGUSR1 back to their default actions. A worker of lm-eval's
+    bootstrap ``multiprocessing.Pool`` is ended by ``Pool.terminate()`` with SIGTERM; running the rank's stop path
+    instead, it aborted the whole MPI job with exit 75 while the rank waited for it in ``Pool.join``."""
+    for sig in _NAMES:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def install(rank: int) -> None:
     """Rank 0 stops the job on SIGUSR1 or SIGTERM; other ranks ignore SIGUSR1 (rank 0's abort ends them) and keep
     the default for SIGTERM (a launcher that SIGTERMs every rank ends them anyway)."""
+    global _owner_pid
+    import os
+
+    if _owner_pid is None:
+        os.register_at_fork(after_in_child=_default_in_child)
+    _owner_pid = os.getpid()
     if rank == 0:
         for sig in _NAMES:
             signal.signal(sig, _stop)
@@ -70,7 +87,13 @@ def install(rank: int) -> None:
 
 
 def _stop(signum, frame) -> None:
+    import os
     import threading
+
+    if _owner_pid is not None and os.getpid() != _owner_pid:  # a fork that kept the handler: die as by default
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
 
     threading.Thread(target=_flush_and_abort, args=(signum,), name="mpitp-stop", daemon=True).start()
 
