@@ -32,25 +32,14 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-import click
-
 from .errors import UsageError
 
-# mpi4py (through .comm and .runtime) is imported inside the functions that need it: ``sweep_options`` is applied
-# when ``mpitp``'s command line is built, and ``mpitp --help`` must not start MPI.
+# mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
+# ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
 
 log = logging.getLogger("mpitp")
 
 SUMMARY_NAME = "sweep-summary.json"
-
-
-def sweep_options(f):
-    """``--watch DIR`` and ``--watch-idle SECONDS`` for ``mpitp eval`` (a sweep itself needs no option)."""
-    f = click.option("--watch-idle", type=click.FloatRange(min=0), default=600.0, show_default=True,
-                     help="With --watch: stop after this many seconds without a new complete checkpoint.")(f)
-    f = click.option("--watch", "watch", default=None, metavar="DIR",
-                     help="Evaluate checkpoints (subdirectories of DIR) as they appear; resumable.")(f)
-    return f
 
 
 def is_sweep(model: str | None) -> bool:
