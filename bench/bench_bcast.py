@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from mpitp.comm import bcast_obj
+from mpitp.parallel.comm import bcast_obj
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

@@ -3,9 +3,9 @@
 Question (issue 17): how many requests per second can global rank 0 hand out and record, and what does each chunk
 cost it? Every rank of ``mpiexec -n N`` is a DP group of one; its "compute" returns synthetic scoring results after
 ``--per-request-ms`` per request (rank 0's own group too, calling ``tick()`` as real compute does). Rank 0 runs the
-real :class:`mpitp.dispatch.Dispatcher` (token-balanced chunks, two in flight per remote group) and records every
-landed chunk as ``mpitp eval`` does: :func:`mpitp.run._request_row` per request (on the writer thread) through
-:class:`mpitp.results.ResultWriter` (journal + HDF5 snapshot). Requests are lm-eval-like: ``--tokens`` token ids per
+real :class:`mpitp.evaluation.dispatch.Dispatcher` (token-balanced chunks, two in flight per remote group) and records every
+landed chunk as ``mpitp eval`` does: :func:`mpitp.evaluation.runner._request_row` per request (on the writer thread) through
+:class:`mpitp.results.store.ResultWriter` (journal + HDF5 snapshot). Requests are lm-eval-like: ``--tokens`` token ids per
 row, arguments of ~300 characters (hashed into the resume key), eight tasks.
 
 Printed: sustained requests/s (all requests / wall of the dispatch), rank 0's CPU seconds per chunk on the dispatch
@@ -16,7 +16,7 @@ and a projection to 256 and 1024 groups:
 
 ``r_group`` one group's requests/s, ``c_chunk`` rank 0's dispatch-thread CPU seconds per chunk, ``c_row`` its
 writer-thread CPU seconds per request (the two threads share one interpreter lock, so their costs add), ``q(G)`` the
-mean requests per chunk that :func:`mpitp.dispatch.make_chunks` cuts for G groups from ``--projection-requests``.
+mean requests per chunk that :func:`mpitp.evaluation.dispatch.make_chunks` cuts for G groups from ``--projection-requests``.
 
 Run: ``python bench/bench_coordinator.py --ranks 64`` (launches ``mpiexec -n 64`` itself). Last line:
 ``RATIO coordinator_requests_per_s <sustained requests/s>`` (target >= 20,000).
@@ -85,8 +85,8 @@ def synthetic(n: int, tokens: int, seed: int = 0):
 def child(args) -> None:
     from mpi4py import MPI
 
-    from mpitp.comm import barrier, gather_obj
-    from mpitp.dispatch import Dispatcher, serve_remote
+    from mpitp.parallel.comm import barrier, gather_obj
+    from mpitp.evaluation.dispatch import Dispatcher, serve_remote
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -114,9 +114,9 @@ def child(args) -> None:
         gather_obj((len(marks), gaps), comm, root=0, timeout=600.0)
         return
 
-    from mpitp.lm import KIND_SCORE
-    from mpitp.results import ResultWriter
-    from mpitp.run import _request_row
+    from mpitp.evaluation.lm import KIND_SCORE
+    from mpitp.results.store import ResultWriter
+    from mpitp.evaluation.runner import _request_row
 
     items, weights, insts = synthetic(args.requests, args.tokens)
     writer = ResultWriter(args.out, dict(model="bench", tokenizer="bench", dtype="float32", world_size=size, tp=1,
@@ -155,7 +155,7 @@ def child(args) -> None:
     gaps = sorted(g for _, gs in remote for g in gs)
     chunks_remote = sum(n for n, _ in remote)
     n_chunks = landed[0]
-    from mpitp.results import request_counts
+    from mpitp.results.store import request_counts
 
     stored = sum(request_counts(args.out).values())
     assert stored == args.requests, (stored, args.requests)
@@ -179,7 +179,7 @@ def child(args) -> None:
 
         print(f"remote groups' wait between chunks: median {pct(0.5):.2f} ms, p99 {pct(0.99):.2f} ms, "
               f"max {gaps[-1] * 1e3:.2f} ms over {len(gaps)} gaps")
-    from mpitp.dispatch import make_chunks
+    from mpitp.evaluation.dispatch import make_chunks
 
     print(f"\nprojection (sustained(G) = min(G * r_group, 1 / (c_chunk / q(G) + c_row)); "
           f"c_chunk {c_chunk * 1e3:.3f} ms, c_row {c_row * 1e6:.2f} us, r_group {r_group:.0f}/s, "

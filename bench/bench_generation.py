@@ -16,7 +16,7 @@ with ``--limit`` prompts and ``--batch-size``.
 
 1. mpitp tp=2 vs lm-eval tp_plan=auto. Target: mpitp's tokens/s >= 0.9x lm-eval's. Use ``--batch-size 1`` (the
    default) for the per-step comparison: with batches, mpitp's dispatcher cuts the requests into ~4 chunks per DP
-   group before batching (``mpitp.dispatch.make_chunks``), so ``--limit 4 --batch-size 4`` runs 3 generate calls
+   group before batching (``mpitp.evaluation.dispatch.make_chunks``), so ``--limit 4 --batch-size 4`` runs 3 generate calls
    (1 + 1 + 2 prompts, 768 decode steps) where lm-eval runs one (256 steps); the "generate calls" column shows it.
 2. KV cache on vs off inside mpitp (tp=2). ``--gen-kwargs use_cache=False``
    cannot do it (lm-eval's ``HFLM._model_generate`` passes ``use_cache=True`` itself: "got multiple values for

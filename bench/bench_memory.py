@@ -9,7 +9,7 @@ small ``--limit`` (batch 1): the evaluation itself adds little. Peak RSS = ``get
 each rank at its end (``bench/_driver.py``); the "after imports" column is the peak before the timed call, i.e. the
 interpreter + torch + transformers + lm-eval (+ mpi4py) share that no sharding can remove; "end RSS anon/file" splits
 each rank's RSS at its end into private memory and file-backed pages (shared libraries and the pages of the
-memory-mapped checkpoint in use; mpitp's tp > 1 ranks read their strided shards with ``pread``, see ``mpitp.model``).
+memory-mapped checkpoint in use; mpitp's tp > 1 ranks read their strided shards with ``pread``, see ``mpitp.replica.loading``).
 
 Last line: ``RATIO memory_tp2 <max peak RSS over mpitp's ranks / lm_eval's peak RSS>`` (median over repetitions;
 target <= 0.6).

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from mpitp.results import REQUEST_FIELDS, STATS_FIELDS, STR, ResultWriter, open_h5, read_requests  # noqa: E402
+from mpitp.results.store import REQUEST_FIELDS, STATS_FIELDS, STR, ResultWriter, open_h5, read_requests  # noqa: E402
 
 META = dict(model="bench", tokenizer="bench", dtype="float32", world_size=1, tp=1, dp=1, config_json="{}")
 TASKS = ("bench_mc", "bench_gen")
@@ -53,7 +53,7 @@ def chunk_rows(c: int, per_chunk: int) -> dict[str, list[dict]]:
 
 
 class RewriteWriter:
-    """The writer before issue 17 (``mpitp/results.py`` at 56e0b3f), reduced to the row path: every ``append``
+    """The writer before issue 17 (``mpitp/results/store.py`` at 56e0b3f), reduced to the row path: every ``append``
     rewrites the whole gzip'd file to a temporary and renames it into place."""
 
     def __init__(self, path: str, meta: dict):

@@ -86,7 +86,7 @@ def wait_written(proc, path: str, since: float, timeout: float = 900) -> float:
 
 
 def rows(path: str) -> int:
-    from mpitp.results import request_counts
+    from mpitp.results.store import request_counts
 
     try:
         return sum(request_counts(path).values())
@@ -95,7 +95,7 @@ def rows(path: str) -> int:
 
 
 def readable(path: str) -> tuple[bool, str]:
-    from mpitp.results import REQUEST_FIELDS, load_rows
+    from mpitp.results.store import REQUEST_FIELDS, load_rows
 
     if not os.path.exists(path):
         return True, "no file yet"

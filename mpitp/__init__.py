@@ -17,8 +17,8 @@ def evaluate(*args, **kwargs):
     """Evaluate a (possibly TP-sharded) model on lm-eval tasks from inside a running MPI job.
 
     Imported lazily so that ``import mpitp`` stays cheap (no torch/transformers import).
-    See :func:`mpitp.api.evaluate`.
+    See :func:`mpitp.evaluation.api.evaluate`.
     """
-    from .api import evaluate as _evaluate
+    from mpitp.evaluation.api import evaluate as _evaluate
 
     return _evaluate(*args, **kwargs)

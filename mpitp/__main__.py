@@ -1,6 +1,6 @@
 """``python -m mpitp`` is the same as the ``mpitp`` console script."""
 
-from .cli import main
+from mpitp.cli import main
 
 if __name__ == "__main__":
     main()

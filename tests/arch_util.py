@@ -135,14 +135,13 @@ BATCH = 2
 
 
 def head_statements(arch: Arch) -> tuple[str, ...]:
-    """The statements of the class's forward between the decoder output and the loss (:mod:`mpitp.logits`) that
+    """The statements of the class's forward between the decoder output and the loss (:mod:`mpitp.replica.logits`) that
     differ between classes: the key that groups architectures by what they do around their head."""
     import transformers
 
-    from mpitp.logits import _statements
+    from mpitp.replica.logits import _statements
 
-    from mpitp import logits as L
-
+    from mpitp.replica import logits as L
     try:
         stmts = [s for _, s in _statements(getattr(transformers, arch.class_name).forward)]
     except (OSError, TypeError, AttributeError):

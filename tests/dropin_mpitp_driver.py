@@ -16,7 +16,7 @@ def main(path: str) -> int:
     from dropin_corpus import layout
 
     from mpitp.errors import UsageError
-    from mpitp.evalcmd import eval_main
+    from mpitp.cli.evaluate import eval_main
 
     failed = 0
     for name, argv in json.load(open(path)):

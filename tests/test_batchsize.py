@@ -1,4 +1,4 @@
-"""``--batch_size auto`` sizing (mpitp/batchsize.py): pure arithmetic on a real model config; the collective budget
+"""``--batch_size auto`` sizing (mpitp/replica/batchsize.py): pure arithmetic on a real model config; the collective budget
 and the sized batches under a real TP group run in the drop-in corpus (tests/test_lmeval_dropin.py, line
 ``auto-batch``)."""
 
@@ -14,7 +14,7 @@ def _config():
 
 
 def test_longer_rows_get_smaller_batches_within_the_cap():
-    from mpitp.batchsize import AutoBatch, row_bytes
+    from mpitp.replica.batchsize import AutoBatch, row_bytes
 
     cfg = _config()
     one = row_bytes(cfg, 1, 1, 4, 1024)
@@ -27,7 +27,7 @@ def test_longer_rows_get_smaller_batches_within_the_cap():
 
 
 def test_tp_shards_the_estimate():
-    from mpitp.batchsize import row_bytes
+    from mpitp.replica.batchsize import row_bytes
 
     cfg = _config()
     assert row_bytes(cfg, 2, 1, 4, 512) < row_bytes(cfg, 1, 1, 4, 512)
@@ -35,7 +35,7 @@ def test_tp_shards_the_estimate():
 
 
 def test_batches_longest_first_each_as_large_as_its_longest_row_allows():
-    from mpitp.batchsize import AutoBatch, row_bytes
+    from mpitp.replica.batchsize import AutoBatch, row_bytes
 
     cfg = _config()
     auto = AutoBatch(budget=int(row_bytes(cfg, 1, 1, 4, 192) * 2 * 2.5), config=cfg, tp=1, pp=1, dtype_bytes=4,
@@ -51,7 +51,7 @@ def test_batches_longest_first_each_as_large_as_its_longest_row_allows():
 
 
 def test_local_budget_on_cpu_is_a_share_of_available_memory():
-    from mpitp.batchsize import _mem_available, local_budget
+    from mpitp.replica.batchsize import _mem_available, local_budget
 
     total = _mem_available()
     assert 0 < local_budget("cpu", 4) <= total / 4

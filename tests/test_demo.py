@@ -16,8 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from mpitp import demo  # noqa: E402
-from mpitp.demo import DEMO_TASKS, build_demo_model, demo_tasks_dir, prepare_demo  # noqa: E402
-from mpitp.demo import model as demo_model  # noqa: E402
+from mpitp.tasks.demo import DEMO_TASKS, build_demo_model, demo_tasks_dir, prepare_demo  # noqa: E402
+from mpitp.tasks.demo import model as demo_model  # noqa: E402
 
 MAX_LENGTH = 64
 LIMIT = 5

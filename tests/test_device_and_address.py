@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpitp.device import DevicePlan, plan_device
+from mpitp.parallel.device import DevicePlan, plan_device
 from mpitp.errors import UsageError
 
 
@@ -54,8 +54,7 @@ def test_runtime_hides_gpus_for_cpu(monkeypatch):
     """The runtime applies the plan: CUDA_VISIBLE_DEVICES="" before anything starts CUDA, and no device count."""
     import torch
 
-    from mpitp import runtime
-
+    from mpitp.parallel import runtime
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: pytest.fail("GPUs counted for --device cpu"))
     plan = runtime._device_plan("cpu", 1)
@@ -67,7 +66,7 @@ def test_runtime_hides_gpus_for_cpu(monkeypatch):
 
 # ------------------------------------------------------------------------------------ cross-node rendezvous address
 
-from mpitp.netaddr import choose_address, interface_addresses  # noqa: E402
+from mpitp.parallel.netaddr import choose_address, interface_addresses  # noqa: E402
 
 NODE = {"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "eth0": ["10.1.2.3"], "ib0": ["192.168.10.3"]}
 

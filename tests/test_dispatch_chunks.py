@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mpitp.dispatch import make_chunks
+from mpitp.evaluation.dispatch import make_chunks
 
 
 @pytest.mark.parametrize("n,groups,batch", [(1, 4, 1), (7, 2, 1), (100, 4, 4), (333, 3, 8), (50, 1, 16)])
@@ -80,8 +80,8 @@ def test_rolling_windows_reassemble_per_request(seed):
     with lm-eval's sum over its windows; a request with no window is recorded at once as 0.0."""
     import math
 
-    from mpitp.lm import KIND_WINDOW
-    from mpitp.run import _run_windows
+    from mpitp.evaluation.lm import KIND_WINDOW
+    from mpitp.evaluation.runner import _run_windows
 
     rng = random.Random(seed)
     docs = [[([rng.randint(1, 9)] * rng.randint(2, 40), rng.randint(1, 5)) for _ in range(n)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import mpitp.dispatch as dispatch
+import mpitp.evaluation.dispatch as dispatch
 
 
 def test_stop_and_idle_are_sent_under_the_run_timeout(monkeypatch):

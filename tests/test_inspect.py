@@ -1,6 +1,6 @@
 """``mpitp inspect``: the table, --json, --csv, --requests, --samples, --plot and ``inspect diff``.
 
-Two kinds of input: small synthetic files written through the real :class:`mpitp.results.ResultWriter` (fast, every
+Two kinds of input: small synthetic files written through the real :class:`mpitp.results.store.ResultWriter` (fast, every
 field known), and one real demo evaluation under ``mpiexec`` (session-scoped, shared by every test that needs it).
 Modified copies of the real file drive the ``diff`` tests.
 """
@@ -24,8 +24,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from conftest import explain, run_mpi  # noqa: E402
 
-from mpitp.inspect import inspect_command, load, plot_run  # noqa: E402
-from mpitp.results import ResultWriter, open_h5  # noqa: E402
+from mpitp.results.report import inspect_command, load, plot_run  # noqa: E402
+from mpitp.results.store import ResultWriter, open_h5  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 LM_EVAL_KEYS = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples", "config")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitp.jobfile import DEMO_MODEL, Job, JobFileError, RunSpec, load_job
+from mpitp.jobs.jobfile import DEMO_MODEL, Job, JobFileError, RunSpec, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -300,7 +300,7 @@ def test_message_uses_path_as_given(write, tmp_path):
 def test_lm_eval_fields_in_job_files(tmp_path):
     """Fields named as lm-eval's EvaluatorConfig fields are accepted (from its declaration, not a copy) and mean
     what the flags mean; model_args that cannot apply under TP are refused while reading the file."""
-    from mpitp.jobrun import eval_config
+    from mpitp.jobs.jobrun import eval_config
 
     job = tmp_path / "job.yaml"
     job.write_text("defaults:\n  system_instruction: Be brief.\nruns:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n"

@@ -1,4 +1,4 @@
-"""Crash safety of the results writer (:mod:`mpitp.results` + :mod:`mpitp.journal`) without MPI: a real writer in a
+"""Crash safety of the results writer (:mod:`mpitp.results.store` + :mod:`mpitp.results.journal`) without MPI: a real writer in a
 real child process, killed with SIGKILL at random instants; torn journal tails cut at every byte.
 
 The full-run drill (kill -9 of rank 0 of a real ``mpiexec`` evaluation, then ``--resume`` and ``inspect diff``) is
@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from mpitp.journal import journal_path, read_journal
-from mpitp.results import REQUEST_FIELDS, ResultWriter, load_rows, read_requests, request_counts
+from mpitp.results.journal import journal_path, read_journal
+from mpitp.results.store import REQUEST_FIELDS, ResultWriter, load_rows, read_requests, request_counts
 
 META = dict(model="m", tokenizer="t", dtype="float32", world_size=1, tp=1, dp=1, config_json="{}")
 TASKS = ("t_mc", "t_gen")
@@ -43,7 +43,7 @@ CHILD = textwrap.dedent("""
     import sys, time
     sys.path[:0] = {paths!r}
     from test_journal import META, CHUNKS, rows_of
-    from mpitp.results import ResultWriter
+    from mpitp.results.store import ResultWriter
     path, resume, snap = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3])
     w = ResultWriter(path, META, resume=resume, snapshot_interval_s=snap)
     have = {{k[1] for k in w.stored_rows()}}

@@ -68,7 +68,7 @@ def _own_lines(stderr: str) -> str:
 
 
 def test_second_writer_is_refused_and_stale_claims_are_taken_over(tmp_path):
-    from mpitp.claim import claim_output, claim_path
+    from mpitp.results.claim import claim_output, claim_path
 
     out = tmp_path / "x.h5"
     held = claim_output(str(out))
@@ -87,7 +87,7 @@ def test_second_writer_is_refused_and_stale_claims_are_taken_over(tmp_path):
     assert not Path(claim_path(str(out))).exists()
 
     # A claim whose owner was killed: the file stays behind, its lock went with the process.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mpitp.claim import claim_output; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mpitp.results.claim import claim_output; "
                                f"claim_output({str(out)!r}); print('held', flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -110,7 +110,7 @@ def test_two_singletons_on_one_output_never_both_write(tmp_path):
     loser = _own_lines(next(err for _, err, rc in done if rc == 2))
     assert loser.startswith(f"mpitp: error: output {out} ") and loser.count("\n") == 0, loser
     assert ("is being written by another mpitp process" in loser or "already exists" in loser), loser
-    from mpitp.results import open_h5
+    from mpitp.results.store import open_h5
 
     with open_h5(str(out)) as f:
         assert f.attrs["status"] == "complete"
@@ -129,7 +129,7 @@ def test_info_names_the_mpi_and_the_launcher():
 
 
 def test_mpi_strings_are_cleaned():
-    from mpitp.world import clean_mpi_string, mpi_library_version
+    from mpitp.parallel.world import clean_mpi_string, mpi_library_version
 
     assert clean_mpi_string("Open MPI v5.0.11, ... Sep 16, 2026\x00") == "Open MPI v5.0.11, ... Sep 16, 2026"
     assert clean_mpi_string(b"host\x00junk") == "host"
@@ -139,14 +139,14 @@ def test_mpi_strings_are_cleaned():
 
 
 def test_srun_variables_are_read_only_inside_steps():
-    from mpitp.launch import launcher_tasks
+    from mpitp.parallel.launch import launcher_tasks
 
     # A batch script's own shell: SLURM_NTASKS of the allocation, no step variables: mpirun -n 2 inside is fine.
     assert launcher_tasks({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) == []
 
 
 def test_oversubscription_warning_names_the_setting_only_where_it_is_off():
-    from mpitp.launch import oversubscription_warning
+    from mpitp.parallel.launch import oversubscription_warning
 
     assert oversubscription_warning(2, 2, "MPICH 5.0.2") is None
     assert oversubscription_warning(4, 2, "MPICH 5.0.2") == "4 ranks on 2 cores: oversubscribed (slow; fine for " \

@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 
 from mpitp.errors import UsageError
-from mpitp.layout import Layout, check_layout, make_layout, split_layers, tp_group_ranks
-from mpitp.world import World
+from mpitp.parallel.layout import Layout, check_layout, make_layout, split_layers, tp_group_ranks
+from mpitp.parallel.world import World
 
 SIZES = range(1, 9)
 TPS = range(1, 9)

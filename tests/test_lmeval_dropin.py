@@ -85,7 +85,7 @@ def test_same_output_files(corpus_runs, name):
         h5 = sorted(mine.rglob("*.h5"))
         assert len(h5) == 1 and h5[0].parent == sorted(mine.rglob("results_*.json"))[0].parent
     lm_results = json.loads(results[0].read_text())["results"]
-    from mpitp.results import open_h5
+    from mpitp.results.store import open_h5
 
     with open_h5(str(h5[0])) as f:
         assert f.attrs["status"] == "complete"
@@ -122,7 +122,7 @@ def _lm_eval_config(argv):
 @pytest.mark.parametrize("name", [n for n, _ in CORPUS])
 def test_parsed_as_lm_eval_parses(name, tmp_path, test_tasks):
     """Each corpus line means to mpitp what it means to lm-eval: same tasks, model_args, few-shot, limit, seeds, ..."""
-    from mpitp.lmeval_cli import parse_eval_args
+    from mpitp.evaluation.lmeval_args import parse_eval_args
 
     argv = dict(command_lines(STORIES, test_tasks, tmp_path, "p"))[name]
     ec = _lm_eval_config(argv)
@@ -139,7 +139,7 @@ def test_parsed_as_lm_eval_parses(name, tmp_path, test_tasks):
 
 
 def test_dash_and_underscore_spellings_agree(test_tasks):
-    from mpitp.lmeval_cli import parse_eval_args
+    from mpitp.evaluation.lmeval_args import parse_eval_args
 
     under = shlex.split(f"--model hf --model_args pretrained={STORIES} --tasks arc_easy_local --num_fewshot 2 "
                         f"--batch_size auto:2 --max_batch_size 8 --include_path {test_tasks} --log_samples "
@@ -171,7 +171,7 @@ def test_dash_and_underscore_spellings_agree(test_tasks):
 ])
 def test_refusals_name_the_flag(argv, message):
     from mpitp.errors import UsageError
-    from mpitp.lmeval_cli import parse_eval_args
+    from mpitp.evaluation.lmeval_args import parse_eval_args
 
     with pytest.raises(UsageError) as exc:
         parse_eval_args(shlex.split(argv))
@@ -181,7 +181,7 @@ def test_refusals_name_the_flag(argv, message):
 
 def test_samples_without_output_path_go_to_the_hdf5_file():
     """lm-eval demands --output_path with --log_samples (nowhere else to put them); mpitp's HDF5 file holds them."""
-    from mpitp.lmeval_cli import parse_eval_args
+    from mpitp.evaluation.lmeval_args import parse_eval_args
 
     cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --log-samples --output r.h5"))[1]
     assert cfg.log_samples and cfg.output_path is None and cfg.output == "r.h5"
@@ -193,7 +193,7 @@ def test_help_lists_every_lm_eval_flag():
     """``mpitp eval --help`` names each of lm-eval's run flags (its own parser's list) in both spellings."""
     from lm_eval._cli import HarnessCLI
 
-    from mpitp.lmeval_cli import help_text
+    from mpitp.evaluation.lmeval_args import help_text
 
     text = help_text()
     run = HarnessCLI()._subparsers.choices["run"]
@@ -213,7 +213,7 @@ def test_integration_messages_hidden_unless_debug(capsys):
     """lm-eval's warnings about a pre-built model describe mpitp, not the user's run: hidden; DEBUG shows them."""
     import logging
 
-    from mpitp.quiet import quiet_integration
+    from mpitp.evaluation.quiet import quiet_integration
 
     log = logging.getLogger("lm_eval.models.huggingface")
     try:
@@ -234,9 +234,9 @@ def test_resume_refuses_other_lm_eval_settings(tmp_path):
     """Settings that change results enter the resume identity; lm-eval's defaults do not (older files resume)."""
     import h5py
 
-    from mpitp.checks import check_resumable
+    from mpitp.evaluation.checks import check_resumable
     from mpitp.errors import UsageError
-    from mpitp.lmeval_cli import parse_eval_args
+    from mpitp.evaluation.lmeval_args import parse_eval_args
 
     base = ["--model", "hf", "--model_args", f"pretrained={STORIES}", "--tasks", "arc_easy_local"]
     cfg = parse_eval_args(base)[1]

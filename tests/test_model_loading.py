@@ -1,10 +1,10 @@
-"""mpitp.model's TP checkpoint reads: strided shards through safetensors' pread, contiguous reads from the mapping."""
+"""mpitp.replica.loading's TP checkpoint reads: strided shards through safetensors' pread, contiguous reads from the mapping."""
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from mpitp.model import _one_byte_range, strided_shards_with_pread
+from mpitp.replica.loading import _one_byte_range, strided_shards_with_pread
 
 
 @pytest.fixture()

@@ -3,7 +3,7 @@
 Two routes to the same tasks are checked against the JSONL files and against each other:
 
 - the hand-written ``*_local`` tasks of ``tests/tasks/`` (materialized by ``tests/tasks_util.py``), and
-- :func:`mpitp.offline.write_task_yamls`, whose overrides keep the stock names (``arc_easy`` ...).
+- :func:`mpitp.tasks.offline.write_task_yamls`, whose overrides keep the stock names (``arc_easy`` ...).
 
 Then a real single-process ``lm_eval.simple_evaluate`` on the stories260K Llama proves the tasks run end to end.
 """
@@ -21,7 +21,7 @@ import yaml
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from mpitp.offline import (  # noqa: E402
+from mpitp.tasks.offline import (  # noqa: E402
     SPLIT_KEYS,
     STOCK_TASKS,
     DataDirError,
@@ -178,7 +178,7 @@ def test_local_fewshot_and_optional_splits(tasks):
         assert not tasks[name].has_training_docs() and not tasks[name].has_test_docs()
 
 
-# ---------------------------------------------------------------- mpitp.offline.write_task_yamls
+# ---------------------------------------------------------------- mpitp.tasks.offline.write_task_yamls
 
 
 def test_write_task_yamls_content(written):
@@ -349,12 +349,12 @@ def test_two_fitting_files_are_an_error_not_a_guess(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# ---------------------------------------------------------------- mpitp.tasknames: the fast unknown-task check
+# ---------------------------------------------------------------- mpitp.tasks.names: the fast unknown-task check
 
 
 def test_name_scan_covers_lm_evals_stock_index(task_manager):
     """Every name lm-eval's own index knows is found by the text scan (else a real task would be refused)."""
-    from mpitp.tasknames import stock_task_names
+    from mpitp.tasks.names import stock_task_names
 
     scanned = stock_task_names()
     indexed = set(task_manager.all_tasks) - set(LOCAL_TASKS)  # the overrides keep stock names
@@ -363,7 +363,7 @@ def test_name_scan_covers_lm_evals_stock_index(task_manager):
 
 
 def test_name_scan_reads_every_yaml_spelling(tmp_path):
-    from mpitp.tasknames import names_in_file, scan_task_names
+    from mpitp.tasks.names import names_in_file, scan_task_names
 
     (tmp_path / "a.yaml").write_text(
         '"task": "quoted_task"\n"tag": "quoted_tag"\ngroup: grp  # a comment\ntask:\n  - member_a\n'

@@ -93,7 +93,7 @@ def test_odd_vocabulary_tp4_matches_lm_eval(tmp_path):
     import torch
     from lm_eval.tasks import TaskManager
 
-    from mpitp.demo import demo_tasks_dir, prepare_demo
+    from mpitp.tasks.demo import demo_tasks_dir, prepare_demo
 
     model_dir, include, _ = prepare_demo(str(tmp_path / "cache"))
     torch.set_num_threads(2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mpitp.errors import UsageError
-from mpitp.layout import split_layers
-from mpitp.pipeline import check_pp, describe_split, micro_batches
+from mpitp.parallel.layout import split_layers
+from mpitp.replica.pipeline import check_pp, describe_split, micro_batches
 
 
 @pytest.mark.parametrize("n,pp", [(n, pp) for n in (1, 2, 5, 8, 31, 32, 80) for pp in (1, 2, 3, 4, 7) if pp <= n])

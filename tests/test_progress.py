@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from conftest import OFFLINE_ENV
-from mpitp.progress import LineProgress, make_progress
+from mpitp.evaluation.progress import LineProgress, make_progress
 
 
 def test_line_progress_writes_whole_lines_with_rate_and_eta():

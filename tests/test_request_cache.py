@@ -1,4 +1,4 @@
-"""lm-eval's request cache under mpitp (:mod:`mpitp.requestcache`): keyed by what shapes requests, reused by a second
+"""lm-eval's request cache under mpitp (:mod:`mpitp.evaluation.requestcache`): keyed by what shapes requests, reused by a second
 full run with the same results, off with ``--limit``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from conftest import OFFLINE_ENV, explain, run_mpi
 
-from mpitp.checks import task_manager
-from mpitp.requestcache import enable, request_key
-from mpitp.run import EvalConfig
+from mpitp.evaluation.checks import task_manager
+from mpitp.evaluation.requestcache import enable, request_key
+from mpitp.evaluation.runner import EvalConfig
 
 
 def test_key_follows_what_shapes_requests(test_tasks, tmp_path):

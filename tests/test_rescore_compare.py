@@ -20,15 +20,15 @@ from click.testing import CliRunner
 
 from conftest import OFFLINE_ENV, REPO, explain, run_mpi
 
-from mpitp.inspect import inspect_command
-from mpitp.results import read_metrics
+from mpitp.results.report import inspect_command
+from mpitp.results.store import read_metrics
 
 TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
-    from mpitp.demo import prepare_demo
+    from mpitp.tasks.demo import prepare_demo
 
     model_dir, tasks_dir, _ = prepare_demo()
     d = tmp_path_factory.mktemp("rescore")
@@ -51,8 +51,8 @@ def mpitp(*args, cwd=None, timeout=300):
 
 
 def test_doc_scores_stored_without_log_samples_and_aggregate_to_the_metrics(demo_run):
-    from mpitp import stats
-    from mpitp.docscores import read
+    from mpitp.results import stats
+    from mpitp.results.docscores import read
 
     with h5py.File(demo_run["out"]) as f:
         assert "samples" not in f["tasks/mpitp_demo_mc"]

@@ -1,4 +1,4 @@
-"""The HDF5 results file of real ``mpiexec`` runs: the schema of :mod:`mpitp.results`, ``inspect --json``, resume,
+"""The HDF5 results file of real ``mpiexec`` runs: the schema of :mod:`mpitp.results.store`, ``inspect --json``, resume,
 output protection, HDF5 file locking and dataset storage.
 
 Real runs only (the built-in demo model under the PyPI MPICH ``mpiexec``); files are modified with h5py where a test
@@ -28,7 +28,7 @@ from parity_util import compare_requests, mpitp_requests, reference_requests  # 
 
 import mpitp  # noqa: E402
 from mpitp.errors import UsageError  # noqa: E402
-from mpitp.results import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5, read_metrics, read_requests  # noqa: E402
+from mpitp.results.store import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5, read_metrics, read_requests  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 KIND = {"mpitp_demo_mc": "loglikelihood", "mpitp_demo_ppl": "loglikelihood_rolling",
@@ -309,8 +309,8 @@ def test_resume_with_another_layout_equals_uninterrupted(tmp_path):
     assert digest(partial) == before
 
     # ... nor with another --limit (the check itself, with the settings the file was made with)
-    from mpitp.checks import check_resumable
-    from mpitp.run import EvalConfig
+    from mpitp.evaluation.checks import check_resumable
+    from mpitp.evaluation.runner import EvalConfig
 
     stored = json.loads(attrs(partial)["config_json"])
     check_resumable(str(partial), EvalConfig(**stored))  # identical settings: accepted
@@ -350,7 +350,7 @@ def test_existing_output_refused_then_overwritten(schema_run, tmp_path):
 def test_reader_ignores_a_writers_lock_by_default(schema_run, tmp_path, monkeypatch):
     """A process holding the file for writing with HDF5 locking on would lock out any locking reader; mpitp's
     reader (locking off unless ``MPITP_HDF5_LOCKING``) still opens it."""
-    from mpitp.inspect import inspect_command
+    from mpitp.results.report import inspect_command
 
     src, _ = schema_run
     path = tmp_path / "held.h5"

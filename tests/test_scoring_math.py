@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from mpitp.scoring import CommCounter, TPOps, VocabParallelHead
+from mpitp.replica.scoring import CommCounter, TPOps, VocabParallelHead
 
 
 class FakeGroup:

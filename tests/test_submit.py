@@ -17,9 +17,9 @@ import jinja2
 import pytest
 from click.testing import CliRunner
 
-from mpitp import submit as submit_mod
-from mpitp.jobfile import JobFileError
-from mpitp.submit import SubmitError, SubmitUsageError, render_script, submit, submit_command
+from mpitp.jobs import submit as submit_mod
+from mpitp.jobs.jobfile import JobFileError
+from mpitp.jobs.submit import SubmitError, SubmitUsageError, render_script, submit, submit_command
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -111,11 +111,6 @@ def test_rendered_scripts_have_the_essentials():
         assert line in pbs.splitlines(), line
     assert "NCCL" not in _render("slurm-1x4").replace("# Site NCCL settings", "")  # none baked in
 
-
-def test_hpc_copies_match_packaged_templates():
-    for name in ("slurm.sh.j2", "pbs.sh.j2"):
-        packaged = (REPO / "mpitp/templates" / name).read_text()
-        assert (REPO / "hpc" / name).read_text() == packaged, f"hpc/{name} differs from mpitp/templates/{name}"
 
 
 def test_strict_undefined_catches_missing_variable():

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import OFFLINE_ENV, explain, mpiexec_path, run_mpi
 
-from mpitp.results import read_metrics, read_requests
+from mpitp.results.store import read_metrics, read_requests
 
 TASKS = "mpitp_demo_mc,mpitp_demo_ppl"
 
@@ -64,7 +64,7 @@ def gpt2_tiny_llama(shared: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, shared_dir):
-    from mpitp.demo import demo_tasks_dir
+    from mpitp.tasks.demo import demo_tasks_dir
 
     d = tmp_path_factory.mktemp("sweep")
     ck = d / "ckpts"
@@ -191,7 +191,7 @@ def test_watch_picks_up_a_checkpoint_written_during_the_run(setup, shared_dir):
     rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
     assert [(r["name"], r["status"]) for r in rows] == [("a", "complete"), ("b", "complete")]
     with h5py.File(out / "b.h5") as f:  # evaluated from the finished files: its fingerprint is the final one
-        from mpitp.fingerprint import detail
+        from mpitp.evaluation.fingerprint import detail
 
         stored = json.loads(f.attrs["fingerprint_json"])
         assert {k: stored[k] for k in ("model_files", "tokenizer_files")} == detail(str(b))
@@ -205,7 +205,7 @@ def test_watch_picks_up_a_checkpoint_written_during_the_run(setup, shared_dir):
 
 
 def test_job_file_models_field(tmp_path):
-    from mpitp.jobfile import JobFileError, load_job
+    from mpitp.jobs.jobfile import JobFileError, load_job
 
     job = tmp_path / "job.yaml"
     job.write_text("runs:\n  - name: curve\n    models: ['ckpts/step-*', ./final]\n    tasks: [mpitp_demo_mc]\n")
@@ -225,8 +225,8 @@ def test_inspect_sweep_summary_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from click.testing import CliRunner
 
-    from mpitp.inspect import inspect_command
-    from mpitp.sweep import Row, plot_summary, write_summary
+    from mpitp.results.report import inspect_command
+    from mpitp.jobs.sweep import Row, plot_summary, write_summary
 
     rows = [Row(f"ck/step-{i}", f"step-{i}", str(tmp_path / f"step-{i}.h5"), "complete", wall_s=1.0,
                 metrics={"t": {"acc,none": 0.5 + 0.1 * i, "acc_stderr,none": 0.05, "sample_len": 10}})

@@ -1,7 +1,7 @@
 """Under mpiexec -n 4: what mpitp.evaluate does before any evaluation, on the real code path.
 
 argv: MODEL_DIR CALLS.
-1. ``CALLS`` times :func:`mpitp.api.layout_for` (the communicator-building part of every evaluate call), as a
+1. ``CALLS`` times :func:`mpitp.evaluation.api.layout_for` (the communicator-building part of every evaluate call), as a
    training loop evaluating that many times would: MPICH's ~2,048 context ids must not run out (they did after
    ~500 calls when every call built new communicators). Alternating tp=1 and tp=2 models: two cached layouts.
 2. One torch world over the 4 ranks and the model sharded tp=2 with a (dp_replicate=2, tp=2) mesh by transformers:
@@ -14,9 +14,9 @@ import time
 from mpi4py import MPI
 
 import mpitp
-from mpitp.api import layout_for
+from mpitp.evaluation.api import layout_for
 from mpitp.errors import UsageError, install_excepthook
-from mpitp.runtime import start
+from mpitp.parallel.runtime import start
 
 install_excepthook()
 model_dir, calls = sys.argv[1], int(sys.argv[2])
@@ -25,7 +25,7 @@ rank = MPI.COMM_WORLD.Get_rank()
 
 def _no_torch_check(model):
     """layout_for for a tp=2 model before any torch world exists (its torch-world check is exercised below)."""
-    import mpitp.api as api
+    import mpitp.evaluation.api as api
 
     check, api.check_torch_world = api.check_torch_world, lambda layout, group: None
     try:

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-import mpitp.comm as mc
+import mpitp.parallel.comm as mc
 from mpitp.errors import UsageError, install_excepthook
-from mpitp.layout import make_layout
-from mpitp.runtime import agree
-from mpitp.world import world_from_comm
+from mpitp.parallel.layout import make_layout
+from mpitp.parallel.runtime import agree
+from mpitp.parallel.world import world_from_comm
 
 from _checks import Checks, same, say
 

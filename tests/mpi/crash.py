@@ -14,7 +14,7 @@ import time
 
 from mpi4py import MPI
 
-import mpitp.comm as mc
+import mpitp.parallel.comm as mc
 from mpitp.errors import install_excepthook
 
 install_excepthook()

@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-import mpitp.comm as mc
+import mpitp.parallel.comm as mc
 from mpitp.errors import DeadlineError, install_excepthook
 
 from _checks import Checks, say

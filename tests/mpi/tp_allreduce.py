@@ -1,4 +1,4 @@
-"""TP torch worlds from mpitp.runtime.start(tp=...): one independent gloo world per TP group.
+"""TP torch worlds from mpitp.parallel.runtime.start(tp=...): one independent gloo world per TP group.
 
 Run: mpiexec -n N python tests/mpi/tp_allreduce.py [TP]      (TP default 2; N a multiple of TP)
 
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-import mpitp.comm as mc
+import mpitp.parallel.comm as mc
 from mpitp.errors import install_excepthook
-from mpitp.runtime import start
-from mpitp.tpgroup import destroy_tp_group
+from mpitp.parallel.runtime import start
+from mpitp.parallel.replica_group import destroy_tp_group
 
 from _checks import Checks, say
 

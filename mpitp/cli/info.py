@@ -1,0 +1,78 @@
+"""``mpitp info``: the layout table, so users can check a launch before spending an allocation on it."""
+
+from __future__ import annotations
+
+import logging
+
+from mpitp.parallel import comm as mpicomm
+from mpitp.parallel.runtime import setup_logging, start
+from mpitp.results.texttable import text_table
+from mpitp.parallel.launch import oversubscription_warning
+from mpitp.parallel.world import mpi_implementation, mpi_library_version
+
+log = logging.getLogger("mpitp")
+
+
+def layout_rows(rt) -> list[dict] | None:
+    """Gather one row per rank on global rank 0 (None elsewhere)."""
+    lay = rt.layout
+    row = dict(rank=rt.world.rank, node=rt.world.node_name, node_index=rt.world.node_index,
+               local_rank=rt.world.local_rank, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank,
+               role="leader" if lay.is_leader else ("stage-leader" if lay.tp_rank == 0 else "worker"),
+               device=rt.device, threads=rt.threads)
+    return mpicomm.gather_obj(row, rt.world.comm, root=0, timeout=rt.timeout, phase="info gather")
+
+
+def _stage_split(rt, model: str) -> str | None:
+    """The layer split of ``model`` over the stages (checked like ``mpitp eval`` checks it)."""
+    from mpitp.replica.loading import load_config
+    from mpitp.replica.pipeline import check_pp, describe_split, num_layers
+    from mpitp.parallel.runtime import agree
+
+    def check():
+        config = load_config(model)
+        check_pp(config, rt.layout.pp)
+        return describe_split(num_layers(config), rt.layout.pp)
+
+    return agree(check, rt.world.comm, rt.timeout, "checking the model's stages")
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    return text_table(columns, [[r[c] for c in columns] for r in rows])
+
+
+def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: str | None = None) -> None:
+    import torch
+
+    from mpitp.parallel.world import world_from_comm
+
+    rank = world_from_comm().rank
+    setup_logging(rank, log_all_ranks)
+    rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout)
+    split = _stage_split(rt, model) if model else None
+    rows = layout_rows(rt)
+    # Prove the TP torch worlds are live: one all_reduce per TP group.
+    backend = rt.tp_group.backend if rt.tp_group.active else "none (tp=1)"
+    if rt.tp_group.active:
+        import torch.distributed as dist
+
+        t = torch.ones(1, device=rt.device)
+        dist.all_reduce(t)
+        assert int(t.item()) == rt.layout.replica_size
+    if rt.world.rank == 0:
+        lay = rt.layout
+        stages = f" x pp {lay.pp}" if lay.pp > 1 else ""
+        print(f"mpitp {__import__('mpitp').__version__}: world {rt.world.size} = dp {lay.dp}{stages} x tp {lay.tp} "
+              f"on {rt.world.n_nodes} node(s), launcher: {rt.world.launcher}")
+        impl = mpi_implementation()
+        print(f"MPI: {impl} ({mpi_library_version()})")
+        crowded = max(((r["node"], sum(1 for x in rows if x["node"] == r["node"])) for r in rows), key=lambda x: x[1])
+        warning = oversubscription_warning(crowded[1], rt.world.cores_per_node, impl, rt.world.launcher)
+        if warning:
+            print(f"warning: node {crowded[0]}: {warning}")
+        print(f"torch {torch.__version__}, TP backend: {backend}, timeout {rt.timeout:g} s")
+        print(format_table(rows, ["rank", "node", "local_rank", "dp_rank", "pp_rank", "tp_rank", "role", "device",
+                                  "threads"]))
+        if split:
+            print(f"pipeline split of {model}: {split}")
+    mpicomm.barrier(rt.world.comm, rt.timeout, phase="info end")

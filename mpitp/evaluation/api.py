@@ -1,0 +1,140 @@
+"""``mpitp.evaluate``: lm-eval numbers for a live, already-sharded model, from inside a running MPI job.
+
+For a training or analysis script that already runs under ``mpirun`` and holds a TP-sharded transformers model:
+no checkpoint, no reload. It runs the very code path of ``mpitp eval`` (:func:`mpitp.evaluation.runner.evaluate_loaded`) and
+leaves the caller's world as it found it: the model back in its previous train/eval mode, no process group
+destroyed, no message left in flight (a closing barrier, after success), autograd off only inside.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mpitp.parallel import comm as mpicomm
+from mpitp.parallel.comm import DEFAULT_TIMEOUT
+
+
+def _infer_tp(model) -> tuple[int, object]:
+    """TP degree and torch group of a model sharded by transformers (its own default world), else (1, None)."""
+    import torch.distributed as dist
+
+    tp = int(getattr(model, "tp_size", None) or 1)
+    if tp > 1:
+        return tp, None
+    if dist.is_available() and dist.is_initialized() and getattr(model, "_device_mesh", None) is not None:
+        return dist.get_world_size(), None
+    return 1, None
+
+
+def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int = 1, limit=None,
+             num_fewshot: int | None = None, include_path=None, output: str | None = None,
+             timeout: float = DEFAULT_TIMEOUT, max_length: int | None = None, device: str | None = None,
+             overwrite: bool = True, **lm_eval_kwargs) -> dict | None:
+    """Evaluate ``model`` (already on this rank, TP-sharded or whole) on lm-eval ``tasks``. Collective.
+
+    Every rank of ``comm`` (default COMM_WORLD) must call it with the same arguments. ``layout`` defaults to one
+    inferred from the model's TP process group (tp=1 when it has none). Returns lm-eval's results dict on global
+    rank 0 and None elsewhere; writes HDF5 only when ``output`` is given (replacing it unless ``overwrite=False``).
+    Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...);
+    ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
+    (:mod:`mpitp.replica.headcheck`).
+    """
+    layout, group = layout_for(model, comm, layout)
+    return _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
+                     timeout, max_length, device, overwrite, lm_eval_kwargs)
+
+
+_LAYOUTS: list[tuple] = []  # (our duplicate of the caller's communicator, tp, layout), one per layout ever used
+
+
+def layout_for(model, comm=None, layout=None):
+    """``(layout, torch group)``: the caller's layout, or one inferred from the model's TP group over ``comm``.
+
+    Building a layout creates MPI communicators, and MPICH has about 2,048 context ids per process: a training
+    loop evaluating every few hundred steps ran out after ~500 calls. So inferred layouts are cached, keyed by the
+    communicator's group (``MPI.Comm.Compare`` against a duplicate we own, so a communicator the caller frees or
+    recreates never matches a stale entry) and tp. Collective over ``comm`` when it builds one. Refuses a torch
+    world that does not match the layout (:func:`check_torch_world`).
+    """
+    from mpi4py import MPI
+
+    from mpitp.errors import UsageError
+    from mpitp.parallel.layout import make_layout
+    from mpitp.parallel.world import world_from_comm
+
+    if layout is None:
+        comm = comm if comm is not None else MPI.COMM_WORLD
+        tp, group = _infer_tp(model)
+        for dup, tp_cached, cached in _LAYOUTS:
+            if tp_cached == tp and MPI.Comm.Compare(comm, dup) in (MPI.IDENT, MPI.CONGRUENT):
+                layout = cached
+                break
+        else:
+            dup = comm.Dup()
+            layout = make_layout(world_from_comm(dup), tp)
+            _LAYOUTS.append((dup, tp, layout))
+    else:
+        group = None
+    if layout.pp > 1:
+        raise UsageError("mpitp.evaluate takes TP-sharded or whole models; for pipeline stages use "
+                         "`mpitp eval --pp N`", collective=True)
+    check_torch_world(layout, group)
+    return layout, group
+
+
+def check_torch_world(layout, group) -> None:
+    """mpitp runs a replica's TP collectives on the default torch world (``group`` None), so that world must be
+    exactly the replica. A training script with one world over every rank and a (dp, tp) mesh would otherwise get
+    broadcasts and reductions across replicas: a hang or garbage. Refused on every rank alike (collective)."""
+    from mpitp.errors import UsageError
+
+    if group is not None or layout.replica_size == 1:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UsageError(f"mpitp.evaluate: the model is sharded over tp={layout.tp} ranks but torch.distributed is "
+                         f"not initialised", collective=True)
+    size = dist.get_world_size()
+    if size != layout.replica_size:
+        raise UsageError(f"mpitp.evaluate needs one torch world per model replica: the torch world has {size} ranks "
+                         f"but a replica has tp={layout.tp} (dp={layout.dp} replicas on {layout.world.size} MPI "
+                         f"ranks); create the worlds with mpitp.parallel.runtime.start(tp={layout.tp}) instead of one world "
+                         f"with a (dp, tp) mesh", collective=True)
+
+
+def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
+              timeout, max_length, device, overwrite, lm_eval_kwargs):
+    import torch
+
+    from mpitp.evaluation.runner import EvalConfig, evaluate_loaded
+    from mpitp.parallel.runtime import Runtime
+    from mpitp.parallel.replica_group import TPGroup, backend_for
+
+    dev = device or str(next(model.parameters()).device)
+    rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,
+                 tp_group=TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend_for(dev), device=dev,
+                                  group=group))
+    cfg_fields = {k: lm_eval_kwargs.pop(k) for k in ("gen_kwargs", "apply_chat_template", "log_samples",
+                                                       "bootstrap_iters", "seed", "skip_head_check")
+                  if k in lm_eval_kwargs}
+    cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__),
+                     tokenizer=getattr(tokenizer, "name_or_path", tokenizer),
+                     tasks=[tasks] if isinstance(tasks, str) else list(tasks), batch_size=batch_size, limit=limit,
+                     num_fewshot=num_fewshot, include_path=include_path, output=output, max_length=max_length,
+                     overwrite=overwrite, **cfg_fields)
+    if output and os.path.exists(output) and not overwrite:
+        from mpitp.errors import UsageError
+
+        raise UsageError(f"output {output} already exists (pass overwrite=True)", collective=True)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            result = evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
+    finally:
+        model.train(was_training)
+    # Only after success: a rank that failed mid-forward leaves its peers inside a torch collective, which no barrier
+    # can reach; its exception must go straight to the caller (or the abort) instead of waiting out the timeout.
+    mpicomm.barrier(layout.world.comm, None, phase="end of mpitp.evaluate")
+    return result

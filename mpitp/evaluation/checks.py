@@ -1,0 +1,223 @@
+"""Checks of an evaluation's input, all on rank 0 and all before any model loads.
+
+Each failure is a one-line :class:`UsageError` that spells out what is wrong (``tp=3 does not divide ...``,
+``unknown task 'arc_esy'; did you mean: arc_easy?``, ``cannot resume X: different settings: limit 2 in the file,
+3 now``); :func:`mpitp.parallel.runtime.agree` shares the verdict so every rank exits together.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import time
+
+from mpitp.errors import UsageError
+
+log = logging.getLogger("mpitp")
+
+
+def _paths(include_path) -> list[str]:
+    return [include_path] if isinstance(include_path, str) else list(include_path or [])
+
+
+def task_manager(tasks: list[str], include_path, metadata: dict | None = None):
+    """lm-eval's TaskManager for ``tasks``; refuses unknown names before the slow part.
+
+    Indexing lm-eval's ~14k stock task YAMLs takes 8-12 s (more on a loaded node), so it is skipped when the include
+    path has every task, and a name that no stock file can declare (:mod:`mpitp.tasks.names`, under a second) is
+    refused without it.
+    """
+    from lm_eval.tasks import TaskManager
+
+    included: list[str] = []
+    if include_path:
+        tm = TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR", metadata=metadata)
+        if all(t in tm.all_tasks for t in tasks):
+            return tm
+        included = tm.all_tasks
+    from mpitp.tasks.names import stock_task_names
+
+    _refuse_unknown(tasks, set(included) | stock_task_names())
+    return TaskManager(include_path=include_path or None, verbosity="ERROR", metadata=metadata)
+
+
+def _refuse_unknown(tasks: list[str], known: set[str]) -> None:
+    for t in tasks:
+        if t not in known:
+            close = difflib.get_close_matches(t, sorted(known), n=5, cutoff=0.6)
+            hint = f"; did you mean: {', '.join(close)}?" if close else ""
+            raise UsageError(f"unknown task '{t}'{hint}")
+
+
+def offline_include(cfg) -> list[str]:
+    """With ``--data-dir``, write override YAMLs for the stock tasks asked for and put them on the include path."""
+    if not cfg.data_dir:
+        return _paths(cfg.include_path)
+    import tempfile
+
+    from mpitp.tasks.offline import STOCK_TASKS, write_task_yamls
+
+    out = tempfile.mkdtemp(prefix="mpitp-tasks-")
+    write_task_yamls(cfg.data_dir, out, [t for t in cfg.tasks if t in STOCK_TASKS])
+    return _paths(cfg.include_path) + [out]
+
+
+def _remove_generated(include: list[str] | None) -> None:
+    """Remove the override YAMLs :func:`offline_include` wrote (rank 0, after the run)."""
+    import shutil
+    import tempfile
+
+    for path in include or []:
+        if os.path.basename(path).startswith("mpitp-tasks-") and os.path.dirname(path) == tempfile.gettempdir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def check_tasks(tasks: list[str], include_path, metadata: dict | None = None):
+    """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
+    for path in _paths(include_path):
+        if not os.path.isdir(path):
+            raise UsageError(f"--include-path {path}: no such directory")
+    if not tasks:
+        raise UsageError("no tasks given: pass --tasks a,b (or --demo)")
+    tm = task_manager(tasks, include_path, metadata)
+    _refuse_unknown(tasks, set(tm.all_tasks))  # the scan's few extra names are not tasks: lm-eval's index decides
+    return tm
+
+
+def default_output(model: str) -> str:
+    name = os.path.basename(os.path.normpath(model)) or "model"
+    return os.path.join("results", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.h5")
+
+
+def check_output(cfg) -> str:
+    """Resolve the output path; refuse to overwrite silently and fail early when it cannot be written."""
+    out = cfg.output or default_output(cfg.model)
+    if cfg.resume and cfg.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other: pick one")
+    if os.path.exists(out):
+        if os.path.isdir(out):
+            raise UsageError(f"output {out} is a directory")
+        if not (cfg.resume or cfg.overwrite):
+            raise UsageError(f"output {out} already exists: pass --resume to continue it or --overwrite to replace it")
+        if cfg.resume:
+            check_resumable(out, cfg)
+    elif cfg.resume:
+        log.info("--resume: %s does not exist yet, starting a new run", out)
+    probe_dir = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        raise UsageError(f"cannot write output {out}: {probe_dir} is not a directory")
+    try:  # os.access says yes to root on read-only mounts: try for real
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".mpitp-probe-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write output {out}: {probe_dir}: {exc.strerror or exc}") from None
+    return out
+
+
+def check_resumable(path: str, cfg) -> None:
+    """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
+    from mpitp.evaluation.fingerprint import resume_differences
+    from mpitp.results.store import open_h5
+
+    try:
+        with open_h5(path) as f:
+            stored = json.loads(f.attrs["config_json"])
+            on_disk = json.loads(f.attrs["fingerprint_json"]) if "fingerprint_json" in f.attrs else None
+    except (OSError, KeyError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"cannot resume {path}: not an mpitp results file ({reason})") from None
+    now = json.loads(json.dumps(cfg.identity()))
+    diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
+             if stored.get(k) != now.get(k)]
+    diffs += resume_differences(on_disk, stored, now, cfg)
+    if diffs:
+        raise UsageError(f"cannot resume {path}: different settings: " + "; ".join(diffs))
+
+
+# generate modes that reorder or fork the KV cache (beams, contrastive search) or run a second model / a lookup that
+# rewinds it (assisted and speculative decoding, prompt lookup, DoLa's early exits): only the leader's cache would
+# change, the TP workers' and stages' shards would not, and the text would silently be wrong.
+_CACHE_FORKING = {
+    "num_beams": lambda v: v is not None and int(v) > 1,
+    "num_beam_groups": lambda v: v is not None and int(v) > 1,
+    "penalty_alpha": lambda v: v is not None and float(v) > 0,
+    "assistant_model": lambda v: v is not None,
+    "assistant_early_exit": lambda v: v is not None,
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "dola_layers": lambda v: v is not None,
+    "constraints": lambda v: v is not None,
+    "force_words_ids": lambda v: v is not None,
+}
+
+
+def unsupported_generation(kwargs: dict, generation_config=None) -> str | None:
+    """The first setting (from ``kwargs``, else the model's generation config) that makes ``generate`` reorder or
+    fork the KV cache, as ``name=value``; None when generation is a plain left-to-right decode."""
+    for name, bad in _CACHE_FORKING.items():
+        value = kwargs.get(name, getattr(generation_config, name, None))
+        try:
+            if bad(value):
+                return f"{name}={value}"
+        except (TypeError, ValueError):
+            return f"{name}={value!r}"
+    return None
+
+
+def refuse_unsupported_generation(kwargs: dict, generation_config, where: str, layout_desc: str) -> None:
+    found = unsupported_generation(kwargs, generation_config)
+    if found:
+        raise UsageError(f"{where}: {found} is not supported with {layout_desc}: that generate mode reorders or "
+                         f"forks the KV cache, which only the leader would do (its TP workers' and pipeline stages' "
+                         f"caches would not follow); run with --tp 1 --pp 1 or drop it")
+
+
+def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> None:
+    if not gen_kwargs or (tp == 1 and pp == 1):
+        return
+    if isinstance(gen_kwargs, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        try:
+            parsed = simple_parse_args_string(gen_kwargs)
+        except Exception as exc:  # noqa: BLE001 - lm-eval's parser raises plain errors on bad syntax
+            raise UsageError(f"--gen-kwargs {gen_kwargs!r}: {exc}") from None
+    else:
+        parsed = dict(gen_kwargs)
+    refuse_unsupported_generation(parsed, None, "--gen-kwargs", f"tp={tp} pp={pp}")
+
+
+def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
+    from mpitp.replica.loading import check_dtype, check_tp, load_config
+    from mpitp.replica.pipeline import check_pp
+
+    if cfg.data_dir and not os.path.isdir(cfg.data_dir):
+        raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
+    if str(cfg.batch_size).isdigit() and int(cfg.batch_size) < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
+    if cfg.limit is not None and not cfg.limit > 0:
+        raise UsageError(f"--limit must be > 0, got {cfg.limit:g}")
+    check_dtype(cfg.dtype)
+    if cfg.gen_kwargs and "use_cache" in str(cfg.gen_kwargs):
+        raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
+                         "KV cache (it passes use_cache=True itself)")
+    _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
+    if "task_manager" not in keep:  # a sweep checks its tasks once for every checkpoint (mpitp.jobs.sweep)
+        keep["include"] = offline_include(cfg)
+        keep["task_manager"] = check_tasks(cfg.tasks, keep["include"], getattr(cfg, "metadata", None))
+    from mpitp.evaluation.lmeval_args import check_lm_eval_settings
+
+    check_lm_eval_settings(cfg)
+    config = keep["config"] = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
+    check_tp(config, tp)
+    check_pp(config, pp)
+    out = check_output(cfg)
+    from mpitp.results.claim import claim_output
+
+    keep["claim"] = claim_output(out)  # last: a refused check must not leave a claim behind
+    return out, cfg.tokenizer or cfg.model

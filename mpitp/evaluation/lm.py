@@ -1,0 +1,272 @@
+"""The lm-eval model: HF semantics from lm-eval's own ``HFLM``, computation sharded across DP groups and TP ranks.
+
+``HFLM`` keeps doing everything that defines lm-eval's numbers (tokenisation and the empty-context prefix rule,
+rolling windows, chat templates, stop sequences, left truncation, generation post-processing). This subclass only
+replaces *where* the forwards happen: global rank 0 turns each request into a work item, the dispatcher spreads the
+items over the DP groups, and inside a group the TP leader drives its workers (see :mod:`mpitp.replica.engine`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+
+from lm_eval import utils as lm_utils
+from lm_eval.models.huggingface import HFLM
+
+KIND_SCORE = "loglikelihood"
+KIND_ROLLING = "loglikelihood_rolling"
+KIND_GENERATE = "generate_until"
+KIND_WINDOW = "rolling_window"
+"""One rolling window of a ``loglikelihood_rolling`` request, dispatched on its own: a long document (a wikitext
+page is up to tens of windows) would otherwise be one indivisible chunk item and leave the other DP groups idle.
+A window item is ``(scoring row, share)``, ``share`` being 1 / the request's window count (for the request counter)."""
+
+
+def combine_windows(parts: list[tuple[float, bool, int]]) -> tuple[float, bool, int]:
+    """A rolling request's result from its windows' ``(ll, greedy, n)``: as lm-eval sums them (``fsum``: exact,
+    so the order windows come back in does not matter)."""
+    return math.fsum(p[0] for p in parts), all(p[1] for p in parts), sum(p[2] for p in parts)
+
+
+@dataclass
+class _Req:
+    """The part of an lm-eval ``Instance`` that ``HFLM.generate_until`` reads."""
+
+    args: tuple
+
+
+def args_hash(args) -> str:
+    """Stable hash of a request's arguments: part of the resume key (task, doc_id, idx, hash, repeat)."""
+    return hashlib.sha1(repr(args).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def request_keys(instances) -> list[tuple]:
+    """Each request's key ``(task, doc_id, idx, args_hash, repeat)``, in request order.
+
+    A task with ``repeats: k`` (pass@k, self-consistency) hands lm-eval's model the same request k times in a row;
+    ``repeat`` (0..k-1, counted in request order, which lm-eval builds the same way in every run) tells the clones
+    apart, so each has its own row, its own resume entry and its own sampling seed.
+    """
+    seen: dict[tuple, int] = {}
+    keys = []
+    for inst in instances:
+        base = (inst.task_name, int(inst.doc_id), int(inst.idx), args_hash(inst.args))
+        rep = seen.get(base, 0)
+        seen[base] = rep + 1
+        keys.append(base + (rep,))
+    return keys
+
+
+def sample_seed(base: int, key: tuple) -> int:
+    """The seed of one sampled generation: a function of the run's seed and the request's key only, so a request
+    samples the same text whatever DP group, batch or resume computes it."""
+    return int(hashlib.sha1(repr((base,) + tuple(key)).encode()).hexdigest()[:8], 16)
+
+
+class MPITPLM(HFLM):
+    """``HFLM`` whose forwards run on TP-sharded replicas in DP groups. Built on every DP leader."""
+
+    def __init__(self, model, tokenizer, engine, *, batch_size: int = 1, max_length: int | None = None,
+                 **hflm_kwargs):
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
+                         **hflm_kwargs)
+        self.engine = engine
+        self.runner = None  # set on rank 0: a callable (kind, items, weights, instances) -> results
+        self.seed = 1234  # base of the per-request sampling seeds (lm-eval's default torch seed; --seed sets it)
+        self.auto = None  # a mpitp.replica.batchsize.AutoBatch with --batch_size auto
+        self._instances = None
+        self.encode_cache: dict | None = None  # a sweep shares one among checkpoints with the same tokenizer
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        """``HFLM.tok_encode``, memoised when :attr:`encode_cache` is set (:mod:`mpitp.jobs.sweep`): a sweep's
+        checkpoints with the same tokenizer tokenise each prompt once."""
+        if self.encode_cache is None or kwargs:
+            return super().tok_encode(string, add_special_tokens=add_special_tokens,
+                                      left_truncate_len=left_truncate_len, **kwargs)
+        key = (string, add_special_tokens, left_truncate_len, self.add_bos_token)
+        hit = self.encode_cache.get(key)
+        if hit is None:
+            hit = self.encode_cache[key] = super().tok_encode(string, add_special_tokens=add_special_tokens,
+                                                              left_truncate_len=left_truncate_len)
+        return list(hit)
+
+    # ------------------------------------------------------------------ rank 0: lm-eval's entry points
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._instances = requests
+        try:
+            return super().loglikelihood(requests, disable_tqdm=True)
+        finally:
+            self._instances = None
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        """Reached from :meth:`loglikelihood` with lm-eval's encodings, one per request, in request order."""
+        rows = []
+        for _, ctx, cont in requests:
+            assert len(ctx) > 0 and len(cont) > 0 and len(cont) <= self.max_length
+            rows.append(((ctx + cont)[-(self.max_length + 1):], len(cont)))
+        weights = [len(r[0]) for r in rows]
+        out = self.runner(KIND_SCORE, rows, weights, self._instances)
+        refuse_nonfinite([ll for ll, _, _ in out], self._instances)
+        answers = [(ll, greedy) for ll, greedy, _ in out]
+        for (key, _, _), ans in zip(requests, answers):
+            self.cache_hook.add_partial("loglikelihood", key, ans)
+        return answers
+
+    def rolling_rows(self, string: str) -> list[tuple[list[int], int]]:
+        """lm-eval's disjoint rolling windows of ``string`` as scoring rows (same helpers as ``HFLM``)."""
+        windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+            token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+            max_seq_len=self.max_length, context_len=1))
+        return [((ctx + cont)[-(self.max_length + 1):], len(cont)) for ctx, cont in windows]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        items = [self.rolling_rows(req.args[0]) for req in requests]
+        weights = [sum(len(r[0]) for r in rows) for rows in items]
+        out = self.runner(KIND_ROLLING, items, weights, requests)
+        refuse_nonfinite([ll for ll, _, _ in out], requests)
+        lls = [ll for ll, _, _ in out]
+        for req, ll in zip(requests, lls):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
+        return lls
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        keys = request_keys(requests)
+        items = [(*req.args, sample_seed(self.seed, key)) for req, key in zip(requests, keys)]
+        weights = [len(self.tok_encode(ctx)) + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw, _ in items]
+        out = self.runner(KIND_GENERATE, items, weights, requests)
+        return [text for text, _ in out]
+
+    # ------------------------------------------------------------------ every DP leader: compute a chunk
+    def compute(self, kind: str, items: list, tick=None) -> list:
+        """Run one chunk on this DP group. Results: (ll, greedy, n) for scoring, (text, n_tokens) for generation."""
+        t0 = time.perf_counter()
+        try:
+            return self._compute(kind, items, tick)
+        finally:
+            self.engine.stats.busy_s += time.perf_counter() - t0
+            self.engine.stats.requests += math.fsum(s for _, s in items) if kind == KIND_WINDOW else len(items)
+
+    def _compute(self, kind: str, items: list, tick) -> list:
+        if kind == KIND_SCORE:
+            return self._score_rows(items, tick)
+        if kind == KIND_WINDOW:
+            return self._score_rows([row for row, _ in items], tick)
+        if kind == KIND_GENERATE:
+            if self.auto is not None:  # one size for the chunk, from its longest prompt plus the tokens to generate
+                longest = max(len(self.tok_encode(item[0])) for item in items)  # items: (context, kwargs, seed)
+                new = max(int(item[1].get("max_gen_toks", self.max_gen_toks)) for item in items)
+                self.batch_size_per_gpu = self.auto.size(min(longest, self.max_length), new)
+            self._tick = tick
+            self._gen_tokens = []
+            try:
+                texts = self._generate(items)
+            finally:
+                self._tick = None
+            return [(t, len(self.tok_encode(t, add_special_tokens=False))) for t in texts]
+        raise ValueError(f"unknown request kind {kind!r}")
+
+    def _generate(self, items: list) -> list[str]:
+        """Greedy requests batched as lm-eval batches them; each sampled one alone after seeding torch with its own
+        seed (a batch's random draws depend on its other rows: one row per generate makes a request's sample the
+        same in every layout, chunking and resume)."""
+        import torch
+
+        texts: list = [None] * len(items)
+        greedy = [i for i, (_, kw, _) in enumerate(items) if not self._samples(kw)]
+        if greedy:
+            out = HFLM.generate_until(self, [_Req(tuple(items[i][:2])) for i in greedy], disable_tqdm=True)
+            for i, t in zip(greedy, out):
+                texts[i] = t
+        for i, (ctx, kw, seed) in enumerate(items):
+            if texts[i] is None:
+                torch.manual_seed(seed)
+                texts[i] = HFLM.generate_until(self, [_Req((ctx, kw))], disable_tqdm=True)[0]
+        return texts
+
+    def _samples(self, kw: dict) -> bool:
+        """Whether lm-eval's HFLM samples for these generation kwargs (its rule: ``do_sample``, else sampling when a
+        non-zero temperature is given or the model's generation config samples)."""
+        do_sample = kw.get("do_sample")
+        if do_sample is not None:
+            return bool(do_sample)
+        if kw.get("temperature", 0.0) == 0.0:
+            return False
+        return bool(getattr(getattr(self.model, "generation_config", None), "do_sample", False))
+    def _score_rows(self, rows: list, tick) -> list:
+        """Score rows at the fixed batch size, or with ``--batch_size auto`` bucket by bucket at each one's size."""
+        if self.auto is None:
+            return self.engine.score_rows(rows, self.batch_size, tick)
+        out: list = [None] * len(rows)
+        for size, idx in self.auto.groups([len(r[0]) for r in rows]):
+            for i, r in zip(idx, self.engine.score_rows([rows[i] for i in idx], size, tick)):
+                out[i] = r
+        return out
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        if self.engine.has_workers:  # a task YAML's generation_kwargs get here without passing the checks
+            from mpitp.evaluation.checks import refuse_unsupported_generation
+
+            lay = self.engine.layout
+            refuse_unsupported_generation(generation_kwargs, getattr(self.model, "generation_config", None),
+                                          "generation_kwargs", f"tp={lay.tp} pp={lay.pp}")
+        self.engine.nonfinite_steps = 0
+        try:
+            with self.engine.generating(greedy=plain_greedy(self.model, generation_kwargs)):
+                out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        except RuntimeError as exc:  # torch.multinomial on a NaN/inf distribution (sampling)
+            if "inf, nan" not in str(exc):
+                raise
+            self.engine.nonfinite_steps += 1
+        if self.engine.nonfinite_steps:
+            from mpitp.errors import UsageError
+
+            start = self.tok_decode(context[0].tolist())[-60:]
+            raise UsageError(f"non-finite logits (NaN/inf) while generating for the request whose context ends "
+                             f"{start!r}; in float16 this is usually an overflow: try --dtype bfloat16 or float32")
+        self.engine.stats.tokens_generated += int((out.shape[1] - context.shape[1]) * out.shape[0])
+        if getattr(self, "_tick", None):
+            self._tick()
+        return out
+
+
+def refuse_nonfinite(lls: list[float], instances) -> None:
+    """One line naming the first request whose log-likelihood is NaN or infinite (rank 0, after scoring)."""
+    from mpitp.errors import UsageError
+
+    for i, ll in enumerate(lls):
+        if not math.isfinite(ll):
+            inst = instances[i] if instances is not None and i < len(instances) else None
+            where = (f"task {inst.task_name}, doc {inst.doc_id}, request {inst.idx}" if inst is not None
+                     else f"request {i}")
+            raise UsageError(f"non-finite log-likelihood ({ll}) for {where}: the model's logits hold NaN/inf; in "
+                             f"float16 this is usually an overflow: try --dtype bfloat16 or float32")
+
+
+_GREEDY_SAFE_KWARGS = {"attention_mask", "do_sample", "temperature", "top_p", "top_k"}
+_PROCESSOR_DEFAULTS = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+                       "bad_words_ids": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+                       "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
+                       "forced_eos_token_id": (None,), "sequence_bias": (None,), "encoder_repetition_penalty":
+                       (None, 1.0), "num_beams": (None, 1), "penalty_alpha": (None,), "guidance_scale": (None, 1.0),
+                       "exponential_decay_length_penalty": (None,)}
+
+
+def plain_greedy(model, generation_kwargs: dict) -> bool:
+    """True when generation is greedy search with no logits processor, so a sharded argmax decides each token.
+
+    Anything that edits logits before the argmax (repetition penalty, suppressed tokens, minimum length, beams)
+    needs the real distribution: then transformers' gathered logits are kept.
+    """
+    if set(generation_kwargs) - _GREEDY_SAFE_KWARGS:
+        return False
+    gc = getattr(model, "generation_config", None)
+    do_sample = generation_kwargs.get("do_sample")
+    if do_sample is None:
+        do_sample = bool(getattr(gc, "do_sample", False))
+    if do_sample:
+        return False
+    return all(getattr(gc, k, None) in ok for k, ok in _PROCESSOR_DEFAULTS.items()) if gc is not None else True

@@ -1,0 +1,524 @@
+"""``mpitp eval``'s command line: lm-eval's own ``run`` parser, plus the layout and HDF5 options.
+
+The lm-eval flags are not re-declared here: :func:`build_parser` takes the parser lm-eval's CLI builds
+(``lm_eval._cli.run.Run``), so every flag keeps lm-eval's spelling, short form, ``nargs`` and parsing (``--tasks a b``
+or ``a,b``, ``--model_args k=v,k2=v2`` or a JSON object, ``--seed 0,None,8,52``), and lm-eval's ``EvaluatorConfig``
+turns the result into settings (``--config`` YAML, ``--predict_only`` implying ``--log_samples``, the few-shot
+multi-turn default, seeds, ``--samples`` files). Every long option is accepted with ``_`` or ``-`` alike. What this
+module adds: mpitp's own options, the translation to :class:`mpitp.evaluation.runner.EvalConfig`, and refusals of what cannot
+apply here (another backend, HFLM arguments that mean another way of placing the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+
+from mpitp.parallel.comm import DEFAULT_TIMEOUT
+from mpitp.errors import UsageError
+
+HF_BACKENDS = ("hf", "hf-auto", "huggingface")
+"""lm-eval's names for ``HFLM`` (``lm_eval.models.MODEL_MAPPING``): the one backend mpitp runs."""
+
+HFLM_LOADING = ("pretrained", "revision", "dtype", "trust_remote_code", "tokenizer", "attn_implementation",
+                "subfolder")
+"""``--model_args`` keys that say which model and tokenizer are loaded, and how (mpitp's loader honours them)."""
+
+HFLM_RUNTIME = ("max_length", "add_bos_token", "prefix_token_id", "truncation", "logits_cache", "use_fast_tokenizer",
+                "think_end_token", "enable_thinking", "chat_template_args", "max_batch_size", "batch_size",
+                "device", "backend", "softmax_dtype")
+"""``--model_args`` keys passed on to lm-eval's ``HFLM`` as they are (tokenisation, prompts, post-processing)."""
+
+HFLM_REFUSED = {
+    "parallelize": "mpitp places the model itself: use --tp/--pp (and more ranks) instead of parallelize",
+    "device_map": "mpitp places the model itself: use --tp/--pp instead of device_map",
+    "max_memory_per_gpu": "mpitp places the model itself: use --tp/--pp instead of max_memory_per_gpu",
+    "max_cpu_memory": "mpitp places the model itself: use --tp/--pp instead of max_cpu_memory",
+    "offload_folder": "mpitp places the model itself and never offloads to disk",
+    "tp_plan": "mpitp applies transformers' TP plan itself: use --tp N",
+    "peft": "PEFT adapters are not loaded under TP yet: merge the adapter first (peft's merge_and_unload, "
+            "save_pretrained) and pass the merged directory as pretrained",
+    "delta": "delta weights are not applied under TP yet: add them to the base weights first and pass that "
+             "directory as pretrained",
+    "autogptq": "GPTQ-quantised loading is not supported under TP",
+    "gptqmodel": "GPTQ-quantised loading is not supported under TP",
+    "gguf_file": "GGUF checkpoints are not supported under TP: convert to safetensors first",
+    "mixed_precision_dtype": "mixed-precision autocast is not supported: pick the weights' dtype with dtype=",
+    "load_in_8bit": "bitsandbytes quantisation is not supported under TP",
+    "load_in_4bit": "bitsandbytes quantisation is not supported under TP",
+}
+"""``--model_args`` keys that mean another way of placing or building the model: refused, each with its reason."""
+
+NETWORK_ONLY = {
+    "push_results_to_hub": "--hf_hub_log_args push_results_to_hub: pushing to the Hugging Face Hub needs the "
+                           "network; the files are written under --output_path, push them from a login node",
+    "push_samples_to_hub": "--hf_hub_log_args push_samples_to_hub: pushing to the Hugging Face Hub needs the "
+                           "network; the files are written under --output_path, push them from a login node",
+}
+
+HELP_NOTES = {
+    "model": "Model backend: hf (also hf-auto, huggingface; the model is model_args pretrained=...), or a model path "
+             "or hub id directly. Other lm-eval backends (vllm, openai-completions, ...) are refused.",
+    "model_args": "HFLM arguments as 'key=val,key2=val2', `key=val` `key2=val2` or JSON: pretrained, revision, dtype, "
+                  "tokenizer, trust_remote_code, max_length, add_bos_token, prefix_token_id, attn_implementation, "
+                  "subfolder, truncation, logits_cache, use_fast_tokenizer, think_end_token, enable_thinking, "
+                  "chat_template_args, softmax_dtype (float32: mpitp's log-softmax is float32). Refused by name: "
+                  + ", ".join(HFLM_REFUSED) + ".",
+    "batch_size": "Batch size per DP group: an integer, 'auto' (the largest size that fits, found per task and "
+                  "request-length bucket, agreed by every rank of a TP/PP group) or 'auto:N' (re-detect N times "
+                  "over the run). Default 1.",
+    "max_batch_size": "Largest batch size --batch_size auto may pick (default 64, as lm-eval).",
+    "device": "Device kind for every rank: cpu, cuda (each rank takes its node-local GPU; cuda:N means the same "
+              "under MPI). Default: cuda when available, else cpu.",
+    "use_cache": "Reuse model responses across runs: mpitp's own HDF5 request store at <path>.h5 (resumed when it "
+                 "exists; its settings must match) instead of lm-eval's per-rank sqlite files.",
+    "output_path": "Write lm-eval's files: <path>/<model>/results_<time>.json (and samples_<task>_<time>.jsonl "
+                   "with --log_samples), or <stem>_<time>.json for a .json path; the HDF5 file goes beside them "
+                   "unless --output is given.",
+    "hf_hub_log_args": "EvaluationTracker arguments; pushes to the Hub (push_results_to_hub, push_samples_to_hub) "
+                       "need the network and are refused.",
+    "verbosity": "Log level (DEBUG, INFO, WARNING, ERROR). Default: lm-eval's and transformers' messages about "
+                 "mpitp's own integration are hidden; DEBUG shows everything.",
+    "wandb_args": "Weights & Biases init arguments key=val key2=val2: rank 0 logs through lm-eval's WandbLogger "
+                  "(WANDB_MODE=offline works without network).",
+}
+
+
+class _Exit(Exception):
+    def __init__(self, status: int, text: str):
+        super().__init__(text)
+        self.status, self.text = status, text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing and exiting, so rank 0 can decide and share the outcome."""
+
+    def error(self, message):
+        # "argument --batch_size/-b/--batch-size: must be >= 1" -> "--batch_size: must be >= 1"
+        raise UsageError(re.sub(r"^argument (--?[\w-]+)(/\S+)*:", r"\1:", message))
+
+    def exit(self, status=0, message=None):
+        raise _Exit(status, message or "")
+
+    def print_help(self, file=None):
+        raise _Exit(0, self.format_help())
+
+
+MPITP_DESTS = ("tp", "pp", "threads", "timeout", "log_all_ranks", "output", "resume", "overwrite", "data_dir",
+               "demo", "bootstrap_iters", "tokenizer", "revision", "dtype", "max_length", "skip_head_check",
+               "watch", "watch_idle")
+
+
+def _positive_float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+    return v
+
+
+def _at_least(lo: int):
+    def check(value: str) -> int:
+        try:
+            v = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return v
+    return check
+
+
+def _limit(value: str):
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return v
+
+
+def batch_size_value(value) -> int | str:
+    """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N`` (N >= 1)."""
+    text = str(value).strip()
+    if text == "auto":
+        return "auto"
+    if text.startswith("auto:"):
+        n = text[5:]
+        if n.isdigit() and int(n) >= 1:
+            return f"auto:{int(n)}"
+        raise argparse.ArgumentTypeError(f"expected auto:N with N a positive integer, got {value!r}")
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'auto:N', got {value!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value if isinstance(value, int) else text  # as typed: lm-eval records the string it was given
+
+
+def _add_mpitp_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mpitp: parallel layout")
+    g.add_argument("--tp", type=_at_least(1), default=1, help="Tensor-parallel degree; dp = world size / (tp x pp).")
+    g.add_argument("--pp", type=_at_least(1), default=1,
+                   help="Pipeline stages per model replica (TP inside each stage).")
+    g.add_argument("--threads", type=_at_least(1), default=None,
+                   help="Torch threads per rank (default: cores per node / ranks per node).")
+    g.add_argument("--timeout", type=_positive_float, default=float(DEFAULT_TIMEOUT),
+                   help=f"Seconds any rank waits for its peers (default {DEFAULT_TIMEOUT}).")
+    g.add_argument("--log-all-ranks", action="store_true", help="Log from every rank, each line with its rank.")
+    g = p.add_argument_group("mpitp: HDF5 results and offline data")
+    g.add_argument("--output", default=None,
+                   help="HDF5 results file (default: beside --output_path's files, else results/<model>-<time>.h5).")
+    g.add_argument("--resume", action="store_true", help="Continue an existing --output file.")
+    g.add_argument("--overwrite", action="store_true", help="Replace an existing --output file.")
+    g.add_argument("--data-dir", default=None, help="Serve stock tasks offline from DIR/<task>/<split>.jsonl.")
+    g.add_argument("--demo", action="store_true", help="Built-in offline demo: tiny random Llama, three small tasks.")
+    g.add_argument("--bootstrap-iters", type=_at_least(0), default=100000,
+                   help="Bootstrap iterations for stderr (default 100000, as lm-eval).")
+    g.add_argument("--skip-head-check", action="store_true",
+                   help="Do not compare the vocab-parallel head with the model's own logits on a probe after loading "
+                        "(saves one small forward; risks wrong log-likelihoods for a model whose forward changes its "
+                        "logits in a way mpitp does not apply).")
+    g = p.add_argument_group("mpitp: checkpoint sweeps (--model 'ckpts/step-*' or a comma list evaluates each)")
+    g.add_argument("--watch", default=None, metavar="DIR",
+                   help="Evaluate checkpoints (subdirectories of DIR) as they appear; resumable.")
+    g.add_argument("--watch-idle", type=_positive_float, default=600.0,
+                   help="With --watch: stop after this many seconds without a new complete checkpoint (default 600).")
+    g = p.add_argument_group("mpitp: model_args shorthands (the same as --model_args key=value)")
+    g.add_argument("--tokenizer", default=None, help="model_args tokenizer=")
+    g.add_argument("--revision", default=None, help="model_args revision=")
+    g.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="model_args dtype=")
+    g.add_argument("--max-length", type=_at_least(2), default=None, help="model_args max_length=")
+
+
+def _add_dash_aliases(p: argparse.ArgumentParser) -> None:
+    """Accept ``--batch-size`` for ``--batch_size`` and ``--data_dir`` for ``--data-dir``: both spellings."""
+    for action in list(p._actions):
+        for opt in list(action.option_strings):
+            if not opt.startswith("--"):
+                continue
+            for alias in (opt.replace("_", "-"), opt.replace("-", "_").replace("__", "--", 1)):
+                if alias != opt and alias not in p._option_string_actions:
+                    action.option_strings.append(alias)
+                    p._option_string_actions[alias] = action
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lm_eval._cli.run import Run
+
+    holder = _Parser(prog="mpitp")
+    subparsers = holder.add_subparsers(parser_class=_Parser)
+    p = Run(subparsers)._parser
+    p.prog = "mpitp eval"
+    p.usage = ("mpirun -n N mpitp eval --model hf --model_args pretrained=M --tasks T [lm-eval options] "
+               "[--tp N] [--pp N] [--output F.h5]")
+    p.description = ("Every lm_eval --model hf command line runs unchanged (either spelling: --batch_size or "
+                     "--batch-size), with --tp/--pp for the layout and an HDF5 results file on top.")
+    p.epilog = ("examples:\n  mpirun -n 4 mpitp eval --model hf --model_args pretrained=gpt2,dtype=float32 "
+                "--tasks hellaswag --batch_size auto --output_path out/ --log_samples --tp 2\n"
+                "  mpirun -n 2 mpitp eval --model ./my-model --tasks arc_easy --num-fewshot 5 --output arc.h5")
+    for action in p._actions:
+        if action.dest in HELP_NOTES:
+            action.help = HELP_NOTES[action.dest]
+        if action.dest == "batch_size":
+            action.type = batch_size_value
+        elif action.dest == "limit":
+            action.type = _limit
+        elif action.dest == "max_batch_size":
+            action.type = _at_least(1)
+        elif action.dest == "num_fewshot":
+            action.type = _at_least(0)
+    _add_mpitp_options(p)
+    _add_dash_aliases(p)
+    return p
+
+
+def help_text() -> str:
+    return build_parser().format_help()
+
+
+@contextlib.contextmanager
+def _captured_stdout():
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        yield buf
+
+
+def parse_eval_args(argv: list[str]):
+    """``(EvalConfig, runtime options)`` for ``mpitp eval ARGV``; raises :class:`UsageError` on bad input.
+
+    Returns ``("exit", status, text)`` for ``--help``. Runs on rank 0 (its verdict is shared), so a ``--config`` or
+    ``--samples`` file is read once.
+    """
+    p = build_parser()
+    try:
+        ns = p.parse_args(argv)
+    except _Exit as exc:
+        return ("exit", exc.status, exc.text)
+    values = vars(ns)
+    mine = {k: values.pop(k) for k in MPITPLM_KEYS if k in values}
+    lm_ns = argparse.Namespace(**values)
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    yaml_device = None
+    if getattr(lm_ns, "config", None):
+        try:
+            yaml_cfg = EvaluatorConfig.load_yaml_config(lm_ns.config)
+        except (FileNotFoundError, ValueError, TypeError) as exc:
+            raise UsageError(f"--config {lm_ns.config}: {_first_line(exc)}") from None
+        yaml_device = yaml_cfg.get("device")
+        for key in yaml_cfg:
+            if key not in EvaluatorConfig.__dataclass_fields__:
+                raise UsageError(f"--config {lm_ns.config}: unknown key {key!r} (lm-eval's EvaluatorConfig has no "
+                                 "such field)")
+    try:
+        with _captured_stdout() as shown:
+            try:
+                ec = EvaluatorConfig.from_cli(lm_ns)
+            except ValueError as exc:
+                if "Specify --output_path" not in str(exc):
+                    raise
+                # lm-eval needs --output_path for samples because it has nowhere else to keep them; mpitp's HDF5
+                # file holds them (as it always did), so lm-eval's files are then simply not written.
+                lm_ns.output_path = _NO_OUTPUT_PATH
+                ec = EvaluatorConfig.from_cli(lm_ns)
+                ec.output_path = None
+    except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
+        raise UsageError(_first_line(exc)) from None
+    if ns.device is None and yaml_device is None:
+        ec.device = None  # lm-eval's default is cuda:0; mpitp picks each rank's device itself
+    if isinstance(ec.batch_size, str) or ec.batch_size is not None:
+        try:
+            ec.batch_size = batch_size_value(ec.batch_size)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--batch_size: {exc}") from None
+    cfg = to_eval_config(ec, mine)
+    runtime = dict(tp=mine["tp"], pp=mine["pp"], threads=mine["threads"], timeout=mine["timeout"],
+                   log_all_ranks=mine["log_all_ranks"], device=runtime_device(ec.device), watch=mine["watch"],
+                   watch_idle=mine["watch_idle"])
+    return ("run", cfg, runtime, shown.getvalue())
+
+
+MPITPLM_KEYS = MPITP_DESTS
+_NO_OUTPUT_PATH = "<mpitp: samples go to the HDF5 file>"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().strip('"').strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def runtime_device(device: str | None) -> str | None:
+    """lm-eval's ``--device`` as the device kind each rank uses: ``cuda:0`` under MPI means "this rank's GPU"."""
+    if device is None:
+        return None
+    kind = str(device).split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: mpitp runs on cpu or cuda")
+    return kind
+
+
+def resolve_model(model: str | None, model_args: dict) -> tuple[str, str | None]:
+    """``(model_source, pretrained)`` from lm-eval's ``--model`` and ``--model_args``.
+
+    ``--model hf`` takes the model from ``pretrained=``; ``--model PATH`` (mpitp's older form) is the model itself.
+    Another lm-eval backend is refused by name.
+    """
+    pretrained = model_args.get("pretrained")
+    if model is None or model in HF_BACKENDS:
+        return (model or "hf"), (str(pretrained) if pretrained is not None else None)
+    if os.path.exists(os.path.expanduser(model)) or "/" in model:
+        if pretrained is not None and str(pretrained) != model:
+            raise UsageError(f"--model {model} and --model_args pretrained={pretrained} name different models")
+        return "hf", model
+    from lm_eval.models import MODEL_MAPPING
+
+    if model in MODEL_MAPPING:
+        raise UsageError(f"--model {model}: mpitp runs Hugging Face transformers models only (--model hf "
+                         f"--model_args pretrained=...); '{model}' is lm-eval's {MODEL_MAPPING[model].split(':')[-1]} "
+                         "backend")
+    return "hf", model  # a hub id without an organisation (gpt2)
+
+
+def split_model_args(model_args: dict) -> tuple[dict, dict]:
+    """``(loading, hflm)``: the keys mpitp's loader reads and those passed to ``HFLM``; refuses the others."""
+    for key in model_args:
+        if key in HFLM_REFUSED:
+            raise UsageError(f"--model_args {key}: {HFLM_REFUSED[key]}")
+    unknown = [k for k in model_args if k not in HFLM_LOADING and k not in HFLM_RUNTIME]
+    if unknown:
+        import difflib
+
+        known = HFLM_LOADING + HFLM_RUNTIME
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"--model_args {unknown[0]}: not an HFLM argument mpitp passes on{hint}; accepted: "
+                         + ", ".join(known))
+    backend = model_args.get("backend", "default")
+    if backend not in ("default", "causal"):
+        raise UsageError(f"--model_args backend={backend}: mpitp runs causal (decoder-only) models only")
+    sd = model_args.get("softmax_dtype")
+    if sd not in (None, "float32", "torch.float32"):
+        raise UsageError(f"--model_args softmax_dtype={sd}: mpitp's vocab-parallel log-softmax is always float32; "
+                         "pass softmax_dtype=float32 or leave it out")
+    loading = {k: v for k, v in model_args.items() if k in HFLM_LOADING}
+    hflm = {k: v for k, v in model_args.items() if k in HFLM_RUNTIME and k not in ("batch_size", "device",
+                                                                                   "backend", "softmax_dtype")}
+    return loading, hflm
+
+
+def _merge_shorthand(model_args: dict, key: str, value) -> None:
+    if value is None:
+        return
+    if key in model_args and str(model_args[key]) != str(value):
+        raise UsageError(f"--{key.replace('_', '-')} {value} and --model_args {key}={model_args[key]} disagree")
+    model_args[key] = value
+
+
+def to_eval_config(ec, mine: dict):
+    """lm-eval's ``EvaluatorConfig`` plus mpitp's options as an :class:`mpitp.evaluation.runner.EvalConfig`."""
+    from mpitp.evaluation.runner import EvalConfig
+
+    model_args = dict(ec.model_args or {})
+    for key in ("tokenizer", "revision", "dtype", "max_length"):
+        _merge_shorthand(model_args, key, mine.get(key))
+    source, pretrained = resolve_model(ec.model, model_args)
+    if pretrained is not None:
+        model_args.setdefault("pretrained", pretrained)
+    loading, hflm = split_model_args(model_args)
+    if "max_batch_size" in model_args and ec.max_batch_size is None:
+        ec.max_batch_size = int(model_args["max_batch_size"])
+    hflm.pop("max_batch_size", None)
+    if "batch_size" in model_args and not isinstance(ec.batch_size, str) and ec.batch_size == 1:
+        ec.batch_size = batch_size_value(model_args["batch_size"])
+    trust = bool(ec.trust_remote_code or str(loading.get("trust_remote_code", "")).lower() in ("true", "1"))
+    max_length = hflm.pop("max_length", None)
+    tasks = ec.tasks if isinstance(ec.tasks, list) else [t for t in str(ec.tasks or "").split(",")]
+    tasks = [t.strip() for t in tasks if str(t).strip()]
+    for key, why in NETWORK_ONLY.items():
+        if str((ec.hf_hub_log_args or {}).get(key, "")).lower() in ("true", "1"):
+            raise UsageError(why)
+    return EvalConfig(
+        model=pretrained, tasks=tasks, tokenizer=_opt_str(loading.get("tokenizer")),
+        revision=_opt_str(loading.get("revision")), dtype=str(loading.get("dtype", "auto")),
+        num_fewshot=ec.num_fewshot, limit=_limit_number(ec.limit), batch_size=ec.batch_size,
+        max_length=_opt_int(max_length),
+        gen_kwargs=ec.gen_kwargs or None, apply_chat_template=ec.apply_chat_template,
+        include_path=ec.include_path, data_dir=mine.get("data_dir"), seed=ec.seed, output=mine.get("output"),
+        overwrite=mine.get("overwrite", False), resume=mine.get("resume", False), log_samples=bool(ec.log_samples),
+        bootstrap_iters=mine.get("bootstrap_iters", 100000), trust_remote_code=trust, demo=mine.get("demo", False),
+        skip_head_check=mine.get("skip_head_check", False),
+        model_source=source, model_args=model_args, hflm_args=hflm,
+        attn_implementation=_opt_str(loading.get("attn_implementation")),
+        subfolder=_opt_str(loading.get("subfolder")), max_batch_size=ec.max_batch_size, device=ec.device,
+        output_path=ec.output_path, samples=ec.samples or None, use_cache=ec.use_cache,
+        cache_requests=ec.cache_requests or None, check_integrity=bool(ec.check_integrity),
+        write_out=bool(ec.write_out), system_instruction=ec.system_instruction,
+        fewshot_as_multiturn=ec.fewshot_as_multiturn, show_config=bool(ec.show_config), verbosity=ec.verbosity,
+        wandb_args=ec.wandb_args or None, wandb_config_args=ec.wandb_config_args or None,
+        hf_hub_log_args=ec.hf_hub_log_args or None, trackio_args=ec.trackio_args or None,
+        predict_only=bool(ec.predict_only), confirm_run_unsafe_code=bool(ec.confirm_run_unsafe_code),
+        metadata=ec.metadata or None)
+
+
+def _opt_str(v):
+    return None if v is None else str(v)
+
+
+def _opt_int(v):
+    return None if v is None else int(v)
+
+
+def _limit_number(v):
+    """lm-eval reads ``--limit`` as a float; a whole number of documents is kept as an int (same meaning)."""
+    if v is None:
+        return None
+    v = float(v)
+    return int(v) if v >= 1 and v == int(v) else v
+
+
+def check_lm_eval_settings(cfg) -> None:
+    """Rank 0, before any model loads: the lm-eval settings that would otherwise fail only after the evaluation."""
+    import importlib.util
+
+    for flag, module, package in (("wandb_args", "wandb", "wandb"), ("trackio_args", "trackio", "trackio")):
+        if getattr(cfg, flag, None) and importlib.util.find_spec(module) is None:
+            raise UsageError(f"--{flag} needs the {package} package: pip install {package}")
+    if getattr(cfg, "output_path", None):
+        probe = os.path.abspath(cfg.output_path)
+        if probe.endswith(".json"):
+            probe = os.path.dirname(probe)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise UsageError(f"--output_path {cfg.output_path}: {probe} is not a directory")
+        if not os.access(probe, os.W_OK):
+            raise UsageError(f"--output_path {cfg.output_path}: {probe} is not writable")
+    samples = getattr(cfg, "samples", None)
+    if samples is not None and not isinstance(samples, dict):
+        raise UsageError(f"--samples {samples!r}: expected a JSON object of task: [doc indices] or a JSON file")
+
+
+def model_args_dict(args) -> dict:
+    """``--model_args`` as lm-eval reads it: a mapping, or ``key=value,key2=value2`` (values typed as lm-eval types
+    them)."""
+    if isinstance(args, str):
+        from lm_eval._cli.utils import key_val_to_dict
+
+        try:
+            return key_val_to_dict(args)
+        except ValueError as exc:
+            raise UsageError(f"--model_args {args!r}: {exc}") from None
+    return dict(args or {})
+
+
+def apply_lm_eval_settings(cfg, settings: dict) -> None:
+    """A job file's lm-eval fields (named as lm-eval's EvaluatorConfig fields) onto ``cfg``, with the flags' meaning:
+    model_args split and refused as for ``--model_args``, ``predict_only`` implying ``log_samples``, ``metadata``
+    merged over model_args for the TaskManager."""
+    from lm_eval.config.evaluate_config import DICT_KEYS
+    from lm_eval.utils import simple_parse_args_string
+
+    settings = {k: v for k, v in settings.items() if v is not None}
+    for key in DICT_KEYS:
+        if isinstance(settings.get(key), str):
+            settings[key] = model_args_dict(settings[key]) if key == "model_args" else \
+                simple_parse_args_string(settings[key])
+        elif key in settings:
+            settings[key] = dict(settings[key])
+    model_args = {"pretrained": cfg.model, **settings.pop("model_args", {})}
+    for key in ("tokenizer", "revision", "dtype", "max_length"):
+        if key in model_args:
+            current = getattr(cfg, key)
+            if current not in (None, "auto") and str(current) != str(model_args[key]):
+                raise UsageError(f"{key}: {current} and model_args {key}={model_args[key]} disagree")
+            setattr(cfg, key, int(model_args[key]) if key == "max_length" else str(model_args[key]))
+    if str(model_args.get("trust_remote_code", "")).lower() in ("true", "1"):
+        cfg.trust_remote_code = True
+    loading, hflm = split_model_args(model_args)
+    hflm.pop("max_length", None)
+    if "max_batch_size" in hflm:
+        settings.setdefault("max_batch_size", int(hflm.pop("max_batch_size")))
+    cfg.model_args, cfg.hflm_args = model_args, hflm
+    cfg.attn_implementation = _opt_str(loading.get("attn_implementation"))
+    cfg.subfolder = _opt_str(loading.get("subfolder"))
+    if "cache_requests" in settings:
+        from lm_eval._cli.utils import request_caching_arg_to_dict
+
+        settings["cache_requests"] = request_caching_arg_to_dict(str(settings["cache_requests"]).lower())
+    for key, value in settings.items():
+        setattr(cfg, key, value)
+    if cfg.predict_only:
+        cfg.log_samples = True
+    cfg.metadata = {**model_args, **(cfg.metadata or {})}
+    for key, why in NETWORK_ONLY.items():
+        if str((cfg.hf_hub_log_args or {}).get(key, "")).lower() in ("true", "1"):
+            raise UsageError(why)

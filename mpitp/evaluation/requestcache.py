@@ -1,0 +1,92 @@
+"""lm-eval's own request cache (``simple_evaluate(cache_requests=True)``), keyed by everything that shapes requests.
+
+Building requests (documents, few-shot contexts, ``construct_requests``) is serial work on global rank 0 before any
+DP group gets a chunk: about 2.8 s per 10k hellaswag requests. lm-eval can pickle the built ``Instance`` lists and
+reuse them, but its cache file name holds only the task name, few-shot count, rank/world size and (with chat
+templates) the tokenizer: an edited task YAML, another data file, seed or lm-eval version would be served stale
+requests. So mpitp points lm-eval's cache directory (``lm_eval.caching.cache.PATH``) at a folder named by a hash of
+all of those, and lm-eval keeps doing the building, pickling and slicing itself.
+
+On only for full runs (no ``--limit``): with a limit lm-eval builds *every* document once to fill the cache, which
+would make a small run slower. ``MPITP_REQUEST_CACHE`` = a directory (default ``~/.cache/mpitp/requests``) or ``0``
+(off). Only plain tasks are cached (a group's subtasks live in other YAMLs than the name asked for).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+
+log = logging.getLogger("mpitp")
+
+_PATH_RE = re.compile(r"(/[^\s'\"\],}]+)")
+
+
+def cache_root() -> str | None:
+    v = os.environ.get("MPITP_REQUEST_CACHE", "")
+    if v in ("0", "off", "false", "False"):
+        return None
+    return v or os.path.join(os.path.expanduser("~"), ".cache", "mpitp", "requests")
+
+
+def _file_digest(h, path: str) -> None:
+    """Name and content (not the folder: ``--data-dir`` writes its YAMLs to a new temporary folder every run)."""
+    name = os.path.basename(path).encode()
+    try:
+        with open(path, "rb") as f:
+            h.update(name + b"\0" + hashlib.sha256(f.read()).digest())
+    except OSError:
+        h.update(name + b"\0missing")
+
+
+def request_key(cfg, task_manager, tokenizer_name: str) -> str | None:
+    """A hash of everything that shapes the requests of ``cfg.tasks``, or None when they cannot be keyed."""
+    import lm_eval
+
+    from mpitp import __version__
+
+    h = hashlib.sha256()
+    ident = dict(mpitp=__version__, lm_eval=getattr(lm_eval, "__version__", "?"), python=sys.version_info[:2],
+                 tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, seed=cfg.seed,
+                 apply_chat_template=cfg.apply_chat_template, tokenizer=tokenizer_name, max_length=cfg.max_length,
+                 gen_kwargs=cfg.gen_kwargs, **{k: getattr(cfg, k, None) for k in (
+                     "system_instruction", "fewshot_as_multiturn", "samples", "metadata", "hflm_args")})
+    h.update(json.dumps(ident, sort_keys=True, default=str).encode())
+    index = getattr(task_manager, "task_index", {}) or {}
+    for name in cfg.tasks:
+        entry = index.get(name)
+        if entry is None or getattr(entry.kind, "name", "") not in ("TASK", "PY_TASK") or entry.yaml_path is None:
+            return None
+        h.update(json.dumps(entry.cfg, sort_keys=True, default=str).encode())
+        folder = os.path.dirname(os.path.abspath(entry.yaml_path))
+        for fn in sorted(os.listdir(folder)):  # the task's YAMLs and its utils.py (doc_to_text, process_docs)
+            if fn.endswith((".yaml", ".yml", ".py", ".jinja")):
+                _file_digest(h, os.path.join(folder, fn))
+        for path in sorted(set(_PATH_RE.findall(json.dumps(entry.cfg, default=str)))):
+            if os.path.isfile(path):  # local data files (--data-dir): their size and modification time
+                st = os.stat(path)
+                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def enable(cfg, task_manager, tokenizer_name: str) -> dict:
+    """``simple_evaluate`` keyword arguments for the request cache (empty when it is off for this run)."""
+    root = cache_root()
+    if root is None or cfg.limit is not None:
+        return {}
+    try:
+        key = request_key(cfg, task_manager, tokenizer_name)
+    except Exception as exc:  # noqa: BLE001 - a cache that cannot be keyed is simply not used
+        log.info("request cache off: %s", exc)
+        return {}
+    if key is None:
+        return {}
+    import lm_eval.caching.cache as lm_cache
+
+    lm_cache.PATH = os.path.join(root, key)
+    log.info("request cache: %s", lm_cache.PATH)
+    return {"cache_requests": True}

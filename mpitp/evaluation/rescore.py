@@ -1,0 +1,240 @@
+"""``mpitp rescore FILE.h5``: lm-eval's metrics recomputed from the stored per-request results, no model loaded.
+
+After a filter or metric change in a task's YAML, lm-eval's own pipeline runs again (tasks built from the same
+settings, the same seeds, ``simple_evaluate``) with an lm that answers every request from the file. A request is
+found by the resume key (task, doc_id, idx, hash of its arguments: :func:`mpitp.evaluation.lm.request_keys`), so a change that
+alters the requests themselves (prompt template, few-shot, limit) finds requests missing and is refused, one line,
+exit 2: rerun those with ``mpitp eval --resume``.
+
+Without ``--output``/``--in-place`` it prints the new table and how the metrics moved; ``--output NEW.h5`` writes a
+copy of the file with the new metrics, per-document scores and lm-eval results; ``--in-place`` replaces the file
+(atomically: a temporary, then ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+
+import click
+
+from mpitp.errors import UsageError
+
+log = logging.getLogger("mpitp")
+
+
+class MissingRequests(Exception):
+    def __init__(self, kind: str, missing: list[tuple], total: int):
+        super().__init__(f"{len(missing)} of {total} {kind} requests")
+        self.kind, self.missing, self.total = kind, missing, total
+
+
+def stored_lm(rows: dict[tuple, dict]):
+    """An lm-eval model whose every answer is a stored row; a request not in the file stops the run.
+
+    Built by a function so that importing this module (``mpitp --help``) does not import lm-eval.
+    """
+    from lm_eval.api.model import LM
+
+    from mpitp.evaluation.lm import request_keys
+
+    class StoredLM(LM):
+        def __init__(self):
+            super().__init__()
+            self.served = 0
+
+        def _rows(self, kind: str, requests) -> list[dict]:
+            keys = request_keys(requests)
+            found = [rows.get(k) for k in keys]
+            missing = [k for k, r in zip(keys, found) if r is None or r["kind"] != kind]
+            if missing:
+                raise MissingRequests(kind, missing, len(keys))
+            self.served += len(found)
+            return found
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return [(float(r["loglikelihood"]), bool(r["is_greedy"])) for r in self._rows("loglikelihood", requests)]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return [float(r["loglikelihood"]) for r in self._rows("loglikelihood_rolling", requests)]
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return [str(r["generation"]) for r in self._rows("generate_until", requests)]
+
+    return StoredLM()
+
+
+def _stored_rows(path: str) -> dict[tuple, dict]:
+    from mpitp.results.store import REQUEST_FIELDS, open_h5, read_requests
+
+    with open_h5(path) as f:
+        tasks = list(f.get("tasks", {}))
+    out = {}
+    for task in tasks:
+        cols = read_requests(path, task)
+        for i in range(len(cols["doc_id"])):
+            row = {k: cols[k][i] for k in REQUEST_FIELDS}
+            out[(task, int(row["doc_id"]), int(row["idx"]), str(row["args_hash"]), int(row.get("repeat", 0)))] = row
+    return out
+
+
+def _config(path: str, include_path, data_dir):
+    from mpitp.results.store import open_h5
+    from mpitp.evaluation.runner import EvalConfig
+
+    try:
+        with open_h5(path) as f:
+            attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+    except OSError as exc:
+        raise UsageError(f"cannot rescore {path}: not an HDF5 file ({str(exc).splitlines()[0]})",
+                         collective=True) from None
+    if "config_json" not in attrs:
+        raise UsageError(f"cannot rescore {path}: not an mpitp results file (no config_json)", collective=True)
+    saved = json.loads(attrs.get("eval_config_json") or attrs["config_json"])
+    known = EvalConfig.__dataclass_fields__
+    cfg = EvalConfig(**{k: v for k, v in saved.items() if k in known})
+    if include_path:
+        cfg.include_path = include_path
+    if data_dir:
+        cfg.data_dir = data_dir
+    if cfg.apply_chat_template:
+        raise UsageError(f"cannot rescore {path}: it was made with --apply-chat-template, which needs the "
+                         "tokenizer's chat template to rebuild the requests (not supported yet)", collective=True)
+    return cfg, attrs
+
+
+def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | None = None):
+    """lm-eval's results dict and the per-document scores for ``path``, from its stored rows only."""
+    import lm_eval
+
+    from mpitp.evaluation.checks import _remove_generated, check_tasks, offline_include
+    from mpitp.results.docscores import capture
+
+    if not os.path.isfile(path):
+        raise UsageError(f"cannot rescore {path}: no such file", collective=True)
+    cfg, attrs = _config(path, include_path, data_dir)
+    rows = _stored_rows(path)
+    if not rows:
+        raise UsageError(f"cannot rescore {path}: no request rows stored", collective=True)
+    include = offline_include(cfg)
+    try:
+        tm = check_tasks(cfg.tasks, include)
+        seeds = cfg.seeds()
+        lm = stored_lm(rows)
+        with capture() as doc_scores:
+            try:
+                res = lm_eval.simple_evaluate(
+                    model=lm, tasks=cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
+                    gen_kwargs=cfg.gen_kwargs, log_samples=cfg.log_samples, samples=cfg.samples,
+                    system_instruction=cfg.system_instruction, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+                    predict_only=cfg.predict_only, metadata=cfg.metadata,
+                    bootstrap_iters=cfg.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
+                    task_manager=tm, **seeds)
+            except MissingRequests as exc:
+                task, doc, idx = exc.missing[0][:3]
+                raise UsageError(
+                    f"cannot rescore {path}: {len(exc.missing)} of {exc.total} {exc.kind} requests are not in the "
+                    f"file (first: task {task} doc_id {doc} idx {idx}): the requests changed (prompt, few-shot, "
+                    f"limit or file incomplete); recompute them with mpitp eval --resume", collective=True) from None
+    finally:
+        _remove_generated(include)
+    return res, doc_scores, lm.served, len(rows)
+
+
+def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
+    """Copy ``src`` to ``dst`` (atomically) with the new metrics, per-document scores, samples and results."""
+    import numpy as np
+
+    from mpitp.results.docscores import write as write_scores
+    from mpitp.results.store import STR, _attr, open_h5
+
+    tmp = f"{dst}.tmp{os.getpid()}"
+    shutil.copyfile(src, tmp)
+    try:
+        with open_h5(tmp, "r+") as f:
+            for task, cfgd in res.get("configs", {}).items():
+                g = f.require_group(f"tasks/{task}")
+                n = res.get("n-samples", {}).get(task, {})
+                g.attrs["output_type"] = _attr(cfgd.get("output_type"))
+                g.attrs["num_fewshot"] = _attr(res.get("n-shot", {}).get(task, 0))
+                g.attrs["n_docs"] = _attr(n.get("effective", n.get("original", 0)))
+                for name in ("metrics", "doc_scores", "samples"):
+                    if name in g:
+                        del g[name]
+                m = g.create_group("metrics")
+                for k, v in res["results"].get(task, {}).items():
+                    if k != "alias":
+                        m.attrs[k] = _attr(v)
+                if task in doc_scores:
+                    write_scores(g, doc_scores[task])
+                samples = res.get("samples", {}).get(task)
+                if samples is not None:
+                    g.create_dataset("samples", data=np.asarray([json.dumps(s, default=str) for s in samples],
+                                                                dtype=object), dtype=STR)
+            keep = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
+                                        "n-samples", "config", "groups", "group_subtasks") if k in res}
+            f.attrs["results_json"] = json.dumps(keep, default=str)
+            f.attrs["status"] = "complete"
+            f.attrs["rescored_from"] = os.path.abspath(src)
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def metric_changes(path: str, res: dict) -> list[str]:
+    """``task metric: old -> new`` for every metric whose value moved (or appeared)."""
+    from mpitp.results.store import open_h5
+
+    out = []
+    with open_h5(path) as f:
+        for task, metrics in res.get("results", {}).items():
+            old = dict(f[f"tasks/{task}/metrics"].attrs) if f"tasks/{task}/metrics" in f else {}
+            for k, v in metrics.items():
+                if k == "alias":
+                    continue
+                o = old.get(k)
+                o = o.item() if hasattr(o, "item") else (o.decode() if isinstance(o, bytes) else o)
+                v = v.item() if hasattr(v, "item") else v
+                if o is None or (o != v and not (isinstance(o, float) and isinstance(v, float) and o == v)):
+                    out.append(f"{task} {k}: {o!r} -> {v!r}")
+    return out
+
+
+@click.command(name="rescore")
+@click.argument("file", metavar="FILE.h5")
+@click.option("--output", default=None, help="Write the rescored results to a new file (a copy with new metrics).")
+@click.option("--in-place", is_flag=True, help="Replace FILE's metrics with the rescored ones (atomically).")
+@click.option("--include-path", default=None, help="Task YAMLs to use instead of the run's include path.")
+@click.option("--data-dir", default=None, help="Offline data directory instead of the run's.")
+@click.option("--bootstrap-iters", type=click.IntRange(min=0), default=None,
+              help="lm-eval's stderr bootstrap iterations (default: the run's).")
+def rescore_command(file, output, in_place, include_path, data_dir, bootstrap_iters):
+    """Recompute lm-eval's metrics of FILE from its stored request results, without loading a model.
+
+    Refused (exit 2) when the task's requests changed: only filters and metrics may differ from the run.
+    """
+    from lm_eval.utils import make_table
+
+    if output and in_place:
+        raise UsageError("--output and --in-place contradict each other: pick one", collective=True)
+    if output and os.path.exists(output):
+        raise UsageError(f"output {output} already exists", collective=True)
+    try:
+        res, doc_scores, served, stored = rescore(file, include_path, data_dir, bootstrap_iters)
+    except UsageError as exc:  # a single process: every "rank" raised it
+        raise UsageError(str(exc), collective=True) from None
+    print(make_table(res))
+    changes = metric_changes(file, res)
+    print("\n".join(["metrics changed:"] + ["  " + c for c in changes]) if changes
+          else "metrics: identical to the stored ones")
+    print(f"rescored from {served} stored request results ({stored} rows in the file), no model loaded")
+    if output or in_place:
+        dst = output or file
+        write_rescored(file, dst, res, doc_scores)
+        print(f"wrote {dst}")
+    sys.stdout.flush()

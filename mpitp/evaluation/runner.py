@@ -1,0 +1,622 @@
+"""One evaluation run: checks, sharded loading, lm-eval on rank 0, dispatch, TP serving and the HDF5 file.
+
+:func:`run_eval` is the single code path behind ``mpitp eval`` (and job files). Every rank calls it; roles follow
+from the layout: global rank 0 runs lm-eval and the dispatcher, other DP leaders serve chunks, TP workers mirror
+their leader's forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+from mpitp import __version__
+from mpitp.parallel import comm as mpicomm
+from mpitp.evaluation.checks import _check_all, _remove_generated, check_tasks, offline_include
+from mpitp.evaluation.dispatch import stall_hook
+from mpitp.evaluation.progress import make_progress
+from mpitp.parallel.runtime import Runtime, agree
+
+log = logging.getLogger("mpitp")
+
+
+@dataclass
+class EvalConfig:
+    """Everything that defines an evaluation (lm-eval's vocabulary). Resume compares the ``identity`` part.
+
+    The fields after ``demo`` are lm-eval's settings that ``mpitp eval`` took over from ``lm_eval`` (see
+    :mod:`mpitp.evaluation.lmeval_args`); their defaults are lm-eval's, so older results files still resume.
+    """
+
+    model: str | None = None
+    tasks: list[str] = field(default_factory=list)
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    num_fewshot: int | None = None
+    limit: float | None = None
+    batch_size: int | str = 1
+    max_length: int | None = None
+    gen_kwargs: str | dict | None = None
+    apply_chat_template: bool | str = False
+    include_path: str | list[str] | None = None
+    data_dir: str | None = None
+    seed: int | list | None = None
+    output: str | None = None
+    overwrite: bool = False
+    resume: bool = False
+    log_samples: bool = False
+    bootstrap_iters: int = 100000
+    trust_remote_code: bool = False
+    demo: bool = False
+    skip_head_check: bool = False  # see mpitp.replica.headcheck: what it risks is said when it is used
+    model_source: str = "hf"
+    model_args: dict | None = None
+    hflm_args: dict | None = None
+    attn_implementation: str | None = None
+    subfolder: str | None = None
+    max_batch_size: int | None = None
+    device: str | None = None
+    output_path: str | None = None
+    samples: dict | None = None
+    use_cache: str | None = None
+    cache_requests: dict | None = None
+    check_integrity: bool = False
+    write_out: bool = False
+    system_instruction: str | None = None
+    fewshot_as_multiturn: bool | None = None
+    show_config: bool = False
+    verbosity: str | None = None
+    wandb_args: dict | None = None
+    wandb_config_args: dict | None = None
+    hf_hub_log_args: dict | None = None
+    trackio_args: dict | None = None
+    predict_only: bool = False
+    confirm_run_unsafe_code: bool = False
+    metadata: dict | None = None
+
+    _RESULT_KEYS = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
+                    "gen_kwargs", "apply_chat_template", "seed", "data_dir")
+    _RESULT_KEYS_IF_SET = ("hflm_args", "attn_implementation", "subfolder", "samples", "system_instruction",
+                           "fewshot_as_multiturn", "predict_only", "metadata")
+    """Later settings that change results: recorded only when set, so files written before them still resume."""
+
+    def identity(self) -> dict:
+        """The settings that determine results: a resumed run must match them exactly."""
+        out = {k: getattr(self, k) for k in self._RESULT_KEYS}
+        out["seed"] = _seed_identity(self.seed)
+        for k in self._RESULT_KEYS_IF_SET:
+            v = getattr(self, k)
+            if k == "metadata" and v:  # lm-eval merges model_args into it: only what --metadata added counts
+                v = {mk: mv for mk, mv in v.items() if (self.model_args or {}).get(mk, object()) != mv}
+            if v not in (None, False, {}, []):
+                out[k] = v
+        return out
+
+    def load_kwargs(self) -> dict:
+        """``from_pretrained`` arguments from ``--model_args`` beyond model, revision, dtype and remote code."""
+        return {k: getattr(self, k) for k in ("attn_implementation", "subfolder") if getattr(self, k)}
+
+    def fixed_batch_size(self) -> int:
+        """The batch size to start from: the number given, or 1 for ``auto`` (sized later, see mpitp.replica.batchsize)."""
+        return int(self.batch_size) if str(self.batch_size).isdigit() else 1
+
+    def seeds(self) -> dict:
+        """``simple_evaluate``'s four seed arguments (lm-eval's ``--seed`` slots: python, numpy, torch, few-shot)."""
+        if self.seed is None:
+            return {}
+        s = list(self.seed) if isinstance(self.seed, (list, tuple)) else [self.seed] * 4
+        return dict(random_seed=s[0], numpy_random_seed=s[1], torch_random_seed=s[2], fewshot_random_seed=s[3])
+
+
+_DEFAULT_SEEDS = [0, 1234, 1234, 1234]  # lm-eval's (simple_evaluate's defaults, and its CLI's)
+
+
+def _seed_identity(seed):
+    """One spelling per meaning: lm-eval's default seeds as None (no --seed), four equal seeds as one int."""
+    if isinstance(seed, (list, tuple)):
+        seed = list(seed)
+        if seed == _DEFAULT_SEEDS:
+            return None
+        if len(set(seed)) == 1:
+            return seed[0]
+    return seed
+
+
+# ----------------------------------------------------------------------------------------------------- run
+
+
+def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
+    import lm_eval
+    import torch
+    import transformers
+
+    from mpitp.parallel.world import mpi_library_version
+
+    return dict(mpitp_version=__version__, model=cfg.model, tokenizer=tokenizer, dtype=cfg.dtype,
+                world_size=rt.world.size, tp=rt.layout.tp, dp=rt.layout.dp, pp=rt.layout.pp,
+                command=" ".join(sys.argv),
+                lm_eval_version=getattr(lm_eval, "__version__", "unknown"), torch_version=torch.__version__,
+                transformers_version=transformers.__version__, mpi_version=mpi_library_version(),
+                config_json=json.dumps(cfg.identity(), sort_keys=True), **_extra_metadata(cfg))
+
+
+def _extra_metadata(cfg: EvalConfig) -> dict:
+    """What is on disk (weights, tokenizer, library versions: the rest of the resume identity, see
+    :mod:`mpitp.evaluation.fingerprint`) and the whole configuration (so ``mpitp rescore`` can rebuild the tasks: include
+    paths, data directory, bootstrap iterations)."""
+    from dataclasses import asdict
+
+    from mpitp.evaluation.fingerprint import record
+
+    return dict(fingerprint_json=json.dumps(record(cfg.model, cfg.tokenizer, cfg.revision), sort_keys=True),
+                eval_config_json=json.dumps(asdict(cfg), default=str, sort_keys=True))
+
+
+def _result_from_row(row: dict, kind: str):
+    from mpitp.evaluation.lm import KIND_GENERATE
+
+    if kind == KIND_GENERATE:
+        return (row["generation"], int(row["n_tokens"]))
+    return (float(row["loglikelihood"]), bool(row["is_greedy"]), int(row["n_tokens"]))
+
+
+def _request_row(inst, result, kind: str, repeat: int = 0) -> dict:
+    from mpitp.evaluation.lm import KIND_GENERATE, args_hash
+
+    if kind == KIND_GENERATE:
+        text, n = result
+        ll, greedy = math.nan, False
+    else:
+        ll, greedy, n = result
+        text = ""
+    # Generated text can hold lone surrogates (byte-level tokens decoded mid-character); HDF5 stores UTF-8.
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
+                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args),
+                repeat=int(repeat))
+
+
+class _Progress:
+    """One tqdm bar on rank 0 across all DP groups."""
+
+    def __init__(self):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=0, desc="mpitp", unit="req", dynamic_ncols=True, file=sys.stderr)
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add_total(self, n: int) -> None:
+        self.bar.total = (self.bar.total or 0) + n
+        self.bar.refresh()
+
+    def __call__(self, n: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.set_postfix_str(f"{self.tokens / max(1e-9, time.perf_counter() - self.t0):.0f} tok/s",
+                                 refresh=False)
+        self.bar.update(n)
+
+    def close(self):
+        self.bar.close()
+
+
+def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
+    """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
+    from mpitp.replica.loading import load_model
+    from mpitp.evaluation.quiet import quiet_integration
+
+    quiet_integration(cfg.verbosity, rt.world.rank == 0)
+    t_start = time.perf_counter()
+    keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
+    lay = rt.layout
+    # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
+    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
+    phases = {"checks": time.perf_counter() - t_start}
+    if lay.pp > 1:
+        from mpitp.replica.pipeline import describe_split, load_stage, num_layers
+
+        model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                           **cfg.load_kwargs())
+        if lay.is_root:
+            log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
+    else:
+        model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                           **cfg.load_kwargs())
+    mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
+    phases["load"] = time.perf_counter() - t_start - phases["checks"]
+    try:
+        return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
+                               t_start=t_start, phases=phases)
+    finally:
+        _remove_generated(keep.get("include"))
+        if keep.get("claim") is not None:
+            keep["claim"].release()
+
+
+def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
+                    task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None,
+                    phases: dict | None = None, encode_cache: dict | None = None):
+    """The one evaluation path (CLI, job files and :func:`mpitp.evaluate`) for a model already on this rank.
+
+    Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
+    other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
+    """
+    from mpitp.replica.batchsize import AutoBatch, agreed_budget, is_auto
+    from mpitp.evaluation.dispatch import Dispatcher, serve_remote
+    from mpitp.replica.engine import Stats, TPEngine
+
+    t_start = time.perf_counter() if t_start is None else t_start
+    lay = rt.layout
+    group = rt.tp_group.group if rt.tp_group is not None else None
+    stats = Stats()
+    engine = TPEngine(model, lay, rt.device, rt.timeout, lay.tp, stats, group=group)
+    from mpitp.replica.headcheck import check_head
+
+    head_check_s = check_head(engine, rt.world.comm, rt.timeout, skip=cfg.skip_head_check)
+    state = None
+    budget = None
+    if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
+        budget = agreed_budget(lay.replica_comm, rt.device, rt.world.local_size)
+    if not lay.is_leader:
+        engine.serve()
+        _merge_stage_stats(stats, lay, rt.timeout)
+    else:
+        from mpitp.evaluation.lm import MPITPLM
+
+        lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
+                     trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
+        if budget is not None:
+            lm.auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
+                                cfg.max_batch_size)
+            lm.batch_sizes = lm.auto.chosen
+        lm.encode_cache = encode_cache  # token ids shared by a sweep's checkpoints with one tokenizer
+        # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
+        # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
+        if lay.is_root:
+            tm = task_manager or task_manager_for(cfg)
+            state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
+            state["phases"].update(phases or {})
+        else:
+            serve_remote(lay, lm.compute, rt.timeout, stats, idle=engine.idle)
+        engine.stop()
+        _merge_stage_stats(stats, lay, rt.timeout)
+        all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
+                                       phase="gathering stats")
+        if lay.is_root:
+            _finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s)
+    mpicomm.barrier(rt.world.comm, None, phase="end of evaluation")  # rank 0 writes the file meanwhile
+    return state["results"] if state else None
+
+
+def _merge_stage_stats(stats, lay, timeout: float) -> None:
+    """With pipeline stages the scoring reductions happen on the last stage: the leader takes its TP rank 0's
+    ``tp_score`` counter, and the activations every rank of the replica sent (``pp``), so /stats shows both."""
+    if lay.pp == 1:
+        return
+    parts = mpicomm.gather_obj((stats.tp_score.bytes, stats.tp_score.calls, stats.pp.bytes, stats.pp.calls),
+                               lay.replica_comm, root=0, timeout=timeout, phase="gathering stage stats")
+    if parts is not None:
+        last = parts[lay.last_stage_leader]
+        stats.tp_score.bytes, stats.tp_score.calls = last[0], last[1]
+        stats.pp.bytes = sum(p[2] for p in parts)
+        stats.pp.calls = sum(p[3] for p in parts)
+
+
+def task_manager_for(cfg: EvalConfig):
+    """Check the tasks and build lm-eval's TaskManager (rank 0), for callers that skipped :func:`_check_all`."""
+    return check_tasks(cfg.tasks, offline_include(cfg))
+
+
+def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
+    """Rolling requests dispatched window by window (see :data:`mpitp.evaluation.lm.KIND_WINDOW`); a request's result is
+    recorded (``record(indices, results)``) and counted on the progress bar as soon as its last window lands, so a
+    crash still loses at most the chunks in flight and the bar counts requests, as for the other kinds."""
+    from mpitp.evaluation.lm import KIND_WINDOW, combine_windows
+
+    windows, owner, slot = [], [], []
+    for j, rows in enumerate(docs):
+        for k, row in enumerate(rows):
+            windows.append((row, 1.0 / len(rows)))
+            owner.append(j)
+            slot.append(k)
+    weights = [len(row[0]) for row, _ in windows]
+    parts = [[None] * len(rows) for rows in docs]
+    left = [len(rows) for rows in docs]
+    results: list = [None] * len(docs)
+    progress.add_total(len(docs))
+    empty = [j for j, n in enumerate(left) if n == 0]  # nothing to score (an empty document): lm-eval's 0.0
+    for j in empty:
+        results[j] = combine_windows([])
+    if empty:
+        record(empty, [results[j] for j in empty])
+        progress(len(empty), 0)
+
+    def on_windows(indices, res):
+        finished = []
+        for w, r in zip(indices, res):
+            j = owner[w]
+            parts[j][slot[w]] = r
+            left[j] -= 1
+            if left[j] == 0:
+                results[j] = combine_windows(parts[j])
+                finished.append(j)
+        if finished:
+            record(finished, [results[j] for j in finished])
+        progress(len(finished), sum(weights[w] for w in indices))
+
+    dispatcher.run(KIND_WINDOW, windows, weights, on_windows)
+    return results
+
+
+class _PhaseClock:
+    """Rank 0's seconds per phase. lm-eval's request methods on the LM are wrapped (instance attributes, so lm-eval
+    calls the wrappers): the time inside them minus the dispatch is tokenising (lm-eval's encoding, rolling windows),
+    before the first call lm-eval loads tasks and builds requests, after the last it computes metrics."""
+
+    ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
+
+    def __init__(self):
+        self.phases: dict[str, float] = {"writing": 0.0}
+        self.dispatch = 0.0
+        self.in_methods = 0.0
+        self.t_eval = self.first = self.last = None
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    _METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+    def wrap(self, lm) -> None:
+        for name in self._METHODS:
+            setattr(lm, name, self._timed(getattr(lm, name)))
+
+    def unwrap(self, lm) -> None:
+        """Remove the timed methods: each holds a bound method of ``lm`` in ``lm``'s own dict, a cycle that would
+        keep the model alive after the run (a sweep frees it before loading the next checkpoint)."""
+        for name in self._METHODS:
+            lm.__dict__.pop(name, None)
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            self.first = self.first or t0
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.last = time.perf_counter()
+                self.in_methods += self.last - t0
+
+        return timed
+
+    def eval_done(self) -> None:
+        end = time.perf_counter()
+        first, last = self.first or end, self.last or end
+        self.phases.update(requests=first - self.t_eval, tokenising=self.in_methods - self.dispatch,
+                           dispatch=self.dispatch, metrics=end - last)
+
+    @classmethod
+    def describe(cls, phases: dict, wall: float, all_stats: list) -> str:
+        parts = [f"{k} {phases[k]:.1f} s" for k in cls.ORDER if k in phases]
+        busy = max((s["busy_s"] for s in all_stats), default=0.0)
+        return (f"rank 0 phases: {', '.join(parts)} (writing: the results thread, off the dispatch path; final "
+                f"snapshot {phases.get('final_snapshot', 0.0):.1f} s); rank 0 alone (wall - max group busy) "
+                f"{wall - busy:.1f} s")
+
+
+class _EnvInfoEarly:
+    """lm-eval's ``simple_evaluate`` ends with ``add_env_info``, which runs torch's ``collect_env`` (``pip list``,
+    ``lscpu`` and more as subprocesses: 1-14 s measured here) on rank 0 after the last request, while every other
+    rank waits. Start it in a thread as the evaluation starts (rank 0 mostly waits for chunks then) and hand lm-eval
+    that same text when it asks; the stored environment info is unchanged."""
+
+    def __enter__(self):
+        import concurrent.futures
+
+        import torch.utils.collect_env as collect_env
+
+        self.module, self.original = collect_env, collect_env.get_pretty_env_info
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
+        self.future = self.pool.submit(self.original)
+        collect_env.get_pretty_env_info = lambda: self.future.result()
+        return self
+
+    def __exit__(self, *exc):
+        self.module.get_pretty_env_info = self.original
+        self.pool.shutdown(wait=False)
+
+
+def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
+    import lm_eval
+
+    from mpitp.evaluation.lm import KIND_ROLLING, request_keys
+    from mpitp.results.store import ResultWriter
+
+    tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
+    clock = _PhaseClock()
+    t0 = time.perf_counter()
+    writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
+    stored = writer.stored_rows() if (writer and cfg.resume) else {}
+    if writer is not None:
+        from mpitp.parallel.walltime import watch_writer
+
+        watch_writer(writer)
+    clock.add("writing", time.perf_counter() - t0)
+    progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
+    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
+                            idle=lm.engine.idle)
+
+    def runner(kind, items, weights, instances):
+        """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
+        t_run = time.perf_counter()
+        try:
+            return _runner(kind, items, weights, instances)
+        finally:
+            clock.dispatch += time.perf_counter() - t_run
+
+    def _runner(kind, items, weights, instances):
+        if lm.auto is not None:  # chunks hold whole auto-sized batches of their longest rows (as for a fixed size)
+            rows = [r for rs in items for r in rs] if kind == KIND_ROLLING else None
+            longest = max((len(r[0]) for r in rows), default=1) if rows is not None else max(weights, default=1)
+            dispatcher.batch_size = lm.auto.size(longest)
+        keys = request_keys(instances)
+        results: list = [None] * len(items)
+        todo = []
+        for i, key in enumerate(keys):
+            row = stored.get(key)
+            if row is not None and row["kind"] == kind:
+                results[i] = _result_from_row(row, kind)
+            else:
+                todo.append(i)
+        if len(todo) < len(items):
+            log.info("resume: reusing %d of %d %s results from %s", len(items) - len(todo), len(items), kind, out)
+
+        def record(indices, res):
+            """Store the rows of requests whose results are complete (``indices`` into ``todo``). The rows are
+            built and written on the writer's thread: the dispatch loop pays O(1) per chunk."""
+            if writer is None:
+                return
+
+            def rows():
+                by_task: dict[str, list] = {}
+                for i, r in zip(indices, res):
+                    inst = instances[todo[i]]
+                    by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
+                return by_task
+
+            writer.record(rows)
+
+        if kind == KIND_ROLLING:
+            computed = _run_windows(dispatcher, progress, [items[i] for i in todo], record)
+        else:
+            todo_weights = [weights[i] for i in todo]
+
+            def on_chunk(indices, res):
+                record(indices, res)
+                progress(len(indices), sum(todo_weights[i] for i in indices))
+
+            progress.add_total(len(todo))
+            computed = dispatcher.run(kind, [items[i] for i in todo], todo_weights, on_chunk)
+        for i, r in zip(todo, computed):
+            results[i] = r
+        return results
+
+    lm.runner = runner
+    if cfg.seed is not None:
+        lm.seed = cfg.seed
+    clock.wrap(lm)
+    from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
+
+    loggers = start_loggers(cfg)
+    kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs or {},
+                  apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
+                  bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, model_args=cfg.model_args or "",
+                  batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
+                  samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
+                  system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
+                  fewshot_as_multiturn=_multiturn(cfg), evaluation_tracker=loggers["tracker"],
+                  confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
+                  **_requests_cache(cfg.cache_requests), **cfg.seeds())
+    if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
+        from mpitp.evaluation.requestcache import enable
+
+        kwargs.update(enable(cfg, tm, tokenizer_name))
+    kwargs.update(extra)
+    from mpitp.results.docscores import capture
+
+    env_info = _EnvInfoEarly()
+    try:
+        clock.t_eval = time.perf_counter()
+        with env_info, capture() as doc_scores:
+            res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
+        clock.eval_done()
+    except BaseException:
+        if writer is not None:  # what landed goes to disk before the job is torn down
+            try:
+                writer.close(timeout=30)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+        raise
+    finally:
+        progress.close()
+    dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
+    lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
+    clock.unwrap(lm)
+    stall_hook("post_processing")
+    as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, rt.layout), device=rt.device,
+                   loggers=loggers)
+    return {"results": res, "writer": writer, "phases": clock.phases, "cfg": cfg, "loggers": loggers,
+            "doc_scores": doc_scores}
+
+
+def _multiturn(cfg) -> bool | None:
+    """lm-eval's CLI rule: few-shot as multi-turn defaults to on with a chat template, else stays unset."""
+    if cfg.fewshot_as_multiturn is None and cfg.apply_chat_template:
+        return True
+    return cfg.fewshot_as_multiturn
+
+
+def _requests_cache(cache_requests: dict | None) -> dict:
+    """lm-eval's ``--cache_requests true|refresh|delete`` as ``simple_evaluate``'s three flags."""
+    c = cache_requests or {}
+    return dict(cache_requests=bool(c.get("cache_requests")), rewrite_requests_cache=bool(c.get(
+        "rewrite_requests_cache")), delete_requests_cache=bool(c.get("delete_requests_cache")))
+
+
+def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None) -> None:
+    from lm_eval.utils import make_table
+
+    res, writer, phases = state["results"], state["writer"], state["phases"]
+    if head_check_s is not None:
+        phases["head_check"] = head_check_s
+    if writer is not None:
+        for task, cfgd in res.get("configs", {}).items():
+            metrics = {k: v for k, v in res["results"].get(task, {}).items() if k != "alias"}
+            n = res.get("n-samples", {}).get(task, {})
+            writer.write_task(task, dict(output_type=cfgd.get("output_type"),
+                                         num_fewshot=res.get("n-shot", {}).get(task, 0),
+                                         n_docs=n.get("effective", n.get("original", 0))), metrics,
+                              samples=res.get("samples", {}).get(task))
+            if task in state.get("doc_scores", {}):
+                writer.write_doc_scores(task, state["doc_scores"][task])
+        writer.write_stats(all_stats)
+        serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
+                                            "n-samples", "config", "groups", "group_subtasks") if k in res}
+        phases["writing"] += writer.busy_s  # the writer thread's seconds, off the dispatch path
+        phases["wall"], phases["max_group_busy"] = wall, max((s["busy_s"] for s in all_stats), default=0.0)
+        writer.extra_attrs(phases_json=json.dumps({k: round(v, 4) for k, v in phases.items()}))
+        t0 = time.perf_counter()
+        writer.finish(serialisable, wall)
+        phases["final_snapshot"] = time.perf_counter() - t0
+    if state.get("loggers"):
+        from mpitp.evaluation.outputs import finish_loggers, header_line, write_lm_eval_outputs
+
+        write_lm_eval_outputs(res, state["cfg"], state["loggers"])
+        print(header_line(state["cfg"], res))
+    print(make_table(res))
+    if "groups" in res:
+        print(make_table(res, "groups"))
+    if state.get("loggers"):
+        finish_loggers(state["loggers"])
+    total_busy = sum(s["busy_s"] for s in all_stats)
+    for g, s in enumerate(all_stats):
+        per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
+        stages = f", stage traffic {s['pp_bytes'] / 1e6:.2f} MB" if s.get("pp_bytes") else ""
+        print(f"DP group {g}: {s['requests']:.0f} requests, {s['tokens_scored']} tokens scored, "
+              f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB "
+              f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
+    where = f"; results: {writer.path}" if writer is not None else ""
+    print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")
+    if head_check_s is None:
+        print("head check: skipped (--skip-head-check): log-likelihoods not verified against the model's own logits")
+    else:
+        from mpitp.replica.headcheck import PROBE_SHAPE
+
+        rows, cols = PROBE_SHAPE
+        print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
+              f"replica)")
+    print(_PhaseClock.describe(phases, wall, all_stats))

@@ -1,0 +1,1 @@
+"""Jobs: job files, campaigns (sweeps), watching checkpoints, scheduler submission and its templates."""

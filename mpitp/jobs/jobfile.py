@@ -1,0 +1,519 @@
+"""Job files: the YAML description of an evaluation campaign.
+
+A job file is read twice: on the login node (``mpitp submit``) and by every
+rank on the compute nodes (``mpitp run``).  Everything is therefore checked
+here, before any model or data set is touched: a typo must cost seconds on
+the login node, not a queue wait followed by a crash on 64 GPUs.  Every
+error names the file, the run and the field so it can be fixed without
+guessing.
+
+Layout::
+
+    defaults:            # optional; any run field except name/output
+      dtype: bfloat16
+    runs:
+      - model: meta-llama/Llama-3.1-8B
+        tasks: [arc_easy, hellaswag]
+        tp: 4
+        pp: 2            # optional: pipeline stages (dp = ranks / (tp * pp))
+
+A run's own values replace the defaults (lists are replaced, not merged).
+``null`` for an optional field clears a default.  Relative paths resolve
+against the job file's directory so a job behaves the same whatever
+directory the scheduler starts it in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import yaml
+
+__all__ = ["DEMO_MODEL", "DTYPES", "Job", "JobFileError", "RunSpec", "load_job"]
+
+DEMO_MODEL = "demo"  # built-in tiny model; never treated as a path
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_PER_RUN_ONLY = ("name", "output")  # would collide if shared by all runs
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+_UNSET_VAR_RE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class JobFileError(ValueError):
+    """A job file is unreadable or invalid; ``str()`` is the full one-line message."""
+
+    def __init__(self, message: str, *, path: str | None = None, run: int | None = None,
+                 run_name: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.path, self.run, self.run_name, self.field = path, run, run_name, field
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One fully validated evaluation run; paths are absolute strings."""
+
+    name: str
+    model: str
+    tasks: tuple[str, ...]
+    output: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "auto"
+    batch_size: int | str = 1
+    num_fewshot: int | None = None
+    limit: int | float | None = None
+    max_length: int | None = None
+    # str ("temperature=0,top_p=1") or a read-only mapping; not hashable, so
+    # excluded from the hash (equality still compares it).
+    gen_kwargs: str | Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
+    apply_chat_template: bool = False
+    include_path: str | None = None
+    data_dir: str | None = None
+    seed: int | None = None
+    device: str | None = None
+    timeout: float | None = None
+    log_samples: bool = False
+    # lm-eval settings named as its EvaluatorConfig fields (model_args, system_instruction, predict_only, ...):
+    # the same meaning as the flags of ``mpitp eval``; a read-only mapping.
+    lm_eval: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
+
+    def to_eval_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the eval function, one per field, same names.
+
+        Returns plain mutable types (list of tasks, dict/list gen_kwargs) so the
+        callee may modify them without touching this frozen spec.
+        """
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        kwargs["tasks"] = list(self.tasks)
+        if isinstance(self.gen_kwargs, Mapping):
+            kwargs["gen_kwargs"] = {k: list(v) if isinstance(v, tuple) else v
+                                    for k, v in self.gen_kwargs.items()}
+        return kwargs
+
+
+@dataclass(frozen=True)
+class Job:
+    """A loaded job file: its absolute path and its runs, in file order."""
+
+    path: Path
+    runs: tuple[RunSpec, ...]
+
+    @property
+    def name(self) -> str:
+        """Short name for scheduler job names and script files (the file stem)."""
+        return self.path.stem
+
+
+# --------------------------------------------------------------------------
+# Field checkers: each returns the normalised value or raises _Bad(reason).
+
+class _Bad(Exception):
+    pass
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "an empty value"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _string(v: Any) -> str:
+    if isinstance(v, str) and v.strip():
+        return v.strip()
+    hint = " (quote it in YAML)" if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
+    raise _Bad(f"expected a non-empty string, got {_show(v)}{hint}")
+
+
+def _int_at_least(lo: int, what: str) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if _is_int(v) and v >= lo:
+            return v
+        raise _Bad(f"expected {what}, got {_show(v)}")
+    return check
+
+
+def _dtype(v: Any) -> str:
+    if v in DTYPES:
+        return v
+    choices = ", ".join(repr(d) for d in DTYPES)
+    raise _Bad(f"expected one of {choices}, got {_show(v)}{_suggest(v, DTYPES)}")
+
+
+def _boolean(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise _Bad(f"expected true or false, got {_show(v)}")
+
+
+def _limit(v: Any) -> int | float | None:
+    """int = documents per task, float = fraction.  ``1.0`` (all of it) becomes None:
+    lm-eval would read a float 1.0 as "one document"."""
+    if _is_int(v) and v >= 1:
+        return v
+    if isinstance(v, float) and 0 < v <= 1:
+        return None if v == 1.0 else v
+    raise _Bad(f"expected a positive integer (examples per task) or a fraction in (0, 1], got {_show(v)}")
+
+
+def _timeout(v: Any) -> float:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf:
+        return float(v)
+    raise _Bad(f"expected a positive number of seconds, got {_show(v)}")
+
+
+def _tasks(v: Any) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list):
+        raise _Bad(f"expected a list of task names or a comma-separated string, got {_show(v)}")
+    tasks: list[str] = []
+    for i, item in enumerate(items, 1):
+        if not isinstance(item, str):
+            raise _Bad(f"item {i}: expected a task name, got {_show(item)}")
+        for task in (t.strip() for t in item.split(",")):
+            if not task:
+                raise _Bad(f"empty task name in {_show(item)}")
+            if task in tasks:
+                raise _Bad(f"task {task!r} is listed twice")
+            tasks.append(task)
+    if not tasks:
+        raise _Bad("expected at least one task")
+    return tuple(tasks)
+
+
+def _gen_kwargs(v: Any) -> str | Mapping[str, Any]:
+    if isinstance(v, str):
+        return v.strip()
+    if not isinstance(v, dict):
+        raise _Bad(f"expected a string like 'temperature=0,top_p=1' or a mapping, got {_show(v)}")
+    out: dict[str, Any] = {}
+    for key, val in v.items():
+        if not isinstance(key, str):
+            raise _Bad(f"key {_show(key)}: expected a string key")
+        scalar = (str, int, float, bool)
+        if isinstance(val, list) and all(isinstance(x, scalar) for x in val):
+            val = tuple(val)
+        elif not isinstance(val, scalar):
+            raise _Bad(f"key {key!r}: expected a number, string, boolean or list of them, got {_show(val)}")
+        out[key] = val
+    return MappingProxyType(out)
+
+
+def _name(v: Any) -> str:
+    if isinstance(v, str) and _NAME_RE.match(v):
+        return v
+    raise _Bad(f"expected a name of letters, digits and ._+- (used in file names), got {_show(v)}")
+
+
+def _output(v: Any) -> str:
+    v = _string(v)
+    if not v.endswith((".h5", ".hdf5")):
+        raise _Bad(f"expected a path ending in .h5, got {_show(v)}")
+    return v
+
+
+def _batch_size(v: Any) -> int | str:
+    """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N``."""
+    if _is_int(v) and v >= 1:
+        return v
+    if isinstance(v, str) and (v == "auto" or (v.startswith("auto:") and v[5:].isdigit() and int(v[5:]) >= 1)):
+        return v
+    raise _Bad(f"expected a positive integer, 'auto' or 'auto:N', got {_show(v)}")
+
+
+def _models(v: Any) -> tuple[str, ...]:
+    """A sweep: a list of checkpoints (paths, globs) or one string (a glob or comma list)."""
+    items = [p.strip() for p in v.split(",")] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(p, str) and p.strip() for p in items):
+        raise _Bad(f"expected a list of model paths or globs, or a glob string, got {_show(v)}")
+    return tuple(p.strip() for p in items)
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "name": _name,
+    "model": _string,
+    "models": _models,
+    "tasks": _tasks,
+    "tokenizer": _string,
+    "revision": _string,
+    "tp": _int_at_least(1, "a positive integer"),
+    "pp": _int_at_least(1, "a positive integer"),
+    "dtype": _dtype,
+    "batch_size": _batch_size,
+    "num_fewshot": _int_at_least(0, "a non-negative integer"),
+    "limit": _limit,
+    "max_length": _int_at_least(1, "a positive integer"),
+    "gen_kwargs": _gen_kwargs,
+    "apply_chat_template": _boolean,
+    "include_path": _string,
+    "data_dir": _string,
+    "seed": _int_at_least(0, "a non-negative integer"),
+    "output": _output,
+    "device": _string,
+    "timeout": _timeout,
+    "log_samples": _boolean,
+}
+_LM_EVAL_STRUCTURAL = ("config", "model", "tasks", "batch_size")
+
+
+def _lm_eval_fields() -> dict[str, str]:
+    """Job-file fields taken from lm-eval's own declaration (``EvaluatorConfig``) rather than re-declared here:
+    every field of it that has no job-file field of its own, with its declared type. Imported only when a job file
+    uses one (lm-eval's import costs seconds on a login node)."""
+    import dataclasses as dc
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    return {f.name: str(f.type) for f in dc.fields(EvaluatorConfig)
+            if f.name not in _CHECKS and f.name not in _LM_EVAL_STRUCTURAL}
+
+
+def _lm_eval_value(field: str, kind: str, v: Any) -> Any:
+    """A value for lm-eval field ``field`` of declared type ``kind`` (``dict``, ``bool``, ``str | None`` ...)."""
+    if kind == "dict" or "dict" in kind.split(" | "):
+        if isinstance(v, str):
+            return v.strip()
+        if isinstance(v, dict):
+            return MappingProxyType(dict(v))
+        raise _Bad(f"expected a mapping or a string like 'key=value,key2=value2', got {_show(v)}")
+    if kind.startswith("bool"):
+        if isinstance(v, bool) or (v is None and "None" in kind):
+            return v
+        raise _Bad(f"expected true or false, got {_show(v)}")
+    if kind.startswith("int"):
+        return _int_at_least(1, "a positive integer")(v)
+    return _string(v)
+
+
+_REQUIRED = ("model", "tasks")
+# Fields whose RunSpec default is None accept an explicit null (to clear a default).
+_NULLABLE = {f.name for f in dataclasses.fields(RunSpec) if f.default is None}
+_PATH_FIELDS = ("include_path", "data_dir", "output")
+_MAYBE_PATH_FIELDS = ("model", "tokenizer")  # HF id or local directory
+
+
+def _suggest(word: Any, options: Any) -> str:
+    close = difflib.get_close_matches(str(word), list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------
+# YAML reading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys: PyYAML keeps the last one silently,
+    which would turn a copy-paste slip into a quietly wrong run."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable key; SafeLoader reports it
+                    continue
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path, shown: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise JobFileError(f"{shown}: cannot read job file: {exc.strerror or exc}", path=shown) from None
+    except UnicodeDecodeError as exc:
+        raise JobFileError(f"{shown}: not a UTF-8 text file ({exc.reason})", path=shown) from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = exc.problem or exc.context or "syntax error"
+        raise JobFileError(f"{shown}: {where}invalid YAML: {problem}", path=shown) from None
+    except yaml.YAMLError as exc:
+        raise JobFileError(f"{shown}: invalid YAML: {exc}", path=shown) from None
+
+
+# --------------------------------------------------------------------------
+# Loading
+
+
+def _derive_name(model: str, tasks: tuple[str, ...]) -> str:
+    """``<model basename>-<task>+<task>``, made safe for file names."""
+    stem = model.rstrip("/").rsplit("/", 1)[-1] or "model"
+    shown = "+".join(tasks) if len(tasks) <= 3 else f"{tasks[0]}+{len(tasks) - 1}more"
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "_", f"{stem}-{shown}")
+    return name.lstrip("._+-") or "run"
+
+
+def _expand(value: str) -> str:
+    """Expand ``~`` and ``$VARS`` (e.g. ``$SCRATCH/hf``); unset variables are an error
+    rather than a literal ``$SCRATCH`` directory created next to the job file."""
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    missing = _UNSET_VAR_RE.search(expanded)
+    if missing:
+        raise _Bad(f"environment variable ${missing.group(1)} is not set (in {value!r})")
+    return expanded
+
+
+def _resolve(field: str, value: str, base: Path) -> str:
+    if field in _MAYBE_PATH_FIELDS:
+        if field == "model" and value == DEMO_MODEL:
+            return value
+        explicit = value.startswith(("/", "./", "../", "~", "$"))
+        if not explicit and not (base / value).exists():
+            return value  # a Hugging Face hub id
+    return os.path.normpath(base / _expand(value))
+
+
+def load_job(path: str | os.PathLike[str]) -> Job:
+    """Read and validate a job file; raise :class:`JobFileError` on the first problem."""
+    shown = os.fspath(path)
+    abspath = Path(shown).expanduser().absolute()
+    base = abspath.parent
+
+    def fail(where: str | None, field: str | None, msg: str, run: int | None = None,
+             run_name: str | None = None) -> JobFileError:
+        parts = [shown] + ([where] if where else []) + ([f"field {field!r}"] if field else [])
+        return JobFileError(": ".join(parts + [msg]), path=shown, run=run, run_name=run_name, field=field)
+
+    data = _read_yaml(abspath, shown)
+    if data is None:
+        raise fail(None, None, "file is empty; expected a mapping with a 'runs:' list")
+    if not isinstance(data, dict):
+        raise fail(None, None, f"expected a mapping with 'defaults:' and 'runs:', got {_show(data)}")
+    for key in data:
+        if key not in ("defaults", "runs"):
+            raise fail(None, None, f"unknown top-level key {str(key)!r}; expected 'defaults' "
+                                   f"or 'runs'{_suggest(key, ('defaults', 'runs'))}")
+
+    defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise fail("defaults", None, f"expected a mapping of field: value, got {_show(defaults)}")
+    for key, value in defaults.items():
+        key = str(key)
+        if key in _PER_RUN_ONLY:
+            raise fail("defaults", key, "must be set per run, not in defaults")
+        _check_field(key, value, lambda f, m: fail("defaults", f, m))
+
+    runs = data.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise fail(None, None, f"'runs:' must be a non-empty list of runs, got {_show(runs)}")
+
+    specs: list[RunSpec] = []
+    seen_names: dict[str, int] = {}
+    seen_outputs: dict[str, int] = {}
+    for index, raw in enumerate(runs, 1):
+        if not isinstance(raw, dict):
+            raise fail(f"run {index}", None, f"expected a mapping of field: value, got {_show(raw)}", index)
+        raw = {str(k): v for k, v in raw.items()}
+        label = f"run {index}"
+        name = None
+
+        def run_fail(field: str | None, msg: str) -> JobFileError:
+            return fail(label, field, msg, index, name)
+
+        merged = {**defaults, **raw}
+        if "models" in merged:  # a sweep (mpitp.jobs.sweep): one run, one results file per checkpoint
+            if "model" in merged:
+                raise run_fail("models", "give either 'model' or 'models', not both")
+            merged["model"] = ",".join(
+                os.path.normpath(base / _expand(m)) if glob.has_magic(m) else _resolve("model", m, base)
+                for m in _check_field("models", merged.pop("models"), run_fail))
+        if "name" in raw:
+            name = _check_field("name", raw["name"], run_fail)
+        else:  # best effort, so later messages can name the run
+            try:
+                name = _derive_name(_string(merged.get("model")), _tasks(merged.get("tasks")))
+            except _Bad:
+                pass
+        if name is not None:
+            label = f"run {index} ({name!r})"
+        for key in raw:  # defaults' keys were checked already
+            if key not in _CHECKS and key not in _lm_eval_fields():
+                raise run_fail(key, f"unknown field{_suggest(key, [*_CHECKS, *_lm_eval_fields()])}")
+        for field in _REQUIRED:
+            if merged.get(field) is None:
+                raise run_fail(field, "required field is missing")
+        values = {field: _check_field(field, value, run_fail) for field, value in merged.items()}
+        extras = {k: values.pop(k) for k in list(values) if k not in _CHECKS}
+        if extras:
+            try:
+                _check_lm_eval(extras)
+            except _Bad as exc:
+                raise run_fail("model_args", str(exc)) from None
+            values["lm_eval"] = MappingProxyType(extras)
+        values["name"] = name
+        sweep = "," in values["model"] or glob.has_magic(values["model"])
+        values.setdefault("output", f"results/{name}/{{name}}.h5" if sweep else f"results/{name}.h5")
+        if sweep and "{name}" not in values["output"]:
+            raise run_fail("output", f"a sweep ('models') writes one file per checkpoint: use a pattern with "
+                                     f"{{name}}, e.g. results/{name}/{{name}}.h5")
+        for field in _PATH_FIELDS + _MAYBE_PATH_FIELDS:
+            if values.get(field) is not None:
+                try:
+                    values[field] = _resolve(field, values[field], base)
+                except _Bad as exc:
+                    raise run_fail(field, str(exc)) from None
+
+        for key, seen, fix in (("name", seen_names, "give each run a unique 'name:'"),
+                               ("output", seen_outputs, "give each run its own 'output:'")):
+            other = seen.setdefault(values[key], index)
+            if other != index:
+                raise run_fail(key, f"{values[key]!r} is already used by run {other}; {fix}")
+        specs.append(RunSpec(**values))
+    return Job(path=abspath, runs=tuple(specs))
+
+
+def _check_field(field: str, value: Any, fail: Callable[[str, str], JobFileError]) -> Any:
+    if field not in _CHECKS:
+        lm_eval = _lm_eval_fields()
+        if field not in lm_eval:
+            raise fail(field, f"unknown field{_suggest(field, [*_CHECKS, *lm_eval])}")
+        if value is None:
+            return None
+        try:
+            return _lm_eval_value(field, lm_eval[field], value)
+        except _Bad as exc:
+            raise fail(field, str(exc)) from None
+    if value is None and field in _NULLABLE:
+        return None
+    try:
+        return _CHECKS[field](value)
+    except _Bad as exc:
+        raise fail(field, str(exc)) from None
+
+
+def _check_lm_eval(extras: dict) -> None:
+    """Refuse model_args mpitp cannot honour (by name) while reading the file, not on the compute nodes."""
+    args = extras.get("model_args")
+    if args is None:
+        return
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.lmeval_args import model_args_dict, split_model_args
+
+    try:
+        split_model_args(model_args_dict(args))
+    except UsageError as exc:
+        raise _Bad(str(exc)) from None

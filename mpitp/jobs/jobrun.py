@@ -1,0 +1,144 @@
+"""``mpitp run JOB.yaml``: a campaign of runs, one after another, in one MPI world (one scheduler allocation).
+
+Runs whose output is ``complete`` are skipped, ``running`` ones are resumed, and a run that fails on bad input (a
+missing model, an unknown task, a tp that does not fit the world) is recorded and the job goes on, unless
+``--fail-fast``. A fault inside a run (a rank crashing) still aborts the whole job: the survivors of a broken
+collective cannot be trusted to carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from mpitp.parallel import comm as mpicomm
+from mpitp.errors import UsageError
+from mpitp.evaluation.runner import EvalConfig, run_eval
+from mpitp.parallel.runtime import agree, setup_logging, start, stop
+from mpitp.parallel.world import world_from_comm
+
+log = logging.getLogger("mpitp")
+
+_EVAL_FIELDS = {"model", "tasks", "tokenizer", "revision", "dtype", "num_fewshot", "limit", "batch_size",
+                "max_length", "gen_kwargs", "apply_chat_template", "include_path", "data_dir", "seed", "output",
+                "log_samples"}
+
+
+def eval_config(spec) -> EvalConfig:
+    """A job-file run as an :class:`EvalConfig` (``model: demo`` means the built-in demo)."""
+    from mpitp.jobs.jobfile import DEMO_MODEL
+
+    kw = {k: v for k, v in spec.to_eval_kwargs().items() if k in _EVAL_FIELDS}
+    if isinstance(kw.get("gen_kwargs"), dict):
+        kw["gen_kwargs"] = ",".join(f"{k}={v}" for k, v in kw["gen_kwargs"].items())
+    demo = kw.get("model") == DEMO_MODEL
+    if demo:
+        kw["model"] = None
+    cfg = EvalConfig(demo=demo, **kw)
+    if spec.lm_eval:
+        from mpitp.evaluation.lmeval_args import apply_lm_eval_settings
+
+        apply_lm_eval_settings(cfg, dict(spec.lm_eval))
+    return cfg
+
+
+def output_status(path: str) -> str:
+    """``missing``, ``complete`` or ``running`` for a run's output file.
+
+    Anything else there (a file HDF5 cannot open, an HDF5 file without mpitp's ``status``) is refused, never
+    overwritten: it may be another program's data, or results a damaged copy still holds.
+    """
+    if not os.path.exists(path):
+        return "missing"
+    from mpitp.results.store import open_h5
+
+    try:
+        with open_h5(path) as f:
+            status = f.attrs.get("status")
+    except OSError as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise UsageError(f"output {path} exists and is not an mpitp results file ({reason}); mpitp run does not "
+                         f"overwrite it: move it away or delete it") from None
+    if isinstance(status, bytes):
+        status = status.decode("utf-8", "replace")
+    if status not in ("complete", "running"):
+        what = "no 'status' attribute" if status is None else f"status {status!r}"
+        raise UsageError(f"output {path} exists and is not an mpitp results file ({what}); mpitp run does not "
+                         f"overwrite it: move it away or delete it")
+    return str(status)
+
+
+def _load(path):
+    from mpitp.jobs.jobfile import JobFileError, load_job
+
+    try:
+        return load_job(path)
+    except JobFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ranks) -> int:
+    """Execute every run of the job file; returns the exit status (0 when every run completed or was skipped)."""
+    from mpitp.parallel.walltime import install
+
+    world = world_from_comm()
+    setup_logging(world.rank, log_all_ranks)
+    install(world.rank)
+    job = agree(lambda: _load(path), world.comm, timeout, "reading the job file")
+    # Every existing output is checked before the first run, so a file mpitp would refuse stops nothing half-way.
+    agree(lambda: [output_status(spec.output) for spec in job.runs], world.comm, timeout, "checking outputs")
+    summary = []
+    for i, spec in enumerate(job.runs, 1):
+        t0 = time.perf_counter()
+        state = agree(lambda: output_status(spec.output), world.comm, timeout, "checking outputs")
+        if state == "complete":
+            summary.append((spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
+            continue
+        if world.rank == 0:
+            log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
+                     f", pp={spec.pp}" if spec.pp > 1 else "",
+                     " resuming" if state == "running" else "")
+        rt = None
+        try:
+            cfg = agree(lambda: eval_config(spec), world.comm, timeout, "reading the run's settings")
+            cfg.resume = state == "running"
+            rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
+                       timeout=spec.timeout or timeout, world=world)
+            if cfg.demo:
+                from mpitp.cli.evaluate import demo_config
+
+                cfg = demo_config(cfg, rt)
+            status = "complete"
+            from mpitp.jobs.sweep import is_sweep, run_sweep
+
+            if is_sweep(cfg.model):  # models: one file per checkpoint; complete ones skipped, running ones resumed
+                cfg.resume, cfg.overwrite = True, False
+                if run_sweep(cfg, rt):
+                    status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)"
+            else:
+                run_eval(cfg, rt)
+            summary.append((spec.name, spec.tp, status, time.perf_counter() - t0, spec.output))
+        except UsageError as exc:
+            if not exc.collective:
+                raise
+            summary.append((spec.name, spec.tp, f"FAILED: {exc}", time.perf_counter() - t0, spec.output))
+            if world.rank == 0:
+                log.error("run %s failed: %s", spec.name, exc)
+            if fail_fast:
+                break
+        finally:
+            if rt is not None:
+                stop(rt)
+        mpicomm.barrier(world.comm, timeout, phase=f"end of run {spec.name}")
+    if world.rank == 0:
+        print_summary(job.path, summary)
+    return 1 if any(s[2].startswith("FAILED") for s in summary) else 0
+
+
+def print_summary(path, summary) -> None:
+    from mpitp.cli.info import format_table
+
+    rows = [dict(run=n, tp=tp, status=st, wall=f"{w:.1f}s", output=out) for n, tp, st, w, out in summary]
+    print(f"\njob {path}: {sum(1 for r in rows if not r['status'].startswith('FAILED'))}/{len(rows)} runs ok")
+    print(format_table(rows, ["run", "tp", "status", "wall", "output"]))

@@ -1,0 +1,459 @@
+"""Batch scripts for SLURM and PBS Pro, rendered from Jinja2 templates.
+
+Why a generator instead of hand-written scripts: the job geometry (one rank
+per GPU, tensor-parallel groups that must not straddle nodes) has to agree
+with every run in the job file, and that is cheap to check here, on the login
+node, before anything waits in a queue.  ``StrictUndefined`` makes a template
+typo an error instead of an empty ``#SBATCH`` value.
+
+The templates live once, in ``mpitp/jobs/templates/`` (shipped as package data); read or adapt them there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time as _time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import jinja2
+
+from mpitp.jobs.jobfile import Job, JobFileError, load_job
+from mpitp.parallel.walltime import STOP_EXIT
+
+__all__ = ["SCHEDULERS", "SubmitError", "SubmitUsageError", "render_script", "script_path",
+           "submit", "submit_command"]
+
+SCHEDULERS = ("slurm", "pbs")
+#: Seconds between SLURM's warning signal and the time limit: enough for mpitp to stop (it only aborts; the results
+#: are already on disk) and for the script to requeue, with slack for a long forward of a big model that has to
+#: return before the signal is seen and SLURM's signal timing (it may come up to a minute early or late).
+DEFAULT_SIGNAL_GRACE = 300
+#: ``mpi4py.get_vendor()`` family -> the PMI flavour its PyPI/standard builds speak to srun.
+_PMI_OF = {"Open MPI": "pmix", "MPICH": "pmi2", "Intel MPI": "pmi2", "MVAPICH": "pmi2", "MVAPICH2": "pmi2"}
+_TERMINAL = {"slurm": {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                       "DEADLINE", "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}}
+_LAUNCHERS = {"slurm": ("srun", "mpirun"), "pbs": ("mpiexec",)}
+_SUBMIT_CMD = {"slurm": "sbatch", "pbs": "qsub"}
+_TIME_RE = {
+    "slurm": re.compile(r"^(?:(?P<d>\d+)-)?(?P<h>\d+):(?P<m>[0-5]\d):(?P<s>[0-5]\d)$"),
+    "pbs": re.compile(r"^(?P<h>\d+):(?P<m>[0-5]\d):(?P<s>[0-5]\d)$"),
+}
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SubmitError(Exception):
+    """Submission failed (bad job geometry, missing scheduler, scheduler error)."""
+
+
+class SubmitUsageError(SubmitError, ValueError):
+    """An option value is malformed; the CLI reports it as a usage error."""
+
+
+def _environment() -> jinja2.Environment:
+    # PackageLoader reads mpitp/jobs/templates from the installed package (wheel or source tree).
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("mpitp.jobs", "templates"),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        autoescape=False,  # shell, not HTML; values are shell-quoted explicitly
+    )
+
+
+def _check_time(scheduler: str, time: str) -> str:
+    match = _TIME_RE[scheduler].match(str(time))
+    parts = match.groupdict() if match else {}
+    days_ok = not parts.get("d") or int(parts["h"]) < 24  # D-HH:MM:SS keeps HH below 24
+    if not (match and days_ok and any(int(v) for v in parts.values() if v)):
+        want = "HH:MM:SS or D-HH:MM:SS" if scheduler == "slurm" else "HH:MM:SS"
+        raise SubmitUsageError(f"--time {str(time)!r}: expected a non-zero walltime as {want}")
+    return str(time)
+
+
+def _positive(option: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SubmitUsageError(f"{option} must be a positive integer, got {value!r}")
+    return value
+
+
+def _directive_word(option: str, value: str | None) -> str | None:
+    """Values inside ``#SBATCH``/``#PBS`` lines are not shell-parsed: no spaces allowed."""
+    if value is None or value == "":
+        return None
+    if re.search(r"\s", value):
+        raise SubmitUsageError(f"{option} {value!r} must not contain whitespace")
+    return value
+
+
+def _nccl_pairs(nccl_env: Mapping[str, Any] | Iterable[str] | None) -> list[tuple[str, str]]:
+    if not nccl_env:
+        return []
+    items = nccl_env.items() if isinstance(nccl_env, Mapping) else (
+        tuple(s.split("=", 1)) if "=" in s else (s, None) for s in nccl_env)
+    pairs = []
+    for name, value in items:
+        if value is None or not _ENV_NAME_RE.match(name):
+            raise SubmitUsageError(f"--nccl-env {name!r}: expected NAME=VALUE with a valid variable name")
+        pairs.append((name, shlex.quote(str(value))))
+    return pairs
+
+
+def _mpitp_bin() -> str | None:
+    """The folder of the ``mpitp`` command beside this Python (its venv's bin), else the one on PATH."""
+    here = Path(sys.executable).parent
+    if (here / "mpitp").exists():
+        return str(here)
+    found = shutil.which("mpitp")
+    return os.path.dirname(found) if found else None
+
+
+def linked_mpi() -> str | None:
+    """``"MPICH 5.0.2"``, ``"Open MPI 5.0.11"``, ...: the MPI library mpi4py is linked against, or None.
+
+    Asked in a child process with MPI initialisation off when this process has not loaded MPI itself: a login node
+    may not allow MPI_Init, and the family is all that is needed.
+    """
+    if "mpi4py.MPI" in sys.modules:
+        name, version = sys.modules["mpi4py.MPI"].get_vendor()
+        return f"{name} {'.'.join(map(str, version))}"
+    code = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; from mpi4py import MPI; "
+            "n, v = MPI.get_vendor(); print(n, '.'.join(map(str, v)))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def srun_plugins() -> list[str] | None:
+    """The MPI plugins ``srun --mpi=list`` offers here (None without srun)."""
+    srun = shutil.which("srun")
+    if srun is None:
+        return None
+    try:
+        done = subprocess.run([srun, "--mpi=list"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = done.stdout + done.stderr
+    names = re.findall(r"^\s+(\w+)\s*$", text, flags=re.M)  # one tab-indented name per line
+    names += re.findall(r"srun: (?:mpi/)?(\w+)$", text, flags=re.M)  # older srun: "srun: mpi/pmi2"
+    return sorted(set(names), key=names.index)
+
+
+def _srun_mpi(choice: str | None) -> tuple[str, str]:
+    """The ``srun --mpi`` plugin and why (written into the script as a comment)."""
+    if choice and choice != "auto":
+        if not re.fullmatch(r"\w+", choice):
+            raise SubmitUsageError(f"--srun-mpi {choice!r}: expected a plugin name such as pmi2 or pmix")
+        return choice, f"as given (--srun-mpi {choice})"
+    family = linked_mpi()
+    want = next((pmi for name, pmi in _PMI_OF.items() if family and family.startswith(name)), "pmi2")
+    speaks = {"pmix": "PMIx", "pmi2": "PMI-2"}[want]
+    reason = f"mpi4py here is linked against {family or 'an MPI it could not name'}, which speaks {speaks}"
+    offered = srun_plugins()
+    if offered is None:
+        return want, f"{reason}; no srun here to check it against (--srun-mpi auto)"
+    if not any(p == want or p.startswith(want + "_") for p in offered):
+        raise SubmitError(f"--srun-mpi auto: {family or 'this MPI'} needs `srun --mpi={want}`, but `srun --mpi=list` "
+                          f"offers {', '.join(offered) or 'nothing'}; use --launcher mpirun or name a plugin with "
+                          f"--srun-mpi")
+    return want, f"{reason}; `srun --mpi=list` offers {', '.join(offered)} (--srun-mpi auto)"
+
+
+def _log_dir(job: Job) -> Path:
+    """Logs go next to the outputs: their common directory (or the job file's, if none)."""
+    common = Path(os.path.commonpath([os.path.dirname(r.output) for r in job.runs]))
+    return job.path.parent if common == Path(common.anchor) else common
+
+
+def _seconds(time: str) -> int:
+    parts = [int(p) for p in re.split(r"[-:]", time)]
+    days = parts.pop(0) if len(parts) == 4 else 0
+    h, m, s = parts
+    return ((days * 24 + h) * 60 + m) * 60 + s
+
+
+def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gpus_per_node: int | None = None,
+             time: str, ranks_per_node: int | None = None, account: str | None = None,
+             partition: str | None = None, queue: str | None = None, env_setup: str | None = None,
+             launcher: str | None = None, srun_mpi: str | None = "auto", cpus_per_task: int | None = None,
+             nccl_env: Any = None, requeue: bool = True, signal_grace: int = DEFAULT_SIGNAL_GRACE,
+             extra_args: Sequence[str] = ()) -> tuple[Job, dict[str, Any]]:
+    """Validate everything and build the template context."""
+    if scheduler not in SCHEDULERS:
+        raise SubmitUsageError(f"unknown scheduler {scheduler!r}; expected 'slurm' or 'pbs'")
+    _positive("--nodes", nodes)
+    if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
+                                      or gpus_per_node < 0):
+        raise SubmitUsageError(f"--gpus-per-node must be a non-negative integer, got {gpus_per_node!r}")
+    gpus_per_node = gpus_per_node or 0
+    if ranks_per_node is None:
+        if not gpus_per_node:
+            raise SubmitUsageError("give --ranks-per-node (MPI ranks per node; CPU partitions) or --gpus-per-node "
+                                   "(one rank per GPU)")
+        ranks_per_node = gpus_per_node
+    _positive("--ranks-per-node", ranks_per_node)
+    if gpus_per_node and ranks_per_node > gpus_per_node:
+        raise SubmitUsageError(f"--ranks-per-node {ranks_per_node} is more than --gpus-per-node {gpus_per_node}: "
+                               f"ranks would share a GPU")
+    if cpus_per_task is not None:
+        _positive("--cpus-per-task", cpus_per_task)
+    if scheduler == "pbs" and partition:
+        raise SubmitUsageError("--partition is a slurm option; use --queue with pbs")
+    if scheduler == "slurm" and queue:
+        raise SubmitUsageError("--queue is a pbs option; use --partition with slurm")
+    launcher = launcher or _LAUNCHERS[scheduler][0]
+    if launcher not in _LAUNCHERS[scheduler]:
+        choices = " or ".join(_LAUNCHERS[scheduler])
+        raise SubmitUsageError(f"--launcher {launcher!r} is not supported with {scheduler}; use {choices}")
+    if isinstance(extra_args, str):
+        raise SubmitUsageError("extra_args must be a sequence of arguments, not a string")
+    time = _check_time(scheduler, time)
+    if requeue and scheduler == "slurm":
+        _positive("--signal-grace", signal_grace)
+        if signal_grace >= _seconds(time):
+            raise SubmitUsageError(f"--signal-grace {signal_grace} s is not shorter than --time {time} = "
+                                   f"{_seconds(time)} s: the job would be told to stop before it starts")
+    srun_mpi, srun_mpi_reason = _srun_mpi(srun_mpi) if scheduler == "slurm" and launcher == "srun" else (None, None)
+    context = {
+        "time": time,
+        "account": _directive_word("--account", account),
+        "partition": _directive_word("--partition", partition),
+        "queue": _directive_word("--queue", queue),
+        "nccl_env": _nccl_pairs(nccl_env),
+    }
+
+    job = load_job(job_path)
+    per_node = f"gpus-per-node {ranks_per_node}" if ranks_per_node == gpus_per_node else \
+        f"ranks-per-node {ranks_per_node}"
+    unit = "GPUs" if ranks_per_node == gpus_per_node else "ranks"
+    for index, run in enumerate(job.runs, 1):
+        if ranks_per_node % run.tp:
+            raise SubmitError(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} does not divide "
+                              f"{per_node}, so a TP group would span nodes")
+        if (nodes * ranks_per_node) % (run.tp * run.pp):
+            raise SubmitError(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} x pp={run.pp} = "
+                              f"{run.tp * run.pp} does not divide {nodes} nodes x {ranks_per_node} {unit} = "
+                              f"{nodes * ranks_per_node} ranks")
+    log_dir = _log_dir(job)
+    context.update(
+        job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"mpitp-{job.name}")[:64],
+        job_path=shlex.quote(str(job.path)),
+        log_dir=_directive_word("log directory", str(log_dir)),
+        nodes=nodes, gpus_per_node=gpus_per_node, ranks_per_node=ranks_per_node, ntasks=nodes * ranks_per_node,
+        cpus_per_task=cpus_per_task, omp_threads=cpus_per_task or 1,
+        ncpus=ranks_per_node * (cpus_per_task or 1),
+        env_setup=(env_setup or "").strip("\n").rstrip() or None,
+        mpitp_bin=shlex.quote(_mpitp_bin()),
+        launcher=launcher, srun_mpi=srun_mpi, srun_mpi_reason=srun_mpi_reason,
+        requeue=bool(requeue), signal_grace=signal_grace, stop_exit=STOP_EXIT,
+        run_args="".join(" " + shlex.quote(str(a)) for a in extra_args),
+    )
+    return job, context
+
+
+def render_script(scheduler: str, job_path: str | os.PathLike[str], **options: Any) -> str:
+    """Validate the job and options, and return the batch script text.
+
+    Options (all keyword): ``nodes``, ``time``, ``ranks_per_node`` (defaults to ``gpus_per_node``),
+    ``gpus_per_node`` (0/None: no GPU request), ``account``, ``partition`` (slurm), ``queue`` (pbs),
+    ``env_setup``, ``launcher`` (slurm: ``srun`` [default] or ``mpirun``; pbs: ``mpiexec``), ``srun_mpi``
+    (``auto`` [default], ``pmi2``, ``pmix``, ...), ``cpus_per_task``, ``nccl_env`` (a mapping or ``NAME=VALUE``
+    strings, exported with shell quoting), ``requeue`` (slurm: requeue at the walltime, default True),
+    ``signal_grace`` (seconds), ``extra_args`` (appended to ``mpitp run``).
+    Raises :class:`SubmitError` / :class:`SubmitUsageError` or :class:`~mpitp.jobs.jobfile.JobFileError`.
+    """
+    _, context = _prepare(scheduler, job_path, **options)
+    return _environment().get_template(f"{scheduler}.sh.j2").render(**context)
+
+
+def script_path(job: Job, scheduler: str, script_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where :func:`submit` writes the script: next to the outputs unless ``script_dir``."""
+    folder = Path(script_dir).absolute() if script_dir else _log_dir(job)
+    return folder / f"mpitp-{job.name}.{scheduler}.sh"
+
+
+def _parse_job_id(scheduler: str, output: str) -> str | None:
+    if scheduler == "slurm":
+        match = re.search(r"Submitted batch job (\d+)", output) or re.match(r"\s*(\d+)(?:;\S*)?\s*$", output)
+        return match.group(1) if match else None
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines and re.fullmatch(r"\d+(?:\[\d*\])?(?:\.[\w.-]+)?", lines[-1]) else None
+
+
+def submit(scheduler: str, job_path: str | os.PathLike[str], *,
+           script_dir: str | os.PathLike[str] | None = None, dry_run: bool = False,
+           **options: Any) -> str:
+    """Render, write and submit the script; return the scheduler's job id.
+
+    ``options`` are :func:`render_script`'s keyword arguments.  With
+    ``dry_run`` nothing is written or run and the script text is returned.
+    The log directory is created first: Slurm and PBS do not create it, and a
+    missing one makes the job fail without any log at all.
+    """
+    text = render_script(scheduler, job_path, **options)
+    if dry_run:
+        return text
+    command = _SUBMIT_CMD[scheduler]
+    executable = shutil.which(command)
+    if executable is None:
+        raise SubmitError(f"{command} not found on PATH; use --dry-run to print the script")
+    job = load_job(job_path)
+    _log_dir(job).mkdir(parents=True, exist_ok=True)
+    path = script_path(job, scheduler, script_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    path.chmod(0o755)
+    try:
+        done = subprocess.run([executable, str(path)], cwd=job.path.parent, capture_output=True,
+                              text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SubmitError(f"{command} {path}: {exc}") from None
+    if done.returncode != 0:
+        detail = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        raise SubmitError(f"{command} {path} failed (exit {done.returncode}): {detail}")
+    job_id = _parse_job_id(scheduler, done.stdout)
+    if job_id is None:
+        raise SubmitError(f"could not find a job id in {command} output: {done.stdout.strip()!r}")
+    return job_id
+
+
+def log_paths(scheduler: str, job: Job, job_id: str) -> list[Path]:
+    """Where the batch system writes the job's stdout and stderr (as the scripts ask for them)."""
+    folder = _log_dir(job)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"mpitp-{job.name}")[:64]
+    if scheduler == "slurm":
+        return [folder / f"{name}-{job_id}.out", folder / f"{name}-{job_id}.err"]
+    seq = job_id.split(".")[0]
+    return [folder / f"{name}.o{seq}", folder / f"{name}.e{seq}"]
+
+
+def follow_command(scheduler: str, job: Job, job_id: str) -> str:
+    if scheduler == "slurm":
+        return f"squeue -j {job_id}; tail -f {shlex.quote(str(log_paths(scheduler, job, job_id)[0]))}"
+    return f"qstat -x {job_id}"
+
+
+def job_state(scheduler: str, job_id: str) -> dict[str, str]:
+    """The scheduler's view of a job: ``state`` (SLURM's JobState or PBS's job_state), ``restarts``, ``exit``."""
+    if scheduler == "slurm":
+        done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+        if done.returncode == 0 and "JobState=" in done.stdout:
+            fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+            return dict(state=fields.get("JobState", "?"), restarts=fields.get("Restarts", "0"),
+                        exit=fields.get("ExitCode", "?"), elapsed=fields.get("RunTime", "?"))
+        # Gone from slurmctld's memory (MinJobAge): accounting may still know it.
+        acct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode,Elapsed"],
+                              capture_output=True, text=True, timeout=60) if shutil.which("sacct") else None
+        if acct is not None and acct.returncode == 0 and acct.stdout.strip():
+            state, code, elapsed = (acct.stdout.strip().splitlines()[-1].split("|") + ["?", "?"])[:3]
+            return dict(state=state.split()[0], restarts="?", exit=code, elapsed=elapsed)
+        raise SubmitError(f"scontrol does not know job {job_id}: {(done.stderr or done.stdout).strip()}")
+    done = subprocess.run(["qstat", "-x", "-f", job_id], capture_output=True, text=True, timeout=60)
+    fields = dict(re.findall(r"^\s*(\w+) = (.*)$", done.stdout, flags=re.M))
+    if done.returncode != 0 or "job_state" not in fields:
+        raise SubmitError(f"qstat does not know job {job_id}: {(done.stderr or done.stdout).strip()}")
+    state = {"F": "FINISHED", "R": "RUNNING", "Q": "QUEUED", "H": "HELD", "E": "EXITING"}.get(fields["job_state"],
+                                                                                           fields["job_state"])
+    return dict(state=state, restarts=fields.get("run_count", "?"), exit=fields.get("Exit_status", "?"),
+                elapsed=fields.get("resources_used.walltime", "?"))
+
+
+def wait_for(scheduler: str, job_id: str, poll: float = 5.0, echo=None) -> dict[str, str]:
+    """Poll until the job has ended (a requeued job is not ended: it is PENDING again)."""
+    last = None
+    while True:
+        info = job_state(scheduler, job_id)
+        if echo and info["state"] != last:
+            echo(f"job {job_id}: {info['state']}" + (f" (restarts {info['restarts']})" if info["restarts"] not in
+                                                      ("0", "?") else ""))
+            last = info["state"]
+        if info["state"] in _TERMINAL.get(scheduler, set()) or info["state"] == "FINISHED":
+            return info
+        _time.sleep(poll)
+
+
+def job_summary(job: Job) -> tuple[int, str]:
+    """(number of runs complete, a table of every run's output status) for a job file, read from its outputs."""
+    from mpitp.cli.info import format_table
+    from mpitp.jobs.jobrun import output_status
+
+    rows = [dict(run=r.name, tp=r.tp, status=output_status(r.output), output=r.output) for r in job.runs]
+    ok = sum(1 for r in rows if r["status"] == "complete")
+    return ok, f"job {job.path}: {ok}/{len(rows)} runs ok\n" + format_table(rows, ["run", "tp", "status", "output"])
+
+
+@click.command("submit")
+@click.argument("job_file", metavar="JOB.yaml", type=click.Path(dir_okay=False))
+@click.option("--scheduler", type=click.Choice(SCHEDULERS), required=True, help="Batch system.")
+@click.option("--nodes", type=int, required=True, help="Number of nodes.")
+@click.option("--ranks-per-node", type=int, help="MPI ranks per node (default: --gpus-per-node).")
+@click.option("--gpus-per-node", type=int, help="GPUs per node, one rank each; 0 or absent: no GPU request.")
+@click.option("--time", "walltime", required=True, metavar="HH:MM:SS",
+              help="Walltime; slurm also takes D-HH:MM:SS.")
+@click.option("--account", help="Account/project to charge.")
+@click.option("--partition", help="Slurm partition.")
+@click.option("--queue", help="PBS queue.")
+@click.option("--cpus-per-task", type=int, help="CPU cores per rank (also OMP_NUM_THREADS).")
+@click.option("--env-setup", metavar="TEXT",
+              help='Shell lines run before launch, e.g. "module load cuda; source venv/bin/activate" '
+                   "(default: put this mpitp's folder on PATH).")
+@click.option("--nccl-env", multiple=True, metavar="NAME=VALUE", help="Site NCCL variable; repeatable.")
+@click.option("--launcher", type=click.Choice(("srun", "mpirun", "mpiexec")),
+              help="MPI launcher (slurm: srun [default] or mpirun; pbs: mpiexec).")
+@click.option("--srun-mpi", default="auto", show_default=True, metavar="auto|pmi2|pmix|...",
+              help="srun's MPI plugin; auto: the one the MPI mpi4py is linked against speaks (MPICH: pmi2, "
+                   "Open MPI: pmix), checked against `srun --mpi=list`.")
+@click.option("--signal-grace", type=int, default=DEFAULT_SIGNAL_GRACE, show_default=True, metavar="SECONDS",
+              help="slurm: USR1 this long before the walltime; mpitp stops and the job is requeued.")
+@click.option("--no-requeue", is_flag=True, help="slurm: no walltime signal, no requeue (pbs: not rerunnable).")
+@click.option("--wait", is_flag=True, help="Wait for the job to end, print the job file's summary; exit 1 unless "
+                                           "it COMPLETED with every run complete.")
+@click.option("--run-arg", "run_args", multiple=True, help="Extra argument for `mpitp run`; repeatable.")
+@click.option("--script-dir", type=click.Path(file_okay=False), help="Where to write the script.")
+@click.option("--dry-run", is_flag=True, help="Print the script; write and submit nothing.")
+def submit_command(job_file: str, scheduler: str, nodes: int, ranks_per_node: int | None, gpus_per_node: int | None,
+                   walltime: str, account: str | None, partition: str | None, queue: str | None,
+                   cpus_per_task: int | None, env_setup: str | None, nccl_env: tuple[str, ...],
+                   launcher: str | None, srun_mpi: str, signal_grace: int, no_requeue: bool, wait: bool,
+                   run_args: tuple[str, ...], script_dir: str | None, dry_run: bool) -> None:
+    """Write a SLURM/PBS batch script for JOB.yaml and submit it."""
+    try:
+        result = submit(scheduler, job_file, script_dir=script_dir, dry_run=dry_run, nodes=nodes,
+                        ranks_per_node=ranks_per_node, gpus_per_node=gpus_per_node, time=walltime,
+                        account=account, partition=partition, queue=queue, env_setup=env_setup, launcher=launcher,
+                        srun_mpi=srun_mpi, cpus_per_task=cpus_per_task, nccl_env=nccl_env,
+                        requeue=not no_requeue, signal_grace=signal_grace, extra_args=run_args)
+    except SubmitUsageError as exc:
+        raise click.UsageError(str(exc)) from None
+    except (SubmitError, JobFileError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if dry_run:
+        click.echo(result, nl=False)
+        return
+    job = load_job(job_file)
+    path = script_path(job, scheduler, script_dir)
+    click.echo(f"Submitted {scheduler} job {result} (script: {path})")
+    logs = log_paths(scheduler, job, result)
+    click.echo(f"logs: {logs[0]} and {logs[1]}")
+    if not wait:
+        click.echo(f"follow: {follow_command(scheduler, job, result)}")
+        return
+    t0 = _time.monotonic()
+    try:
+        info = wait_for(scheduler, result, echo=click.echo)
+    except SubmitError as exc:
+        raise click.ClickException(str(exc)) from None
+    ok, table = job_summary(job)
+    click.echo(f"job {result} ended {info['state']} (exit {info['exit']}, restarts {info['restarts']}, run time "
+               f"{info['elapsed']}, waited {_time.monotonic() - t0:.0f} s)")
+    click.echo(table)
+    if info["state"] not in ("COMPLETED", "FINISHED") or ok < len(job.runs) or info["exit"] not in ("0:0", "0"):
+        raise click.exceptions.Exit(1)

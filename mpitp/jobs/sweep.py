@@ -1,0 +1,487 @@
+"""Checkpoint sweeps: many models evaluated one after another in one MPI launch.
+
+``mpitp eval --model 'ckpts/step-*'`` (a glob, a comma list, or both) and ``--watch DIR`` come here. What a launch
+per checkpoint pays again and again is paid once: MPI start-up, the torch world of each replica, importing torch,
+transformers and lm-eval, lm-eval's task index (``TaskManager``) and the tasks themselves (datasets read, documents
+and prompts built: ``TaskManager.load`` is memoised for the sweep) and the token ids of every prompt, once per
+tokenizer (``MPITPLM.encode_cache``, keyed by the hash of the tokenizer's files: a checkpoint with another tokenizer
+tokenises with its own). Per checkpoint remain the weights and lm-eval's request building (prompt rendering).
+
+Each checkpoint gets its own results file, exactly as a separate ``mpitp eval`` would write it (same identity, so
+``--resume`` works per file; with ``--resume`` a file already ``complete`` for the same checkpoint is skipped without
+loading the model). A checkpoint that fails its checks or fails to load is reported and the sweep goes on. The
+previous model is released before the next one loads: :func:`run_checkpoint` drops every reference and checks with
+a weak reference that reference counting alone freed it. A sweep summary (``sweep-summary.json`` beside the
+files) lists every checkpoint with its status, metrics and a paired test against the previous checkpoint.
+
+While a checkpoint is evaluated, one rank per node reads the next checkpoint's weight files in a background thread
+(into the page cache, 16 MiB at a time: no extra process memory), so its load reads from memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import glob
+import json
+import logging
+import os
+import re
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+from mpitp.errors import UsageError
+
+# mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
+# ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
+
+log = logging.getLogger("mpitp")
+
+SUMMARY_NAME = "sweep-summary.json"
+
+
+def is_sweep(model: str | None) -> bool:
+    return bool(model) and ("," in model or glob.has_magic(model))
+
+
+def _natural(s: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def expand_models(spec: str) -> list[str]:
+    """``a,b`` and globs (sorted naturally: step-2 before step-10) to a list of checkpoints; each glob must match."""
+    out: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if glob.has_magic(part):
+            found = sorted((p for p in glob.glob(os.path.expanduser(part)) if os.path.isdir(p)), key=_natural)
+            if not found:
+                raise UsageError(f"--model {part}: the pattern matches no directory")
+            out += found
+        else:
+            out.append(part)
+    seen: set[str] = set()
+    models = [m for m in out if not (m in seen or seen.add(m))]
+    if not models:
+        raise UsageError(f"--model {spec!r}: no model given")
+    return models
+
+
+def checkpoint_names(models: list[str]) -> list[str]:
+    """A short distinct name per checkpoint for its output file: the directory name, with parents when needed."""
+    parts = [os.path.normpath(m).split(os.sep) for m in models]
+    depth = 1
+    while depth < max(len(p) for p in parts):
+        names = ["-".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            break
+        depth += 1
+    names = ["-".join(p[-depth:]) for p in parts]
+    return [re.sub(r"[^A-Za-z0-9._-]+", "_", n) or f"model{i}" for i, n in enumerate(names)]
+
+
+def output_for(spec: str | None, name: str, default_dir: str) -> str:
+    """``--output`` of a sweep: a pattern with ``{name}``, else a directory (``DIR/<name>.h5``)."""
+    if spec is None:
+        return os.path.join(default_dir, f"{name}.h5")
+    if "{name}" in spec:
+        return spec.replace("{name}", name)
+    if spec.endswith(".h5"):
+        raise UsageError(f"--output {spec}: a sweep writes one file per checkpoint: give a directory or a pattern "
+                         "with {name} (e.g. results/{name}.h5)")
+    return os.path.join(spec, f"{name}.h5")
+
+
+def default_sweep_dir() -> str:
+    return os.path.join("results", f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+# ------------------------------------------------------------------------------------------ shared across runs
+
+
+@dataclass
+class SweepState:
+    """What one checkpoint's run leaves for the next (rank 0's task manager; memoised task loading)."""
+
+    keep: dict = field(default_factory=dict)
+    prefetch: threading.Thread | None = None
+    encode_caches: dict = field(default_factory=dict)  # tokenizer fingerprint -> {prompt: token ids}
+    encodings_reused: int = 0  # cached token encodings available when the last checkpoint started
+
+
+def tokenizer_key(cfg) -> str | None:
+    """The files of the checkpoint's tokenizer (hashed): checkpoints with equal files share token ids."""
+    from mpitp.evaluation.fingerprint import local_dir, tokenizer_files
+
+    d = local_dir(cfg.tokenizer or cfg.model, cfg.revision if not cfg.tokenizer else None)
+    files = tokenizer_files(d) if d else {}
+    return json.dumps(files, sort_keys=True) if files else None
+
+
+def memoize_task_loading(tm) -> None:
+    """``TaskManager.load`` (datasets, documents, prompt templates) once per task list for the whole sweep.
+
+    lm-eval rebuilds each task's requests from the loaded task on every ``simple_evaluate`` (and resets its few-shot
+    seed), so reusing the loaded tasks gives the same requests as a fresh load.
+    """
+    if getattr(tm, "_mpitp_memo", None) is not None:
+        return
+    original, memo = tm.load, {}
+
+    def load(tasks, *args, **kwargs):
+        key = json.dumps([tasks, args, kwargs], sort_keys=True, default=str)
+        if key not in memo:
+            memo[key] = original(tasks, *args, **kwargs)
+        return memo[key]
+
+    tm.load = load
+    tm._mpitp_memo = memo
+
+
+def weight_files(model: str) -> list[str]:
+    if not os.path.isdir(model):
+        return []
+    return sorted(p for pat in ("*.safetensors", "*.bin") for p in glob.glob(os.path.join(model, pat)))
+
+
+def start_prefetch(model: str | None, rt) -> threading.Thread | None:
+    """Read ``model``'s weight files into the page cache in the background (node-local rank 0 only)."""
+    if model is None or rt.world.local_rank != 0:
+        return None
+    files = weight_files(model)
+    if not files:
+        return None
+
+    def read_all():
+        for path in files:
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+                    buf = bytearray(16 << 20)
+                    while f.readinto(buf):
+                        pass
+            except OSError:
+                return
+
+    t = threading.Thread(target=read_all, name="mpitp-prefetch", daemon=True)
+    t.start()
+    return t
+
+
+# -------------------------------------------------------------------------------------------------- one model
+
+
+class LoadFailed(Exception):
+    """The checkpoint could not be loaded on some rank (every rank raises it together)."""
+
+
+def _skip_complete(cfg) -> bool:
+    """Rank 0: with --resume, a complete file made from this very checkpoint needs no work."""
+    if not (cfg.resume and cfg.output and os.path.exists(cfg.output)):
+        return False
+    from mpitp.evaluation.checks import check_resumable
+    from mpitp.jobs.jobrun import output_status
+
+    if output_status(cfg.output) != "complete":
+        return False
+    check_resumable(cfg.output, cfg)  # same settings and the same weights, or a UsageError naming the difference
+    return True
+
+
+def _load_everywhere(cfg, rt):
+    """Load on every rank; if any rank fails, every rank raises :class:`LoadFailed` with the first error."""
+    from mpitp.parallel import comm as mpicomm
+    from mpitp.replica.loading import load_model
+
+    lay = rt.layout
+    model, err = None, None
+    try:
+        if lay.pp > 1:
+            from mpitp.replica.pipeline import load_stage
+
+            model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision,
+                               cfg.trust_remote_code)
+        else:
+            model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                               **cfg.load_kwargs())
+    except Exception as exc:  # noqa: BLE001 - a broken checkpoint is the sweep's business, not a crash
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        err = f"{type(exc).__name__}: {text[:300]}"
+    errors = mpicomm.gather_obj(err, rt.world.comm, root=0, timeout=rt.timeout, phase="loading the model")
+    first = None
+    if errors is not None:
+        first = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+    first = mpicomm.bcast_obj(first, rt.world.comm, root=0, timeout=rt.timeout, phase="loading the model")
+    if first:
+        del model
+        gc.collect()
+        raise LoadFailed(first)
+    return model
+
+
+def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
+    """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
+    from mpitp.parallel import comm as mpicomm
+    from mpitp.parallel.runtime import agree
+    from mpitp.evaluation.checks import _check_all
+    from mpitp.evaluation.runner import evaluate_loaded
+
+    t_start = time.perf_counter()
+    keep = state.keep
+    out, tokenizer = agree(lambda: _check_all(cfg, rt.layout.tp, keep, rt.layout.pp), rt.world.comm, rt.timeout,
+                           f"checking {cfg.model}")
+    if rt.layout.is_root and "task_manager" in keep:
+        memoize_task_loading(keep["task_manager"])
+    if state.prefetch is not None:
+        state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
+    model = _load_everywhere(cfg, rt)
+    mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
+    state.prefetch = start_prefetch(next_model, rt)
+    key = tokenizer_key(cfg)
+    cache = state.encode_caches.setdefault(key, {}) if key is not None else None
+    state.encodings_reused = len(cache or {})
+    try:
+        res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
+                              t_start=t_start, encode_cache=cache)
+    finally:
+        claim = keep.pop("claim", None)  # this checkpoint's output (mpitp.results.claim): the next one claims its own
+        if claim is not None:
+            claim.release()
+    ref = weakref.ref(model)
+    del model
+    released = ref() is None  # freed by reference counting alone: nothing of the run still holds it
+    gc.collect()
+    _empty_device_cache(rt.device)
+    return res, released
+
+
+def _empty_device_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------- sweep
+
+
+@dataclass
+class Row:
+    model: str
+    name: str
+    output: str
+    status: str  # "complete", "skipped (complete)", "failed"
+    error: str = ""
+    wall_s: float = 0.0
+    metrics: dict = field(default_factory=dict)  # task -> {metric key: value}
+
+
+def _metrics_of(res: dict | None) -> dict:
+    if not res:
+        return {}
+    return {t: {k: v for k, v in m.items() if k != "alias" and not isinstance(v, str)}
+            for t, m in res.get("results", {}).items()}
+
+
+def _metrics_from_file(path: str) -> dict:
+    from mpitp.results.store import open_h5
+
+    try:
+        with open_h5(path) as f:
+            return _metrics_of(json.loads(f.attrs["results_json"]))
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
+def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str], state: SweepState | None = None,
+               rows: list[Row] | None = None) -> list[Row]:
+    """Evaluate ``models`` one after another (every rank calls it); one :class:`Row` each, in order."""
+    from mpitp.parallel import comm as mpicomm
+    from mpitp.parallel.runtime import agree
+
+    state = state or SweepState()
+    rows = [] if rows is None else rows
+    for i, (model, out, name) in enumerate(zip(models, outputs, names)):
+        model_args = dict(cfg.model_args or {})
+        if "pretrained" in model_args:  # lm-eval's output files name the checkpoint, not the sweep's glob
+            model_args["pretrained"] = model
+        cfg_i = dataclasses.replace(cfg, model=model, output=out, tasks=list(cfg.tasks),
+                                    model_args=model_args or cfg.model_args)
+        t0 = time.perf_counter()
+        if rt.world.rank == 0:
+            log.info("=== checkpoint %d/%d: %s -> %s", i + 1, len(models), model, out)
+        try:
+            if agree(lambda: _skip_complete(cfg_i), rt.world.comm, rt.timeout, "checking outputs"):
+                rows.append(Row(model, name, out, "skipped (complete)", metrics=_metrics_from_file(out)))
+                if rt.world.rank == 0:
+                    log.info("%s: %s is complete for this checkpoint: skipped", model, out)
+                continue
+            res, released = run_checkpoint(cfg_i, rt, state, models[i + 1] if i + 1 < len(models) else None)
+            rows.append(Row(model, name, out, "complete", wall_s=time.perf_counter() - t0,
+                            metrics=_metrics_of(res)))
+            if rt.world.rank == 0:
+                log.info("%s: tokenizer: %s", model, f"{state.encodings_reused} token encodings reused from earlier "
+                         "checkpoints" if state.encodings_reused else "tokenised afresh")
+                if released:
+                    log.info("%s: model released before the next checkpoint", model)
+                else:
+                    log.warning("%s: the model was still referenced after its run (freed by the garbage "
+                                "collector)", model)
+        except (UsageError, LoadFailed) as exc:
+            if isinstance(exc, UsageError) and not exc.collective:
+                raise
+            rows.append(Row(model, name, out, "failed", error=str(exc), wall_s=time.perf_counter() - t0))
+            if rt.world.rank == 0:
+                log.error("checkpoint %s failed: %s", model, exc)
+        mpicomm.barrier(rt.world.comm, rt.timeout, phase=f"end of checkpoint {name}")
+    return rows
+
+
+def run_sweep(cfg, rt) -> int:
+    """``mpitp eval --model 'glob,list'``: every rank calls it. Exit status 1 when a checkpoint failed."""
+    from mpitp.parallel.runtime import agree
+
+    models = agree(lambda: expand_models(cfg.model), rt.world.comm, rt.timeout, "expanding --model")
+    names = checkpoint_names(models)
+    default_dir = agree(default_sweep_dir, rt.world.comm, rt.timeout, "naming outputs")
+    outputs = agree(lambda: [output_for(cfg.output, n, default_dir) for n in names], rt.world.comm, rt.timeout,
+                    "naming outputs")
+    if rt.world.rank == 0:
+        log.info("sweep: %d checkpoints: %s", len(models), ", ".join(names))
+    t0 = time.perf_counter()
+    state = SweepState()
+    try:
+        rows = run_models(cfg, rt, models, outputs, names, state)
+    finally:
+        finish(state)
+    if rt.world.rank == 0:
+        path = summary_path(cfg.output, outputs)
+        write_summary(path, rows, time.perf_counter() - t0)
+        print(render_summary(rows, path))
+    return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+def finish(state: SweepState) -> None:
+    """Remove the task YAMLs ``--data-dir`` generated for the sweep (rank 0 holds them)."""
+    from mpitp.evaluation.checks import _remove_generated
+
+    if state.prefetch is not None:
+        state.prefetch.join()
+    _remove_generated(state.keep.get("include"))
+
+
+# --------------------------------------------------------------------------------------------------- summary
+
+
+def summary_path(spec: str | None, outputs: list[str]) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(outputs[0])) if outputs else ".", SUMMARY_NAME)
+
+
+def _comparisons(rows: list[Row], iters: int = 2000) -> list[dict]:
+    """Paired tests of each evaluated checkpoint against the previous evaluated one."""
+    from mpitp.results.compare import compare_files
+
+    done = [r for r in rows if r.status != "failed" and os.path.exists(r.output)]
+    out = []
+    for prev, cur in zip(done, done[1:]):
+        tasks = sorted(set(prev.metrics) & set(cur.metrics))
+        try:
+            comps = compare_files(prev.output, cur.output, tasks, iters=iters)
+        except (OSError, KeyError, ValueError) as exc:
+            out.append(dict(a=prev.name, b=cur.name, error=str(exc)))
+            continue
+        for tc in comps:
+            for m in tc.metrics:
+                p = m.mcnemar.p_value if m.mcnemar else m.boot.p_value
+                out.append(dict(a=prev.name, b=cur.name, task=m.task, metric=m.key, diff=m.boot.diff,
+                                ci=[m.boot.ci_low, m.boot.ci_high], p_value=p,
+                                test=f"McNemar ({m.mcnemar.method})" if m.mcnemar else "paired bootstrap",
+                                sentence=m.sentence()))
+    return out
+
+
+def write_summary(path: str, rows: list[Row], wall_s: float) -> None:
+    doc = dict(wall_time_s=wall_s, checkpoints=[dataclasses.asdict(r) for r in rows],
+               comparisons=_comparisons(rows))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def render_summary(rows: list[Row], path: str) -> str:
+    from mpitp.results.texttable import text_table
+
+    keys = []
+    for r in rows:
+        for task, m in r.metrics.items():
+            for k in m:
+                if "," in k and "_stderr" not in k and (task, k) not in keys:
+                    keys.append((task, k))
+    keys = keys[:6]  # the table stays readable; the JSON summary has them all
+    table = []
+    for r in rows:
+        vals = [f"{r.metrics.get(t, {}).get(k, float('nan')):.4f}" if r.metrics else "-" for t, k in keys]
+        table.append([r.name, r.status if r.status != "failed" else "FAILED", f"{r.wall_s:.1f}", *vals])
+    head = ["checkpoint", "status", "wall s", *[f"{t} {k.split(',')[0]}" for t, k in keys]]
+    lines = ["", f"sweep: {sum(r.status != 'failed' for r in rows)}/{len(rows)} checkpoints ok",
+             text_table(head, table, right=set(range(2, len(head))))]
+    for r in rows:
+        if r.status == "failed":
+            lines.append(f"  {r.name}: {r.error}")
+    try:
+        with open(path) as f:
+            comps = json.load(f).get("comparisons", [])
+    except (OSError, ValueError):
+        comps = []
+    if comps:
+        lines += ["", "each checkpoint against the previous one (paired tests on per-document scores):"]
+        lines += [f"  {c['b']} vs {c['a']}: {c['sentence']}" for c in comps if "sentence" in c]
+    lines.append(f"summary: {path}")
+    return "\n".join(lines)
+
+
+def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
+    """Metric vs checkpoint (one panel per task and metric, lm-eval's stderr as error bars) from a sweep summary.
+    Returns the number of panels drawn."""
+    import math
+
+    with open(path) as f:
+        rows = [r for r in json.load(f)["checkpoints"] if r.get("metrics")]
+    keys: list[tuple[str, str]] = []
+    for r in rows:
+        for t, m in r["metrics"].items():
+            for k in m:
+                if "," in k and "_stderr" not in k and (t, k) not in keys and (task is None or t == task):
+                    keys.append((t, k))
+    if not keys:
+        raise ValueError(f"{path}: no metrics of evaluated checkpoints to plot")
+    ncols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig = Figure(figsize=(5 * ncols, 3.6 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, (t, k) in zip(axes, keys):
+        metric, _, filt = k.partition(",")
+        xs, ys, es, names = [], [], [], []
+        for i, r in enumerate(rows):
+            v = r["metrics"].get(t, {}).get(k)
+            if isinstance(v, (int, float)):
+                e = r["metrics"][t].get(f"{metric}_stderr,{filt}")
+                xs.append(i)
+                ys.append(float(v))
+                es.append(float(e) if isinstance(e, (int, float)) else float("nan"))
+                names.append(r["name"])
+        ax.errorbar(xs, ys, yerr=[0.0 if math.isnan(e) else e for e in es], marker="o", capsize=4)
+        ax.set_xticks(xs, names, rotation=45 if len(xs) > 4 else 0, ha="right" if len(xs) > 4 else "center",
+                      fontsize=8)
+        ax.set_title(f"{t}: {metric}" + ("" if filt == "none" else f" [{filt}]"), fontsize=9)
+    for extra in axes[len(keys):]:
+        extra.set_axis_off()
+    fig.suptitle(f"sweep: {os.path.dirname(os.path.abspath(path))}")
+    fig.savefig(out, dpi=120)
+    return len(keys)

@@ -1,0 +1,109 @@
+"""One torch.distributed world per model replica (DP group), brokered over MPI.
+
+torch.distributed carries only the replica's tensor traffic: TP collectives and, with pp > 1, the activations
+between pipeline stages. Each DP group is its *own* default torch world (rank = rank in the replica, world size =
+pp * tp) because transformers' distributed loading (``DistributedConfig(tp_size, pp_size)``) builds its device mesh
+(pp, ..., tp) from the default world and silently ignores a DP x TP mesh. The replica leader opens a TCPStore on an
+ephemeral port and broadcasts the port over the replica's MPI communicator, so users never set
+``MASTER_ADDR``/``MASTER_PORT`` and concurrent replicas never collide. The store listens on the loopback interface
+when the whole replica is on one node (always so for pp=1: a TP group never spans nodes); when pipeline stages sit on
+other nodes, on an address of the leader other nodes can reach (:mod:`mpitp.parallel.netaddr`: ``MPITP_STORE_ADDR``, the
+interface ``GLOO_SOCKET_IFNAME`` names, a non-loopback host address, else the first physical interface's).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+from mpitp.parallel import comm as mpicomm
+from mpitp.parallel.layout import Layout
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class TPGroup:
+    """Handle on this rank's torch world: its TP group (``group`` None = the default world) inside the replica's.
+
+    ``size``/``rank``/``group`` describe the TP group (of this rank's stage); ``world_size`` is the replica's
+    torch world (``pp * tp``), which equals ``size`` without pipeline stages.
+    """
+
+    size: int
+    rank: int
+    backend: str
+    device: str
+    group: object = None
+    world_size: int = 0
+
+    def __post_init__(self):
+        self.world_size = self.world_size or self.size
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def _store_address(layout: Layout) -> str:
+    node = layout.world.node_of_rank
+    if len({node[r] for r in layout.replica_ranks}) == 1:
+        return LOOPBACK
+    from mpitp.parallel.netaddr import store_address
+
+    return store_address()  # not the host name's resolution: 127.0.1.1 on Debian-style /etc/hosts
+
+
+def init_tp_group(layout: Layout, device: str, timeout: float) -> TPGroup:
+    """Initialise torch.distributed for this rank's replica (no-op for one rank). Collective over the replica."""
+    backend = backend_for(device)
+    size = layout.replica_size
+    if size == 1:
+        return TPGroup(size=1, rank=0, backend=backend, device=device)
+    import torch
+    import torch.distributed as dist
+
+    # A dead peer must surface as an error, not a hang: NCCL async error handling on.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    td = timedelta(seconds=timeout)
+    comm, rank = layout.replica_comm, layout.replica_rank
+    if rank == 0:
+        addr = _store_address(layout)
+        store = dist.TCPStore(addr, 0, world_size=size, is_master=True, timeout=td, wait_for_workers=False)
+        where = (addr, store.port)
+    else:
+        where = None
+    addr, port = mpicomm.bcast_obj(where, comm, root=0, timeout=timeout, phase="TP group rendezvous")
+    if rank != 0:
+        store = dist.TCPStore(addr, port, world_size=size, is_master=False, timeout=td)
+    local = device.split(":", 1)[1] if device.startswith("cuda:") else str(rank)
+    # transformers' distributed loading reads these to build its mesh from the default world.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=local,
+                      LOCAL_WORLD_SIZE=str(size), MASTER_ADDR=addr, MASTER_PORT=str(port))
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=td, **kwargs)
+    group = None
+    if layout.pp > 1 and layout.tp > 1:
+        # Every rank creates every stage's TP group, in stage order (new_group is collective over the world).
+        for s in range(layout.pp):
+            g = dist.new_group(ranks=list(range(s * layout.tp, (s + 1) * layout.tp)))
+            if s == layout.pp_rank:
+                group = g
+    return TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend, device=device, group=group,
+                   world_size=size)
+
+
+def destroy_tp_group(group: TPGroup) -> None:
+    if group.active:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,133 @@
+"""Bring up a rank: MPI world, layout, device, thread count and the TP torch world, in that order.
+
+Also the one pattern for bad input under MPI: :func:`agree` runs a check on rank 0 and broadcasts its verdict, so a
+usage error is printed once and every rank leaves with status 2 together instead of some ranks waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+from mpitp.parallel import comm as mpicomm
+from mpitp.errors import UsageError
+from mpitp.parallel.layout import Layout, make_layout
+from mpitp.parallel.replica_group import TPGroup, init_tp_group
+from mpitp.parallel.world import World, world_from_comm
+
+log = logging.getLogger("mpitp")
+
+
+@dataclass
+class Runtime:
+    """Everything a rank needs to take part in an evaluation. Passed explicitly; never stored globally."""
+
+    world: World
+    layout: Layout
+    device: str
+    threads: int
+    timeout: float
+    tp_group: TPGroup | None = field(default=None)
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record):
+        record.rank = self.rank
+        return True
+
+
+def setup_logging(rank: int, all_ranks: bool, level: int = logging.INFO) -> None:
+    """Rank 0 logs; other ranks only log when ``all_ranks`` (then every line carries its rank)."""
+    handler = logging.StreamHandler(sys.stderr)
+    fmt = "[rank %(rank)d] %(message)s" if all_ranks else "%(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    handler.addFilter(_RankFilter(rank))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(level if (rank == 0 or all_ranks) else logging.ERROR)
+    if not getattr(sys.stderr, "isatty", lambda: False)():
+        # A batch log, not a terminal: tqdm bars (lm-eval's own too) would be carriage-return redraws glued into one
+        # line; mpitp's progress is a plain line every few seconds there instead (mpitp.evaluation.progress).
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    if rank != 0 and not all_ranks:
+        # Libraries below us chatter on every rank; only rank 0 speaks unless asked otherwise.
+        for name in ("lm-eval", "lm_eval", "transformers", "accelerate", "datasets", "torch.distributed"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        os.environ["TQDM_DISABLE"] = "1"
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def agree(check, comm, timeout: float, phase: str):
+    """Run ``check()`` on rank 0 only and share its result or its :class:`UsageError` with every rank."""
+    verdict = None
+    if comm.Get_rank() == 0:
+        try:
+            verdict = ("ok", check())
+        except UsageError as exc:
+            verdict = ("usage", str(exc))
+    verdict = mpicomm.bcast_obj(verdict, comm, root=0, timeout=timeout, phase=phase)
+    if verdict[0] == "usage":
+        raise UsageError(verdict[1], collective=True)
+    return verdict[1]
+
+
+def start(tp: int = 1, device: str | None = None, threads: int | None = None,
+          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True,
+          world: World | None = None, pp: int = 1) -> Runtime:
+    """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments.
+
+    Pass ``world`` to reuse one (a job file runs several layouts, one after another, in the same MPI world).
+    """
+    world = world or world_from_comm(comm)
+    try:
+        layout = make_layout(world, tp, pp)
+    except UsageError as exc:
+        raise UsageError(str(exc), collective=True) from None
+    plan = _device_plan(device, world.local_rank)
+    dev = plan.device
+    n_threads = threads or world.default_threads
+    rt = Runtime(world=world, layout=layout, device=dev, threads=n_threads, timeout=timeout)
+    if init_torch:
+        import torch
+
+        torch.set_num_threads(n_threads)
+        if dev.startswith("cuda"):
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if plan.set_device:
+            torch.cuda.set_device(torch.device(dev))
+        rt.tp_group = init_tp_group(layout, dev, timeout)
+    return rt
+
+
+def _device_plan(device: str | None, local_rank: int):
+    """:func:`mpitp.parallel.device.plan_device` for this process; hides the GPUs (before CUDA starts) when it says so."""
+    import torch
+
+    from mpitp.parallel.device import plan_device
+
+    # GPUs are not counted for "cpu": counting starts CUDA, after which hiding them would no longer take effect.
+    # Not a collective error: ranks may see different GPUs; one that cannot run ends the job (exit 2) on its own.
+    wants_cpu = (device or "").strip().lower() == "cpu"
+    plan = plan_device(device, local_rank, None if wants_cpu else
+                       torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if plan.hide_gpus:
+        if torch.cuda.is_initialized():
+            raise UsageError("--device cpu: CUDA was already initialised in this process, so its GPUs cannot be "
+                             "hidden from transformers' sharded loading; choose the device before using CUDA")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    return plan
+
+
+def stop(rt: Runtime) -> None:
+    """Tear down this runtime's TP torch world so the next run may use another layout."""
+    from mpitp.parallel.replica_group import destroy_tp_group
+
+    if rt.tp_group is not None:
+        destroy_tp_group(rt.tp_group)
+        rt.tp_group = None

@@ -1,0 +1,113 @@
+"""Stopping at a walltime: the scheduler's warning signal ends the job at once, keeping every landed request.
+
+SLURM sends ``SIGUSR1`` (the script asks for it with ``--signal=B:USR1@GRACE`` and forwards it to the step), PBS
+sends ``SIGTERM`` at the walltime. Landed rows go to the results journal on the writer's thread; on a stop signal
+rank 0 waits (at most :data:`FLUSH_S`) until every row queued so far is fsync'd, says so in one line and aborts the
+MPI job with :data:`STOP_EXIT`, which tells the batch script to requeue; the next start skips the completed runs of
+the job file and resumes the interrupted one. Only chunks in flight are computed again.
+
+A signal handler runs between two Python bytecodes of the main thread, which may hold the writer queue's lock at that
+instant: the flush and the abort therefore run on a thread of their own, and the handler returns at once.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from mpitp.errors import _stderr, abort
+
+#: EX_TEMPFAIL: "stopped before the end, run me again". Distinct from 1 (a fault) and 2 (bad input).
+STOP_EXIT = 75
+
+_NAMES = {signal.SIGUSR1: "SIGUSR1 (walltime near)", signal.SIGTERM: "SIGTERM"}
+_dispatcher = None
+_writer = None
+FLUSH_S = 20.0  # the longest a stop waits for the results writer (an fsync on a slow shared file system)
+_early: int | None = None  # a stop signal that came before the rank was known (while Python and MPI start up)
+
+
+def listen_early() -> None:
+    """Called first thing in ``main``: remember SIGUSR1 until :func:`install` knows the rank.
+
+    Starting a rank (imports of torch and lm-eval, MPI_Init) takes tens of seconds on a loaded node, and a walltime
+    signal in that window must not be lost: SIGUSR1's default action would kill the rank, and once MPI is up MPICH's
+    own handler swallows it. :func:`install` acts on a remembered signal at once.
+    """
+    def remember(signum, frame):
+        global _early
+        _early = signum
+
+    signal.signal(signal.SIGUSR1, remember)
+
+
+def watch(dispatcher) -> None:
+    """The dispatcher whose requests in flight a stop abandons (reported in the stop line). Held weakly: the
+    dispatcher reaches the model (through its compute callable), which a sweep must free between checkpoints."""
+    import weakref
+
+    global _dispatcher
+    _dispatcher = weakref.ref(dispatcher)
+
+
+def watch_writer(writer) -> None:
+    """The results writer a stop flushes before the abort (rank 0); held weakly, like the dispatcher."""
+    import weakref
+
+    global _writer
+    _writer = weakref.ref(writer)
+
+
+_owner_pid: int | None = None  # the rank's own process: a fork of it (lm-eval's bootstrap pool) is not the rank
+
+
+def _default_in_child() -> None:
+    """In a process forked from the rank: SIGTERM and SIGUSR1 back to their default actions. A worker of lm-eval's
+    bootstrap ``multiprocessing.Pool`` is ended by ``Pool.terminate()`` with SIGTERM; running the rank's stop path
+    instead, it aborted the whole MPI job with exit 75 while the rank waited for it in ``Pool.join``."""
+    for sig in _NAMES:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def install(rank: int) -> None:
+    """Rank 0 stops the job on SIGUSR1 or SIGTERM; other ranks ignore SIGUSR1 (rank 0's abort ends them) and keep
+    the default for SIGTERM (a launcher that SIGTERMs every rank ends them anyway)."""
+    global _owner_pid
+    import os
+
+    if _owner_pid is None:
+        os.register_at_fork(after_in_child=_default_in_child)
+    _owner_pid = os.getpid()
+    if rank == 0:
+        for sig in _NAMES:
+            signal.signal(sig, _stop)
+        if _early is not None:
+            _stop(_early, None)
+    else:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _stop(signum, frame) -> None:
+    import os
+    import threading
+
+    if _owner_pid is not None and os.getpid() != _owner_pid:  # a fork that kept the handler: die as by default
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+
+    threading.Thread(target=_flush_and_abort, args=(signum,), name="mpitp-stop", daemon=True).start()
+
+
+def _flush_and_abort(signum) -> None:
+    w = _writer() if _writer is not None else None
+    if w is not None:
+        try:
+            w.flush(timeout=FLUSH_S)
+        except Exception as exc:  # noqa: BLE001 - the stop goes on; say what may be missing
+            _stderr().write(f"\nmpitp: the results writer did not confirm the last rows: {exc}\n")
+    d = _dispatcher() if _dispatcher is not None else None
+    lost = f"{d.handed_out - d.landed} requests in flight abandoned, " if d is not None else ""
+    _stderr().write(f"\nmpitp: stopping on {_NAMES.get(signum, signum)}: {lost}every request that landed is in the "
+                    f"results file (status running); run the job file again (or mpitp eval with --resume) to "
+                    f"continue; exit {STOP_EXIT}\n")
+    abort(STOP_EXIT)

@@ -1,0 +1,140 @@
+"""The head check: before any request is scored, the vocab-parallel head must give the model's own log-probs.
+
+:mod:`mpitp.replica.logits` reads what each model class does around its LM head from its forward; a class that does
+something new there (or a head altered after loading) would otherwise give wrong numbers with exit status 0. So
+right after loading every replica scores a small fixed probe both ways, the vocab-parallel path and the model's own
+``forward(...).logits``, and the run is refused (exit 2, one line) when they differ beyond the parity tolerance.
+
+Without stages, every rank of a replica runs both forwards of the probe (transformers' TP collectives need all of
+them; the model's logits arrive gathered). With pipeline stages the model's forward cannot run whole anywhere, so the
+probe goes through the stages as a scoring batch would, and the last stage compares its head path against its own
+``forward(inputs_embeds=<activations it received>).logits``: the class's forward over the stage's layers, final
+norm, head and logit steps, which is exactly what the vocab-parallel path replaces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from mpitp.parallel import comm as mpicomm
+from mpitp.errors import UsageError
+
+log = logging.getLogger("mpitp")
+
+PROBE_SHAPE = (2, 12)
+PARITY_REL = 1e-5  # the project's parity rule in float32
+
+
+def probe_ids(vocab: int, device) -> torch.Tensor:
+    """The same probe on every rank, without a message: a fixed generator."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, PROBE_SHAPE, generator=g).to(device)
+
+
+def tolerance(ref_lp: torch.Tensor, ref_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Allowed |d log p| per entry. float32: the parity rule ``1e-5 * max(1, |log p|)``.
+
+    In bf16/fp16 the model rounds its logits to the dtype after every step it takes past the head (Cohere's scale,
+    Granite's division), while the vocab-parallel path takes those steps in float32: each logit may differ by half an
+    ulp, ``eps / 2 * |logit|``, and a log-softmax entry by twice the largest of those in its row. We allow twice
+    that, ``2 * eps * max(1, max |logit| of the row)``: a head that is really different is off by far more.
+    """
+    tol = PARITY_REL * ref_lp.abs().clamp(min=1.0)
+    if dtype in (torch.bfloat16, torch.float16):
+        row = ref_logits.abs().amax(dim=-1, keepdim=True).clamp(min=1.0)
+        tol = tol + 2 * torch.finfo(dtype).eps * row
+    return tol
+
+
+def _compare(head, h: torch.Tensor, ref_logits: torch.Tensor, dtype) -> tuple[float, float, str]:
+    """(largest |d log p|, largest |d| / tolerance) between the head path and the model's logits, over the full
+    log-softmax rows (gathered: probe only) and the scoring reductions (:meth:`VocabParallelHead.score`)."""
+    ref_logits = ref_logits.float().reshape(-1, ref_logits.shape[-1])[:, : head.vocab_size]
+    ref_lp = torch.log_softmax(ref_logits, dim=-1)
+    ours = torch.log_softmax(head.full_logits(h), dim=-1)
+    g = torch.Generator().manual_seed(4321)
+    targets = torch.randint(0, head.vocab_size, (h.shape[0],), generator=g).to(h.device)
+    lp, _ = head.score(h, targets)
+    tol = tolerance(ref_lp, ref_logits, dtype)
+    d_rows = (ours - ref_lp).abs()
+    ref_t = ref_lp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    d_score = (lp - ref_t).abs()
+    tol_t = tol.gather(1, targets.unsqueeze(1)).squeeze(1)
+    tol = torch.where(torch.isfinite(tol), tol, 1.0)
+    tol_t = torch.where(torch.isfinite(tol_t), tol_t, 1.0)
+    # Where the model's own logits are NaN/inf (a float16 overflow) nothing can be compared: the head path must be
+    # non-finite there too, and the scoring's own NaN check names the request that meets it.
+    d_rows = torch.where(torch.isfinite(ref_lp), d_rows, torch.where(torch.isfinite(ours), float("inf"), 0.0))
+    d_score = torch.where(torch.isfinite(ref_t), d_score, torch.where(torch.isfinite(lp), float("inf"), 0.0))
+    worst = max(float(d_rows.max()), float(d_score.max()))
+    ratio = max(float((d_rows / tol).max()), float((d_score / tol_t).max()))
+    return worst, ratio, head.transform.describe()
+
+
+@torch.no_grad()
+def _local_check(engine) -> tuple[float, float, str] | None:
+    """This rank's (worst |d|, worst |d| / tolerance, head steps), or None where this rank compares nothing."""
+    from mpitp.replica.engine import _base
+
+    model, lay, head = engine.model, engine.layout, engine.head
+    text = model.config.get_text_config()
+    vocab = int(head.vocab_size if head is not None else text.vocab_size)
+    ids = probe_ids(min(vocab, int(text.vocab_size)), engine.device)
+    dtype = next(model.parameters()).dtype
+    if not engine.pipeline:
+        ref = model(input_ids=ids, use_cache=False).logits
+        h = _base(model)(input_ids=ids, use_cache=False).last_hidden_state
+        return _compare(head, h.reshape(-1, h.shape[-1]), ref, dtype)
+    link, base = engine.link, _base(model)
+    if lay.first_stage:
+        x = None
+        h = base(input_ids=ids, use_cache=False).last_hidden_state
+    else:
+        x = link.recv_activation(engine.device)
+        h = base(inputs_embeds=x, use_cache=False).last_hidden_state
+    if not lay.last_stage:
+        link.send_activation(h)
+        link.flush()
+        return None
+    ref = model(inputs_embeds=x, use_cache=False).logits
+    return _compare(head, h.reshape(-1, h.shape[-1]), ref, dtype)
+
+
+def check_head(engine, world_comm, timeout: float, skip: bool = False) -> float | None:
+    """Run the probe on every replica and refuse the run when any head path differs. Collective over the world.
+
+    Returns the seconds it took (the extra forwards), or None when skipped.
+    """
+    model_type = getattr(engine.model.config, "model_type", type(engine.model).__name__)
+    _test_alter_head(engine)
+    if skip:
+        if world_comm.Get_rank() == 0:
+            log.warning("--skip-head-check: the vocab-parallel head is not compared with %s's own logits; a logit "
+                        "step mpitp does not apply would give wrong log-likelihoods without an error", model_type)
+        return None
+    t0 = time.perf_counter()
+    local = _local_check(engine)
+    parts = mpicomm.gather_obj(local, world_comm, root=0, timeout=timeout, phase="head check")
+    verdict = None
+    if parts is not None:
+        done = [p for p in parts if p is not None]
+        verdict = max(done, key=lambda p: p[1] if p[1] == p[1] else float("inf"))
+    worst_d, ratio, steps = mpicomm.bcast_obj(verdict, world_comm, root=0, timeout=timeout, phase="head check")
+    if not ratio <= 1.0:  # NaN fails too
+        raise UsageError(f"head check failed for model type '{model_type}': the vocab-parallel head differs from "
+                         f"the model's own logits by up to {worst_d:.3g} in log-probability ({ratio:.3g}x the "
+                         f"tolerance; head steps applied: {steps}); refusing to produce wrong numbers "
+                         f"(--skip-head-check runs anyway)", collective=True)
+    return time.perf_counter() - t0
+
+
+def _test_alter_head(engine) -> None:
+    """Test-only: ``MPITP_TEST_ALTER_HEAD=<factor>`` scales the head's weight shard after loading, as a model class
+    with a logit step mpitp does not know would (a Cohere ``logit_scale`` that is not applied)."""
+    factor = os.environ.get("MPITP_TEST_ALTER_HEAD")  # "nan" makes every logit NaN (an fp16 overflow)
+    if factor and engine.head is not None:
+        engine.head.weight = engine.head.weight * float(factor)

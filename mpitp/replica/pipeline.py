@@ -1,0 +1,221 @@
+"""Pipeline stages: each stage loads only its layers (TP-sharded inside the stage) and passes activations on.
+
+Loading is transformers' own (``DistributedConfig(tp_size=tp, pp_size=pp)`` over the replica's torch world): before
+any weight is read it replaces the layers other stages own by identity stubs on the meta model (and the embedding,
+final norm and head where a stage does not need them), so no rank reads or allocates another stage's layers. We add
+two things transformers 5.24 lacks:
+
+1. it resolves the TP plan *before* the PP split, so with tp > 1 the plan still names the stubbed modules and
+   ``apply_tensor_parallelism`` fails (``KeyError: 'model.layers.3.self_attn.q_proj.weight'``, or "PipelineIdentityLayer
+   has no out_features"); :func:`_tp_plan_without_stubs` drops those entries while the model loads;
+2. :func:`compact` keeps only the stage's layers, renumbered from 0, with a config of the stage's depth, so a plain
+   ``DynamicCache`` (and the mask code, which sizes the mask from the cache's first layer) works per stage and the
+   stage is an ordinary model to run.
+
+The forward is ours (:class:`StageLink` and the engine), not transformers' naive PP forward, which broadcasts the full
+logits from the last stage on every call and runs a batch as one piece, so stages never overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from mpitp.errors import UsageError
+from mpitp.parallel.layout import split_layers
+
+# Keyword arguments of a CausalLM forward that a decoder stack (the base model) does not take.
+HEAD_ONLY_KWARGS = frozenset({"labels", "logits_to_keep", "return_dict"})
+
+
+def num_layers(config) -> int:
+    return int(config.get_text_config().num_hidden_layers)
+
+
+def check_pp(config, pp: int) -> None:
+    """Refuse pipeline layouts the model cannot take, with the arithmetic spelled out."""
+    if pp == 1:
+        return
+    text = config.get_text_config()
+    if not (getattr(text, "base_model_pp_plan", None) or getattr(config, "base_model_pp_plan", None)):
+        raise UsageError(f"model type '{config.model_type}' has no pipeline-parallel plan in transformers; "
+                         f"run it with --pp 1")
+    n = num_layers(config)
+    if pp > n:
+        raise UsageError(f"pp={pp} exceeds the model's {n} decoder layers (each stage needs at least one)")
+
+
+def describe_split(n_layers: int, pp: int) -> str:
+    """``stage 0: layers 0-2 (3), stage 1: layers 3-4 (2)``: what ``mpitp info`` and the run log print."""
+    parts = []
+    for s, (a, b) in enumerate(split_layers(n_layers, pp)):
+        parts.append(f"stage {s}: layers {a}-{b - 1} ({b - a})")
+    return ", ".join(parts)
+
+
+@contextlib.contextmanager
+def _tp_plan_without_stubs():
+    """While loading, drop TP plan entries that name modules the PP split replaced (see the module docstring)."""
+    import transformers.distributed.mixin as mixin
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    original = mixin.apply_tensor_parallelism
+
+    def apply(model, mesh, plan):
+        modules, params = dict(model.named_modules()), dict(model.named_parameters())
+        kept = {k: v for k, v in plan.items()
+                if k in params or (k in modules and not isinstance(modules[k], PipelineIdentityLayer))}
+        return original(model, mesh, kept)
+
+    mixin.apply_tensor_parallelism = apply
+    try:
+        yield
+    finally:
+        mixin.apply_tensor_parallelism = original
+
+
+def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", revision: str | None = None,
+               trust_remote_code: bool = False, **load_kwargs):
+    """Load this rank's stage: its layers only, TP-sharded over its stage's ranks. Collective over the replica.
+
+    ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from mpitp.replica.loading import strided_shards_with_pread
+
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    reads = strided_shards_with_pread() if tp > 1 else contextlib.nullcontext()
+    with _tp_plan_without_stubs(), reads:
+        m = AutoModelForCausalLM.from_pretrained(model, distributed_config=DistributedConfig(tp_size=tp, pp_size=pp),
+                                                 dtype=torch_dtype, revision=revision,
+                                                 trust_remote_code=trust_remote_code, **load_kwargs)
+    start, end = split_layers(num_layers(m.config), pp)[pp_rank]
+    compact(m, start, end)
+    m.eval()
+    return m
+
+
+def compact(model, start: int, end: int) -> None:
+    """Keep layers ``[start, end)`` only, renumbered from 0, under a config of that depth; undo the PP forward wrap."""
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    base = model.base_model
+    layers = list(base.layers)[start:end]
+    if any(isinstance(layer, PipelineIdentityLayer) for layer in layers) or not layers:
+        raise RuntimeError(f"stage layers {start}..{end - 1} were not loaded by transformers' pipeline split")
+    base.layers = torch.nn.ModuleList(layers)
+    for i, layer in enumerate(layers):
+        for mod in layer.modules():
+            if hasattr(mod, "layer_idx"):
+                mod.layer_idx = i
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config()
+    text.num_hidden_layers = end - start
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[start:end]
+    model.config = config
+    base.config = text
+    if start > 0:
+        _embedding_steps_off(base)
+    # transformers wraps the instance's forward with its naive PP forward; the engine drives stages itself.
+    if "forward" in vars(model):
+        del model.forward
+    model._pp_forward_wrapped = False
+
+
+def _embedding_steps_off(base) -> None:
+    """On a stage after the first, ``inputs_embeds`` are the previous stage's activations, not embeddings: undo the
+    scaling the decoder's forward applies to them (Granite and HyperCLOVAX: ``inputs_embeds = inputs_embeds *
+    self.embedding_multiplier``), read from the forward's source, or every later stage would scale them again."""
+    import inspect
+    import re
+
+    try:
+        src = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return
+    for attr in re.findall(r"inputs_embeds = inputs_embeds [*/] self\.([A-Za-z_][A-Za-z_0-9]*)\s*$", src, re.M):
+        value = getattr(base, attr, None)
+        if isinstance(value, (int, float)):
+            setattr(base, attr, type(value)(1))
+        elif torch.is_tensor(value):
+            setattr(base, attr, torch.ones_like(value))
+
+
+class StageLink:
+    """Point-to-point activations between neighbouring stages over the replica's torch world.
+
+    Stage ``s``'s TP rank ``t`` talks to the same TP rank of stages ``s - 1`` and ``s + 1`` (every TP rank of a
+    stage holds the full hidden state after the stage's last all-reduce, so each forwards its own copy and no
+    broadcast is needed on the receiving side). Sends are asynchronous so that a stage starts its next micro-batch
+    while the previous one travels; :meth:`flush` waits for them.
+    """
+
+    def __init__(self, layout, counter=None):
+        self.layout = layout
+        self.counter = counter
+        r = layout.replica_rank
+        self.prev = r - layout.tp if not layout.first_stage else None
+        self.next = r + layout.tp if not layout.last_stage else None
+        self._pending: list = []
+
+    def send(self, t: torch.Tensor, dst: int | None = None) -> None:
+        import torch.distributed as dist
+
+        dst = self.next if dst is None else dst
+        t = t.contiguous()
+        if self.counter is not None:
+            self.counter.add(t)
+        self._pending.append((dist.isend(t, dst=dst), t))  # keep t alive until sent
+
+    def recv(self, shape, dtype, device, src: int | None = None) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=self.prev if src is None else src)
+        return t
+
+    def send_activation(self, t: torch.Tensor, dst: int | None = None) -> None:
+        """``t`` preceded by its spec (dtype and shape), so the receiver need not guess them: a stage of another
+        dtype (mixed precision, a quantized stage) or an unexpected shape would otherwise hang it or be misread."""
+        self.send(_spec_tensor(t), dst)
+        self.send(t, dst)
+
+    def recv_activation(self, device, src: int | None = None) -> torch.Tensor:
+        """The next tensor :meth:`send_activation` sent to this rank, allocated from its spec."""
+        spec = self.recv((_SPEC_LEN,), torch.long, device, src)
+        dtype, shape = _from_spec(spec)
+        return self.recv(shape, dtype, device, src)
+
+    def flush(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+_SPEC_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+                torch.int8, torch.bool)
+_SPEC_LEN = 2 + 6  # dtype code, ndim, up to six dimensions
+
+
+def _spec_tensor(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in _SPEC_DTYPES or t.dim() > _SPEC_LEN - 2:
+        raise TypeError(f"cannot send a {t.dtype} activation of {t.dim()} dimensions between stages")
+    dims = list(t.shape) + [0] * (_SPEC_LEN - 2 - t.dim())
+    return torch.tensor([_SPEC_DTYPES.index(t.dtype), t.dim(), *dims], dtype=torch.long, device=t.device)
+
+
+def _from_spec(spec: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    code, ndim, *dims = (int(x) for x in spec.tolist())
+    return _SPEC_DTYPES[code], tuple(dims[:ndim])
+
+
+def micro_batches(b: int, pp: int, per_stage: int = 2) -> list[tuple[int, int]]:
+    """Cut ``b`` rows into contiguous micro-batches: ``per_stage * pp`` of them where there are enough rows.
+
+    At least ``pp`` pieces keep every stage busy once the pipeline is full; more pieces shorten the fill and drain.
+    """
+    return split_layers(b, max(1, min(b, per_stage * pp)))

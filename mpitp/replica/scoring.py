@@ -1,0 +1,222 @@
+"""Vocab-parallel scoring: log-probs and greedy checks without ever gathering full logits.
+
+Each TP rank holds a slice of the LM head's rows (a slice of the vocabulary). For the scored positions only, every
+rank computes its local logits and the group combines three O(tokens) reductions:
+
+1. all-reduce MAX of the local row maxima  -> global max ``m``                      (4 bytes/token)
+2. all-reduce SUM of [sum exp(l - m), target logit (owner only)]                    (8 bytes/token)
+3. all-reduce MIN of the first global index reaching ``m`` (torch.argmax's rule)    (4 bytes/token)
+
+so log p(target) = target - m - log(sum exp) and is_greedy = (argmax == target): 16 bytes per token whatever the
+vocabulary size. Rows are processed in blocks so the peak is bounded by ``block_elems`` floats, not by
+``tokens x vocab``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mpitp.replica.logits import HeadTransform, head_transform
+
+_INT_BIG = 2**31 - 1
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank sent into TP collectives, and how many calls, for the run's stats."""
+
+    bytes: int = 0
+    calls: int = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        self.bytes += t.numel() * t.element_size()
+        self.calls += 1
+
+
+class TPOps:
+    """The collectives scoring needs, over a TP group, or no-ops for tp=1 (a fake for maths tests fits too).
+
+    ``counter`` counts everything this rank sends into the TP group; ``reduce_counter`` only the scoring reductions
+    (the O(tokens) traffic that must not grow with the vocabulary).
+    """
+
+    def __init__(self, size: int = 1, group=None, counter: CommCounter | None = None,
+                 reduce_counter: CommCounter | None = None):
+        self.size = size
+        self.group = group
+        self.counter = counter if counter is not None else CommCounter()
+        self.reduce_counter = reduce_counter if reduce_counter is not None else CommCounter()
+
+    def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            self.counter.add(t)
+            self.reduce_counter.add(t)
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def max(self, t):
+        import torch.distributed as dist
+
+        return self._reduce(t, dist.ReduceOp.MAX)
+
+    def sum(self, t):
+        import torch.distributed as dist
+
+        return self._reduce(t, dist.ReduceOp.SUM)
+
+    def min(self, t):
+        import torch.distributed as dist
+
+        return self._reduce(t, dist.ReduceOp.MIN)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            self.counter.add(t)
+            dist.broadcast(t, src=src, group=self.group)
+        return t
+
+
+@dataclass
+class VocabParallelHead:
+    """This rank's rows ``[offset, offset + weight.shape[0])`` of the LM head, plus the ops to combine shards."""
+
+    weight: torch.Tensor
+    offset: int
+    vocab_size: int
+    ops: TPOps
+    bias: torch.Tensor | None = None
+    transform: HeadTransform = field(default_factory=HeadTransform)  # the model's own steps around its head
+    block_elems: int = 1 << 24  # floats of local logits alive at once (64 MiB in fp32)
+    _wt: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_model(cls, model, ops: TPOps) -> VocabParallelHead:
+        """Take the local vocabulary shard of ``model``'s output embedding (sharded DTensor or a full weight), with
+        the steps its forward takes around the head (:func:`mpitp.replica.logits.head_transform`)."""
+        head = model.get_output_embeddings()
+        weight, offset = _local_rows(head.weight, ops)
+        bias = getattr(head, "bias", None)
+        if bias is not None:
+            bias, _ = _local_rows(bias, ops)
+        vocab = int(head.weight.shape[0])
+        transform = head_transform(model)
+        if transform.vocab_limit is not None and transform.vocab_limit < vocab:  # a padded head: rows cut off
+            vocab = transform.vocab_limit
+            keep = max(0, min(weight.shape[0], vocab - offset))
+            weight = weight[:keep]
+            bias = bias[:keep] if bias is not None else None
+        return cls(weight=weight, offset=offset, vocab_size=vocab, ops=ops, bias=bias, transform=transform)
+
+    def local_logits(self, h: torch.Tensor, head_input: bool = False) -> torch.Tensor:
+        """float32 logits of this shard for hidden states ``h`` [N, H], as the model's forward would return them.
+
+        ``h`` is the decoder's output, or with ``head_input`` what the model's forward hands its head (its
+        hidden-state steps already taken: the greedy stand-in head is called there)."""
+        w = self.weight
+        if not head_input:
+            h = self.transform.apply_hidden(h)
+        logits = torch.nn.functional.linear(h.to(w.dtype), w, self.bias).float()
+        return self.transform.apply_logits(logits)
+
+    def _blocks(self, n: int):
+        # Sized from the *global* vocabulary: every rank must cut the same blocks, or their collectives would
+        # not pair up (uneven shards differ by a row).
+        step = max(1, self.block_elems // max(1, -(-self.vocab_size // self.ops.size)))
+        for start in range(0, n, step):
+            yield slice(start, min(n, start + step))
+
+    def _global_max_and_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        local_max = logits.max(dim=-1).values
+        gmax = self.ops.max(local_max.clone())
+        hit = logits == gmax.unsqueeze(-1)
+        has = hit.any(dim=-1)
+        first = hit.to(torch.int8).argmax(dim=-1)  # first True: torch.argmax's lowest-index rule
+        cand = torch.where(has, first.to(torch.int32) + self.offset, torch.full_like(first, _INT_BIG, dtype=torch.int32))
+        return gmax, self.ops.min(cand)
+
+    @torch.no_grad()
+    def score(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) (float32) and whether target is the argmax, for hidden states ``h`` [N, H]."""
+        n = h.shape[0]
+        out_lp = torch.empty(n, dtype=torch.float32, device=h.device)
+        out_greedy = torch.empty(n, dtype=torch.bool, device=h.device)
+        vloc = self.weight.shape[0]
+        for sl in self._blocks(n):
+            logits = self.local_logits(h[sl])
+            gmax, argmax = self._global_max_and_argmax(logits)
+            tgt = targets[sl] - self.offset
+            mine = (tgt >= 0) & (tgt < vloc)
+            tlogit = logits.gather(1, tgt.clamp(0, vloc - 1).unsqueeze(1)).squeeze(1)
+            pair = torch.stack([torch.exp(logits - gmax.unsqueeze(-1)).sum(dim=-1), torch.where(mine, tlogit, 0.0)], 1)
+            pair = self.ops.sum(pair)
+            out_lp[sl] = pair[:, 1] - gmax - torch.log(pair[:, 0])
+            out_greedy[sl] = argmax.to(targets.dtype) == targets[sl]
+        return out_lp, out_greedy
+
+    @torch.no_grad()
+    def argmax(self, h: torch.Tensor, head_input: bool = False) -> torch.Tensor:
+        """Global greedy token ids for hidden states ``h`` [N, H] (lowest index among ties)."""
+        out = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+        for sl in self._blocks(h.shape[0]):
+            _, idx = self._global_max_and_argmax(self.local_logits(h[sl], head_input))
+            out[sl] = idx.long()
+        return out
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """All-gathered logits [N, V]; only for sampling, where the full distribution is genuinely needed."""
+        local = self.local_logits(h)
+        if self.ops.size == 1:
+            return local
+        import torch.distributed as dist
+
+        sizes = [torch.zeros(1, dtype=torch.long, device=h.device) for _ in range(self.ops.size)]
+        dist.all_gather(sizes, torch.tensor([local.shape[1]], device=h.device), group=self.ops.group)
+        width = int(max(s.item() for s in sizes))
+        padded = torch.full((local.shape[0], width), float("-inf"), device=h.device)
+        padded[:, : local.shape[1]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.ops.size)]
+        self.ops.counter.add(padded)
+        dist.all_gather(parts, padded, group=self.ops.group)
+        return torch.cat([p[:, : int(s.item())] for p, s in zip(parts, sizes)], dim=1)
+
+
+def _local_rows(param: torch.Tensor, ops: TPOps) -> tuple[torch.Tensor, int]:
+    """The rows of a vocabulary-major parameter that this rank owns, and the global index of the first one.
+
+    transformers shards the head (and, with tied embeddings, the embedding) along the vocabulary as a DTensor;
+    a plain tensor (tp=1, or a model class whose plan replicates the head) is sliced here evenly, the way
+    ``torch.chunk`` (and DTensor's ``Shard(0)``) split an uneven vocabulary: ``ceil(V / tp)`` rows per rank.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # pragma: no cover
+        DTensor = ()  # type: ignore
+    data = param.data if isinstance(param, torch.nn.Parameter) else param
+    vocab = int(param.shape[0])
+    if isinstance(data, DTensor):
+        placements = data.placements
+        local = data.to_local()
+        if any(isinstance(p, Shard) and p.dim == 0 for p in placements):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offsets = compute_local_shape_and_global_offset(data.shape, data.device_mesh, placements)
+            return local, int(offsets[0])
+        data = local  # replicated: slice below
+    rank = _rank(ops)
+    per = -(-vocab // ops.size)
+    start = min(vocab, rank * per)
+    return data[start : min(vocab, start + per)], start
+
+
+def _rank(ops: TPOps) -> int:
+    if ops.size == 1:
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank(group=ops.group)

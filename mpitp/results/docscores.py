@@ -1,0 +1,178 @@
+"""Per-document metric values: captured from lm-eval at the end of a run, stored, read back for paired tests.
+
+lm-eval computes every metric per document (``task.process_results``) into ``raw_metrics`` before aggregating them,
+whether or not ``--log-samples`` is on, but returns only the aggregates (and the per-document values inside the
+samples when they are logged). :func:`capture` wraps the one function that receives them,
+``lm_eval.evaluator._process_results``, for the duration of a ``simple_evaluate`` call and keeps a copy, so every
+file carries what a paired comparison needs without the cost of logging samples.
+
+Schema (an extension of :mod:`mpitp.results.store`): ``/tasks/<task>/doc_scores``: dataset ``doc_id`` int64 and one dataset
+per lm-eval metric key (``acc,none``): float64 of shape ``(n,)`` for numbers, ``(n, k)`` for fixed-length number
+tuples (perplexity-type metrics: ``(loglikelihood, words)``), else one JSON string per document. Each metric dataset
+has attrs ``aggregation`` (lm-eval's aggregation name, e.g. ``mean``) and ``higher_is_better``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class DocScores:
+    """One task's per-document scores; ``values[key][i]`` belongs to document ``doc_id[i]``."""
+
+    doc_id: np.ndarray
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    aggregation: dict[str, str] = field(default_factory=dict)
+    higher_is_better: dict[str, bool | None] = field(default_factory=dict)
+    source: str = "doc_scores"  # or "samples" when read from --log-samples records
+
+
+def _aggregation_names(task) -> dict[str, str]:
+    try:
+        from lm_eval.api.registry import AGGREGATION_REGISTRY
+
+        inverse = {v: k for k, v in AGGREGATION_REGISTRY.items()}
+        return {m: inverse.get(fn, getattr(fn, "__name__", str(fn))) for m, fn in task.aggregation().items()}
+    except Exception:  # noqa: BLE001 - a task without the usual methods: the scores are still worth keeping
+        return {}
+
+
+def _higher(task) -> dict[str, bool]:
+    try:
+        return {m: bool(v) for m, v in task.higher_is_better().items()}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+@contextlib.contextmanager
+def capture():
+    """Inside this block, every ``simple_evaluate`` leaves ``{task: DocScores}`` in the yielded dict."""
+    import lm_eval.evaluator as ev
+
+    out: dict[str, DocScores] = {}
+    original = ev._process_results
+
+    def recording(eval_results_acc, *args, **kwargs):
+        for name, acc in eval_results_acc.items():
+            try:
+                out[name] = from_raw(acc["raw_metrics"], _aggregation_names(acc["task"]), _higher(acc["task"]))
+            except Exception:  # noqa: BLE001 - never let the bookkeeping break the evaluation
+                continue
+        return original(eval_results_acc, *args, **kwargs)
+
+    ev._process_results = recording
+    try:
+        yield out
+    finally:
+        ev._process_results = original
+
+
+def from_raw(raw_metrics: dict, aggregation: dict, higher: dict) -> DocScores:
+    """lm-eval's ``raw_metrics`` (``{(metric, filter): [value per document in doc order]}``) as :class:`DocScores`.
+
+    lm-eval walks the documents as ``enumerate(task.eval_docs)`` cut at the limit, so position i is doc_id i.
+    """
+    n = max((len(v) for v in raw_metrics.values()), default=0)
+    ds = DocScores(doc_id=np.arange(n, dtype=np.int64))
+    for (metric, filt), vals in raw_metrics.items():
+        if len(vals) != n:
+            continue
+        key = f"{metric},{filt}"
+        ds.values[key] = _column(vals)
+        if metric in aggregation:
+            ds.aggregation[key] = aggregation[metric]
+        ds.higher_is_better[key] = higher.get(metric)
+    return ds
+
+
+def _column(vals: list) -> np.ndarray:
+    def number(v):
+        return isinstance(v, (bool, int, float, np.number))
+
+    if all(number(v) for v in vals):
+        return np.asarray(vals, dtype=np.float64)
+    if vals and all(isinstance(v, (list, tuple)) and len(v) == len(vals[0]) and all(number(x) for x in v)
+                    for v in vals):
+        return np.asarray(vals, dtype=np.float64)
+    return np.asarray([json.dumps(v, default=str) for v in vals], dtype=object)
+
+
+def write(group, ds: DocScores) -> None:
+    """Write ``ds`` as ``group/doc_scores`` (``group`` is an open h5py group of one task)."""
+    import h5py
+
+    g = group.create_group("doc_scores")
+    g.create_dataset("doc_id", data=ds.doc_id.astype(np.int64))
+    for key, col in ds.values.items():
+        if col.dtype == object:
+            d = g.create_dataset(key, data=col, dtype=h5py.string_dtype())
+        else:
+            d = g.create_dataset(key, data=col, compression="gzip" if col.size > 4096 else None)
+        d.attrs["aggregation"] = ds.aggregation.get(key, "")
+        hib = ds.higher_is_better.get(key)
+        d.attrs["higher_is_better"] = "None" if hib is None else bool(hib)
+
+
+def read(path: str, task: str) -> DocScores | None:
+    """The task's per-document scores: ``doc_scores`` when stored, else rebuilt from logged samples, else None."""
+    from mpitp.results.store import open_h5
+
+    with open_h5(path) as f:
+        g = f.get(f"tasks/{task}")
+        if g is None:
+            return None
+        if "doc_scores" in g:
+            d = g["doc_scores"]
+            ds = DocScores(doc_id=np.asarray(d["doc_id"][()], dtype=np.int64))
+            for key in d:
+                if key == "doc_id":
+                    continue
+                col = d[key][()]
+                if col.dtype == object:
+                    col = np.asarray([x.decode() if isinstance(x, bytes) else x for x in col], dtype=object)
+                ds.values[key] = col
+                agg = d[key].attrs.get("aggregation", "")
+                ds.aggregation[key] = agg.decode() if isinstance(agg, bytes) else str(agg)
+                hib = d[key].attrs.get("higher_is_better", "None")
+                ds.higher_is_better[key] = None if isinstance(hib, (str, bytes)) else bool(hib)
+            return ds
+        if "samples" in g:
+            samples = [json.loads(x.decode() if isinstance(x, bytes) else x) for x in g["samples"][()]]
+            return from_samples(samples)
+    return None
+
+
+def from_samples(samples: list[dict]) -> DocScores | None:
+    """Per-document scores out of lm-eval's sample records (each carries its metric values and its filter)."""
+    raw: dict[tuple[str, str], dict[int, object]] = {}
+    for s in samples:
+        for metric in s.get("metrics", []):
+            if metric in s:
+                raw.setdefault((metric, s.get("filter", "none")), {})[int(s["doc_id"])] = s[metric]
+    if not raw:
+        return None
+    docs = sorted(set().union(*(set(v) for v in raw.values())))
+    ds = DocScores(doc_id=np.asarray(docs, dtype=np.int64), source="samples")
+    for (metric, filt), by_doc in raw.items():
+        if len(by_doc) != len(docs):
+            continue
+        key = f"{metric},{filt}"
+        ds.values[key] = _column([by_doc[d] for d in docs])
+        ds.aggregation[key] = default_aggregation(metric, ds.values[key])
+    return ds
+
+
+_BY_NAME = {"word_perplexity": "weighted_perplexity", "byte_perplexity": "weighted_perplexity",
+            "bits_per_byte": "bits_per_byte", "perplexity": "perplexity"}
+
+
+def default_aggregation(metric: str, col: np.ndarray) -> str:
+    """lm-eval's default aggregation of a stock metric (samples do not record it)."""
+    if metric in _BY_NAME:
+        return _BY_NAME[metric]
+    return "mean" if col.dtype != object and col.ndim == 1 else ""

@@ -1,0 +1,121 @@
+"""An append-only, checksummed journal of result rows beside the HDF5 results file (``<out>.journal``).
+
+Why: rewriting the gzip'd HDF5 file for every landed chunk costs O(all rows) per chunk (quadratic over a run), and
+HDF5 written in place can be left unreadable by a kill in the middle of a metadata update. Appending a chunk's rows
+to a flat file costs O(chunk); a kill at any instant can tear only the record being written, which the length and
+CRC-32 of every record detect, so readers stop at the last whole record and lose nothing else.
+
+Layout: the 8-byte magic ``MPITPJ1\\n``, then records, each ``<u32 length><u32 crc32(payload)><payload>`` with a
+UTF-8 JSON payload. The first record is the header ``{"run_id": ..., "base_seq": n}``: the journal belongs to the
+HDF5 snapshot whose root attr ``run_id`` matches, and holds the records with ``seq > base_seq``. Every later record is
+``{"seq": n, "tasks": {task: {column: [values]}}}``. The snapshot's root attr ``journal_seq`` says up to which record
+its rows go, so a reader takes the journal's records with ``seq > journal_seq`` (see :mod:`mpitp.results.store`).
+
+A new journal is written whole to a temporary, fsync'd and renamed into place (the directory fsync'd too), so a
+journal on disk always has a whole header. JSON, not pickle: ``inspect`` must be safe on a file from anyone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+
+MAGIC = b"MPITPJ1\n"
+_FRAME = struct.Struct("<II")
+
+
+def journal_path(results_path: str) -> str:
+    return f"{results_path}.journal"
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or unlink in ``path``'s directory durable (a no-op where directories cannot be opened)."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def frame(obj) -> bytes:
+    payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class Journal:
+    """The writing side: one open file descriptor in append mode; :meth:`sync` makes what was written durable."""
+
+    def __init__(self, path: str, header: dict):
+        self.path = path
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + frame(header))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self.bytes = 0
+
+    def append(self, obj) -> None:
+        data = frame(obj)
+        view = memoryview(data)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+        self.bytes += len(data)
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def remove(self) -> None:
+        self.close()
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+        fsync_dir(self.path)
+
+
+def read_journal(path: str) -> tuple[dict | None, list[dict]]:
+    """(header, records) of the journal at ``path``; (None, []) when it is missing or has no whole header.
+
+    Reading stops at the first short, oversized or corrupt record: a torn tail (a kill mid-write) is ignored.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return None, []
+    if not data.startswith(MAGIC):
+        return None, []
+    pos, out = len(MAGIC), []
+    while pos + _FRAME.size <= len(data):
+        length, crc = _FRAME.unpack_from(data, pos)
+        start, end = pos + _FRAME.size, pos + _FRAME.size + length
+        if end > len(data):
+            break
+        payload = data[start:end]
+        if zlib.crc32(payload) != crc:
+            break
+        try:
+            out.append(json.loads(payload.decode("utf-8", "surrogatepass")))
+        except ValueError:
+            break
+        pos = end
+    if not out or not isinstance(out[0], dict) or "run_id" not in out[0]:
+        return None, []
+    return out[0], out[1:]

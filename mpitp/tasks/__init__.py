@@ -1,0 +1,1 @@
+"""Tasks: offline task YAMLs over local data, task names, the bundled demo."""
