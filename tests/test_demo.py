@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from mpitp import demo  # noqa: E402
+from mpitp.tasks import demo  # noqa: E402
 from mpitp.tasks.demo import DEMO_TASKS, build_demo_model, demo_tasks_dir, prepare_demo  # noqa: E402
 from mpitp.tasks.demo import model as demo_model  # noqa: E402
 
