@@ -24,7 +24,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from conftest import explain, run_mpi  # noqa: E402
 
-from mpitp.results.report import inspect_command, load, plot_run  # noqa: E402
+from mpitp.cli.inspect import inspect_command  # noqa: E402
+from mpitp.results.plot import plot_run  # noqa: E402
+from mpitp.results.reader import load  # noqa: E402
 from mpitp.results.store import ResultWriter, open_h5  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")

@@ -350,7 +350,7 @@ def test_existing_output_refused_then_overwritten(schema_run, tmp_path):
 def test_reader_ignores_a_writers_lock_by_default(schema_run, tmp_path, monkeypatch):
     """A process holding the file for writing with HDF5 locking on would lock out any locking reader; mpitp's
     reader (locking off unless ``MPITP_HDF5_LOCKING``) still opens it."""
-    from mpitp.results.report import inspect_command
+    from mpitp.cli.inspect import inspect_command
 
     src, _ = schema_run
     path = tmp_path / "held.h5"
