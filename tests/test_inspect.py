@@ -27,7 +27,8 @@ from conftest import explain, run_mpi  # noqa: E402
 from mpitp.cli.inspect import inspect_command  # noqa: E402
 from mpitp.results.plot import plot_run  # noqa: E402
 from mpitp.results.reader import load  # noqa: E402
-from mpitp.results.store import ResultWriter, open_h5  # noqa: E402
+from mpitp.results.schema import open_h5  # noqa: E402
+from mpitp.results.store import ResultWriter  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 LM_EVAL_KEYS = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples", "config")

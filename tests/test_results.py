@@ -28,7 +28,8 @@ from parity_util import compare_requests, mpitp_requests, reference_requests  # 
 
 import mpitp  # noqa: E402
 from mpitp.errors import UsageError  # noqa: E402
-from mpitp.results.store import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5, read_metrics, read_requests  # noqa: E402
+from mpitp.results.rows import read_metrics, read_requests  # noqa: E402
+from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 KIND = {"mpitp_demo_mc": "loglikelihood", "mpitp_demo_ppl": "loglikelihood_rolling",

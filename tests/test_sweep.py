@@ -21,7 +21,7 @@ import pytest
 
 from conftest import OFFLINE_ENV, explain, mpiexec_path, run_mpi
 
-from mpitp.results.store import read_metrics, read_requests
+from mpitp.results.rows import read_metrics, read_requests
 
 TASKS = "mpitp_demo_mc,mpitp_demo_ppl"
 

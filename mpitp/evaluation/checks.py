@@ -123,7 +123,7 @@ def check_output(cfg) -> str:
 def check_resumable(path: str, cfg) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
     from mpitp.evaluation.fingerprint import resume_differences
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     try:
         with open_h5(path) as f:

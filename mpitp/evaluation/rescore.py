@@ -65,7 +65,8 @@ def stored_lm(rows: dict[tuple, dict]):
 
 
 def _stored_rows(path: str) -> dict[tuple, dict]:
-    from mpitp.results.store import REQUEST_FIELDS, open_h5, read_requests
+    from mpitp.results.rows import read_requests
+    from mpitp.results.schema import REQUEST_FIELDS, open_h5
 
     with open_h5(path) as f:
         tasks = list(f.get("tasks", {}))
@@ -79,7 +80,7 @@ def _stored_rows(path: str) -> dict[tuple, dict]:
 
 
 def _config(path: str, include_path, data_dir):
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
     from mpitp.evaluation.runner import EvalConfig
 
     try:
@@ -146,7 +147,7 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
     import numpy as np
 
     from mpitp.results.docscores import write as write_scores
-    from mpitp.results.store import STR, _attr, open_h5
+    from mpitp.results.schema import STR, h5_attr, open_h5
 
     tmp = f"{dst}.tmp{os.getpid()}"
     shutil.copyfile(src, tmp)
@@ -155,16 +156,16 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
             for task, cfgd in res.get("configs", {}).items():
                 g = f.require_group(f"tasks/{task}")
                 n = res.get("n-samples", {}).get(task, {})
-                g.attrs["output_type"] = _attr(cfgd.get("output_type"))
-                g.attrs["num_fewshot"] = _attr(res.get("n-shot", {}).get(task, 0))
-                g.attrs["n_docs"] = _attr(n.get("effective", n.get("original", 0)))
+                g.attrs["output_type"] = h5_attr(cfgd.get("output_type"))
+                g.attrs["num_fewshot"] = h5_attr(res.get("n-shot", {}).get(task, 0))
+                g.attrs["n_docs"] = h5_attr(n.get("effective", n.get("original", 0)))
                 for name in ("metrics", "doc_scores", "samples"):
                     if name in g:
                         del g[name]
                 m = g.create_group("metrics")
                 for k, v in res["results"].get(task, {}).items():
                     if k != "alias":
-                        m.attrs[k] = _attr(v)
+                        m.attrs[k] = h5_attr(v)
                 if task in doc_scores:
                     write_scores(g, doc_scores[task])
                 samples = res.get("samples", {}).get(task)
@@ -185,7 +186,7 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
 
 def metric_changes(path: str, res: dict) -> list[str]:
     """``task metric: old -> new`` for every metric whose value moved (or appeared)."""
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     out = []
     with open_h5(path) as f:

@@ -51,7 +51,7 @@ def output_status(path: str) -> str:
     """
     if not os.path.exists(path):
         return "missing"
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     try:
         with open_h5(path) as f:

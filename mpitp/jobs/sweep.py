@@ -288,7 +288,7 @@ def _metrics_of(res: dict | None) -> dict:
 
 
 def _metrics_from_file(path: str) -> dict:
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     try:
         with open_h5(path) as f:

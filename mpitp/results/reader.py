@@ -1,10 +1,10 @@
-"""Reading an mpitp HDF5 results file (see :mod:`mpitp.results.store` for the schema) into plain objects for
+"""Reading an mpitp HDF5 results file (see :mod:`mpitp.results.schema`) into plain objects for
 ``mpitp inspect``: the run's attributes, its tasks and their metrics (:class:`RunFile`), request rows and samples on
 demand, and one :class:`MetricRow` per (task, metric, filter).
 
-Files are only ever opened read-only (:func:`mpitp.results.store.open_h5`, HDF5 file locking off by default), so
+Files are only ever opened read-only (:func:`mpitp.results.schema.open_h5`, HDF5 file locking off by default), so
 reading a file that a running evaluation is writing is safe: each open sees one complete snapshot, merged with the
-rows of the journal beside it (:func:`mpitp.results.store.load_rows`). What h5py raises on a damaged or foreign file
+rows of the journal beside it (:func:`mpitp.results.rows.load_rows`). What h5py raises on a damaged or foreign file
 becomes one :class:`BadInput` line; a TypeError or AttributeError is a bug of ours and surfaces as itself.
 """
 
@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-# numpy and h5py (through mpitp.results.store) are imported inside the functions that use them, so that registering
+# numpy and h5py (through mpitp.results.schema) are imported inside the functions that use them, so that registering
 # ``mpitp inspect`` costs ``mpitp --help`` nothing.
 
 # Keys of /tasks/<task>/metrics (and of results_json["results"][task]) that are not metrics.
@@ -91,7 +91,8 @@ class RunFile:
 def load(path: str) -> RunFile:
     """Read the summary of ``path``; any failure is a one-line :class:`BadInput`."""
     import numpy as np
-    from mpitp.results.store import STATS_FIELDS, open_h5, request_counts
+    from mpitp.results.rows import request_counts
+    from mpitp.results.schema import STATS_FIELDS, open_h5
 
     check_path(path)
     try:
@@ -146,7 +147,7 @@ def load(path: str) -> RunFile:
 def load_requests(path: str, task: str) -> dict[str, np.ndarray]:
     """The request rows of ``task`` sorted by (doc_id, idx), strings decoded (as :func:`results.read_requests`,
     but a damaged file gives a one-line error)."""
-    from mpitp.results.store import read_requests
+    from mpitp.results.rows import read_requests
 
     try:
         cols = read_requests(path, task)
@@ -156,7 +157,7 @@ def load_requests(path: str, task: str) -> dict[str, np.ndarray]:
 
 
 def load_samples(path: str, task: str) -> list[str] | None:
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     try:
         with open_h5(path) as f:

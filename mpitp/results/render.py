@@ -25,7 +25,7 @@ def _fmt_value(v) -> str:
 
 def _stats_totals(run: RunFile) -> dict | None:
     import numpy as np
-    from mpitp.results.store import STATS_FIELDS
+    from mpitp.results.schema import STATS_FIELDS
 
     if not run.stats or "busy_s" not in run.stats:
         return None
