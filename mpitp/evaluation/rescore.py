@@ -108,7 +108,7 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
     """lm-eval's results dict and the per-document scores for ``path``, from its stored rows only."""
     import lm_eval
 
-    from mpitp.evaluation.checks import _remove_generated, check_tasks, offline_include
+    from mpitp.evaluation.checks import remove_generated, check_tasks, offline_include
     from mpitp.results.docscores import capture
 
     if not os.path.isfile(path):
@@ -138,7 +138,7 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
                     f"file (first: task {task} doc_id {doc} idx {idx}): the requests changed (prompt, few-shot, "
                     f"limit or file incomplete); recompute them with mpitp eval --resume", collective=True) from None
     finally:
-        _remove_generated(include)
+        remove_generated(include)
     return res, doc_scores, lm.served, len(rows)
 
 
