@@ -515,3 +515,20 @@ def test_plot_with_matplotlib(syn, demo_file, tmp_path):
         assert r.exit_code == 0, r.output
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "wrote" in r.stderr
+
+
+def test_every_command_is_registered_and_a_broken_import_fails_loudly(monkeypatch):
+    """``mpitp.cli.register`` adds the seven commands; a command module that cannot be imported is an ImportError at
+    start-up, not a command that silently vanishes from ``mpitp --help`` (as ``inspect`` used to)."""
+    import sys
+
+    import click
+
+    from mpitp.cli import register
+
+    group = click.Group()
+    register(group)
+    assert sorted(group.commands) == ["eval", "info", "inspect", "rescore", "run", "submit", "tasks"]
+    monkeypatch.setitem(sys.modules, "mpitp.cli.inspect", None)  # importing it now raises ImportError
+    with pytest.raises(ImportError):
+        register(click.Group())

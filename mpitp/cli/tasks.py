@@ -8,7 +8,8 @@ import click
 
 
 @click.command(name="tasks")
-@click.option("--data-dir", required=True, help="Directory laid out as DIR/<task>/<split>.jsonl (or named as downloaded).")
+@click.option("--data-dir", required=True,
+              help="Directory laid out as DIR/<task>/<split>.jsonl (or named as downloaded).")
 def tasks_command(data_dir):
     """List the stock lm-eval tasks runnable offline from --data-dir, and what the others miss."""
     from mpitp.errors import UsageError

@@ -143,7 +143,8 @@ class ResultWriter:
             raise RuntimeError(f"writing results to {self.path} failed: {err}") from err
 
     def stored_rows(self) -> dict[tuple, dict]:
-        """Every stored request row by its resume key ``(task, doc_id, idx, args_hash, repeat)`` (call before appending)."""
+        """Every stored request row by its resume key ``(task, doc_id, idx, args_hash, repeat)`` (call before
+        appending)."""
         out = {}
         for task, t in self.tasks.items():
             cols = t["rows"]
@@ -183,7 +184,8 @@ class ResultWriter:
         self._queue.put(op)
 
     def write_doc_scores(self, task: str, scores) -> None:
-        """lm-eval's per-document metric values (a :class:`mpitp.results.docscores.DocScores`), written with the file."""
+        """lm-eval's per-document metric values (a :class:`mpitp.results.docscores.DocScores`), written with the
+        file."""
         self._check()
         self._queue.put(lambda: self._task(task).__setitem__("doc_scores", scores))
 
