@@ -24,7 +24,7 @@ from typing import Any
 
 import jinja2
 
-from mpitp.jobs.jobfile import Job, JobFileError, load_job
+from mpitp.jobs.jobfile import Job, load_job
 from mpitp.parallel.walltime import STOP_EXIT
 
 __all__ = ["SCHEDULERS", "SubmitError", "SubmitUsageError", "render_script", "script_path",

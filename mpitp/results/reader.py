@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # numpy and h5py (through mpitp.results.schema) are imported inside the functions that use them, so that registering
 # ``mpitp inspect`` costs ``mpitp --help`` nothing.
@@ -145,8 +149,8 @@ def load(path: str) -> RunFile:
 
 
 def load_requests(path: str, task: str) -> dict[str, np.ndarray]:
-    """The request rows of ``task`` sorted by (doc_id, idx), strings decoded (as :func:`results.read_requests`,
-    but a damaged file gives a one-line error)."""
+    """The request rows of ``task`` sorted by (doc_id, idx), strings decoded (as
+    :func:`mpitp.results.rows.read_requests`, but a damaged file gives a one-line error)."""
     from mpitp.results.rows import read_requests
 
     try:
