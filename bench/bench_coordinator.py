@@ -155,7 +155,7 @@ def child(args) -> None:
     gaps = sorted(g for _, gs in remote for g in gs)
     chunks_remote = sum(n for n, _ in remote)
     n_chunks = landed[0]
-    from mpitp.results.store import request_counts
+    from mpitp.results.rows import request_counts
 
     stored = sum(request_counts(args.out).values())
     assert stored == args.requests, (stored, args.requests)

@@ -76,7 +76,7 @@ def launch(args: list[str], label: str) -> float:
 
 def compare(a: str, b: str, tasks: list[str]) -> tuple[int, float, list[str]]:
     """(requests compared, max relative |d ll|, differences) between two results files."""
-    from mpitp.results.store import read_metrics, read_requests
+    from mpitp.results.rows import read_metrics, read_requests
 
     n, worst, bad = 0, 0.0, []
     for task in tasks:

@@ -86,7 +86,7 @@ def wait_written(proc, path: str, since: float, timeout: float = 900) -> float:
 
 
 def rows(path: str) -> int:
-    from mpitp.results.store import request_counts
+    from mpitp.results.rows import request_counts
 
     try:
         return sum(request_counts(path).values())
@@ -95,7 +95,8 @@ def rows(path: str) -> int:
 
 
 def readable(path: str) -> tuple[bool, str]:
-    from mpitp.results.store import REQUEST_FIELDS, load_rows
+    from mpitp.results.rows import load_rows
+    from mpitp.results.schema import REQUEST_FIELDS
 
     if not os.path.exists(path):
         return True, "no file yet"

@@ -71,7 +71,7 @@ def parity(ref: dict, got: dict) -> tuple[float, int, int]:
 
 
 def tokens_of(path: str, tasks: str) -> int:
-    from mpitp.results.store import read_requests
+    from mpitp.results.rows import read_requests
 
     return int(sum(read_requests(path, t)["n_tokens"].sum() for t in tasks.split(",")))
 

@@ -29,7 +29,7 @@ def reference_requests(samples: dict) -> dict:
 
 
 def mpitp_requests(path: str, tasks) -> dict:
-    from mpitp.results.store import read_requests
+    from mpitp.results.rows import read_requests
 
     out = {}
     for task in tasks:
@@ -60,7 +60,7 @@ def compare_requests(ref: dict, got: dict) -> tuple[float, list[str]]:
 
 
 def compare_metrics(ref_results: dict, path: str, tasks) -> list[str]:
-    from mpitp.results.store import read_metrics
+    from mpitp.results.rows import read_metrics
 
     problems = []
     for task in tasks:

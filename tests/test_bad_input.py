@@ -148,7 +148,7 @@ def scratch(tmp_path_factory):
     proc = run_mpi(1, ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "2", "--bootstrap-iters", "0",
                        "--output", "results.h5"], timeout=300, cwd=str(d))
     assert proc.returncode == 0, explain(proc)
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     with open_h5(str(d / "results.h5")) as f:
         assert f.attrs["status"] == "complete"

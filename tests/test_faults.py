@@ -32,7 +32,7 @@ GONE_AFTER_SIGNAL = 15.0  # seconds from SIGTERM / SIGINT to mpiexec until every
 
 def file_rows(path) -> tuple[str | None, int]:
     """(status, number of request rows) of a results file, (None, 0) while it does not exist or cannot be read."""
-    from mpitp.results.store import load_rows
+    from mpitp.results.rows import load_rows
 
     try:  # the HDF5 snapshot and the journal beside it (rows landed since the snapshot)
         attrs, counts = load_rows(str(path), counts_only=True)

@@ -24,8 +24,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from conftest import explain, run_mpi  # noqa: E402
 
-from mpitp.results.report import inspect_command, load, plot_run  # noqa: E402
-from mpitp.results.store import ResultWriter, open_h5  # noqa: E402
+from mpitp.cli.inspect import inspect_command  # noqa: E402
+from mpitp.results.plot import plot_run  # noqa: E402
+from mpitp.results.reader import load  # noqa: E402
+from mpitp.results.schema import open_h5  # noqa: E402
+from mpitp.results.store import ResultWriter  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 LM_EVAL_KEYS = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples", "config")
@@ -512,3 +515,20 @@ def test_plot_with_matplotlib(syn, demo_file, tmp_path):
         assert r.exit_code == 0, r.output
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "wrote" in r.stderr
+
+
+def test_every_command_is_registered_and_a_broken_import_fails_loudly(monkeypatch):
+    """``mpitp.cli.register`` adds the seven commands; a command module that cannot be imported is an ImportError at
+    start-up, not a command that silently vanishes from ``mpitp --help`` (as ``inspect`` used to)."""
+    import sys
+
+    import click
+
+    from mpitp.cli import register
+
+    group = click.Group()
+    register(group)
+    assert sorted(group.commands) == ["eval", "info", "inspect", "rescore", "run", "submit", "tasks"]
+    monkeypatch.setitem(sys.modules, "mpitp.cli.inspect", None)  # importing it now raises ImportError
+    with pytest.raises(ImportError):
+        register(click.Group())

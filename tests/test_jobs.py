@@ -20,7 +20,8 @@ from conftest import OFFLINE_ENV, REPO, STORIES, explain, run_mpi  # noqa: E402
 from parity_util import close  # noqa: E402
 
 from mpitp.jobs.jobfile import load_job  # noqa: E402
-from mpitp.results.store import open_h5, read_metrics, read_requests  # noqa: E402
+from mpitp.results.rows import read_metrics, read_requests  # noqa: E402
+from mpitp.results.schema import open_h5  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 

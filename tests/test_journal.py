@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from mpitp.results.journal import journal_path, read_journal
-from mpitp.results.store import REQUEST_FIELDS, ResultWriter, load_rows, read_requests, request_counts
+from mpitp.results.rows import load_rows, read_requests, request_counts
+from mpitp.results.schema import REQUEST_FIELDS
+from mpitp.results.store import ResultWriter
 
 META = dict(model="m", tokenizer="t", dtype="float32", world_size=1, tp=1, dp=1, config_json="{}")
 TASKS = ("t_mc", "t_gen")

@@ -110,7 +110,7 @@ def test_two_singletons_on_one_output_never_both_write(tmp_path):
     loser = _own_lines(next(err for _, err, rc in done if rc == 2))
     assert loser.startswith(f"mpitp: error: output {out} ") and loser.count("\n") == 0, loser
     assert ("is being written by another mpitp process" in loser or "already exists" in loser), loser
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     with open_h5(str(out)) as f:
         assert f.attrs["status"] == "complete"

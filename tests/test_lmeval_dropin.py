@@ -85,7 +85,7 @@ def test_same_output_files(corpus_runs, name):
         h5 = sorted(mine.rglob("*.h5"))
         assert len(h5) == 1 and h5[0].parent == sorted(mine.rglob("results_*.json"))[0].parent
     lm_results = json.loads(results[0].read_text())["results"]
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     with open_h5(str(h5[0])) as f:
         assert f.attrs["status"] == "complete"

@@ -56,7 +56,7 @@ def test_run_refuses_a_foreign_output(kind, tmp_path):
 def test_inspect_reports_its_own_bugs(tmp_path, monkeypatch):
     """A TypeError raised by inspect's own code while reading a sound file propagates (a bug to fix), where a
     damaged file gives the one-line "not an mpitp results file"."""
-    import mpitp.results.report as ins
+    import mpitp.results.reader as ins
     from mpitp.results.store import ResultWriter
 
     path = tmp_path / "ok.h5"

@@ -10,7 +10,9 @@ from pathlib import Path
 from conftest import STORIES, explain, run_mpi
 from test_faults import file_rows, inspect_diff
 
-from mpitp.results.store import ResultWriter, read_requests
+from mpitp.results.rows import read_requests
+
+from mpitp.results.store import ResultWriter
 
 SLOW_TASKS = str(Path(__file__).parent / "slow_tasks")
 TASK = "mpitp_repeats_gen"

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 
 from conftest import OFFLINE_ENV, REPO, explain, run_mpi
 
-from mpitp.results.report import inspect_command
-from mpitp.results.store import read_metrics
+from mpitp.cli.inspect import inspect_command
+from mpitp.results.rows import read_metrics
 
 TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 

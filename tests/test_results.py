@@ -28,7 +28,8 @@ from parity_util import compare_requests, mpitp_requests, reference_requests  # 
 
 import mpitp  # noqa: E402
 from mpitp.errors import UsageError  # noqa: E402
-from mpitp.results.store import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5, read_metrics, read_requests  # noqa: E402
+from mpitp.results.rows import read_metrics, read_requests  # noqa: E402
+from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 KIND = {"mpitp_demo_mc": "loglikelihood", "mpitp_demo_ppl": "loglikelihood_rolling",
@@ -350,7 +351,7 @@ def test_existing_output_refused_then_overwritten(schema_run, tmp_path):
 def test_reader_ignores_a_writers_lock_by_default(schema_run, tmp_path, monkeypatch):
     """A process holding the file for writing with HDF5 locking on would lock out any locking reader; mpitp's
     reader (locking off unless ``MPITP_HDF5_LOCKING``) still opens it."""
-    from mpitp.results.report import inspect_command
+    from mpitp.cli.inspect import inspect_command
 
     src, _ = schema_run
     path = tmp_path / "held.h5"

@@ -19,7 +19,8 @@ from click.testing import CliRunner
 
 from mpitp.jobs import submit as submit_mod
 from mpitp.jobs.jobfile import JobFileError
-from mpitp.jobs.submit import SubmitError, SubmitUsageError, render_script, submit, submit_command
+from mpitp.cli.submit import submit_command
+from mpitp.jobs.submit import SubmitError, SubmitUsageError, render_script, submit
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import OFFLINE_ENV, explain, mpiexec_path, run_mpi
 
-from mpitp.results.store import read_metrics, read_requests
+from mpitp.results.rows import read_metrics, read_requests
 
 TASKS = "mpitp_demo_mc,mpitp_demo_ppl"
 
@@ -225,7 +225,7 @@ def test_inspect_sweep_summary_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from click.testing import CliRunner
 
-    from mpitp.results.report import inspect_command
+    from mpitp.cli.inspect import inspect_command
     from mpitp.jobs.sweep import Row, plot_summary, write_summary
 
     rows = [Row(f"ck/step-{i}", f"step-{i}", str(tmp_path / f"step-{i}.h5"), "complete", wall_s=1.0,

@@ -1,5 +1,10 @@
 """The ``mpitp`` command line. Every subcommand works under ``mpiexec``/``srun`` and as a singleton.
 
+One module per command (``evaluate``: eval, ``run``, ``submit``, ``inspect``, ``info``, ``tasks``, ``rescore``), each a
+thin click layer over library code that imports the heavy libraries (torch, lm-eval, h5py) only when it runs, so that
+``mpitp --help`` stays fast. :func:`register` adds them to the group; an import error there is a bug and surfaces as
+one, not as a missing command.
+
 ``main`` is the failure boundary: a :class:`UsageError` becomes one line on rank 0 and exit status 2 on every rank;
 any other exception on any rank is printed once with its rank and aborts the whole MPI job.
 """
@@ -11,35 +16,7 @@ import sys
 import click
 
 from mpitp import __version__
-from mpitp.parallel.comm import DEFAULT_TIMEOUT
 from mpitp.errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort, world_rank
-
-
-def _positive_float(ctx, param, value):
-    if value is None:
-        return value
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise click.BadParameter(f"expected a number of seconds, got {value!r}") from None
-    if not v > 0:
-        raise click.BadParameter(f"must be > 0, got {value!r}")
-    return v
-
-
-def runtime_options(f):
-    """Options shared by every subcommand that starts the MPI runtime."""
-    f = click.option("--log-all-ranks", is_flag=True, help="Log from every rank, each line prefixed with its rank.")(f)
-    f = click.option("--timeout", default=str(DEFAULT_TIMEOUT), callback=_positive_float, show_default=True,
-                     help="Seconds any rank waits for its peers (MPI barriers and torch.distributed).")(f)
-    f = click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="Torch threads per rank (default: cores per node / ranks per node).")(f)
-    f = click.option("--device", default=None, help="Device override, e.g. cpu or cuda:0 (default: auto).")(f)
-    f = click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Pipeline stages per model replica (TP inside each stage); dp = world size / (tp x pp).")(f)
-    f = click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Tensor-parallel degree; dp = world size / (tp x pp).")(f)
-    return f
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,23 +25,19 @@ def cli():
     """Evaluate Hugging Face models on lm-eval tasks under MPI: TP inside DP groups, results in HDF5."""
 
 
-@cli.command()
-@runtime_options
-@click.option("--model", default=None, help="With --pp: print which decoder layers each stage of this model holds.")
-def info(tp, pp, device, threads, timeout, log_all_ranks, model):
-    """Print the dp x pp x tp layout, the MPI library and the torch backend (rank 0 prints)."""
-    from mpitp.cli.info import run_info
+def register(group: click.Group) -> None:
+    """Add every subcommand to ``group`` (``mpitp --help`` lists them alphabetically)."""
+    from mpitp.cli.evaluate import eval_command
+    from mpitp.cli.info import info_command
+    from mpitp.cli.inspect import inspect_command
+    from mpitp.cli.rescore import rescore_command
+    from mpitp.cli.run import run_command
+    from mpitp.cli.submit import submit_command
+    from mpitp.cli.tasks import tasks_command
 
-    run_info(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks,
-             model=model)
-
-
-def _register_optional():
-    """Subcommands living in their own modules are added here so that ``mpitp --help`` stays fast."""
-    from mpitp.cli.commands import register
-
-    register(cli)
-
+    for command in (eval_command, info_command, run_command, tasks_command, submit_command, rescore_command,
+                    inspect_command):
+        group.add_command(command)
 
 
 def main(argv=None) -> None:
@@ -72,7 +45,7 @@ def main(argv=None) -> None:
 
     listen_early()  # before the slow imports: a walltime signal during start-up must not be lost
     install_excepthook()
-    _register_optional()
+    register(cli)
     try:
         cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
     except UsageError as exc:
@@ -93,13 +66,3 @@ def main(argv=None) -> None:
         sys.exit(USAGE_EXIT if exc.exit_code == 2 else exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-
-
-@cli.command(name="eval", add_help_option=False,
-             context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def eval_cmd(args):
-    """Evaluate a model on lm-eval tasks: every lm_eval --model hf command line, plus --tp/--pp (mpitp eval -h)."""
-    from mpitp.cli.evaluate import eval_main
-
-    eval_main(list(args))

@@ -1,8 +1,13 @@
-"""``mpitp eval``: parse lm-eval's command line (plus mpitp's options) into an :class:`EvalConfig` and run it."""
+"""``mpitp eval``: parse lm-eval's command line (plus mpitp's options) into an :class:`EvalConfig` and run it.
+
+The click command passes its arguments through untouched: lm-eval's own argparse parser reads them
+(:mod:`mpitp.evaluation.lmeval_args`), so ``mpitp eval`` takes every ``lm_eval`` command line."""
 
 from __future__ import annotations
 
 import sys
+
+import click
 
 from mpitp.errors import UsageError
 from mpitp.evaluation.runner import EvalConfig, run_eval
@@ -26,6 +31,14 @@ def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
     if cfg.model_args is not None:
         cfg.model_args.setdefault("pretrained", cfg.model)
     return cfg
+
+
+@click.command(name="eval", add_help_option=False,
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def eval_command(args):
+    """Evaluate a model on lm-eval tasks: every lm_eval --model hf command line, plus --tp/--pp (mpitp eval -h)."""
+    eval_main(list(args))
 
 
 def eval_main(argv: list[str]) -> None:

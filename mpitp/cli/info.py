@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import logging
 
+import click
+
+from mpitp.cli.options import runtime_options
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import setup_logging, start
-from mpitp.results.texttable import text_table
+from mpitp.results.texttable import format_table
 from mpitp.parallel.launch import oversubscription_warning
 from mpitp.parallel.world import mpi_implementation, mpi_library_version
 
 log = logging.getLogger("mpitp")
+
+
+@click.command(name="info")
+@runtime_options
+@click.option("--model", default=None, help="With --pp: print which decoder layers each stage of this model holds.")
+def info_command(tp, pp, device, threads, timeout, log_all_ranks, model):
+    """Print the dp x pp x tp layout, the MPI library and the torch backend (rank 0 prints)."""
+    run_info(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks,
+             model=model)
 
 
 def layout_rows(rt) -> list[dict] | None:
@@ -35,10 +47,6 @@ def _stage_split(rt, model: str) -> str | None:
         return describe_split(num_layers(config), rt.layout.pp)
 
     return agree(check, rt.world.comm, rt.timeout, "checking the model's stages")
-
-
-def format_table(rows: list[dict], columns: list[str]) -> str:
-    return text_table(columns, [[r[c] for c in columns] for r in rows])
 
 
 def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: str | None = None) -> None:

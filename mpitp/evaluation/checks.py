@@ -64,7 +64,7 @@ def offline_include(cfg) -> list[str]:
     return _paths(cfg.include_path) + [out]
 
 
-def _remove_generated(include: list[str] | None) -> None:
+def remove_generated(include: list[str] | None) -> None:
     """Remove the override YAMLs :func:`offline_include` wrote (rank 0, after the run)."""
     import shutil
     import tempfile
@@ -123,7 +123,7 @@ def check_output(cfg) -> str:
 def check_resumable(path: str, cfg) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
     from mpitp.evaluation.fingerprint import resume_differences
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     try:
         with open_h5(path) as f:
@@ -192,7 +192,10 @@ def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> None:
     refuse_unsupported_generation(parsed, None, "--gen-kwargs", f"tp={tp} pp={pp}")
 
 
-def _check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
+def check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
+    """Every check of one evaluation, on rank 0 before any rank loads the model: (output path, tokenizer). ``keep``
+    receives what later steps reuse: the include paths written for offline tasks, lm-eval's TaskManager, the model's
+    config and the claim on the output file."""
     from mpitp.replica.loading import check_dtype, check_tp, load_config
     from mpitp.replica.pipeline import check_pp
 

@@ -17,9 +17,6 @@ import json
 import logging
 import os
 import shutil
-import sys
-
-import click
 
 from mpitp.errors import UsageError
 
@@ -68,7 +65,8 @@ def stored_lm(rows: dict[tuple, dict]):
 
 
 def _stored_rows(path: str) -> dict[tuple, dict]:
-    from mpitp.results.store import REQUEST_FIELDS, open_h5, read_requests
+    from mpitp.results.rows import read_requests
+    from mpitp.results.schema import REQUEST_FIELDS, open_h5
 
     with open_h5(path) as f:
         tasks = list(f.get("tasks", {}))
@@ -82,7 +80,7 @@ def _stored_rows(path: str) -> dict[tuple, dict]:
 
 
 def _config(path: str, include_path, data_dir):
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
     from mpitp.evaluation.runner import EvalConfig
 
     try:
@@ -110,7 +108,7 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
     """lm-eval's results dict and the per-document scores for ``path``, from its stored rows only."""
     import lm_eval
 
-    from mpitp.evaluation.checks import _remove_generated, check_tasks, offline_include
+    from mpitp.evaluation.checks import remove_generated, check_tasks, offline_include
     from mpitp.results.docscores import capture
 
     if not os.path.isfile(path):
@@ -140,7 +138,7 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
                     f"file (first: task {task} doc_id {doc} idx {idx}): the requests changed (prompt, few-shot, "
                     f"limit or file incomplete); recompute them with mpitp eval --resume", collective=True) from None
     finally:
-        _remove_generated(include)
+        remove_generated(include)
     return res, doc_scores, lm.served, len(rows)
 
 
@@ -149,7 +147,7 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
     import numpy as np
 
     from mpitp.results.docscores import write as write_scores
-    from mpitp.results.store import STR, _attr, open_h5
+    from mpitp.results.schema import STR, h5_attr, open_h5
 
     tmp = f"{dst}.tmp{os.getpid()}"
     shutil.copyfile(src, tmp)
@@ -158,16 +156,16 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
             for task, cfgd in res.get("configs", {}).items():
                 g = f.require_group(f"tasks/{task}")
                 n = res.get("n-samples", {}).get(task, {})
-                g.attrs["output_type"] = _attr(cfgd.get("output_type"))
-                g.attrs["num_fewshot"] = _attr(res.get("n-shot", {}).get(task, 0))
-                g.attrs["n_docs"] = _attr(n.get("effective", n.get("original", 0)))
+                g.attrs["output_type"] = h5_attr(cfgd.get("output_type"))
+                g.attrs["num_fewshot"] = h5_attr(res.get("n-shot", {}).get(task, 0))
+                g.attrs["n_docs"] = h5_attr(n.get("effective", n.get("original", 0)))
                 for name in ("metrics", "doc_scores", "samples"):
                     if name in g:
                         del g[name]
                 m = g.create_group("metrics")
                 for k, v in res["results"].get(task, {}).items():
                     if k != "alias":
-                        m.attrs[k] = _attr(v)
+                        m.attrs[k] = h5_attr(v)
                 if task in doc_scores:
                     write_scores(g, doc_scores[task])
                 samples = res.get("samples", {}).get(task)
@@ -188,7 +186,7 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
 
 def metric_changes(path: str, res: dict) -> list[str]:
     """``task metric: old -> new`` for every metric whose value moved (or appeared)."""
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     out = []
     with open_h5(path) as f:
@@ -203,38 +201,3 @@ def metric_changes(path: str, res: dict) -> list[str]:
                 if o is None or (o != v and not (isinstance(o, float) and isinstance(v, float) and o == v)):
                     out.append(f"{task} {k}: {o!r} -> {v!r}")
     return out
-
-
-@click.command(name="rescore")
-@click.argument("file", metavar="FILE.h5")
-@click.option("--output", default=None, help="Write the rescored results to a new file (a copy with new metrics).")
-@click.option("--in-place", is_flag=True, help="Replace FILE's metrics with the rescored ones (atomically).")
-@click.option("--include-path", default=None, help="Task YAMLs to use instead of the run's include path.")
-@click.option("--data-dir", default=None, help="Offline data directory instead of the run's.")
-@click.option("--bootstrap-iters", type=click.IntRange(min=0), default=None,
-              help="lm-eval's stderr bootstrap iterations (default: the run's).")
-def rescore_command(file, output, in_place, include_path, data_dir, bootstrap_iters):
-    """Recompute lm-eval's metrics of FILE from its stored request results, without loading a model.
-
-    Refused (exit 2) when the task's requests changed: only filters and metrics may differ from the run.
-    """
-    from lm_eval.utils import make_table
-
-    if output and in_place:
-        raise UsageError("--output and --in-place contradict each other: pick one", collective=True)
-    if output and os.path.exists(output):
-        raise UsageError(f"output {output} already exists", collective=True)
-    try:
-        res, doc_scores, served, stored = rescore(file, include_path, data_dir, bootstrap_iters)
-    except UsageError as exc:  # a single process: every "rank" raised it
-        raise UsageError(str(exc), collective=True) from None
-    print(make_table(res))
-    changes = metric_changes(file, res)
-    print("\n".join(["metrics changed:"] + ["  " + c for c in changes]) if changes
-          else "metrics: identical to the stored ones")
-    print(f"rescored from {served} stored request results ({stored} rows in the file), no model loaded")
-    if output or in_place:
-        dst = output or file
-        write_rescored(file, dst, res, doc_scores)
-        print(f"wrote {dst}")
-    sys.stdout.flush()

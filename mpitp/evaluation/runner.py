@@ -7,6 +7,7 @@ their leader's forwards.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from mpitp import __version__
 from mpitp.parallel import comm as mpicomm
-from mpitp.evaluation.checks import _check_all, _remove_generated, check_tasks, offline_include
+from mpitp.evaluation.checks import check_all, remove_generated, check_tasks, offline_include
 from mpitp.evaluation.dispatch import stall_hook
 from mpitp.evaluation.progress import make_progress
 from mpitp.parallel.runtime import Runtime, agree
@@ -215,7 +216,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
     lay = rt.layout
     # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
-    out, tokenizer = agree(lambda: _check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
+    out, tokenizer = agree(lambda: check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
     phases = {"checks": time.perf_counter() - t_start}
     if lay.pp > 1:
         from mpitp.replica.pipeline import describe_split, load_stage, num_layers
@@ -233,7 +234,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
         return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
                                t_start=t_start, phases=phases)
     finally:
-        _remove_generated(keep.get("include"))
+        remove_generated(keep.get("include"))
         if keep.get("claim") is not None:
             keep["claim"].release()
 
@@ -308,7 +309,7 @@ def _merge_stage_stats(stats, lay, timeout: float) -> None:
 
 
 def task_manager_for(cfg: EvalConfig):
-    """Check the tasks and build lm-eval's TaskManager (rank 0), for callers that skipped :func:`_check_all`."""
+    """Check the tasks and build lm-eval's TaskManager (rank 0), for callers that skipped :func:`check_all`."""
     return check_tasks(cfg.tasks, offline_include(cfg))
 
 
@@ -430,127 +431,184 @@ class _EnvInfoEarly:
         self.pool.shutdown(wait=False)
 
 
-def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
-    import lm_eval
+def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict) -> dict:
+    """Rank 0's part of one evaluation (see :class:`_RootRun`): the state :func:`_finish_root` writes and prints."""
+    return _RootRun(cfg, rt, lm, out, stats, Dispatcher).evaluate(tm, extra)
 
-    from mpitp.evaluation.lm import KIND_ROLLING, request_keys
-    from mpitp.results.store import ResultWriter
 
-    tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
-    clock = _PhaseClock()
-    t0 = time.perf_counter()
-    writer = ResultWriter(out, _metadata(cfg, rt, tokenizer_name), resume=cfg.resume) if out else None
-    stored = writer.stored_rows() if (writer and cfg.resume) else {}
-    if writer is not None:
+class _RootRun:
+    """Rank 0's evaluation, step by step: open the results file (resume: read what it holds), run lm-eval's
+    ``simple_evaluate`` with ``lm``, whose requests come back to :meth:`serve` (stored results first, the rest
+    dispatched over the DP groups, each chunk's rows recorded as it lands), then put lm-eval's outputs where
+    ``lm_eval`` puts them. Seconds per phase go to a :class:`_PhaseClock`."""
+
+    def __init__(self, cfg, rt: Runtime, lm, out: str | None, stats, Dispatcher):
+        self.cfg, self.rt, self.lm, self.out = cfg, rt, lm, out
+        self.tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
+        self.clock = _PhaseClock()
+        t0 = time.perf_counter()
+        self.writer, self.stored = self._open_writer()
+        self.clock.add("writing", time.perf_counter() - t0)
+        self.progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
+        self.dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
+                                     idle=lm.engine.idle)
+
+    # ------------------------------------------------------------------------------------------ the results file
+    def _open_writer(self):
+        """(writer or None, the rows it holds by resume key: empty unless resuming)."""
+        if not self.out:
+            return None, {}
         from mpitp.parallel.walltime import watch_writer
+        from mpitp.results.store import ResultWriter
 
+        writer = ResultWriter(self.out, _metadata(self.cfg, self.rt, self.tokenizer_name), resume=self.cfg.resume)
+        stored = writer.stored_rows() if self.cfg.resume else {}
         watch_writer(writer)
-    clock.add("writing", time.perf_counter() - t0)
-    progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
-    dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
-                            idle=lm.engine.idle)
+        return writer, stored
 
-    def runner(kind, items, weights, instances):
-        """Reuse stored results (resume), compute the rest across DP groups, record each chunk as it lands."""
+    def _record(self, kind: str, instances: list, keys: list, todo: list[int], indices, res) -> None:
+        """Store the rows of requests whose results are complete (``indices`` into ``todo``). The rows are built and
+        written on the writer's thread: the dispatch loop pays O(1) per chunk."""
+        if self.writer is not None:
+            self.writer.record(functools.partial(_rows_by_task, kind, instances, keys, todo, indices, res))
+
+    def _save_landed(self) -> None:
+        """After a failure: what landed goes to disk before the job is torn down."""
+        if self.writer is not None:
+            try:
+                self.writer.close(timeout=30)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+
+    # ---------------------------------------------------------------------------------------- lm-eval's requests
+    def serve(self, kind: str, items: list, weights: list, instances: list) -> list:
+        """``lm.runner``: reuse stored results (resume), compute the rest across DP groups, record each chunk as it
+        lands. The seconds spent here are the dispatch phase."""
         t_run = time.perf_counter()
         try:
-            return _runner(kind, items, weights, instances)
+            return self._serve(kind, items, weights, instances)
         finally:
-            clock.dispatch += time.perf_counter() - t_run
+            self.clock.dispatch += time.perf_counter() - t_run
 
-    def _runner(kind, items, weights, instances):
-        if lm.auto is not None:  # chunks hold whole auto-sized batches of their longest rows (as for a fixed size)
-            rows = [r for rs in items for r in rs] if kind == KIND_ROLLING else None
-            longest = max((len(r[0]) for r in rows), default=1) if rows is not None else max(weights, default=1)
-            dispatcher.batch_size = lm.auto.size(longest)
+    def _serve(self, kind, items, weights, instances) -> list:
+        from mpitp.evaluation.lm import request_keys
+
+        self._size_batches(kind, items, weights)
         keys = request_keys(instances)
-        results: list = [None] * len(items)
+        results, todo = self._reuse_stored(kind, keys)
+        record = functools.partial(self._record, kind, instances, keys, todo)
+        for i, r in zip(todo, self._compute(kind, items, weights, todo, record)):
+            results[i] = r
+        return results
+
+    def _size_batches(self, kind: str, items: list, weights: list) -> None:
+        """With ``--batch_size auto``, chunks hold whole auto-sized batches of their longest rows (as for a fixed
+        size)."""
+        from mpitp.evaluation.lm import KIND_ROLLING
+
+        if self.lm.auto is None:
+            return
+        rows = [r for rs in items for r in rs] if kind == KIND_ROLLING else None
+        longest = max((len(r[0]) for r in rows), default=1) if rows is not None else max(weights, default=1)
+        self.dispatcher.batch_size = self.lm.auto.size(longest)
+
+    def _reuse_stored(self, kind: str, keys: list) -> tuple[list, list[int]]:
+        """(results with the stored ones filled in, indices of the requests still to compute)."""
+        results: list = [None] * len(keys)
         todo = []
         for i, key in enumerate(keys):
-            row = stored.get(key)
+            row = self.stored.get(key)
             if row is not None and row["kind"] == kind:
                 results[i] = _result_from_row(row, kind)
             else:
                 todo.append(i)
-        if len(todo) < len(items):
-            log.info("resume: reusing %d of %d %s results from %s", len(items) - len(todo), len(items), kind, out)
+        if len(todo) < len(keys):
+            log.info("resume: reusing %d of %d %s results from %s", len(keys) - len(todo), len(keys), kind, self.out)
+        return results, todo
 
-        def record(indices, res):
-            """Store the rows of requests whose results are complete (``indices`` into ``todo``). The rows are
-            built and written on the writer's thread: the dispatch loop pays O(1) per chunk."""
-            if writer is None:
-                return
-
-            def rows():
-                by_task: dict[str, list] = {}
-                for i, r in zip(indices, res):
-                    inst = instances[todo[i]]
-                    by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
-                return by_task
-
-            writer.record(rows)
+    def _compute(self, kind: str, items: list, weights: list, todo: list[int], record) -> list:
+        """The results of ``items[i]`` for ``i`` in ``todo``, dispatched over the DP groups."""
+        from mpitp.evaluation.lm import KIND_ROLLING
 
         if kind == KIND_ROLLING:
-            computed = _run_windows(dispatcher, progress, [items[i] for i in todo], record)
-        else:
-            todo_weights = [weights[i] for i in todo]
+            return _run_windows(self.dispatcher, self.progress, [items[i] for i in todo], record)
+        todo_weights = [weights[i] for i in todo]
+        self.progress.add_total(len(todo))
+        return self.dispatcher.run(kind, [items[i] for i in todo], todo_weights,
+                                   functools.partial(self._landed, record, todo_weights))
 
-            def on_chunk(indices, res):
-                record(indices, res)
-                progress(len(indices), sum(todo_weights[i] for i in indices))
+    def _landed(self, record, weights: list, indices, res) -> None:
+        record(indices, res)
+        self.progress(len(indices), sum(weights[i] for i in indices))
 
-            progress.add_total(len(todo))
-            computed = dispatcher.run(kind, [items[i] for i in todo], todo_weights, on_chunk)
-        for i, r in zip(todo, computed):
-            results[i] = r
-        return results
+    # -------------------------------------------------------------------------------------------------- lm-eval
+    def evaluate(self, tm, extra: dict) -> dict:
+        """Run lm-eval with every request served by :meth:`serve`; lm-eval's outputs written as ``lm_eval`` does."""
+        from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
 
-    lm.runner = runner
-    if cfg.seed is not None:
-        lm.seed = cfg.seed
-    clock.wrap(lm)
-    from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
+        cfg, lm = self.cfg, self.lm
+        lm.runner = self.serve
+        if cfg.seed is not None:
+            lm.seed = cfg.seed
+        self.clock.wrap(lm)
+        loggers = start_loggers(cfg)
+        res, doc_scores = self._simple_evaluate(self._lm_eval_kwargs(tm, extra, loggers["tracker"]))
+        self.dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
+        lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
+        self.clock.unwrap(lm)
+        stall_hook("post_processing")
+        as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, self.rt.layout), device=self.rt.device,
+                       loggers=loggers)
+        return {"results": res, "writer": self.writer, "phases": self.clock.phases, "cfg": cfg, "loggers": loggers,
+                "doc_scores": doc_scores}
 
-    loggers = start_loggers(cfg)
-    kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs or {},
-                  apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
-                  bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, model_args=cfg.model_args or "",
-                  batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
-                  samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
-                  system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
-                  fewshot_as_multiturn=_multiturn(cfg), evaluation_tracker=loggers["tracker"],
-                  confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
-                  **_requests_cache(cfg.cache_requests), **cfg.seeds())
-    if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
-        from mpitp.evaluation.requestcache import enable
+    def _lm_eval_kwargs(self, tm, extra: dict, tracker) -> dict:
+        """``simple_evaluate``'s arguments: the settings, lm-eval's request cache (:mod:`mpitp.evaluation.requestcache`
+        unless the caller or ``--cache_requests`` says otherwise), then the caller's own (``mpitp.evaluate``)."""
+        cfg = self.cfg
+        kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs or {},
+                      apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
+                      bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, model_args=cfg.model_args or "",
+                      batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
+                      samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
+                      system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
+                      fewshot_as_multiturn=_multiturn(cfg), evaluation_tracker=tracker,
+                      confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
+                      **_requests_cache(cfg.cache_requests), **cfg.seeds())
+        if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
+            from mpitp.evaluation.requestcache import enable
 
-        kwargs.update(enable(cfg, tm, tokenizer_name))
-    kwargs.update(extra)
-    from mpitp.results.docscores import capture
+            kwargs.update(enable(cfg, tm, self.tokenizer_name))
+        kwargs.update(extra)
+        return kwargs
 
-    env_info = _EnvInfoEarly()
-    try:
-        clock.t_eval = time.perf_counter()
-        with env_info, capture() as doc_scores:
-            res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
-        clock.eval_done()
-    except BaseException:
-        if writer is not None:  # what landed goes to disk before the job is torn down
-            try:
-                writer.close(timeout=30)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                pass
-        raise
-    finally:
-        progress.close()
-    dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
-    lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
-    clock.unwrap(lm)
-    stall_hook("post_processing")
-    as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, rt.layout), device=rt.device,
-                   loggers=loggers)
-    return {"results": res, "writer": writer, "phases": clock.phases, "cfg": cfg, "loggers": loggers,
-            "doc_scores": doc_scores}
+    def _simple_evaluate(self, kwargs: dict) -> tuple[dict, dict]:
+        """(lm-eval's results, its per-document scores captured on the way)."""
+        import lm_eval
+
+        from mpitp.results.docscores import capture
+
+        env_info = _EnvInfoEarly()
+        try:
+            self.clock.t_eval = time.perf_counter()
+            with env_info, capture() as doc_scores:
+                res = lm_eval.simple_evaluate(model=self.lm, tasks=self.cfg.tasks, **kwargs)
+            self.clock.eval_done()
+        except BaseException:
+            self._save_landed()
+            raise
+        finally:
+            self.progress.close()
+        return res, doc_scores
+
+
+def _rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indices, res) -> dict[str, list]:
+    """The HDF5 rows of the requests ``todo[i]`` for ``i`` in ``indices`` (results ``res``), grouped by task."""
+    by_task: dict[str, list] = {}
+    for i, r in zip(indices, res):
+        inst = instances[todo[i]]
+        by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
+    return by_task
 
 
 def _multiturn(cfg) -> bool | None:

@@ -51,7 +51,7 @@ def output_status(path: str) -> str:
     """
     if not os.path.exists(path):
         return "missing"
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     try:
         with open_h5(path) as f:
@@ -137,7 +137,7 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
 
 
 def print_summary(path, summary) -> None:
-    from mpitp.cli.info import format_table
+    from mpitp.results.texttable import format_table
 
     rows = [dict(run=n, tp=tp, status=st, wall=f"{w:.1f}s", output=out) for n, tp, st, w, out in summary]
     print(f"\njob {path}: {sum(1 for r in rows if not r['status'].startswith('FAILED'))}/{len(rows)} runs ok")

@@ -227,12 +227,12 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.runtime import agree
-    from mpitp.evaluation.checks import _check_all
+    from mpitp.evaluation.checks import check_all
     from mpitp.evaluation.runner import evaluate_loaded
 
     t_start = time.perf_counter()
     keep = state.keep
-    out, tokenizer = agree(lambda: _check_all(cfg, rt.layout.tp, keep, rt.layout.pp), rt.world.comm, rt.timeout,
+    out, tokenizer = agree(lambda: check_all(cfg, rt.layout.tp, keep, rt.layout.pp), rt.world.comm, rt.timeout,
                            f"checking {cfg.model}")
     if rt.layout.is_root and "task_manager" in keep:
         memoize_task_loading(keep["task_manager"])
@@ -288,7 +288,7 @@ def _metrics_of(res: dict | None) -> dict:
 
 
 def _metrics_from_file(path: str) -> dict:
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     try:
         with open_h5(path) as f:
@@ -367,11 +367,11 @@ def run_sweep(cfg, rt) -> int:
 
 def finish(state: SweepState) -> None:
     """Remove the task YAMLs ``--data-dir`` generated for the sweep (rank 0 holds them)."""
-    from mpitp.evaluation.checks import _remove_generated
+    from mpitp.evaluation.checks import remove_generated
 
     if state.prefetch is not None:
         state.prefetch.join()
-    _remove_generated(state.keep.get("include"))
+    remove_generated(state.keep.get("include"))
 
 
 # --------------------------------------------------------------------------------------------------- summary

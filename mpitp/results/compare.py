@@ -1,8 +1,8 @@
 """Is B better than A? Paired tests per task and metric on two results files' per-document scores.
 
 Used by ``mpitp inspect diff`` and the sweep summary. The scores come from ``/tasks/<task>/doc_scores`` (every file
-written since it existed) or, for older files, from ``--log-samples`` records (:mod:`mpitp.results.docscores`); a task with
-neither is reported as such, never guessed.
+written since it existed) or, for older files, from ``--log-samples`` records (:mod:`mpitp.results.docscores`); a
+task with neither is reported as such, never guessed.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ samples when they are logged). :func:`capture` wraps the one function that recei
 ``lm_eval.evaluator._process_results``, for the duration of a ``simple_evaluate`` call and keeps a copy, so every
 file carries what a paired comparison needs without the cost of logging samples.
 
-Schema (an extension of :mod:`mpitp.results.store`): ``/tasks/<task>/doc_scores``: dataset ``doc_id`` int64 and one dataset
-per lm-eval metric key (``acc,none``): float64 of shape ``(n,)`` for numbers, ``(n, k)`` for fixed-length number
+Schema (an extension of :mod:`mpitp.results.schema`): ``/tasks/<task>/doc_scores``: dataset ``doc_id`` int64 and one
+dataset per lm-eval metric key (``acc,none``): float64 of shape ``(n,)`` for numbers, ``(n, k)`` for fixed-length number
 tuples (perplexity-type metrics: ``(loglikelihood, words)``), else one JSON string per document. Each metric dataset
 has attrs ``aggregation`` (lm-eval's aggregation name, e.g. ``mean``) and ``higher_is_better``.
 """
@@ -120,7 +120,7 @@ def write(group, ds: DocScores) -> None:
 
 def read(path: str, task: str) -> DocScores | None:
     """The task's per-document scores: ``doc_scores`` when stored, else rebuilt from logged samples, else None."""
-    from mpitp.results.store import open_h5
+    from mpitp.results.schema import open_h5
 
     with open_h5(path) as f:
         g = f.get(f"tasks/{task}")

@@ -1,35 +1,5 @@
-"""The HDF5 results file: one per evaluation run, written by global rank 0 only (PyPI h5py has no MPI-IO).
-
-Schema (stable; extend, don't break):
-
-- root attrs: ``mpitp_version``, ``created``, ``model``, ``tokenizer``, ``dtype``, ``world_size``, ``tp``, ``dp``,
-  ``command``, ``lm_eval_version``, ``torch_version``, ``transformers_version``, ``mpi_version``, ``status``
-  (``running`` until metrics are written, then ``complete``), ``config_json`` (the settings resume must match),
-  ``wall_time_s``, ``results_json`` (lm-eval's results dict, for ``inspect --json``).
-- ``/tasks/<task>`` attrs ``output_type``, ``num_fewshot``, ``n_docs``; ``/tasks/<task>/metrics`` one attr per
-  lm-eval metric key (``acc,none``, ``acc_stderr,none``, ...).
-- ``/tasks/<task>/requests``: equal-length datasets, one row per lm-eval request instance: ``doc_id`` int64,
-  ``idx`` int32, ``kind`` str, ``loglikelihood`` float64 (NaN for generations), ``is_greedy`` bool, ``generation``
-  str, ``n_tokens`` int32, ``args_hash`` str (the resume key with task, doc_id and idx). Rows are appended as chunks
-  complete, so their order is completion order; sort by (doc_id, idx) to compare.
-- ``/stats``: one row per DP group: ``dp_rank``, ``busy_s``, ``requests``, ``tokens_scored``, ``tokens_generated``,
-  ``forwards``, ``tp_bytes`` (all TP traffic this group's leader sent), ``tp_score_bytes`` (the scoring reductions
-  alone), ``mpi_bytes`` (work and results between DP groups), ``pp_bytes`` (activations and scores all ranks of the
-  group sent between pipeline stages; 0 without stages). With stages, ``tp_score_bytes`` is the last stage's (where
-  scoring happens). ``requests`` counts a rolling request's windows as shares of it (they may run in different
-  groups), so a group's value can be fractional; the sum over groups is whole.
-- ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
-- root attrs ``run_id`` (names the journal that belongs to this file) and ``journal_seq`` (the last journal record
-  the snapshot holds); ``phases_json`` (rank 0's seconds per phase: checks, load, building requests, tokenising,
-  dispatch, metrics, writing; written at the end).
-- ``<file>.journal`` beside the file while a run is going (or was killed): the rows landed since the last snapshot,
-  in the format of :mod:`mpitp.results.journal`. Read the file with :func:`load_rows` / :func:`read_requests` (or
-  ``mpitp inspect``), which merge both; a finished run (``status`` ``complete``) has no journal.
-- ``/tasks/<task>/doc_scores``: lm-eval's per-document metric values (see :mod:`mpitp.results.docscores`).
-
-Files are opened with HDF5 file locking off by default: lock failures on Lustre and NFS are a common h5py failure
-on clusters and there is only ever one writer. Set ``MPITP_HDF5_LOCKING=1`` to turn it back on.
-"""
+"""Writing the HDF5 results file (schema: :mod:`mpitp.results.schema`; reading: :mod:`mpitp.results.rows`): rank 0's
+:class:`ResultWriter`, an HDF5 snapshot plus the journal of :mod:`mpitp.results.journal`, on a background thread."""
 
 from __future__ import annotations
 
@@ -42,45 +12,11 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-import h5py
 import numpy as np
 
-from mpitp.results.journal import Journal, fsync_dir, journal_path, read_journal
-
-STR = h5py.string_dtype()
-REQUEST_FIELDS = {
-    "doc_id": np.int64,
-    "idx": np.int32,
-    "kind": STR,
-    "loglikelihood": np.float64,
-    "is_greedy": np.bool_,
-    "generation": STR,
-    "n_tokens": np.int32,
-    "args_hash": STR,
-    "repeat": np.int32,  # 0..k-1 for the k clones of a request of an lm-eval task with ``repeats: k``
-}
-STATS_FIELDS = ("busy_s", "requests", "tokens_scored", "tokens_generated", "forwards", "tp_bytes", "tp_score_bytes",
-                "mpi_bytes", "pp_bytes")
-
-
-def _locking() -> bool:
-    return os.environ.get("MPITP_HDF5_LOCKING", "0") not in ("0", "", "false", "False")
-
-
-def open_h5(path: str, mode: str = "r") -> h5py.File:
-    return h5py.File(path, mode, locking=_locking())
-
-
-def _attr(v):
-    if v is None:
-        return "None"
-    if isinstance(v, (dict, list, tuple)):
-        return json.dumps(v, default=str)
-    if isinstance(v, str):
-        return "".join([v])  # a plain str: numpy's str_ would become a fixed-width type h5py cannot store
-    if isinstance(v, (bool, int, float, np.generic)):
-        return v
-    return str(v)
+from mpitp.results.journal import Journal, fsync_dir, journal_path
+from mpitp.results.rows import load_rows
+from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, h5_attr, open_h5, py_value
 
 
 class ResultWriter:
@@ -110,7 +46,7 @@ class ResultWriter:
             self._load(path)
         self.attrs.setdefault("created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
         self.attrs.setdefault("run_id", uuid.uuid4().hex)
-        self.attrs.update({k: _attr(v) for k, v in meta.items()})
+        self.attrs.update({k: h5_attr(v) for k, v in meta.items()})
         self.attrs["status"] = "running"
         self.attrs.pop("results_json", None)
         self.busy_s = 0.0  # writer-thread seconds (journal + snapshots), for the phase timings
@@ -138,7 +74,7 @@ class ResultWriter:
             t["attrs"] = tattrs
             for name in REQUEST_FIELDS:
                 if name in cols:
-                    t["rows"][name] = [_py(x) for x in cols[name]]
+                    t["rows"][name] = [py_value(x) for x in cols[name]]
 
     def _add_rows(self, task: str, rows: list[dict]) -> None:
         cols = self._task(task)["rows"]
@@ -207,7 +143,8 @@ class ResultWriter:
             raise RuntimeError(f"writing results to {self.path} failed: {err}") from err
 
     def stored_rows(self) -> dict[tuple, dict]:
-        """Every stored request row by its resume key ``(task, doc_id, idx, args_hash, repeat)`` (call before appending)."""
+        """Every stored request row by its resume key ``(task, doc_id, idx, args_hash, repeat)`` (call before
+        appending)."""
         out = {}
         for task, t in self.tasks.items():
             cols = t["rows"]
@@ -238,8 +175,8 @@ class ResultWriter:
     def write_task(self, task: str, attrs: dict, metrics: dict, samples: list | None = None) -> None:
         def op():
             t = self._task(task)
-            t["attrs"].update({k: _attr(v) for k, v in attrs.items()})
-            t["metrics"] = {k: _attr(v) for k, v in metrics.items()}
+            t["attrs"].update({k: h5_attr(v) for k, v in attrs.items()})
+            t["metrics"] = {k: h5_attr(v) for k, v in metrics.items()}
             if samples is not None:
                 t["samples"] = [json.dumps(s, default=str) for s in samples]
 
@@ -247,7 +184,8 @@ class ResultWriter:
         self._queue.put(op)
 
     def write_doc_scores(self, task: str, scores) -> None:
-        """lm-eval's per-document metric values (a :class:`mpitp.results.docscores.DocScores`), written with the file."""
+        """lm-eval's per-document metric values (a :class:`mpitp.results.docscores.DocScores`), written with the
+        file."""
         self._check()
         self._queue.put(lambda: self._task(task).__setitem__("doc_scores", scores))
 
@@ -258,7 +196,7 @@ class ResultWriter:
     def extra_attrs(self, **attrs) -> None:
         """Root attrs added to the next snapshot (e.g. ``phases_json``)."""
         self._check()
-        self._queue.put(lambda: self.attrs.update({k: _attr(v) for k, v in attrs.items()}))
+        self._queue.put(lambda: self.attrs.update({k: h5_attr(v) for k, v in attrs.items()}))
 
     def finish(self, results_json: dict, wall_time_s: float) -> None:
         """Write the complete file (status ``complete``) and remove the journal; stops the writer thread."""
@@ -333,119 +271,3 @@ class ResultWriter:
         fsync_dir(self.path)
         self.snapshots += 1
         self.snapshot_s = getattr(self, "snapshot_s", 0.0) + time.perf_counter() - t0
-
-
-
-def _py(v):
-    """HDF5 value -> plain Python (bytes decoded, numpy scalars unwrapped)."""
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "surrogateescape")
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
-def _decode(a: np.ndarray) -> np.ndarray:
-    if a.dtype == object:
-        return np.array([x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in a], dtype=object)
-    return a
-
-
-def _column(values: list, name: str) -> np.ndarray:
-    dt = REQUEST_FIELDS[name]
-    return np.asarray(values, dtype=object if dt == STR else dt).reshape(len(values))
-
-
-class _StaleSnapshot(Exception):
-    """The journal was rotated after the snapshot we read: a newer snapshot is in place, read again."""
-
-
-def _journal_tail(path: str, attrs: dict, tasks: set | None) -> tuple[dict[str, dict[str, list]], int]:
-    """Rows in ``path``'s journal that the snapshot (root ``attrs``) does not hold, and the last record's seq."""
-    seq0 = int(attrs.get("journal_seq", 0))
-    run_id = attrs.get("run_id")
-    if not run_id or attrs.get("status") == "complete":
-        return {}, seq0
-    header, records = read_journal(journal_path(path))
-    if header is None or header.get("run_id") != run_id:
-        return {}, seq0
-    if int(header.get("base_seq", 0)) > seq0:
-        raise _StaleSnapshot
-    out: dict[str, dict[str, list]] = {}
-    last = seq0
-    for rec in records:
-        if int(rec.get("seq", 0)) <= seq0:
-            continue
-        last = max(last, int(rec["seq"]))
-        for task, cols in rec.get("tasks", {}).items():
-            if tasks is not None and task not in tasks:
-                continue
-            dst = out.setdefault(task, {k: [] for k in REQUEST_FIELDS})
-            for k in REQUEST_FIELDS:  # a journal from before the repeat column: no clone but the first
-                dst[k].extend(cols[k] if k in cols else [0] * len(cols["doc_id"]))
-    return out, last
-
-
-def load_rows(path: str, tasks: set | None = None, with_task_attrs: bool = False, counts_only: bool = False):
-    """Root attrs and every request row of a results file: the HDF5 snapshot merged with the journal a running or
-    killed run left beside it. Returns ``(attrs, {task: columns})`` (``{task: (task_attrs, columns)}`` with
-    ``with_task_attrs``; ``{task: n_rows}`` with ``counts_only``). ``attrs["journal_seq"]`` is the last record read.
-    """
-    for attempt in range(20):
-        try:
-            return _load_rows_once(path, tasks, with_task_attrs, counts_only)
-        except _StaleSnapshot:
-            time.sleep(0.01 * (attempt + 1))
-    raise OSError(f"{path}: the snapshot kept changing while it was read")
-
-
-def _load_rows_once(path, tasks, with_task_attrs, counts_only):
-    with open_h5(path) as f:
-        attrs = {k: _py(v) for k, v in f.attrs.items()}
-        tail, last = _journal_tail(path, attrs, tasks)
-        out = {}
-        for task, g in f.get("tasks", {}).items():
-            if tasks is not None and task not in tasks:
-                continue
-            req = g.get("requests")
-            if counts_only:
-                cols = int(req["doc_id"].shape[0]) if req is not None and "doc_id" in req else 0
-            else:
-                cols = {name: _decode(req[name][()]) for name in REQUEST_FIELDS if req is not None and name in req}
-                if "doc_id" in cols and "repeat" not in cols:  # a file from before the column: first clones only
-                    cols["repeat"] = np.zeros(len(cols["doc_id"]), dtype=np.int32)
-            out[task] = ({k: _py(v) for k, v in g.attrs.items()}, cols)
-    for task, jcols in tail.items():
-        tattrs, cols = out.get(task, ({}, 0 if counts_only else {}))
-        if counts_only:
-            cols += len(jcols["doc_id"])
-        else:
-            cols = {k: np.concatenate([cols[k], _column(jcols[k], k)]) if k in cols else _column(jcols[k], k)
-                    for k in REQUEST_FIELDS}
-        out[task] = (tattrs, cols)
-    attrs["journal_seq"] = last
-    return attrs, (out if with_task_attrs else {t: c for t, (_, c) in out.items()})
-
-
-def request_counts(path: str) -> dict[str, int]:
-    """Request rows per task, journal included (cheap: no row is read from the snapshot)."""
-    return load_rows(path, counts_only=True)[1]
-
-
-def read_requests(path: str, task: str) -> dict[str, np.ndarray]:
-    """All request rows of ``task`` (the journal's included), sorted by (doc_id, idx); strings decoded."""
-    _, rows = load_rows(path, tasks={task})
-    if task not in rows:
-        raise KeyError(f"no task {task!r} in {path}")
-    cols = rows[task]
-    if set(cols) != set(REQUEST_FIELDS):
-        raise KeyError(f"requests of task {task}: missing columns {sorted(set(REQUEST_FIELDS) - set(cols))}")
-    if len({len(v) for v in cols.values()}) > 1:
-        raise ValueError(f"requests of task {task}: columns of different lengths")
-    order = np.lexsort((cols["repeat"], cols["idx"], cols["doc_id"]))
-    return {k: v[order] for k, v in cols.items()}
-
-
-def read_metrics(path: str, task: str) -> dict:
-    with open_h5(path) as f:
-        return {k: (v.item() if hasattr(v, "item") else v) for k, v in f[f"tasks/{task}/metrics"].attrs.items()}

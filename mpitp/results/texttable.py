@@ -16,3 +16,8 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], right: 
 
     out = [line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]
     return "\n".join(s.rstrip() for s in out)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """``rows`` (dicts) as a :func:`text_table` of the keys in ``columns``."""
+    return text_table(columns, [[r[c] for c in columns] for r in rows])

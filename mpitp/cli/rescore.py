@@ -1,0 +1,48 @@
+"""``mpitp rescore FILE.h5``: lm-eval's metrics recomputed from the stored request results
+(:mod:`mpitp.evaluation.rescore`), printed, and written to ``--output`` or ``--in-place``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from mpitp.errors import UsageError
+
+
+@click.command(name="rescore")
+@click.argument("file", metavar="FILE.h5")
+@click.option("--output", default=None, help="Write the rescored results to a new file (a copy with new metrics).")
+@click.option("--in-place", is_flag=True, help="Replace FILE's metrics with the rescored ones (atomically).")
+@click.option("--include-path", default=None, help="Task YAMLs to use instead of the run's include path.")
+@click.option("--data-dir", default=None, help="Offline data directory instead of the run's.")
+@click.option("--bootstrap-iters", type=click.IntRange(min=0), default=None,
+              help="lm-eval's stderr bootstrap iterations (default: the run's).")
+def rescore_command(file, output, in_place, include_path, data_dir, bootstrap_iters):
+    """Recompute lm-eval's metrics of FILE from its stored request results, without loading a model.
+
+    Refused (exit 2) when the task's requests changed: only filters and metrics may differ from the run.
+    """
+    from lm_eval.utils import make_table
+
+    from mpitp.evaluation.rescore import metric_changes, rescore, write_rescored
+
+    if output and in_place:
+        raise UsageError("--output and --in-place contradict each other: pick one", collective=True)
+    if output and os.path.exists(output):
+        raise UsageError(f"output {output} already exists", collective=True)
+    try:
+        res, doc_scores, served, stored = rescore(file, include_path, data_dir, bootstrap_iters)
+    except UsageError as exc:  # a single process: every "rank" raised it
+        raise UsageError(str(exc), collective=True) from None
+    print(make_table(res))
+    changes = metric_changes(file, res)
+    print("\n".join(["metrics changed:"] + ["  " + c for c in changes]) if changes
+          else "metrics: identical to the stored ones")
+    print(f"rescored from {served} stored request results ({stored} rows in the file), no model loaded")
+    if output or in_place:
+        dst = output or file
+        write_rescored(file, dst, res, doc_scores)
+        print(f"wrote {dst}")
+    sys.stdout.flush()

@@ -1,0 +1,85 @@
+"""``mpitp inspect FILE --plot OUT.png``: bar charts of a run's metrics and of each DP group's busy time.
+
+matplotlib is an optional extra (``mpitp[plot]``), imported only here and only when a plot is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from mpitp.results.reader import BadInput, MetricRow, RunFile, as_number, metric_rows
+from mpitp.results.render import layout_line
+
+
+def figure_class():
+    """matplotlib is an optional extra: import it only for ``--plot``."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise BadInput("matplotlib is not installed: install mpitp[plot] for --plot") from None
+    return Figure
+
+
+def plot_run(run: RunFile, out: str, task: str | None = None, Figure=None) -> None:
+    """Bar charts of every metric (one panel per metric and filter, one bar per task, stderr as error bars) and
+    of the busy seconds of each DP group (the dashed line is the mean: bars far from it mean load imbalance).
+
+    Uses the object-oriented API (:class:`matplotlib.figure.Figure`, no pyplot): no global figure state and no
+    interactive backend is touched.
+    """
+    import numpy as np
+
+    Figure = Figure or figure_class()
+    panels: dict[tuple[str, str], list[MetricRow]] = {}
+    for r in metric_rows(run, task):
+        if as_number(r.value) is not None:
+            panels.setdefault((r.metric, r.filter), []).append(r)
+    n_panels = len(panels) + 1
+    widest = max([len(v) for v in panels.values()] + [len(run.stats["busy_s"]) if run.stats and "busy_s" in
+                                                        run.stats else 1])
+    ncols = 1 if widest > 12 else min(3, n_panels)  # many tasks (a benchmark's subtasks): full-width panels
+    nrows = math.ceil(n_panels / ncols)
+    width = max(4.5, min(0.35 * widest + 1.5, 16.0))
+    fig = Figure(figsize=(width * ncols, 3.6 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+
+    for ax, ((metric, filt), rows) in zip(axes, panels.items()):
+        x = np.arange(len(rows))
+        vals = np.array([as_number(r.value) for r in rows], dtype=float)
+        errs = np.array([as_number(r.stderr) if as_number(r.stderr) is not None else np.nan for r in rows], dtype=float)
+        finite = np.isfinite(vals)
+        log = bool(finite.all() and (vals > 0).all() and vals.max() / vals.min() > 1e3)
+        bars = ax.bar(x, np.where(finite, vals, 0.0), color="C0", log=log)
+        ok = np.isfinite(errs) & finite
+        if ok.any():
+            ax.errorbar(x[ok], vals[ok], yerr=errs[ok], fmt="none", ecolor="black", elinewidth=1, capsize=4)
+        ax.bar_label(bars, labels=[f"{v:.3g}" if np.isfinite(v) else "nan" for v in vals], padding=2, fontsize=8)
+        rotate = len(rows) > 3
+        ax.set_xticks(x, [r.task for r in rows], rotation=45 if rotate else 0, ha="right" if rotate else "center",
+                      fontsize=8)
+        ax.set_title(metric if filt == "none" else f"{metric} [{filt}]")
+        ax.margins(y=0.15)
+
+    ax = axes[len(panels)]
+    if run.stats and "busy_s" in run.stats and len(run.stats["busy_s"]):
+        busy = np.asarray(run.stats["busy_s"], dtype=float)
+        ranks = np.asarray(run.stats.get("dp_rank", np.arange(len(busy))))
+        ax.bar(ranks, busy, color="C1")
+        mean = float(busy.mean())
+        ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.2f} s")
+        ax.set_xticks(ranks, [str(int(r)) for r in ranks])
+        ax.set_xlabel("DP group")
+        ax.set_ylabel("busy seconds")
+        ratio = busy.max() / mean if mean > 0 else float("nan")
+        ax.set_title(f"busy per DP group (max/mean {ratio:.2f})")
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no /stats in this file\n(run not finished)", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+    for extra in axes[n_panels:]:
+        extra.set_axis_off()
+    a = run.attrs
+    fig.suptitle(f"{os.path.basename(run.path)}: {a.get('model', '?')}, {layout_line(a)} ({run.status})")
+    fig.savefig(out, dpi=120)

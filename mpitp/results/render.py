@@ -1,0 +1,157 @@
+"""The text renderers of ``mpitp inspect``: the summary (header lines and the metrics table), CSV, lm-eval's results
+JSON and the request rows of one task, all from a :class:`mpitp.results.reader.RunFile`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+
+from mpitp.results.reader import RunFile, as_number, load_requests, metric_rows, task_n_docs
+from mpitp.results.texttable import text_table
+
+
+def _fmt_value(v) -> str:
+    x = as_number(v)
+    if x is None:
+        return "" if v is None else str(v)
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    return f"{x:.4f}" if abs(x) < 1e7 else f"{x:.6g}"
+
+
+def _stats_totals(run: RunFile) -> dict | None:
+    import numpy as np
+    from mpitp.results.schema import STATS_FIELDS
+
+    if not run.stats or "busy_s" not in run.stats:
+        return None
+    s = run.stats
+    tot = {k: float(np.sum(s[k])) for k in STATS_FIELDS if k in s}
+    busy = np.asarray(s["busy_s"], dtype=float)
+    tot["groups"] = int(busy.shape[0])
+    tot["busy_min"] = float(busy.min()) if busy.size else 0.0
+    tot["busy_max"] = float(busy.max()) if busy.size else 0.0
+    mean = float(busy.mean()) if busy.size else 0.0
+    tot["imbalance"] = tot["busy_max"] / mean if mean > 0 else float("nan")
+    return tot
+
+
+def layout_line(attrs: dict) -> str:
+    pp = int(attrs.get("pp", 1) or 1)
+    stages = f" x pp {pp}" if pp > 1 else ""
+    return f"world {attrs.get('world_size', '?')} = dp {attrs.get('dp', '?')}{stages} x tp {attrs.get('tp', '?')}"
+
+
+def header_lines(run: RunFile) -> list[str]:
+    a = run.attrs
+    lines = [f"file        {run.path}"]
+    status = run.status
+    if status == "running":
+        rows = sum(t.n_rows for t in run.tasks.values())
+        status += f" (no metrics yet; {rows} request rows stored so far)"
+    lines.append(f"status      {status}")
+    lines.append(f"model       {a.get('model', '?')}   dtype {a.get('dtype', '?')}")
+    lines.append(f"layout      {layout_line(a)}")
+    versions = "  ".join(f"{k.replace('_version', '')} {a[k]}" for k in
+                         ("mpitp_version", "lm_eval_version", "torch_version", "transformers_version") if k in a)
+    if "created" in a:
+        lines.append(f"created     {a['created']}")
+    if versions:
+        lines.append(f"versions    {versions}")
+    wall = as_number(a.get("wall_time_s"))
+    lines.append(f"wall time   {wall:.1f} s" if wall is not None else "wall time   n/a (run not finished)")
+    tot = _stats_totals(run)
+    if tot is not None:
+        tokens = tot.get("tokens_scored", 0.0) + tot.get("tokens_generated", 0.0)
+        if wall and wall > 0:
+            lines.append(f"throughput  {tot.get('requests', 0) / wall:.2f} requests/s, {tokens / wall:.1f} tokens/s "
+                         f"({tot.get('requests', 0):.0f} requests, {tokens:.0f} tokens)")
+        lines.append(f"DP groups   {tot['groups']}: busy {tot['busy_min']:.2f} .. {tot['busy_max']:.2f} s "
+                     f"(max/mean {tot['imbalance']:.2f})")
+    return lines
+
+
+def render_summary(run: RunFile, task: str | None) -> str:
+    rows = []
+    for r in metric_rows(run, task):
+        err = as_number(r.stderr)
+        rows.append([r.task, r.metric, r.filter, _fmt_value(r.value), "±" if err is not None else "",
+                     _fmt_value(r.stderr) if r.stderr is not None else "", "" if r.n is None else str(r.n)])
+    with_metrics = {r[0] for r in rows}
+    for name, t in run.tasks.items():  # tasks with no metrics yet (a running or interrupted run)
+        if (task is None or name == task) and name not in with_metrics:
+            n = task_n_docs(run, t)
+            rows.append([name, f"({t.n_rows} requests stored)", "", "-", "", "", "" if n is None else str(n)])
+    out = "\n".join(header_lines(run)) + "\n\n"
+    if rows:
+        out += text_table(["task", "metric", "filter", "value", "", "stderr", "n"], rows, right={3, 6})
+    else:
+        out += "(no tasks)"
+    return out
+
+
+def render_csv(run: RunFile, task: str | None) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["task", "metric", "filter", "value", "stderr", "n"])
+    for r in metric_rows(run, task):
+        v, e = as_number(r.value), as_number(r.stderr)
+        w.writerow([r.task, r.metric, r.filter, repr(v) if v is not None else r.value,
+                    repr(e) if e is not None else "", "" if r.n is None else r.n])
+    return buf.getvalue()
+
+
+def lm_eval_json(run: RunFile, task: str | None) -> tuple[dict, bool]:
+    """(lm-eval results dict, complete?). A running file gives what is known so far."""
+    if run.results_json is not None:
+        res = dict(run.results_json)
+        if task is not None:
+            for k, v in res.items():
+                if k != "config" and isinstance(v, dict):
+                    res[k] = {name: x for name, x in v.items() if name == task}
+        return res, True
+    names = [n for n in run.tasks if task is None or n == task]
+    config = {}
+    if isinstance(run.attrs.get("config_json"), str):
+        try:
+            config = json.loads(run.attrs["config_json"])
+        except ValueError:
+            config = {}
+    res = {
+        "results": {n: {"alias": n, **run.tasks[n].metrics} for n in names if run.tasks[n].metrics},
+        "configs": {},
+        "versions": {},
+        "n-shot": {n: run.tasks[n].attrs["num_fewshot"] for n in names if "num_fewshot" in run.tasks[n].attrs},
+        "higher_is_better": {},
+        "n-samples": {n: {"effective": task_n_docs(run, run.tasks[n])} for n in names
+                      if task_n_docs(run, run.tasks[n]) is not None},
+        "config": {"model": run.attrs.get("model"), **config},
+    }
+    return res, False
+
+
+def short_text(s: str, width: int = 40) -> str:
+    s = json.dumps(s, ensure_ascii=False)[1:-1]  # escapes newlines and tabs
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def render_requests(path: str, task: str, limit: int | None) -> str:
+    cols = load_requests(path, task)
+    n = len(cols["doc_id"])
+    shown = n if limit is None else min(n, limit)
+    rows = []
+    for i in range(shown):
+        ll = float(cols["loglikelihood"][i])
+        rows.append([str(int(cols["doc_id"][i])), str(int(cols["idx"][i])), str(cols["kind"][i]),
+                     "-" if math.isnan(ll) else f"{ll:.6f}", "yes" if bool(cols["is_greedy"][i]) else "no",
+                     str(int(cols["n_tokens"][i])), short_text(str(cols["generation"][i]))])
+    head = f"task {task}: {n} request rows, sorted by (doc_id, idx)"
+    if shown < n:
+        head += f"; first {shown} shown"
+    table = text_table(["doc_id", "idx", "kind", "loglikelihood", "is_greedy", "n_tokens", "generation"], rows,
+                       right={0, 1, 3, 5})
+    return head + "\n" + table
