@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import OFFLINE_ENV, REPO, STORIES, explain, run_mpi  # noqa: E402
-from parity_util import close  # noqa: E402
-
 from mpitp.jobs.jobfile import load_job  # noqa: E402
 from mpitp.results.store import open_h5, read_metrics, read_requests  # noqa: E402
+from support import OFFLINE_ENV, REPO, STORIES  # noqa: E402
+from support.mpi import explain, run_mpi  # noqa: E402
+from support.parity import close  # noqa: E402
+
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 

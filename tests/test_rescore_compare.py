@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import OFFLINE_ENV, REPO, explain, run_mpi
-
 from mpitp.results.report import inspect_command
 from mpitp.results.store import read_metrics
+from support import OFFLINE_ENV, REPO
+from support.mpi import explain, run_mpi
+
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 

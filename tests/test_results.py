@@ -23,12 +23,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import OFFLINE_ENV, STORIES, explain, run_mpi  # noqa: E402
-from parity_util import compare_requests, mpitp_requests, reference_requests  # noqa: E402
-
 import mpitp  # noqa: E402
 from mpitp.errors import UsageError  # noqa: E402
 from mpitp.results.store import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5, read_metrics, read_requests  # noqa: E402
+from support import OFFLINE_ENV, STORIES  # noqa: E402
+from support.mpi import explain, run_mpi  # noqa: E402
+from support.parity import compare_requests, mpitp_requests, reference_requests  # noqa: E402
+
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 KIND = {"mpitp_demo_mc": "loglikelihood", "mpitp_demo_ppl": "loglikelihood_rolling",

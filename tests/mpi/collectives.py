@@ -13,6 +13,7 @@ import zlib
 
 import numpy as np
 import torch
+from _checks import Checks, same, say
 from mpi4py import MPI
 
 import mpitp.parallel.comm as mc
@@ -20,8 +21,6 @@ from mpitp.errors import UsageError, install_excepthook
 from mpitp.parallel.layout import make_layout
 from mpitp.parallel.runtime import agree
 from mpitp.parallel.world import world_from_comm
-
-from _checks import Checks, same, say
 
 install_excepthook()
 check = Checks()
@@ -220,10 +219,11 @@ def main():
 
     # runtime.agree: rank 0's verdict (a value or a UsageError) reaches every rank, on any communicator.
     for name, comm, _ in comms:
-        got = agree(lambda: {"checked_by": WORLD.Get_rank(), "on": name}, comm, timeout=T, phase=f"agree {name}")
+        got = agree(lambda name=name: {"checked_by": WORLD.Get_rank(), "on": name}, comm, timeout=T,
+                    phase=f"agree {name}")
         expect_same(got, {"checked_by": world_ranks(comm)[0], "on": name}, f"agree ok on {name}")
 
-        def refuse():
+        def refuse(name=name):
             raise UsageError(f"refused on {name}")
 
         try:

@@ -14,14 +14,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
+from _checks import Checks, say
 
 import mpitp.parallel.comm as mc
 from mpitp.errors import install_excepthook
-from mpitp.parallel.runtime import start
 from mpitp.parallel.replica_group import destroy_tp_group
-
-from _checks import Checks, say
+from mpitp.parallel.runtime import start
 
 install_excepthook()
 check = Checks()
@@ -73,7 +71,7 @@ def main():
     rows = mc.gather_obj((lay.dp_rank, lay.tp_rank, int(t[0]), os.environ["MASTER_PORT"]), world.comm,
                          timeout=60.0, phase="gather sums")
     if rank == 0:
-        for r, (dp_rank, tp_rank, s, port) in enumerate(rows):
+        for r, (dp_rank, tp_rank, s, _port) in enumerate(rows):
             group = range(dp_rank * tp, (dp_rank + 1) * tp)
             check((dp_rank, tp_rank) == divmod(r, tp), f"rank {r} layout")
             check(s == sum(value(x) for x in group), f"rank {r}: group sum {s}")
