@@ -17,6 +17,7 @@ TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]
 DEMO_TASKS = str(REPO / "mpitp" / "demo" / "tasks")
 
 
+@pytest.mark.slow
 def test_evaluate_between_training_steps(shared_dir, tmp_path):
     proc = run_mpi_script(4, Path(__file__).parent / "mpi" / "api_train_eval.py",
                           [str(STORIES), DEMO_TASKS, str(tmp_path)], timeout=400)

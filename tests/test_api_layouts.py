@@ -11,7 +11,7 @@ import pytest
 from support import STORIES
 from support.mpi import explain, run_mpi_script
 
-pytestmark = pytest.mark.mpi  # every test here launches mpiexec
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 CALLS = 3000
 

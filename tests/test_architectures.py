@@ -55,6 +55,7 @@ def test_exclusions_are_listed():
         print(f"  {name}: {why}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ci_subset_covers_head_steps(matrix):
     """The subset has Cohere and Granite, and architectures without a TP plan; nothing in it fails to build silently."""
@@ -76,6 +77,7 @@ UPSTREAM_FAILURES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(2400)  # the first one builds the models and runs lm-eval's references
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=["tp1", "tp2", "pp2"])

@@ -20,7 +20,7 @@ from support import STORIES
 from support.launch import Launch, file_rows, inspect_diff
 from support.mpi import explain, run_mpi
 
-pytestmark = pytest.mark.mpi  # every test here launches mpiexec
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 
 # 4 ranks = dp 2 x tp 2 on the demo model, batch size 1: rows land within a second of the start of the evaluation;

@@ -10,7 +10,7 @@ import pytest
 
 from support import OFFLINE_ENV, REPO
 
-pytestmark = pytest.mark.mpi  # every test here launches mpiexec
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 
 def test_gpu_drill_dry_run_on_cpu(shared_dir):

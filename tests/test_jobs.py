@@ -76,6 +76,7 @@ runs:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.openmpi
 def test_job_with_a_failing_run(tmp_path):
     job = tmp_path / "job.yaml"
@@ -131,6 +132,7 @@ def test_job_with_a_failing_run(tmp_path):
     assert "good-tp2" not in p.stderr and not good["good-tp2"][0].exists()
 
 
+@pytest.mark.slow
 def test_shipped_demo_job(tmp_path):
     """``jobs/demo.yaml`` as shipped, with only its outputs moved out of the repository."""
     shipped_path = REPO / "jobs" / "demo.yaml"
@@ -213,6 +215,7 @@ def test_tasks_on_shared_data_as_downloaded(shared_dir):
     assert all(v.startswith("runnable") for v in got.values()) and len(got) == 6, p.stdout
 
 
+@pytest.mark.slow
 def test_data_dir_matches_hand_written_tasks(shared_dir, test_tasks, tmp_path):
     """``--data-dir ../shared/data`` as it is (downloaded file names) gives the hand-written YAMLs' numbers."""
     data_dir = shared_dir / "data"

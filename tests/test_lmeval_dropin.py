@@ -57,6 +57,7 @@ def test_corpus_size():
     assert len({name for name, _ in CORPUS}) == len(CORPUS)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @corpus_timeout
 def test_both_sides_ran_every_line(corpus_runs):
@@ -68,6 +69,7 @@ def test_both_sides_ran_every_line(corpus_runs):
         assert f"=== lm-eval {name}:" in ref.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @corpus_timeout
 @pytest.mark.parametrize("name", [n for n, _ in CORPUS])
@@ -94,6 +96,7 @@ def test_same_output_files(corpus_runs, name):
     assert set(stored) == set(lm_results)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @corpus_timeout
 def test_wandb_offline_run_holds_the_metrics(corpus_runs):

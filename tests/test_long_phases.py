@@ -15,7 +15,7 @@ from support import STORIES
 from support.launch import file_rows
 from support.mpi import explain, run_mpi
 
-pytestmark = pytest.mark.mpi  # every test here launches mpiexec
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 SLOW_TASKS = str(Path(__file__).parent / "slow_tasks")
 TIMEOUT = 8

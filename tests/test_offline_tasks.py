@@ -259,6 +259,7 @@ def test_missing_data_dir_is_a_usage_error(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MODEL.is_dir(), reason=f"model not found at {MODEL}")
 def test_simple_evaluate_runs_local_tasks(task_manager):
     import lm_eval

@@ -14,7 +14,7 @@ from support import STORIES
 from support.mpi import explain, run_mpi
 from support.parity import compare_metrics, compare_requests, mpitp_requests, reference_requests
 
-pytestmark = pytest.mark.mpi  # every test here launches mpiexec
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 TASKS = ["arc_easy_local", "hellaswag_local", "lambada_openai_local", "wikitext_local", "gsm8k_local"]
 LIMIT = 3

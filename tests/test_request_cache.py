@@ -46,6 +46,7 @@ def test_key_follows_what_shapes_requests(test_tasks, tmp_path):
     assert enable(EvalConfig(tasks=["arc_easy_local"], limit=5), tm, "tok") == {}  # --limit: off
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_second_full_run_reuses_built_requests(tmp_path):
     """Two full runs of the demo's multiple-choice task with one cache folder: the first writes lm-eval's cache

@@ -135,6 +135,7 @@ def test_rescore_after_a_filter_change_and_refusal_after_a_prompt_change(demo_ru
 # -------------------------------------------------------------------------------------- weights fingerprint
 
 
+@pytest.mark.slow
 def test_rewritten_checkpoint_is_refused_on_resume(shared_dir, tmp_path, demo_run):
     from safetensors.torch import load_file, save_file
 

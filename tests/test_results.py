@@ -269,6 +269,7 @@ def _interrupt(path: Path, drop_every: int = 3) -> dict[str, int]:
     return kept
 
 
+@pytest.mark.slow
 def test_resume_with_another_layout_equals_uninterrupted(tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     common = ["eval", "--demo", "--limit", "6", "--seed", "1234"]

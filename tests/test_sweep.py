@@ -77,6 +77,7 @@ def setup(tmp_path_factory, shared_dir):
     return dict(dir=d, ckpts=ck, tasks=demo_tasks_dir())
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_sweep_over_checkpoints_with_two_tokenizers_and_a_broken_one(setup):
     d, ck = setup["dir"], setup["ckpts"]
@@ -159,6 +160,7 @@ def _complete(path: Path) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_watch_picks_up_a_checkpoint_written_during_the_run(setup, shared_dir):
     d = setup["dir"]
