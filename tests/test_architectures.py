@@ -41,6 +41,7 @@ def references(matrix, test_tasks):
     return {name: A.reference(d, test_tasks, tm) for name, (_, d, why) in matrix.items() if d is not None}
 
 
+@pytest.mark.slow
 def test_exclusions_are_listed():
     """Every causal-LM architecture is either a plain decoder the matrix can build, or listed with its reason."""
     rows = []
