@@ -37,12 +37,12 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("marked slurm but not mpi (a SLURM job is an MPI launch): " + ", ".join(missing))
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The guard in :mod:`support.mpi` judges launches by the test that runs them, fixtures included."""
     _mpi.set_running_test(item)
     try:
-        yield
+        return (yield)
     finally:
         _mpi.set_running_test(None)
 
