@@ -13,7 +13,6 @@ import zlib
 
 import numpy as np
 import torch
-from _checks import Checks, same, say
 from mpi4py import MPI
 
 import mpitp.parallel.comm as mc
@@ -21,6 +20,8 @@ from mpitp.errors import UsageError, install_excepthook
 from mpitp.parallel.layout import make_layout
 from mpitp.parallel.runtime import agree
 from mpitp.parallel.world import world_from_comm
+
+from _checks import Checks, same, say
 
 install_excepthook()
 check = Checks()

@@ -17,11 +17,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from _checks import Checks, say
 from mpi4py import MPI
 
 import mpitp.parallel.comm as mc
 from mpitp.errors import DeadlineError, install_excepthook
+
+from _checks import Checks, say
 
 install_excepthook()
 check = Checks()

@@ -14,12 +14,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from _checks import Checks, say
 
 import mpitp.parallel.comm as mc
 from mpitp.errors import install_excepthook
 from mpitp.parallel.replica_group import destroy_tp_group
 from mpitp.parallel.runtime import start
+
+from _checks import Checks, say
 
 install_excepthook()
 check = Checks()
