@@ -14,7 +14,7 @@ from support.parity import compare_requests, mpitp_requests
 pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]
-DEMO_TASKS = str(REPO / "mpitp" / "demo" / "tasks")
+DEMO_TASKS = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
 
 
 @pytest.mark.slow
