@@ -126,9 +126,8 @@ def run_mpitp(argv: list[str]) -> None:
     from mpi4py import MPI
 
     import mpitp.cli
-    import mpitp.evaluation.runner
-
     import mpitp.evaluation.lm
+    import mpitp.evaluation.runner
 
     if no_cache:
         _patch_no_cache()

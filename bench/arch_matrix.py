@@ -1,5 +1,5 @@
 """The full architecture matrix: every causal-LM architecture of the installed transformers, built tiny and at
-random (tests/arch_util.py), scored by mpitp at tp=1, tp=2 and pp=2 (one MPI launch per layout, a job file with one
+random (tests/support/arch.py), scored by mpitp at tp=1, tp=2 and pp=2 (one MPI launch per layout, a job file with one
 run per model) and compared request by request with single-process ``lm_eval --model hf``.
 
     python bench/arch_matrix.py [--work DIR] [--only a,b]
@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import arch_util as A  # noqa: E402
+from support import arch as A  # noqa: E402
 
 
 def _mpirun(n: int, job: Path) -> subprocess.CompletedProcess:
@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="arch-matrix-"))
     work.mkdir(parents=True, exist_ok=True)
-    from tasks_util import materialize_test_tasks
+    from support.tasks import materialize_test_tasks
 
     include = materialize_test_tasks(work / "tasks")
     rows: dict[str, dict] = {}
@@ -98,7 +98,7 @@ def main() -> None:
             worst, problems = A.compare(refs[name], h5)
             rows[name][key] = f"{worst:.1e}" + ("" if not problems else f" MISMATCH ({len(problems)})")
     (work / "matrix.json").write_text(json.dumps(rows, indent=1, default=str))
-    print(f"\n| architecture | TP plan | PP plan | tp=1 | tp=2 | pp=2 | non-default options / reason |")
+    print("\n| architecture | TP plan | PP plan | tp=1 | tp=2 | pp=2 | non-default options / reason |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         extra = r.get("reason") or ", ".join(f"{k}={v}" for k, v in (r.get("changed") or {}).items())

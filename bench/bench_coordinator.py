@@ -1,12 +1,12 @@
 """Rank 0 as a coordinator, without models: many light DP groups through the real dispatcher and results path.
 
-Question (issue 17): how many requests per second can global rank 0 hand out and record, and what does each chunk
-cost it? Every rank of ``mpiexec -n N`` is a DP group of one; its "compute" returns synthetic scoring results after
-``--per-request-ms`` per request (rank 0's own group too, calling ``tick()`` as real compute does). Rank 0 runs the
-real :class:`mpitp.evaluation.dispatch.Dispatcher` (token-balanced chunks, two in flight per remote group) and records every
-landed chunk as ``mpitp eval`` does: :func:`mpitp.evaluation.runner._request_row` per request (on the writer thread) through
-:class:`mpitp.results.store.ResultWriter` (journal + HDF5 snapshot). Requests are lm-eval-like: ``--tokens`` token ids per
-row, arguments of ~300 characters (hashed into the resume key), eight tasks.
+Question (issue 17): how many requests per second can global rank 0 hand out and record, and what does each chunk cost
+it? Every rank of ``mpiexec -n N`` is a DP group of one; its "compute" returns synthetic scoring results after
+``--per-request-ms`` per request (rank 0's own group too, calling ``tick()`` as real compute does). Rank 0 runs the real
+:class:`mpitp.evaluation.dispatch.Dispatcher` (token-balanced chunks, two in flight per remote group) and records every
+landed chunk as ``mpitp eval`` does: :func:`mpitp.evaluation.runner._request_row` per request (on the writer thread)
+through :class:`mpitp.results.store.ResultWriter` (journal + HDF5 snapshot). Requests are lm-eval-like: ``--tokens``
+token ids per row, arguments of ~300 characters (hashed into the resume key), eight tasks.
 
 Printed: sustained requests/s (all requests / wall of the dispatch), rank 0's CPU seconds per chunk on the dispatch
 thread and per request on the writer thread, the remote groups' waits for their next chunk (the answer latency),
@@ -16,7 +16,8 @@ and a projection to 256 and 1024 groups:
 
 ``r_group`` one group's requests/s, ``c_chunk`` rank 0's dispatch-thread CPU seconds per chunk, ``c_row`` its
 writer-thread CPU seconds per request (the two threads share one interpreter lock, so their costs add), ``q(G)`` the
-mean requests per chunk that :func:`mpitp.evaluation.dispatch.make_chunks` cuts for G groups from ``--projection-requests``.
+mean requests per chunk that :func:`mpitp.evaluation.dispatch.make_chunks` cuts for G groups from
+``--projection-requests``.
 
 Run: ``python bench/bench_coordinator.py --ranks 64`` (launches ``mpiexec -n 64`` itself). Last line:
 ``RATIO coordinator_requests_per_s <sustained requests/s>`` (target >= 20,000).
@@ -85,8 +86,8 @@ def synthetic(n: int, tokens: int, seed: int = 0):
 def child(args) -> None:
     from mpi4py import MPI
 
-    from mpitp.parallel.comm import barrier, gather_obj
     from mpitp.evaluation.dispatch import Dispatcher, serve_remote
+    from mpitp.parallel.comm import barrier, gather_obj
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -115,8 +116,8 @@ def child(args) -> None:
         return
 
     from mpitp.evaluation.lm import KIND_SCORE
-    from mpitp.results.store import ResultWriter
     from mpitp.evaluation.runner import _request_row
+    from mpitp.results.store import ResultWriter
 
     items, weights, insts = synthetic(args.requests, args.tokens)
     writer = ResultWriter(args.out, dict(model="bench", tokenizer="bench", dtype="float32", world_size=size, tp=1,

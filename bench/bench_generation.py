@@ -15,8 +15,8 @@ Per repetition, back to back: (1) mpitp tp=2, (2) lm-eval tp_plan=auto, (3) mpit
 with ``--limit`` prompts and ``--batch-size``.
 
 1. mpitp tp=2 vs lm-eval tp_plan=auto. Target: mpitp's tokens/s >= 0.9x lm-eval's. Use ``--batch-size 1`` (the
-   default) for the per-step comparison: with batches, mpitp's dispatcher cuts the requests into ~4 chunks per DP
-   group before batching (``mpitp.evaluation.dispatch.make_chunks``), so ``--limit 4 --batch-size 4`` runs 3 generate calls
+   default) for the per-step comparison: with batches, mpitp's dispatcher cuts the requests into ~4 chunks per DP group
+   before batching (``mpitp.evaluation.dispatch.make_chunks``), so ``--limit 4 --batch-size 4`` runs 3 generate calls
    (1 + 1 + 2 prompts, 768 decode steps) where lm-eval runs one (256 steps); the "generate calls" column shows it.
 2. KV cache on vs off inside mpitp (tp=2). ``--gen-kwargs use_cache=False``
    cannot do it (lm-eval's ``HFLM._model_generate`` passes ``use_cache=True`` itself: "got multiple values for
@@ -50,14 +50,14 @@ def _row(rep, label, r, expect_tokens) -> tuple[list, float]:
     return common.run_row(rep, label, r) + [gc, gs, gt, gt / gs], gt / gs
 
 
-def _same_generations(m: dict, l: dict) -> str:
+def _same_generations(m: dict, ref: dict) -> str:
     import h5py
 
     with h5py.File(m["output"], "r", locking=False) as f:
         g = f[f"tasks/{TASK}/requests"]
         order = sorted(range(len(g["doc_id"])), key=lambda i: int(g["doc_id"][i]))
         mt = [g["generation"][i].decode() for i in order]
-    lt = l["ranks"][0].get("generations", [])
+    lt = ref["ranks"][0].get("generations", [])
     return f"{sum(a == b for a, b in zip(mt, lt))}/{len(mt)}"
 
 
@@ -73,17 +73,17 @@ def main() -> None:
     rows, tps_m, tps_l, tps_off = [], [], [], []
     for rep in range(1, args.reps + 1):
         m = common.run_mpitp(2, model, TASK, tp=2, batch_size=args.batch_size, limit=args.limit)
-        l = common.run_lm_eval(model, TASK, batch_size=args.batch_size, limit=args.limit, nproc=2, tp_plan=True,
+        ref = common.run_lm_eval(model, TASK, batch_size=args.batch_size, limit=args.limit, nproc=2, tp_plan=True,
                                log_samples=True)
         row, x = _row(rep, "mpitp tp=2 (KV cache on)", m, expect)
         rows.append(row)
         tps_m.append(x)
-        row, x = _row(rep, "lm_eval hf tp_plan=auto", l, expect)
+        row, x = _row(rep, "lm_eval hf tp_plan=auto", ref, expect)
         rows.append(row)
         tps_l.append(x)
         rows.append([rep, "  ratio mpitp / lm_eval", "", "", "", "", "", "", "", tps_m[-1] / tps_l[-1]])
         if rep == 1:
-            common.say(f"identical generations mpitp vs lm_eval: {_same_generations(m, l)}")
+            common.say(f"identical generations mpitp vs lm_eval: {_same_generations(m, ref)}")
         if not args.no_cache_runs:
             o = common.run_mpitp(2, model, TASK, tp=2, batch_size=args.batch_size, limit=args.limit, no_cache=True,
                                  label="mpitp cache off")

@@ -9,7 +9,8 @@ small ``--limit`` (batch 1): the evaluation itself adds little. Peak RSS = ``get
 each rank at its end (``bench/_driver.py``); the "after imports" column is the peak before the timed call, i.e. the
 interpreter + torch + transformers + lm-eval (+ mpi4py) share that no sharding can remove; "end RSS anon/file" splits
 each rank's RSS at its end into private memory and file-backed pages (shared libraries and the pages of the
-memory-mapped checkpoint in use; mpitp's tp > 1 ranks read their strided shards with ``pread``, see ``mpitp.replica.loading``).
+memory-mapped checkpoint in use; mpitp's tp > 1 ranks read their strided shards with ``pread``, see
+``mpitp.replica.loading``).
 
 Last line: ``RATIO memory_tp2 <max peak RSS over mpitp's ranks / lm_eval's peak RSS>`` (median over repetitions;
 target <= 0.6).
@@ -36,13 +37,13 @@ def main() -> None:
     rows, ratios = [], []
     for rep in range(1, args.reps + 1):
         m = common.run_mpitp(2, model, TASK, tp=2, batch_size=1, limit=args.limit, timeout=args.timeout)
-        l = common.run_lm_eval(model, TASK, batch_size=1, limit=args.limit, timeout=args.timeout)
-        for label, r in (("mpitp tp=2, 2 ranks", m), ("lm_eval hf, one process", l)):
+        ref = common.run_lm_eval(model, TASK, batch_size=1, limit=args.limit, timeout=args.timeout)
+        for label, r in (("mpitp tp=2, 2 ranks", m), ("lm_eval hf, one process", ref)):
             base = " ".join(f"{x['base_rss_kb'] / 1024:.0f}" for x in r["ranks"])
             split = " ".join(f"{x['end_rss_mb'].get('RssAnon', 0):.0f}/{x['end_rss_mb'].get('RssFile', 0):.0f}"
                              for x in r["ranks"])
             rows.append(common.run_row(rep, label, r) + [base, split])
-        ratios.append(max(m["peak_rss_mb"]) / max(l["peak_rss_mb"]))
+        ratios.append(max(m["peak_rss_mb"]) / max(ref["peak_rss_mb"]))
         rows.append([rep, "  ratio mpitp max rank / lm_eval", "", "", "", f"{ratios[-1]:.3f}", ""])
     common.say(common.fmt_table(rows, common.RUN_HEADER + ["RSS MB after imports", "end RSS anon/file MB"]))
     ratio = common.median(ratios)

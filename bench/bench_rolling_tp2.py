@@ -34,22 +34,22 @@ def main() -> None:
     metric = "word_perplexity,none"
     for rep in range(1, args.reps + 1):
         m = common.run_mpitp(2, model, "wikitext_local", tp=2, batch_size=args.batch_size, limit=args.limit)
-        l = common.run_lm_eval(model, "wikitext_local", batch_size=args.batch_size, limit=args.limit, nproc=2,
+        ref = common.run_lm_eval(model, "wikitext_local", batch_size=args.batch_size, limit=args.limit, nproc=2,
                                tp_plan=True)
         t_mpitp.append(m["time_s"])
-        t_lm.append(l["time_s"])
+        t_lm.append(ref["time_s"])
         c_mpitp.append(m["cpu_s"])
-        c_lm.append(l["cpu_s"])
+        c_lm.append(ref["cpu_s"])
         rows.append(common.run_row(rep, "mpitp tp=2 (mpiexec -n 2)", m))
-        rows.append(common.run_row(rep, "lm_eval hf tp_plan=auto (torchrun x2)", l))
-        rows.append([rep, "  ratio lm_eval / mpitp", l["time_s"] / m["time_s"], l["cpu_s"] / m["cpu_s"],
-                     l["outer_s"] / m["outer_s"], ""])
+        rows.append(common.run_row(rep, "lm_eval hf tp_plan=auto (torchrun x2)", ref))
+        rows.append([rep, "  ratio lm_eval / mpitp", ref["time_s"] / m["time_s"], ref["cpu_s"] / m["cpu_s"],
+                     ref["outer_s"] / m["outer_s"], ""])
         if rep == 1:
             st = m["h5_stats"]
             ppl_m = [x for x in m["stdout"].splitlines() if "word_perplexity" in x]
             common.say(f"mpitp: {int(st['tokens_scored'][0])} tokens scored in {int(st['forwards'][0])} forwards, "
                        f"busy {st['busy_s'][0]:.1f} s; {ppl_m[0].strip() if ppl_m else ''}")
-            common.say(f"lm_eval: word_perplexity {l['ranks'][0]['results']['wikitext_local'][metric]:.4f}")
+            common.say(f"lm_eval: word_perplexity {ref['ranks'][0]['results']['wikitext_local'][metric]:.4f}")
     common.say(common.fmt_table(rows, common.RUN_HEADER))
     ratio = common.paired(t_lm, t_mpitp)
     common.say(f"median eval wall: mpitp {common.median(t_mpitp):.2f} s, lm_eval tp_plan {common.median(t_lm):.2f} s; "

@@ -35,20 +35,20 @@ def main() -> None:
     acc = "acc,none"
     for rep in range(1, args.reps + 1):
         m = common.run_mpitp(1, model, TASK, tp=1, batch_size=args.batch_size, limit=args.limit)
-        l = common.run_lm_eval(model, TASK, batch_size=args.batch_size, limit=args.limit)
+        ref = common.run_lm_eval(model, TASK, batch_size=args.batch_size, limit=args.limit)
         tm.append(m["time_s"])
-        tl.append(l["time_s"])
+        tl.append(ref["time_s"])
         cm.append(m["cpu_s"])
-        cl.append(l["cpu_s"])
+        cl.append(ref["cpu_s"])
         rows.append(common.run_row(rep, f"mpitp -n 1 (wall {m['mpitp_wall_s']:.1f}, busy "
                                         f"{m['h5_stats']['busy_s'][0]:.1f} s)", m))
-        rows.append(common.run_row(rep, "lm_eval hf, one process", l))
-        rows.append([rep, "  ratio mpitp / lm_eval", m["time_s"] / l["time_s"], m["cpu_s"] / l["cpu_s"],
-                     m["outer_s"] / l["outer_s"], ""])
+        rows.append(common.run_row(rep, "lm_eval hf, one process", ref))
+        rows.append([rep, "  ratio mpitp / lm_eval", m["time_s"] / ref["time_s"], m["cpu_s"] / ref["cpu_s"],
+                     m["outer_s"] / ref["outer_s"], ""])
         if rep == 1:
             line = [x for x in m["stdout"].splitlines() if x.startswith("|hellaswag_local")]
             common.say("mpitp:   " + (line[0] if line else "?"))
-            common.say(f"lm_eval: acc {l['ranks'][0]['results'][TASK][acc]:.4f}")
+            common.say(f"lm_eval: acc {ref['ranks'][0]['results'][TASK][acc]:.4f}")
     common.say(common.fmt_table(rows, common.RUN_HEADER))
     wall = common.paired(tm, tl)
     ratio = common.paired(cm, cl)

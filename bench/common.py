@@ -186,7 +186,7 @@ metadata:
 def include_path() -> str:
     """The offline test tasks (``tests/tasks``) plus ``gen256_local``, materialised under ``bench/.cache/tasks``."""
     sys.path.insert(0, str(ROOT))
-    from tests.tasks_util import materialize_test_tasks
+    from tests.support.tasks import materialize_test_tasks
 
     out = CACHE / "tasks"
     path = materialize_test_tasks(out)

@@ -21,8 +21,6 @@ lm-eval's, and peak GPU memory per rank (``torch.cuda.max_memory_allocated``; RS
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 from pathlib import Path
 
@@ -30,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import common  # noqa: E402
-from common import DRIVER, MPIEXEC, PYTHON, _run, bench_env, fmt_table, include_path, say  # noqa: E402
+from common import DRIVER, PYTHON, _run, bench_env, fmt_table, include_path, say  # noqa: E402
 
 TASKS = "arc_easy_local,wikitext_local,gsm8k_local"
 
@@ -42,7 +40,7 @@ def lm_eval_case(model: str, device: str, dtype: str, tasks: str, limit: int, ba
                 include_path=include_path(), batch_size=batch_size, limit=limit, gen_kwargs=gen_kwargs,
                 log_samples=True, samples_out=str(samples))
     r = _run([PYTHON, DRIVER, "lmeval", json.dumps(spec)], bench_env(), 3600, f"lm_eval hf {dtype}")
-    from parity_util import reference_requests
+    from support.parity import reference_requests
 
     r["requests"] = reference_requests(json.loads(samples.read_text()))
     return r
@@ -53,7 +51,7 @@ def mpitp_case(n: int, tp: int, model: str, device: str, dtype: str, tasks: str,
     r = common.run_mpitp(n, model, tasks, tp=tp, batch_size=batch_size, limit=limit, gen_kwargs=gen_kwargs,
                          extra=["--device", device, "--dtype", dtype, "--bootstrap-iters", "0"], timeout=3600,
                          label=f"mpitp n={n} tp={tp} {dtype}")
-    from parity_util import mpitp_requests
+    from support.parity import mpitp_requests
 
     r["requests"] = mpitp_requests(r["output"], tasks.split(","))
     return r
@@ -61,7 +59,7 @@ def mpitp_case(n: int, tp: int, model: str, device: str, dtype: str, tasks: str,
 
 def parity(ref: dict, got: dict) -> tuple[float, int, int]:
     """(max relative |d ll|, flag or generation mismatches, requests compared)."""
-    from parity_util import compare_requests
+    from support.parity import compare_requests
 
     if not ref or not got:
         raise RuntimeError(f"nothing to compare: {len(ref)} reference and {len(got)} mpitp requests")

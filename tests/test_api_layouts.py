@@ -6,7 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import STORIES, explain, run_mpi_script
+import pytest
+
+from support import STORIES
+from support.mpi import explain, run_mpi_script
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 CALLS = 3000
 

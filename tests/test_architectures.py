@@ -1,8 +1,8 @@
 """The architecture matrix in CI: tiny random models of transformers' causal-LM architectures, each compared request
 by request with single-process ``lm_eval --model hf`` at tp=1, tp=2 and (where a PP plan exists) pp=2.
 
-The architectures are enumerated from the installed transformers (``tests/arch_util.py``); CI runs the subset
-:func:`arch_util.ci_subset` picks by rule (one per distinct head code, Cohere, Granite, Llama, and GPT-2/OPT without
+The architectures are enumerated from the installed transformers (``tests/support/arch.py``); CI runs the subset
+:func:`support.arch.ci_subset` picks by rule (one per distinct head code, Cohere, Granite, Llama, and GPT-2/OPT without
 a TP plan); ``bench/arch_matrix.py`` runs all of them. Every scaling / capping / bias option of a config is set to a
 non-default value (Cohere's ``logit_scale``, Granite's ``logits_scaling`` ...). One MPI launch per layout (a job file
 with one run per model).
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-import arch_util as A
-from conftest import explain, run_mpi
+from support import arch as A
+from support.mpi import explain, run_mpi
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,7 @@ def references(matrix, test_tasks):
     return {name: A.reference(d, test_tasks, tm) for name, (_, d, why) in matrix.items() if d is not None}
 
 
+@pytest.mark.slow
 def test_exclusions_are_listed():
     """Every causal-LM architecture is either a plain decoder the matrix can build, or listed with its reason."""
     rows = []
@@ -55,6 +56,7 @@ def test_exclusions_are_listed():
         print(f"  {name}: {why}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ci_subset_covers_head_steps(matrix):
     """The subset has Cohere and Granite, and architectures without a TP plan; nothing in it fails to build silently."""
@@ -76,6 +78,8 @@ UPSTREAM_FAILURES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.timeout(2400)  # the first one builds the models and runs lm-eval's references
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=["tp1", "tp2", "pp2"])
 def test_matrix_layout_matches_lm_eval(tp, pp, matrix, references, test_tasks, tmp_path):
@@ -93,7 +97,7 @@ def test_matrix_layout_matches_lm_eval(tp, pp, matrix, references, test_tasks, t
     job = A.job_file(tmp_path / "matrix.yaml", models, test_tasks, tmp_path, tp, pp)
     proc = run_mpi(tp * pp, ["run", str(job)], timeout=1800)
     table, failures = [], []
-    for name, d in models.items():
+    for name in models:
         arch = matrix[name][0]
         out = tmp_path / f"{name}.h5"
         if tp > 1 and not arch.tp_plan:

@@ -1,8 +1,8 @@
 """Bad input under a real ``mpiexec``: one clear line, printed once, exit status 2 on every rank, nothing left behind.
 
 Every row launches ``mpiexec -n N python -m mpitp ...`` (2 ranks unless the row needs 4) in a scratch directory and
-checks that the job ends with status 2 within 20 seconds, that the message is on exactly one line of stderr (not once per rank), that no traceback
-is shown and that an existing results file is left byte for byte as it was.
+checks that the job ends with status 2 within 20 seconds, that the message is on exactly one line of stderr (not once
+per rank), that no traceback is shown and that an existing results file is left byte for byte as it was.
 
 ``MPITP_BAD_INPUT_TABLE=docs/bad-input.md pytest tests/test_bad_input.py`` rewrites the Markdown table of the actual
 messages (the README's "bad input" section).
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, explain, run_mpi
+from support import REPO
+from support.mpi import explain, run_mpi
+
 
 @dataclass(frozen=True)
 class Row:
@@ -168,6 +170,7 @@ OPENMPI_ROWS = {"missing-model", "tp-world", "tp-heads", "pp-layers", "output-ex
                 "launcher-more-tasks"}
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("row", [pytest.param(r, id=r.id, marks=[pytest.mark.openmpi] if r.id in OPENMPI_ROWS else [])
                                  for r in ROWS])
 def test_bad_input(row, scratch):

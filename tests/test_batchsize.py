@@ -1,10 +1,10 @@
-"""``--batch_size auto`` sizing (mpitp/replica/batchsize.py): pure arithmetic on a real model config; the collective budget
-and the sized batches under a real TP group run in the drop-in corpus (tests/test_lmeval_dropin.py, line
+"""``--batch_size auto`` sizing (mpitp/replica/batchsize.py): pure arithmetic on a real model config; the collective
+budget and the sized batches under a real TP group run in the drop-in corpus (tests/test_lmeval_dropin.py, line
 ``auto-batch``)."""
 
 from __future__ import annotations
 
-from conftest import STORIES
+from support import STORIES
 
 
 def _config():

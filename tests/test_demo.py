@@ -183,10 +183,9 @@ def test_demo_tasks_load_from_any_cwd(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def demo_eval(tmp_path_factory):
     """One real single-process lm-eval run over the three demo tasks."""
-    import torch
-
     import lm_eval
     import lm_eval.utils
+    import torch
     from lm_eval.tasks import TaskManager
 
     model_dir, include_path, tasks = prepare_demo(tmp_path_factory.mktemp("cache"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpitp.parallel.device import DevicePlan, plan_device
 from mpitp.errors import UsageError
+from mpitp.parallel.device import DevicePlan, plan_device
 
 
 @pytest.mark.parametrize("requested", [None, "cuda"])

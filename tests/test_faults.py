@@ -12,15 +12,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from conftest import OFFLINE_ENV, STORIES, explain, mpi_env, mpiexec_cmd, run_mpi
+from support import STORIES
+from support.launch import Launch, file_rows, inspect_diff
+from support.mpi import explain, run_mpi
 
-psutil = pytest.importorskip("psutil")
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
+
 
 # 4 ranks = dp 2 x tp 2 on the demo model, batch size 1: rows land within a second of the start of the evaluation;
 # struck launches stall rank 0 after each of its chunks (STRIKE_STALL_S) so that several seconds of work remain
@@ -28,145 +29,6 @@ psutil = pytest.importorskip("psutil")
 DEMO = ["eval", "--demo", "--tp", "2", "--batch-size", "1", "--limit", "6", "--bootstrap-iters", "0"]
 GONE_AFTER_KILL = 30.0  # seconds from SIGKILL of a rank until every rank has gone
 GONE_AFTER_SIGNAL = 15.0  # seconds from SIGTERM / SIGINT to mpiexec until every rank has gone
-
-
-def file_rows(path) -> tuple[str | None, int]:
-    """(status, number of request rows) of a results file, (None, 0) while it does not exist or cannot be read."""
-    from mpitp.results.rows import load_rows
-
-    try:  # the HDF5 snapshot and the journal beside it (rows landed since the snapshot)
-        attrs, counts = load_rows(str(path), counts_only=True)
-        return str(attrs.get("status")), sum(counts.values())
-    except (OSError, KeyError):
-        return None, 0
-
-
-def inspect_diff(a, b, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpitp", "inspect", "diff", str(a), str(b), *extra],
-                          capture_output=True, text=True, timeout=120)
-
-
-class Launch:
-    """``mpiexec -n N python -m mpitp ARGS`` in its own session; output lines are kept with their arrival time."""
-
-    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None, script=None):
-        """``script``: run ``python SCRIPT ARGS`` instead of ``python -m mpitp ARGS``."""
-        entry = [str(script)] if script else ["-m", "mpitp"]
-        cmd = [*mpiexec_cmd(n), sys.executable, *entry, *args]
-        self.t0 = time.monotonic()
-        self.t_end: float | None = None
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                     env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})},
-                                     start_new_session=True)
-        self.out: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
-        self.readers = [threading.Thread(target=self._read, args=(s, name), daemon=True)
-                        for s, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
-        for t in self.readers:
-            t.start()
-        self.pids: dict[int, int] = {}
-
-    def _read(self, stream, name):
-        for raw in iter(stream.readline, b""):
-            self.out[name].append((time.monotonic(), raw.decode("utf-8", "replace")))
-
-    @property
-    def stdout(self) -> str:
-        return "".join(s for _, s in self.out["stdout"])
-
-    @property
-    def stderr(self) -> str:
-        return "".join(s for _, s in self.out["stderr"])
-
-    def explain(self) -> str:
-        return f"exit {self.proc.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}"
-
-    def rank_pids(self) -> dict[int, int]:
-        """Global rank -> pid of the python processes under this mpiexec.
-
-        A rank's own subprocesses inherit its environment (rank 0 runs ``pip list`` while lm-eval collects its
-        environment info through torch.utils.collect_env), so a rank is the topmost process carrying the rank
-        variable: one whose parent does not carry it too. (Taking the last match picked that ``pip``: a SIGKILL or
-        SIGUSR1 meant for rank 0 hit it and the run went on to exit 0.)
-        """
-        tagged = {}
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                env = child.environ()
-                parent = child.ppid()
-            except (psutil.Error, OSError):
-                continue
-            rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))  # MPICH's Hydra / Open MPI's prterun
-            if rank is not None:
-                tagged[child.pid] = (int(rank), parent)
-        found = {rank: pid for pid, (rank, parent) in tagged.items() if parent not in tagged}
-        self.pids.update(found)
-        return found
-
-    def wait_rows(self, path, more_than: int = 0, timeout: float = 180) -> int:
-        """Poll the results file until it holds more than ``more_than`` rows; fail if the job ends first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            _, n = file_rows(path)
-            if n > more_than:
-                return n
-            if self.proc.poll() is not None:
-                self.wait()
-                pytest.fail(f"job ended before writing rows ({n} rows)\n{self.explain()}")
-            time.sleep(0.05)
-        pytest.fail(f"no rows after {timeout} s\n{self.explain()}")
-
-    def wait(self, timeout: float = 300) -> int:
-        rc = self.proc.wait(timeout=timeout)
-        self.t_end = time.monotonic()
-        for t in self.readers:
-            t.join(timeout=10)
-        return rc
-
-    def ranks_alive(self) -> list[int]:
-        alive = []
-        for rank, pid in self.pids.items():
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(rank)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
-
-    def gone_within(self, t_strike: float, bound: float) -> float:
-        """Wait for mpiexec and every rank to go; returns seconds since ``t_strike`` (asserts ``bound``)."""
-        try:
-            self.wait(timeout=bound + 30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"mpiexec still running {bound + 30:.0f} s after the strike (ranks alive: "
-                        f"{self.ranks_alive()})\n{self.explain()}")
-        while self.ranks_alive() and time.monotonic() - t_strike < bound:
-            time.sleep(0.1)
-        took = time.monotonic() - t_strike
-        assert not self.ranks_alive(), f"ranks {self.ranks_alive()} outlived mpiexec"
-        assert took < bound, f"job took {took:.1f} s to go away (bound {bound} s)\n{self.explain()}"
-        return took
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in self.pids.values():  # ranks are ours; hydra may have put them in another process group
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 STALL_OK_S = 1  # seconds rank 0 sleeps after each chunk it computes, in the reference run

@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import OFFLINE_ENV, REPO
+import pytest
+
+from support import OFFLINE_ENV, REPO
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 
 def test_gpu_drill_dry_run_on_cpu(shared_dir):

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import STORIES, explain, run_mpi, run_mpi_script
+from support import STORIES
+from support.mpi import explain, run_mpi, run_mpi_script
+
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 MPI_DIR = Path(__file__).resolve().parent / "mpi"
 

@@ -1,7 +1,7 @@
 """``mpitp inspect``: the table, --json, --csv, --requests, --samples, --plot and ``inspect diff``.
 
-Two kinds of input: small synthetic files written through the real :class:`mpitp.results.store.ResultWriter` (fast, every
-field known), and one real demo evaluation under ``mpiexec`` (session-scoped, shared by every test that needs it).
+Two kinds of input: small synthetic files written through the real :class:`mpitp.results.store.ResultWriter` (fast,
+every field known), and one real demo evaluation under ``mpiexec`` (session-scoped, shared by every test that needs it).
 Modified copies of the real file drive the ``diff`` tests.
 """
 
@@ -22,13 +22,12 @@ from click.testing import CliRunner
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from conftest import explain, run_mpi  # noqa: E402
-
 from mpitp.cli.inspect import inspect_command  # noqa: E402
 from mpitp.results.plot import plot_run  # noqa: E402
 from mpitp.results.reader import load  # noqa: E402
 from mpitp.results.schema import open_h5  # noqa: E402
 from mpitp.results.store import ResultWriter  # noqa: E402
+from support.mpi import explain, run_mpi  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 LM_EVAL_KEYS = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples", "config")
@@ -146,6 +145,7 @@ def test_table_task_filter(syn):
     assert "exact_match" in r.stdout and "syn_mc" not in r.stdout
 
 
+@pytest.mark.mpi
 def test_table_real_run(demo_file):
     r = invoke(demo_file)
     assert r.exit_code == 0, r.output
@@ -184,6 +184,7 @@ def test_running_file(syn_running):
 # ------------------------------------------------------------------------------------------------ json / csv
 
 
+@pytest.mark.mpi
 def test_json_matches_results_json(demo_file):
     r = invoke(demo_file, "--json")
     assert r.exit_code == 0, r.output
@@ -219,6 +220,7 @@ def test_csv_synthetic(syn):
     assert rows[("syn_mc", "acc", "none")]["n"] == "3"
 
 
+@pytest.mark.mpi
 def test_csv_real_run(demo_file):
     r = invoke(demo_file, "--csv")
     assert r.exit_code == 0, r.output
@@ -263,6 +265,7 @@ def _json_stream(text):
     return docs
 
 
+@pytest.mark.mpi
 def test_samples(syn, demo_file):
     r = invoke(syn, "--task", "syn_mc", "--samples", "--limit", "2")
     assert r.exit_code == 0, r.output
@@ -345,6 +348,7 @@ def _edit(path, fn):
         fn(f)
 
 
+@pytest.mark.mpi
 def test_diff_self_is_clean(demo_file):
     r = invoke("diff", demo_file, demo_file)
     assert r.exit_code == 0, r.output
@@ -353,6 +357,7 @@ def test_diff_self_is_clean(demo_file):
         assert task in r.stdout
 
 
+@pytest.mark.mpi
 def test_diff_perturbed_loglikelihood(demo_file, tmp_path):
     b = _copy(demo_file, tmp_path)
     where = {}
@@ -374,6 +379,7 @@ def test_diff_perturbed_loglikelihood(demo_file, tmp_path):
     assert invoke("diff", demo_file, b, "--atol", "2e-3").exit_code == 0
 
 
+@pytest.mark.mpi
 def test_diff_tiny_perturbation_within_tolerance(demo_file, tmp_path):
     b = _copy(demo_file, tmp_path)
     _edit(b, lambda f: f["tasks/mpitp_demo_ppl/requests/loglikelihood"].__setitem__(
@@ -382,6 +388,7 @@ def test_diff_tiny_perturbation_within_tolerance(demo_file, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+@pytest.mark.mpi
 def test_diff_shuffled_rows_are_same(demo_file, tmp_path):
     b = _copy(demo_file, tmp_path)
     rng = np.random.default_rng(0)
@@ -406,6 +413,7 @@ def test_diff_shuffled_rows_are_same(demo_file, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+@pytest.mark.mpi
 def test_diff_missing_task(demo_file, tmp_path):
     b = _copy(demo_file, tmp_path)
     _edit(b, lambda f: f.__delitem__("tasks/mpitp_demo_gen"))
@@ -418,7 +426,7 @@ def test_diff_missing_task(demo_file, tmp_path):
 
 def test_diff_missing_row_generation_greedy_and_metric(syn, tmp_path):
     def drop_last(f):
-        for name, ds in f["tasks/syn_mc/requests"].items():
+        for _name, ds in f["tasks/syn_mc/requests"].items():
             ds.resize((ds.shape[0] - 1,))
 
     cases = {
@@ -507,6 +515,7 @@ def test_plot_logic_with_recording_figure(syn, syn_running, tmp_path):
         [("ax0", "text"), ("ax0", "set_axis_off")]
 
 
+@pytest.mark.mpi
 def test_plot_with_matplotlib(syn, demo_file, tmp_path):
     pytest.importorskip("matplotlib")
     for src in (syn, demo_file):

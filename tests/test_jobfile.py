@@ -132,7 +132,7 @@ def test_bad_tasks(write, value, reason):
      "jobs/x.yaml: run 2 ('r'): field 'name': 'r' is already used by run 1; give each run a unique 'name:'"),
     ("runs:\n  - {name: a, model: demo, tasks: a, output: o.h5}\n"
      "  - {name: b, model: demo, tasks: b, output: ./o.h5}\n",
-     f"jobs/x.yaml: run 2 ('b'): field 'output': '{{jobs}}/o.h5' is already used by run 1; "
+     "jobs/x.yaml: run 2 ('b'): field 'output': '{jobs}/o.h5' is already used by run 1; "
      "give each run its own 'output:'"),
     ("runs:\n  - {model: demo, tasks: a}\n  - {model: demo, tasks: a, tp: 2}\n",
      "jobs/x.yaml: run 2 ('demo-a'): field 'name': 'demo-a' is already used by run 1; "

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import OFFLINE_ENV, REPO, STORIES, explain, run_mpi  # noqa: E402
-from parity_util import close  # noqa: E402
-
 from mpitp.jobs.jobfile import load_job  # noqa: E402
 from mpitp.results.rows import read_metrics, read_requests  # noqa: E402
 from mpitp.results.schema import open_h5  # noqa: E402
+from support import OFFLINE_ENV, REPO, STORIES  # noqa: E402
+from support.mpi import explain, run_mpi  # noqa: E402
+from support.parity import close  # noqa: E402
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 
@@ -75,6 +76,7 @@ runs:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.openmpi
 def test_job_with_a_failing_run(tmp_path):
     job = tmp_path / "job.yaml"
@@ -130,6 +132,7 @@ def test_job_with_a_failing_run(tmp_path):
     assert "good-tp2" not in p.stderr and not good["good-tp2"][0].exists()
 
 
+@pytest.mark.slow
 def test_shipped_demo_job(tmp_path):
     """``jobs/demo.yaml`` as shipped, with only its outputs moved out of the repository."""
     shipped_path = REPO / "jobs" / "demo.yaml"
@@ -212,6 +215,7 @@ def test_tasks_on_shared_data_as_downloaded(shared_dir):
     assert all(v.startswith("runnable") for v in got.values()) and len(got) == 6, p.stdout
 
 
+@pytest.mark.slow
 def test_data_dir_matches_hand_written_tasks(shared_dir, test_tasks, tmp_path):
     """``--data-dir ../shared/data`` as it is (downloaded file names) gives the hand-written YAMLs' numbers."""
     data_dir = shared_dir / "data"

@@ -1,5 +1,5 @@
-"""Crash safety of the results writer (:mod:`mpitp.results.store` + :mod:`mpitp.results.journal`) without MPI: a real writer in a
-real child process, killed with SIGKILL at random instants; torn journal tails cut at every byte.
+"""Crash safety of the results writer (:mod:`mpitp.results.store` + :mod:`mpitp.results.journal`) without MPI: a real
+writer in a real child process, killed with SIGKILL at random instants; torn journal tails cut at every byte.
 
 The full-run drill (kill -9 of rank 0 of a real ``mpiexec`` evaluation, then ``--resume`` and ``inspect diff``) is
 ``bench/drill_kill9.py``; ``tests/test_faults.py`` kills rank 0 mid-run once.
@@ -100,6 +100,7 @@ def _check_rows(path, expected) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_instants_leaves_a_readable_file_and_resume_completes(tmp_path):
     """10 SIGKILLs of a writing process at random instants (a bounded-rate and an eager snapshot policy in turn,
     so kills land in snapshots and journal rotations too; every third from the launch): after each, the file opens,
@@ -145,6 +146,7 @@ def test_sigkill_at_random_instants_leaves_a_readable_file_and_resume_completes(
     print("\n".join(report))
 
 
+@pytest.mark.slow
 def test_torn_journal_tail_is_ignored_at_every_cut(tmp_path):
     """Cut the journal's last record at every byte: readers see exactly the rows of the whole records before it,
     and a resume appends after them (the torn journal is replaced, not appended to)."""

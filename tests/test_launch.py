@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE_ENV, explain, run_mpi
+from support import OFFLINE_ENV
+from support.mpi import explain, run_mpi
 
 SMALL = ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "2", "--bootstrap-iters", "0"]
 
@@ -26,6 +27,7 @@ def _singleton(args, cwd=None, **popen):
                             text=True, cwd=cwd, env={**os.environ, **OFFLINE_ENV}, **popen)
 
 
+@pytest.mark.mpi
 def test_torchrun_two_singletons_refuse(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
@@ -48,6 +50,7 @@ def test_torchrun_two_singletons_refuse(tmp_path):
           f"rest, {took:.1f} s, no file")
 
 
+@pytest.mark.mpi
 @pytest.mark.openmpi
 def test_launcher_count_above_mpi_world_is_one_usage_error(tmp_path):
     """An MPI world of 2 whose launcher environment says 4 srun tasks (the variables a 4-task step sets)."""
@@ -67,6 +70,7 @@ def _own_lines(stderr: str) -> str:
     return "\n".join(ln for ln in stderr.strip().splitlines() if not lm_eval_log.match(ln))
 
 
+@pytest.mark.mpi
 def test_second_writer_is_refused_and_stale_claims_are_taken_over(tmp_path):
     from mpitp.results.claim import claim_output, claim_path
 
@@ -101,6 +105,7 @@ def test_second_writer_is_refused_and_stale_claims_are_taken_over(tmp_path):
     print(f"held claim: second writer refused in {refused:.1f} s; stale claim of a SIGKILLed owner taken over")
 
 
+@pytest.mark.mpi
 def test_two_singletons_on_one_output_never_both_write(tmp_path):
     out = tmp_path / "x.h5"
     procs = [_singleton([*SMALL, "--output", str(out)], cwd=tmp_path) for _ in range(2)]
@@ -118,6 +123,7 @@ def test_two_singletons_on_one_output_never_both_write(tmp_path):
     print(f"two singletons on one output: one wrote it, the other said: {loser}")
 
 
+@pytest.mark.mpi
 def test_info_names_the_mpi_and_the_launcher():
     proc = run_mpi(2, ["info"], timeout=120)
     assert proc.returncode == 0, explain(proc)

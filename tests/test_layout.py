@@ -7,7 +7,6 @@ any world (the MPI tests in test_mpi_foundation.py then check the same layout on
 from __future__ import annotations
 
 import itertools
-
 import re
 
 import pytest

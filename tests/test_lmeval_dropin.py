@@ -1,11 +1,11 @@
 """lm-eval drop-in: real ``lm_eval`` command lines run unchanged as ``mpiexec -n 2 mpitp eval <line> --tp 2``.
 
-The corpus (tests/dropin_corpus.py, 23 lines in lm-eval's documentation style) runs once through lm-eval's own CLI
-code (one process, tests/dropin_ref_driver.py) and once through ``mpitp eval`` (one ``mpiexec -n 2`` launch,
+The corpus (tests/support/dropin_corpus.py, 23 lines in lm-eval's documentation style) runs once through lm-eval's own
+CLI code (one process, tests/dropin_ref_driver.py) and once through ``mpitp eval`` (one ``mpiexec -n 2`` launch,
 tests/dropin_mpitp_driver.py; every line goes through mpitp's whole parse-check-load-evaluate path with tp=2, or pp=2
 for two lines), side by side. Then, line by line: the same output files under ``--output_path`` (names, timestamps
-aside), every key present in both, every value equal (numbers within 1e-5 relative: fp32 parity), dates,
-durations and host details aside; and the HDF5 file beside them.
+aside), every key present in both, every value equal (numbers within 1e-5 relative: fp32 parity), dates, durations and
+host details aside; and the HDF5 file beside them.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import OFFLINE_ENV, REPO, STORIES, explain, mpiexec_path
 
-sys.path.insert(0, str(REPO / "tests"))
-from dropin_corpus import CORPUS, command_lines, layout  # noqa: E402
-from dropin_util import compare_output_dirs  # noqa: E402
+from support import OFFLINE_ENV, REPO, STORIES
+from support.dropin import compare_output_dirs
+from support.dropin_corpus import CORPUS, command_lines, layout
+from support.mpi import explain, mpiexec_path
 
 CORPUS_TIMEOUT = 1500
 corpus_timeout = pytest.mark.timeout(CORPUS_TIMEOUT + 300)  # both sides of the whole corpus, in the first test
@@ -58,6 +57,8 @@ def test_corpus_size():
     assert len({name for name, _ in CORPUS}) == len(CORPUS)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @corpus_timeout
 def test_both_sides_ran_every_line(corpus_runs):
     _, ref, mine = corpus_runs
@@ -68,6 +69,8 @@ def test_both_sides_ran_every_line(corpus_runs):
         assert f"=== lm-eval {name}:" in ref.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @corpus_timeout
 @pytest.mark.parametrize("name", [n for n, _ in CORPUS])
 def test_same_output_files(corpus_runs, name):
@@ -93,6 +96,8 @@ def test_same_output_files(corpus_runs, name):
     assert set(stored) == set(lm_results)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @corpus_timeout
 def test_wandb_offline_run_holds_the_metrics(corpus_runs):
     """--wandb_args: rank 0 logged through lm-eval's WandbLogger; the offline run's results table has the metrics."""
@@ -234,8 +239,8 @@ def test_resume_refuses_other_lm_eval_settings(tmp_path):
     """Settings that change results enter the resume identity; lm-eval's defaults do not (older files resume)."""
     import h5py
 
-    from mpitp.evaluation.checks import check_resumable
     from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_resumable
     from mpitp.evaluation.lmeval_args import parse_eval_args
 
     base = ["--model", "hf", "--model_args", f"pretrained={STORIES}", "--tasks", "arc_easy_local"]

@@ -9,8 +9,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import STORIES, explain, run_mpi
-from test_faults import file_rows
+import pytest
+
+from support import STORIES
+from support.launch import file_rows
+from support.mpi import explain, run_mpi
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 SLOW_TASKS = str(Path(__file__).parent / "slow_tasks")
 TIMEOUT = 8

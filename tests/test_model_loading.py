@@ -1,4 +1,5 @@
-"""mpitp.replica.loading's TP checkpoint reads: strided shards through safetensors' pread, contiguous reads from the mapping."""
+"""mpitp.replica.loading's TP checkpoint reads: strided shards through safetensors' pread, contiguous reads from the
+mapping."""
 
 import pytest
 import torch

@@ -15,9 +15,10 @@ import time
 
 import pytest
 
-from conftest import OFFLINE_ENV, REPO, explain, mpitp_stderr, run_mpi, run_mpi_script
+from support import OFFLINE_ENV, REPO
+from support.mpi import explain, mpitp_stderr, run_mpi, run_mpi_script
 
-pytestmark = pytest.mark.openmpi  # the MPI layer itself: every test here also runs under Open MPI
+pytestmark = [pytest.mark.openmpi, pytest.mark.mpi]  # the MPI layer itself: every test here also runs under Open MPI
 
 SCRIPTS = REPO / "tests" / "mpi"
 LAUNCH_TIMEOUT = 180

@@ -2,7 +2,7 @@
 
 Two routes to the same tasks are checked against the JSONL files and against each other:
 
-- the hand-written ``*_local`` tasks of ``tests/tasks/`` (materialized by ``tests/tasks_util.py``), and
+- the hand-written ``*_local`` tasks of ``tests/tasks/`` (materialized by ``tests/support/tasks.py``), and
 - :func:`mpitp.tasks.offline.write_task_yamls`, whose overrides keep the stock names (``arc_easy`` ...).
 
 Then a real single-process ``lm_eval.simple_evaluate`` on the stories260K Llama proves the tasks run end to end.
@@ -30,17 +30,14 @@ from mpitp.tasks.offline import (  # noqa: E402
     stock_tasks_dir,
     write_task_yamls,
 )
-
-try:  # tests/ on sys.path (pytest's default rootdir-less import) or the repo root (tests as a package)
-    from tasks_util import LOCAL_TASKS, materialize_test_tasks
-except ImportError:  # pragma: no cover
-    from tests.tasks_util import LOCAL_TASKS, materialize_test_tasks
+from support.tasks import LOCAL_TASKS, materialize_test_tasks  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 DATA = SHARED / "data"
 MODEL = SHARED / "models" / "stories260K"
 
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA} (../shared beside the repo)")
+pytestmark = pytest.mark.skipif(not DATA.is_dir(),
+                                reason=f"shared data not found at {DATA} (../shared beside the repo)")
 
 # stock task -> {split: file under ../shared/data}: the real files, in the DIR/<task>/<split>.jsonl layout's terms.
 SHARED_FILES = {
@@ -83,7 +80,8 @@ def written(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def task_manager(local_path, written):
-    """One TaskManager (indexing the stock tasks takes seconds): stock tasks, then the _local ones, then the overrides."""
+    """One TaskManager (indexing the stock tasks takes seconds): stock tasks, then the _local ones, then the
+    overrides."""
     from lm_eval.tasks import TaskManager
 
     out_dir = str(Path(next(iter(written.values()))).parent)
@@ -261,6 +259,7 @@ def test_missing_data_dir_is_a_usage_error(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MODEL.is_dir(), reason=f"model not found at {MODEL}")
 def test_simple_evaluate_runs_local_tasks(task_manager):
     import lm_eval

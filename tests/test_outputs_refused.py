@@ -9,7 +9,7 @@ import os
 import h5py
 import pytest
 
-from conftest import explain, run_mpi
+from support.mpi import explain, run_mpi
 
 JOB = """\
 defaults:
@@ -28,6 +28,7 @@ def _fingerprint(path) -> tuple[str, int]:
     return hashlib.sha256(path.read_bytes()).hexdigest(), os.stat(path).st_mtime_ns
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["not-hdf5", "hdf5-without-status"])
 def test_run_refuses_a_foreign_output(kind, tmp_path):
     """The foreign file is the second run's output: the refusal comes before the first run loads anything."""

@@ -10,8 +10,11 @@ from __future__ import annotations
 import h5py
 import pytest
 
-from conftest import STORIES, explain, run_mpi
-from parity_util import compare_metrics, compare_requests, mpitp_requests, reference_requests
+from support import STORIES
+from support.mpi import explain, run_mpi
+from support.parity import compare_metrics, compare_requests, mpitp_requests, reference_requests
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 TASKS = ["arc_easy_local", "hellaswag_local", "lambada_openai_local", "wikitext_local", "gsm8k_local"]
 LIMIT = 3
@@ -81,7 +84,8 @@ def test_limit_one_on_four_groups(test_tasks, tmp_path):
         shares, tokens = f["stats/requests"][()], f["stats/tokens_scored"][()]
     assert round(shares.sum(), 9) == 5, shares
     assert sum(1 for x in shares if abs(x - round(x)) > 1e-9) >= 2, shares  # the document was split between groups
-    print(f"--limit 1 on dp=4: requests per group {[round(float(x), 3) for x in shares]}, tokens scored {tokens.tolist()}")
+    print(f"--limit 1 on dp=4: requests per group {[round(float(x), 3) for x in shares]}, "
+          f"tokens scored {tokens.tolist()}")
 
 
 DEMO_TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]

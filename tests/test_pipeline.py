@@ -41,7 +41,8 @@ def _config(layers: int):
 def test_check_pp_spells_out_the_layers():
     check_pp(_config(2), 2)
     check_pp(_config(1), 1)
-    with pytest.raises(UsageError, match=r"^pp=3 exceeds the model's 2 decoder layers \(each stage needs at least one\)$"):
+    with pytest.raises(UsageError,
+                       match=r"^pp=3 exceeds the model's 2 decoder layers \(each stage needs at least one\)$"):
         check_pp(_config(2), 3)
 
 

@@ -15,8 +15,11 @@ import math
 
 import pytest
 
-from conftest import STORIES, explain, run_mpi
-from parity_util import mpitp_requests, reference_requests
+from support import STORIES
+from support.mpi import explain, run_mpi
+from support.parity import mpitp_requests, reference_requests
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 TASKS = ["arc_easy_local", "lambada_openai_local", "wikitext_local", "gsm8k_local"]
 LIMIT = 3

@@ -8,8 +8,10 @@ import re
 import subprocess
 import sys
 
-from conftest import OFFLINE_ENV
+import pytest
+
 from mpitp.evaluation.progress import LineProgress, make_progress
+from support import OFFLINE_ENV
 
 
 def test_line_progress_writes_whole_lines_with_rate_and_eta():
@@ -50,6 +52,7 @@ def test_a_terminal_gets_the_bar_a_file_gets_lines(tmp_path):
         sys.stderr = real
 
 
+@pytest.mark.mpi
 def test_eval_with_stderr_to_a_file_has_no_carriage_returns(tmp_path):
     log = tmp_path / "err.log"
     with open(log, "w") as err:

@@ -7,12 +7,14 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from conftest import STORIES, explain, run_mpi
-from test_faults import file_rows, inspect_diff
+import pytest
 
 from mpitp.results.rows import read_requests
-
 from mpitp.results.store import ResultWriter
+from support import STORIES
+from support.launch import file_rows, inspect_diff
+from support.mpi import explain, run_mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 SLOW_TASKS = str(Path(__file__).parent / "slow_tasks")
 TASK = "mpitp_repeats_gen"

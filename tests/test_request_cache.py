@@ -1,5 +1,5 @@
-"""lm-eval's request cache under mpitp (:mod:`mpitp.evaluation.requestcache`): keyed by what shapes requests, reused by a second
-full run with the same results, off with ``--limit``."""
+"""lm-eval's request cache under mpitp (:mod:`mpitp.evaluation.requestcache`): keyed by what shapes requests, reused by
+a second full run with the same results, off with ``--limit``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import OFFLINE_ENV, explain, run_mpi
+import pytest
 
 from mpitp.evaluation.checks import task_manager
 from mpitp.evaluation.requestcache import enable, request_key
 from mpitp.evaluation.runner import EvalConfig
+from support import OFFLINE_ENV
+from support.mpi import explain, run_mpi
 
 
 def test_key_follows_what_shapes_requests(test_tasks, tmp_path):
@@ -44,6 +46,8 @@ def test_key_follows_what_shapes_requests(test_tasks, tmp_path):
     assert enable(EvalConfig(tasks=["arc_easy_local"], limit=5), tm, "tok") == {}  # --limit: off
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_second_full_run_reuses_built_requests(tmp_path):
     """Two full runs of the demo's multiple-choice task with one cache folder: the first writes lm-eval's cache
     file, the second reads it (the file is not rewritten) and gives the same results."""

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import OFFLINE_ENV, REPO, explain, run_mpi
-
 from mpitp.cli.inspect import inspect_command
 from mpitp.results.rows import read_metrics
+from support import OFFLINE_ENV, REPO
+from support.mpi import explain, run_mpi
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 
@@ -133,6 +134,7 @@ def test_rescore_after_a_filter_change_and_refusal_after_a_prompt_change(demo_ru
 # -------------------------------------------------------------------------------------- weights fingerprint
 
 
+@pytest.mark.slow
 def test_rewritten_checkpoint_is_refused_on_resume(shared_dir, tmp_path, demo_run):
     from safetensors.torch import load_file, save_file
 

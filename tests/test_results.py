@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import OFFLINE_ENV, STORIES, explain, run_mpi  # noqa: E402
-from parity_util import compare_requests, mpitp_requests, reference_requests  # noqa: E402
-
 import mpitp  # noqa: E402
 from mpitp.errors import UsageError  # noqa: E402
 from mpitp.results.rows import read_metrics, read_requests  # noqa: E402
 from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5  # noqa: E402
+from support import OFFLINE_ENV, STORIES  # noqa: E402
+from support.mpi import explain, run_mpi  # noqa: E402
+from support.parity import compare_requests, mpitp_requests, reference_requests  # noqa: E402
+pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 KIND = {"mpitp_demo_mc": "loglikelihood", "mpitp_demo_ppl": "loglikelihood_rolling",
@@ -268,6 +269,7 @@ def _interrupt(path: Path, drop_every: int = 3) -> dict[str, int]:
     return kept
 
 
+@pytest.mark.slow
 def test_resume_with_another_layout_equals_uninterrupted(tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     common = ["eval", "--demo", "--limit", "6", "--seed", "1234"]

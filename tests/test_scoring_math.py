@@ -98,7 +98,7 @@ def test_matches_log_softmax(vocab, tp):
     ref_greedy = logits.argmax(-1) == targets
     out = _run_sharded(weight, h, targets, tp, block_elems=vocab * 8)  # several blocks (uneven shards too)
     assert len(out) == tp
-    for r, (lp, greedy, am, nbytes) in out.items():
+    for _r, (lp, greedy, am, nbytes) in out.items():
         torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
         assert torch.equal(greedy, ref_greedy)
         assert torch.equal(am, logits.argmax(-1))
@@ -112,6 +112,6 @@ def test_ties_take_the_lowest_index_like_torch_argmax():
     weight[[2, 5, 9]] = 1.0  # three tied maxima, in different shards
     h = torch.ones(3, hidden)
     out = _run_sharded(weight, h, torch.tensor([2, 5, 9]), tp)
-    for lp, greedy, am, _ in out.values():
+    for _lp, greedy, am, _ in out.values():
         assert am.tolist() == [2, 2, 2] == (h @ weight.T).argmax(-1).tolist()
         assert greedy.tolist() == [True, False, False]

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE_ENV, REPO, explain, run_mpi
+from support import OFFLINE_ENV, REPO
+from support.mpi import explain, run_mpi
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow]
 
 DEMO_OUTPUTS = ["demo-tp1.h5", "demo-tp2.h5", "demo-tp2-bs8-limit10.h5"]
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from mpitp.results import stats
+
+
 def test_exact_mcnemar_hand_computed():
     # 1 vs 9 discordant pairs: P(X <= 1 | n=10, p=1/2) = (C(10,0) + C(10,1)) / 2^10 = 11/1024; two-sided 22/1024.
     r = stats.mcnemar_counts(1, 9)

@@ -96,7 +96,8 @@ def test_rendered_scripts_have_the_essentials():
                  "@REPO@/jobs/example-llama.yaml &"):
         assert line in slurm.splitlines(), line
     cpu = _render("slurm-cpu-no-requeue")
-    for line in ("#SBATCH --ntasks-per-node=8", "# srun --mpi=pmi2: as given (--srun-mpi pmi2)", "export PATH=@BIN@:\"$PATH\"",
+    for line in ("#SBATCH --ntasks-per-node=8", "# srun --mpi=pmi2: as given (--srun-mpi pmi2)",
+                 "export PATH=@BIN@:\"$PATH\"",
                  "srun --mpi=pmi2 --kill-on-bad-exit=1 mpitp run @REPO@/jobs/demo.yaml"):
         assert line in cpu.splitlines(), line
     assert "gpus" not in cpu and "--signal" not in cpu and "requeue" not in cpu

@@ -19,9 +19,9 @@ from pathlib import Path
 import h5py
 import pytest
 
-from conftest import OFFLINE_ENV, explain, mpiexec_path, run_mpi
-
 from mpitp.results.rows import read_metrics, read_requests
+from support import OFFLINE_ENV
+from support.mpi import explain, mpiexec_path, run_mpi
 
 TASKS = "mpitp_demo_mc,mpitp_demo_ppl"
 
@@ -77,6 +77,8 @@ def setup(tmp_path_factory, shared_dir):
     return dict(dir=d, ckpts=ck, tasks=demo_tasks_dir())
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_sweep_over_checkpoints_with_two_tokenizers_and_a_broken_one(setup):
     d, ck = setup["dir"], setup["ckpts"]
     out = d / "out"
@@ -126,6 +128,7 @@ def test_sweep_over_checkpoints_with_two_tokenizers_and_a_broken_one(setup):
     assert [r["status"] for r in rows] == ["skipped (complete)"] * 2
 
 
+@pytest.mark.mpi
 def test_sweep_bad_output_is_one_line(setup):
     proc = run_mpi(2, ["eval", "--model", f"{setup['ckpts']}/step-*", "--tasks", "mpitp_demo_mc", "--include-path",
                        setup["tasks"], "--output", "one.h5"], timeout=120, cwd=str(setup["dir"]))
@@ -157,6 +160,8 @@ def _complete(path: Path) -> bool:
         return False
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_watch_picks_up_a_checkpoint_written_during_the_run(setup, shared_dir):
     d = setup["dir"]
     watched = d / "watched"

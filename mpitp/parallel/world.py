@@ -72,14 +72,6 @@ class World:
         """cores-per-node / ranks-per-node (min 1): ranks that share cores must not oversubscribe them."""
         return max(1, self.cores_per_node // self.local_size)
 
-    def default_device(self) -> str:
-        """``cuda:<local_rank mod visible GPUs>`` when CUDA is available, else ``cpu``."""
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return f"cuda:{self.local_rank % torch.cuda.device_count()}"
-        return "cpu"
-
 
 def world_from_comm(comm: MPI.Comm | None = None) -> World:
     """Describe the world of ``comm`` (default COMM_WORLD). Collective over ``comm``."""

@@ -8,8 +8,8 @@ import sys
 
 import mpitp
 from mpitp.errors import UsageError, install_excepthook
-from mpitp.replica.loading import load_model
 from mpitp.parallel.runtime import start
+from mpitp.replica.loading import load_model
 
 install_excepthook()
 model_dir, include_path = sys.argv[1:3]

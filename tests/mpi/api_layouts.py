@@ -14,8 +14,8 @@ import time
 from mpi4py import MPI
 
 import mpitp
-from mpitp.evaluation.api import layout_for
 from mpitp.errors import UsageError, install_excepthook
+from mpitp.evaluation.api import layout_for
 from mpitp.parallel.runtime import start
 
 install_excepthook()

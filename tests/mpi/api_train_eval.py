@@ -10,8 +10,8 @@ import torch
 
 import mpitp
 from mpitp.errors import install_excepthook
-from mpitp.replica.loading import load_model
 from mpitp.parallel.runtime import start
+from mpitp.replica.loading import load_model
 
 install_excepthook()
 model_dir, include_path, out_dir = sys.argv[1:4]

@@ -220,10 +220,11 @@ def main():
 
     # runtime.agree: rank 0's verdict (a value or a UsageError) reaches every rank, on any communicator.
     for name, comm, _ in comms:
-        got = agree(lambda: {"checked_by": WORLD.Get_rank(), "on": name}, comm, timeout=T, phase=f"agree {name}")
+        got = agree(lambda name=name: {"checked_by": WORLD.Get_rank(), "on": name}, comm, timeout=T,
+                    phase=f"agree {name}")
         expect_same(got, {"checked_by": world_ranks(comm)[0], "on": name}, f"agree ok on {name}")
 
-        def refuse():
+        def refuse(name=name):
             raise UsageError(f"refused on {name}")
 
         try:

@@ -65,7 +65,6 @@ INIT = {
     "norm_mean": 1.0,
     "norm_std": 0.1,
 }
-DATA_FILES = ("mpitp_demo_ppl.jsonl", "mpitp_demo_mc.jsonl", "mpitp_demo_gen.jsonl")
 
 
 # --------------------------------------------------------------------------- corpus

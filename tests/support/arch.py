@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers" / "gpt2"
+from . import SHARED
+
+TOKENIZER = SHARED / "tokenizers" / "gpt2"
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=128, n_positions=128, n_embd=64, n_layer=2, n_head=4,
              ffn_dim=128, word_embed_proj_dim=64, num_experts=4, num_local_experts=4, n_routed_experts=4,
@@ -139,9 +141,8 @@ def head_statements(arch: Arch) -> tuple[str, ...]:
     differ between classes: the key that groups architectures by what they do around their head."""
     import transformers
 
-    from mpitp.replica.logits import _statements
-
     from mpitp.replica import logits as L
+    from mpitp.replica.logits import _statements
     try:
         stmts = [s for _, s in _statements(getattr(transformers, arch.class_name).forward)]
     except (OSError, TypeError, AttributeError):
@@ -182,7 +183,7 @@ def reference(model_dir: Path, include: str, task_manager=None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from parity_util import reference_requests
+    from .parity import reference_requests
 
     res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32", tasks=TASKS,
                                   limit=LIMIT, batch_size=BATCH, device="cpu", gen_kwargs=GEN_KWARGS,
@@ -204,6 +205,6 @@ def job_file(path: Path, models: dict[str, Path], include: str, out_dir: Path, t
 
 
 def compare(ref: dict, h5: Path) -> tuple[float, list[str]]:
-    from parity_util import compare_requests, mpitp_requests
+    from .parity import compare_requests, mpitp_requests
 
     return compare_requests(ref, mpitp_requests(str(h5), TASKS))

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
-TEMPLATES = Path(__file__).resolve().parent / "tasks"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+from . import REPO
+
+TEMPLATES = REPO / "tests" / "tasks"
 LOCAL_TASKS = (
     "arc_easy_local",
     "hellaswag_local",

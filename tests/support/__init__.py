@@ -1,0 +1,24 @@
+"""Helpers shared by the tests (``from support.mpi import run_mpi``; tests/ is on ``sys.path`` under pytest).
+
+- :mod:`support.mpi`: real ``mpiexec`` launches, the MPI the suite runs under, and the ``mpi`` marker's guard.
+- :mod:`support.launch`: a launch watched line by line (fault drills), results-file polling, ``inspect diff``.
+- :mod:`support.parity`: request-by-request comparison with single-process lm-eval.
+- :mod:`support.tasks`: the offline ``*_local`` tasks materialised on ``../shared/data``.
+- :mod:`support.arch`: the architecture matrix (random tiny models per transformers architecture).
+- :mod:`support.dropin`, :mod:`support.dropin_corpus`: lm-eval command lines run both ways, outputs compared.
+
+Importing this package puts the suite into offline mode (no network but package registries).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+os.environ.update(OFFLINE_ENV)
