@@ -3,7 +3,7 @@
 The test suite and the fault drills launch real ``mpiexec`` jobs and steer them from outside through these variables:
 a stall at a named point, random chunk sizes, a simulated out-of-memory error, an exception on a worker or inside a
 forward, an altered LM head. Production code calls the functions below at those points; each is a cheap no-op when
-its variable is unset. The environment is read once per process (:func:`reload` reads it again).
+its variable is unset. The environment is read once per process (:func:`hooks`).
 
 ===============================================  ==================================================================
 ``MPITP_TEST_STALL=<where>:<seconds>``           :func:`stall` sleeps at ``where`` (``between_chunks``,
@@ -61,13 +61,8 @@ class Hooks:
 
 @functools.cache
 def hooks() -> Hooks:
+    """This process's hooks, read from the environment on first use (``hooks.cache_clear()`` reads it again)."""
     return Hooks.from_env()
-
-
-def reload() -> Hooks:
-    """Read the environment again (for an in-process test that changed it)."""
-    hooks.cache_clear()
-    return hooks()
 
 
 def _oom_error():
