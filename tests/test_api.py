@@ -10,7 +10,7 @@ from conftest import REPO, STORIES, explain, run_mpi, run_mpi_script
 from parity_util import compare_requests, mpitp_requests
 
 TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]
-DEMO_TASKS = str(REPO / "mpitp" / "demo" / "tasks")
+DEMO_TASKS = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
 
 
 def test_evaluate_between_training_steps(shared_dir, tmp_path):

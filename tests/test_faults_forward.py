@@ -59,7 +59,7 @@ def test_leader_fails_inside_a_forward_under_the_api(tmp_path):
     """mpitp.evaluate (tp=2, 4 ranks): the API's closing barrier must not hold the real error back."""
     out = tmp_path / "api.h5"
     script = Path(__file__).parent / "mpi" / "api_fail.py"
-    include = str(REPO / "mpitp" / "demo" / "tasks")
+    include = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
     with Launch(4, [str(STORIES), include, str(out), TIMEOUT], script=script,
                 env={"MPITP_TEST_RAISE_IN_FORWARD": "0:3"}) as job:
         rc = job.wait(timeout=300)
