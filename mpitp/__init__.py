@@ -4,8 +4,8 @@ The package is layered; each layer only imports the ones above it in this list:
 
 - ``world``, ``comm``, ``errors``: the MPI process world, object collectives with deadlines, failure containment.
 - ``layout``: the explicit dp x pp x tp layout object (no global process-group state anywhere).
-- ``tpgroup``: one torch.distributed world per TP replica, brokered over MPI.
-- ``model``, ``scoring``, ``engine``: TP-sharded loading, vocab-parallel scoring, the leader/worker protocol.
+- ``parallel.replica_group``: one torch.distributed world per model replica, brokered over MPI.
+- ``replica``: TP/PP-sharded loading, vocab-parallel scoring, the leader/worker protocol.
 - ``dispatch``, ``lm``: lm-eval requests sharded across DP groups.
 - ``results``, ``evaluate``, ``cli``: HDF5 results, the public entry points.
 """

@@ -3,8 +3,8 @@ are inside a torch collective of the same forward, or while the next pipeline st
 
 The job must end within ``GONE_AFTER_ERROR`` seconds of the error line, print the real error once, and keep the rows
 computed so far (status ``running``): no message to the stuck workers (``GEN_END``, ``stop``, a barrier) may stand
-between the exception and the abort. Failures come from ``MPITP_TEST_RAISE_IN_FORWARD`` (mpitp/replica/engine.py), which
-fires in a forward pre-hook of the last decoder layer, after the earlier layers' all-reduces.
+between the exception and the abort. Failures come from ``MPITP_TEST_RAISE_IN_FORWARD`` (mpitp/testing.py), which fires
+in a forward pre-hook of the last decoder layer, after the earlier layers' all-reduces.
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: st
     split = _stage_split(rt, model) if model else None
     rows = layout_rows(rt)
     # Prove the TP torch worlds are live: one all_reduce per TP group.
-    backend = rt.tp_group.backend if rt.tp_group.active else "none (tp=1)"
-    if rt.tp_group.active:
+    backend = rt.replica_group.backend if rt.replica_group.active else "none (tp=1)"
+    if rt.replica_group.active:
         import torch.distributed as dist
 
         t = torch.ones(1, device=rt.device)

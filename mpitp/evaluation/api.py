@@ -109,12 +109,13 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
 
     from mpitp.evaluation.runner import EvalConfig, evaluate_loaded
     from mpitp.parallel.runtime import Runtime
-    from mpitp.parallel.replica_group import TPGroup, backend_for
+    from mpitp.parallel.replica_group import ReplicaGroup, backend_for
 
     dev = device or str(next(model.parameters()).device)
     rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,
-                 tp_group=TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend_for(dev), device=dev,
-                                  group=group))
+                 replica_group=ReplicaGroup(size=layout.replica_size, rank=layout.replica_rank, tp_size=layout.tp,
+                                            tp_rank=layout.tp_rank, backend=backend_for(dev), device=dev,
+                                            tp_group=group))
     cfg_fields = {k: lm_eval_kwargs.pop(k) for k in ("gen_kwargs", "apply_chat_template", "log_samples",
                                                        "bootstrap_iters", "seed", "skip_head_check")
                   if k in lm_eval_kwargs}

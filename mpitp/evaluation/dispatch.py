@@ -9,11 +9,10 @@ without starving the others. A group that gets no chunk simply waits for the sto
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections import deque
 from dataclasses import dataclass
 
+from mpitp import testing
 from mpitp.parallel import comm as mpicomm
 log = logging.getLogger("mpitp")
 
@@ -64,15 +63,6 @@ def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_g
     return [Chunk(cid, kind, tuple(ix), [items[i] for i in ix]) for cid, ix in enumerate(chunks)]
 
 
-def stall_hook(where: str) -> None:
-    """Test-only: ``MPITP_TEST_STALL=<where>:<seconds>`` sleeps on rank 0 at that point (fault drills)."""
-    spec = os.environ.get("MPITP_TEST_STALL", "")
-    if spec.startswith(where + ":"):
-        seconds = float(spec.split(":", 1)[1])
-        log.warning("test hook: stalling %g s at %s", seconds, where)
-        time.sleep(seconds)
-
-
 class Dispatcher:
     """Rank 0's side. ``compute(kind, items, tick) -> results`` runs a chunk on rank 0's own DP group.
 
@@ -99,12 +89,7 @@ class Dispatcher:
 
     def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
         """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land."""
-        per_group = self.per_group
-        seed = os.environ.get("MPITP_TEST_CHUNK_SEED")  # test-only: random chunk sizes for stress tests
-        if seed:
-            import random
-
-            per_group = random.Random(f"{seed}:{kind}:{len(items)}").randint(1, 16)
+        per_group = testing.chunks_per_group(kind, len(items), self.per_group)
         chunks = make_chunks(kind, items, weights, self.n_groups, per_group, min_items=self.batch_size)
         results: list = [None] * len(items)
         queue = deque(chunks)
@@ -157,7 +142,7 @@ class Dispatcher:
                 c = queue.popleft()
                 self.handed_out += len(c.indices)
                 land(c.indices, self.compute(c.kind, c.items, tick))
-                stall_hook("between_chunks")
+                testing.stall("between_chunks")
             elif outstanding:
                 receive(block=True)
         for s in sends:

@@ -3,7 +3,7 @@
 ``HFLM`` keeps doing everything that defines lm-eval's numbers (tokenisation and the empty-context prefix rule,
 rolling windows, chat templates, stop sequences, left truncation, generation post-processing). This subclass only
 replaces *where* the forwards happen: global rank 0 turns each request into a work item, the dispatcher spreads the
-items over the DP groups, and inside a group the TP leader drives its workers (see :mod:`mpitp.replica.engine`).
+items over the DP groups, and inside a group the TP leader drives its workers (see :mod:`mpitp.replica.leader`).
 """
 
 from __future__ import annotations

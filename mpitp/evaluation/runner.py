@@ -15,10 +15,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from mpitp import __version__
+from mpitp import __version__, testing
 from mpitp.parallel import comm as mpicomm
 from mpitp.evaluation.checks import check_all, remove_generated, check_tasks, offline_include
-from mpitp.evaluation.dispatch import stall_hook
 from mpitp.evaluation.progress import make_progress
 from mpitp.parallel.runtime import Runtime, agree
 
@@ -249,27 +248,31 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     """
     from mpitp.replica.batchsize import AutoBatch, agreed_budget, is_auto
     from mpitp.evaluation.dispatch import Dispatcher, serve_remote
-    from mpitp.replica.engine import Stats, TPEngine
+    from mpitp.replica.leader import ReplicaLeader
+    from mpitp.replica.shard import ReplicaShard
+    from mpitp.replica.stats import Stats
+    from mpitp.replica.worker import ReplicaWorker
 
     t_start = time.perf_counter() if t_start is None else t_start
     lay = rt.layout
-    group = rt.tp_group.group if rt.tp_group is not None else None
+    group = rt.replica_group.tp_group if rt.replica_group is not None else None
     stats = Stats()
-    engine = TPEngine(model, lay, rt.device, rt.timeout, lay.tp, stats, group=group)
+    shard = ReplicaShard(model, lay, rt.device, stats, tp_group=group)
     from mpitp.replica.headcheck import check_head
 
-    head_check_s = check_head(engine, rt.world.comm, rt.timeout, skip=cfg.skip_head_check)
+    head_check_s = check_head(shard, rt.world.comm, rt.timeout, skip=cfg.skip_head_check)
     state = None
     budget = None
     if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
         budget = agreed_budget(lay.replica_comm, rt.device, rt.world.local_size)
     if not lay.is_leader:
-        engine.serve()
+        ReplicaWorker(shard, rt.timeout).serve()
         _merge_stage_stats(stats, lay, rt.timeout)
     else:
         from mpitp.evaluation.lm import MPITPLM
 
-        lm = MPITPLM(model, tokenizer, engine, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
+        leader = ReplicaLeader(shard, rt.timeout)
+        lm = MPITPLM(model, tokenizer, leader, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
                      trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
         if budget is not None:
             lm.auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
@@ -283,8 +286,8 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
             state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
             state["phases"].update(phases or {})
         else:
-            serve_remote(lay, lm.compute, rt.timeout, stats, idle=engine.idle)
-        engine.stop()
+            serve_remote(lay, lm.compute, rt.timeout, stats, idle=leader.idle)
+        leader.stop()
         _merge_stage_stats(stats, lay, rt.timeout)
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
@@ -556,7 +559,7 @@ class _RootRun:
         self.dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
         lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
         self.clock.unwrap(lm)
-        stall_hook("post_processing")
+        testing.stall("post_processing")
         as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, self.rt.layout), device=self.rt.device,
                        loggers=loggers)
         return {"results": res, "writer": self.writer, "phases": self.clock.phases, "cfg": cfg, "loggers": loggers,

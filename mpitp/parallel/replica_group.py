@@ -24,26 +24,26 @@ LOOPBACK = "127.0.0.1"
 
 
 @dataclass
-class TPGroup:
-    """Handle on this rank's torch world: its TP group (``group`` None = the default world) inside the replica's.
+class ReplicaGroup:
+    """Handle on this rank's torch world: the whole replica (``size = pp * tp`` ranks, this rank ``rank`` in it) and,
+    inside it, the TP group of this rank's pipeline stage (``tp_size`` ranks, this rank ``tp_rank``).
 
-    ``size``/``rank``/``group`` describe the TP group (of this rank's stage); ``world_size`` is the replica's
-    torch world (``pp * tp``), which equals ``size`` without pipeline stages.
+    ``tp_group`` is the torch process group of the stage's TP ranks; None means the default world, which is the TP
+    group itself without stages (and with one rank per stage no TP collective runs).
     """
 
     size: int
     rank: int
+    tp_size: int
+    tp_rank: int
     backend: str
     device: str
-    group: object = None
-    world_size: int = 0
-
-    def __post_init__(self):
-        self.world_size = self.world_size or self.size
+    tp_group: object = None
 
     @property
     def active(self) -> bool:
-        return self.world_size > 1
+        """A torch world exists (the replica has more than one rank)."""
+        return self.size > 1
 
 
 def backend_for(device: str) -> str:
@@ -59,12 +59,12 @@ def _store_address(layout: Layout) -> str:
     return store_address()  # not the host name's resolution: 127.0.1.1 on Debian-style /etc/hosts
 
 
-def init_tp_group(layout: Layout, device: str, timeout: float) -> TPGroup:
+def init_replica_group(layout: Layout, device: str, timeout: float) -> ReplicaGroup:
     """Initialise torch.distributed for this rank's replica (no-op for one rank). Collective over the replica."""
     backend = backend_for(device)
     size = layout.replica_size
     if size == 1:
-        return TPGroup(size=1, rank=0, backend=backend, device=device)
+        return ReplicaGroup(size=1, rank=0, tp_size=1, tp_rank=0, backend=backend, device=device)
     import torch
     import torch.distributed as dist
 
@@ -97,11 +97,11 @@ def init_tp_group(layout: Layout, device: str, timeout: float) -> TPGroup:
             g = dist.new_group(ranks=list(range(s * layout.tp, (s + 1) * layout.tp)))
             if s == layout.pp_rank:
                 group = g
-    return TPGroup(size=layout.tp, rank=layout.tp_rank, backend=backend, device=device, group=group,
-                   world_size=size)
+    return ReplicaGroup(size=size, rank=rank, tp_size=layout.tp, tp_rank=layout.tp_rank, backend=backend,
+                        device=device, tp_group=group)
 
 
-def destroy_tp_group(group: TPGroup) -> None:
+def destroy_replica_group(group: ReplicaGroup) -> None:
     if group.active:
         import torch.distributed as dist
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from mpitp.parallel import comm as mpicomm
 from mpitp.errors import UsageError
 from mpitp.parallel.layout import Layout, make_layout
-from mpitp.parallel.replica_group import TPGroup, init_tp_group
+from mpitp.parallel.replica_group import ReplicaGroup, init_replica_group
 from mpitp.parallel.world import World, world_from_comm
 
 log = logging.getLogger("mpitp")
@@ -29,7 +29,7 @@ class Runtime:
     device: str
     threads: int
     timeout: float
-    tp_group: TPGroup | None = field(default=None)
+    replica_group: ReplicaGroup | None = field(default=None)
 
 
 class _RankFilter(logging.Filter):
@@ -101,7 +101,7 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if plan.set_device:
             torch.cuda.set_device(torch.device(dev))
-        rt.tp_group = init_tp_group(layout, dev, timeout)
+        rt.replica_group = init_replica_group(layout, dev, timeout)
     return rt
 
 
@@ -126,8 +126,8 @@ def _device_plan(device: str | None, local_rank: int):
 
 def stop(rt: Runtime) -> None:
     """Tear down this runtime's TP torch world so the next run may use another layout."""
-    from mpitp.parallel.replica_group import destroy_tp_group
+    from mpitp.parallel.replica_group import destroy_replica_group
 
-    if rt.tp_group is not None:
-        destroy_tp_group(rt.tp_group)
-        rt.tp_group = None
+    if rt.replica_group is not None:
+        destroy_replica_group(rt.replica_group)
+        rt.replica_group = None

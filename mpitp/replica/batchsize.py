@@ -14,7 +14,7 @@ desynchronise the group's collectives. Here instead:
   ``max_batch_size``;
 - so each task, and each length range within a task, gets its own size; ``auto:N`` is accepted and means the same.
 
-An out-of-memory error in a batch anyway is the engine's retry path (a smaller batch for the whole group).
+An out-of-memory error in a batch anyway is the replica leader's retry path (a smaller batch for the whole group).
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ norm, head and logit steps, which is exactly what the vocab-parallel path replac
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
-from mpitp.parallel import comm as mpicomm
+from mpitp import testing
 from mpitp.errors import UsageError
+from mpitp.parallel import comm as mpicomm
 
 log = logging.getLogger("mpitp")
 
@@ -76,25 +76,23 @@ def _compare(head, h: torch.Tensor, ref_logits: torch.Tensor, dtype) -> tuple[fl
 
 
 @torch.no_grad()
-def _local_check(engine) -> tuple[float, float, str] | None:
+def _local_check(shard) -> tuple[float, float, str] | None:
     """This rank's (worst |d|, worst |d| / tolerance, head steps), or None where this rank compares nothing."""
-    from mpitp.replica.engine import _base
-
-    model, lay, head = engine.model, engine.layout, engine.head
+    model, lay, head = shard.model, shard.layout, shard.head
     text = model.config.get_text_config()
     vocab = int(head.vocab_size if head is not None else text.vocab_size)
-    ids = probe_ids(min(vocab, int(text.vocab_size)), engine.device)
+    ids = probe_ids(min(vocab, int(text.vocab_size)), shard.device)
     dtype = next(model.parameters()).dtype
-    if not engine.pipeline:
+    if not shard.pipeline:
         ref = model(input_ids=ids, use_cache=False).logits
-        h = _base(model)(input_ids=ids, use_cache=False).last_hidden_state
+        h = shard.base(input_ids=ids, use_cache=False).last_hidden_state
         return _compare(head, h.reshape(-1, h.shape[-1]), ref, dtype)
-    link, base = engine.link, _base(model)
+    link, base = shard.link, shard.base
     if lay.first_stage:
         x = None
         h = base(input_ids=ids, use_cache=False).last_hidden_state
     else:
-        x = link.recv_activation(engine.device)
+        x = link.recv_activation(shard.device)
         h = base(inputs_embeds=x, use_cache=False).last_hidden_state
     if not lay.last_stage:
         link.send_activation(h)
@@ -104,20 +102,20 @@ def _local_check(engine) -> tuple[float, float, str] | None:
     return _compare(head, h.reshape(-1, h.shape[-1]), ref, dtype)
 
 
-def check_head(engine, world_comm, timeout: float, skip: bool = False) -> float | None:
+def check_head(shard, world_comm, timeout: float, skip: bool = False) -> float | None:
     """Run the probe on every replica and refuse the run when any head path differs. Collective over the world.
 
     Returns the seconds it took (the extra forwards), or None when skipped.
     """
-    model_type = getattr(engine.model.config, "model_type", type(engine.model).__name__)
-    _test_alter_head(engine)
+    model_type = getattr(shard.model.config, "model_type", type(shard.model).__name__)
+    testing.alter_head(shard.head)
     if skip:
         if world_comm.Get_rank() == 0:
             log.warning("--skip-head-check: the vocab-parallel head is not compared with %s's own logits; a logit "
                         "step mpitp does not apply would give wrong log-likelihoods without an error", model_type)
         return None
     t0 = time.perf_counter()
-    local = _local_check(engine)
+    local = _local_check(shard)
     parts = mpicomm.gather_obj(local, world_comm, root=0, timeout=timeout, phase="head check")
     verdict = None
     if parts is not None:
@@ -131,10 +129,3 @@ def check_head(engine, world_comm, timeout: float, skip: bool = False) -> float 
                          f"(--skip-head-check runs anyway)", collective=True)
     return time.perf_counter() - t0
 
-
-def _test_alter_head(engine) -> None:
-    """Test-only: ``MPITP_TEST_ALTER_HEAD=<factor>`` scales the head's weight shard after loading, as a model class
-    with a logit step mpitp does not know would (a Cohere ``logit_scale`` that is not applied)."""
-    factor = os.environ.get("MPITP_TEST_ALTER_HEAD")  # "nan" makes every logit NaN (an fp16 overflow)
-    if factor and engine.head is not None:
-        engine.head.weight = engine.head.weight * float(factor)

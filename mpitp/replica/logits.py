@@ -1,7 +1,7 @@
 """What a causal LM does between its decoder's last hidden state and the logits it returns, read from its forward.
 
-The vocab-parallel head (:mod:`mpitp.replica.scoring`) recomputes logits from the LM head's weight shard instead of calling
-the model's forward, so it must repeat every step the model class takes there: Cohere multiplies by
+The vocab-parallel head (:mod:`mpitp.replica.scoring`) recomputes logits from the LM head's weight shard instead of
+calling the model's forward, so it must repeat every step the model class takes there: Cohere multiplies by
 ``logit_scale``, Granite divides by ``logits_scaling`` (and HyperCLOVAX multiplies by a config field of the same
 name), Falcon-H1 multiplies by ``lm_head_multiplier``, MiniCPM3 divides the hidden state, Gemma 2/3 soft-cap with
 ``tanh``. No table of model types could keep up with transformers, so :func:`head_transform` reads the statements of

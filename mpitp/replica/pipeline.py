@@ -12,8 +12,8 @@ two things transformers 5.24 lacks:
    ``DynamicCache`` (and the mask code, which sizes the mask from the cache's first layer) works per stage and the
    stage is an ordinary model to run.
 
-The forward is ours (:class:`StageLink` and the engine), not transformers' naive PP forward, which broadcasts the full
-logits from the last stage on every call and runs a batch as one piece, so stages never overlap.
+The forward is ours (:class:`StageLink` and :mod:`mpitp.replica.shard`), not transformers' naive PP forward, which
+broadcasts the full logits from the last stage on every call and runs a batch as one piece, so stages never overlap.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def compact(model, start: int, end: int) -> None:
     base.config = text
     if start > 0:
         _embedding_steps_off(base)
-    # transformers wraps the instance's forward with its naive PP forward; the engine drives stages itself.
+    # transformers wraps the instance's forward with its naive PP forward; mpitp.replica.shard drives stages itself.
     if "forward" in vars(model):
         del model.forward
     model._pp_forward_wrapped = False

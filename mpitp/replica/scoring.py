@@ -36,7 +36,9 @@ class CommCounter:
 
 
 class TPOps:
-    """The collectives scoring needs, over a TP group, or no-ops for tp=1 (a fake for maths tests fits too).
+    """The reductions scoring needs, over a TP group, or no-ops for tp=1 (a fake for maths tests fits too).
+
+    The leader's messages to its replica go another way (:class:`mpitp.replica.protocol.ControlChannel`).
 
     ``counter`` counts everything this rank sends into the TP group; ``reduce_counter`` only the scoring reductions
     (the O(tokens) traffic that must not grow with the vocabulary).
@@ -72,14 +74,6 @@ class TPOps:
         import torch.distributed as dist
 
         return self._reduce(t, dist.ReduceOp.MIN)
-
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.size > 1:
-            import torch.distributed as dist
-
-            self.counter.add(t)
-            dist.broadcast(t, src=src, group=self.group)
-        return t
 
 
 @dataclass
@@ -137,7 +131,8 @@ class VocabParallelHead:
         hit = logits == gmax.unsqueeze(-1)
         has = hit.any(dim=-1)
         first = hit.to(torch.int8).argmax(dim=-1)  # first True: torch.argmax's lowest-index rule
-        cand = torch.where(has, first.to(torch.int32) + self.offset, torch.full_like(first, _INT_BIG, dtype=torch.int32))
+        none = torch.full_like(first, _INT_BIG, dtype=torch.int32)
+        cand = torch.where(has, first.to(torch.int32) + self.offset, none)
         return gmax, self.ops.min(cand)
 
     @torch.no_grad()

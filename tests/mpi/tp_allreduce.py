@@ -14,11 +14,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
 import mpitp.parallel.comm as mc
 from mpitp.errors import install_excepthook
-from mpitp.parallel.replica_group import destroy_tp_group
 from mpitp.parallel.runtime import start
+from mpitp.parallel.replica_group import destroy_replica_group
 
 from _checks import Checks, say
 
@@ -38,8 +39,8 @@ def main():
     rank, size = world.rank, world.size
     members = list(lay.tp_ranks)
     check(members == list(range(lay.dp_rank * tp, (lay.dp_rank + 1) * tp)), f"tp_ranks {members}")
-    check(rt.tp_group is not None and rt.tp_group.active == (tp > 1), "TP group active iff tp > 1")
-    check(rt.tp_group.backend == "gloo", f"backend {rt.tp_group.backend}")
+    check(rt.replica_group is not None and rt.replica_group.active == (tp > 1), "TP group active iff tp > 1")
+    check(rt.replica_group.backend == "gloo", f"backend {rt.replica_group.backend}")
 
     # Each TP group is its own default torch world: rank = tp_rank, size = tp.
     check(dist.is_initialized(), "torch.distributed initialised")
@@ -72,7 +73,7 @@ def main():
     rows = mc.gather_obj((lay.dp_rank, lay.tp_rank, int(t[0]), os.environ["MASTER_PORT"]), world.comm,
                          timeout=60.0, phase="gather sums")
     if rank == 0:
-        for r, (dp_rank, tp_rank, s, _port) in enumerate(rows):
+        for r, (dp_rank, tp_rank, s, port) in enumerate(rows):
             group = range(dp_rank * tp, (dp_rank + 1) * tp)
             check((dp_rank, tp_rank) == divmod(r, tp), f"rank {r} layout")
             check(s == sum(value(x) for x in group), f"rank {r}: group sum {s}")
@@ -81,7 +82,7 @@ def main():
         check(len(set(ports.values())) == lay.dp, f"distinct ports per group: {ports}")
         say(f"  group sums: {[(d, s) for d, tr, s, _ in rows if tr == 0]}, world sum {world_sum}, ports {ports}")
 
-    destroy_tp_group(rt.tp_group)
+    destroy_replica_group(rt.replica_group)
     mc.barrier(world.comm, timeout=60.0, phase="end")
     total = world.comm.allreduce(check.count)
     say(f"OK tp_allreduce: {size} ranks, tp={tp}, dp={lay.dp}, {total} checks, {time.monotonic() - t0:.1f} s")

@@ -1,0 +1,170 @@
+"""The replica's leader: it batches and scores rows, runs HF ``generate``, and has its workers mirror each forward.
+
+Only the leader of a replica (its rank 0) runs batching and ``generate``. Before each forward it sends its workers
+one message (:mod:`mpitp.replica.protocol`); every rank then runs its part of the same forward
+(:class:`mpitp.replica.shard.ReplicaShard`), so transformers' TP collectives and the stages' sends line up. The
+workers' side is :mod:`mpitp.replica.worker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+from mpitp import testing
+from mpitp.replica.generation import GenerationState
+from mpitp.replica.protocol import (OP_GEN_BEGIN, OP_GEN_END, OP_GEN_FORWARD, OP_IDLE, OP_SCORE, OP_STOP, BufferPool,
+                                    ControlChannel)
+
+log = logging.getLogger("mpitp")
+_OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (RuntimeError,)
+
+
+class ReplicaLeader:
+    """Rank 0 of a replica: :meth:`score_rows`, :meth:`generating`, then :meth:`idle` or :meth:`stop` its workers."""
+
+    def __init__(self, shard, timeout: float):
+        self.shard = shard
+        self.model = shard.model
+        self.layout = shard.layout
+        self.device = shard.device
+        self.stats = shard.stats
+        self.channel = ControlChannel(shard.layout, timeout, shard.device, shard.ops.group, shard.stats.tp)
+        self.buffers = BufferPool(shard.device)
+        self.gen = GenerationState(shard)
+
+    @property
+    def has_workers(self) -> bool:
+        return self.channel.has_workers
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Greedy steps of the current ``generate`` call whose logits held NaN (the caller resets and reads it)."""
+        return self.gen.nonfinite_steps
+
+    @nonfinite_steps.setter
+    def nonfinite_steps(self, value: int) -> None:
+        self.gen.nonfinite_steps = value
+
+    # ------------------------------------------------------------------ scoring
+    def score_rows(self, rows: list[tuple[list[int], int]], batch_size: int,
+                   tick=None) -> list[tuple[float, bool, int]]:
+        """Score token rows ``(input_tokens_plus_last_target, n_targets)`` -> ``(sum log p, all greedy, n)``.
+
+        A row is lm-eval's ``(context + continuation)[-(max_length + 1):]``: the model reads all but the last token
+        and the last ``n_targets`` tokens are scored, exactly as lm-eval's ``_loglikelihood_tokens`` slices them.
+        """
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        out: list = [None] * len(rows)
+        start = 0
+        while start < len(order):
+            idx = order[start : start + batch_size]
+            try:
+                results = self._score_batch([rows[i] for i in idx])
+            except _OOM as exc:
+                if self.has_workers:
+                    # The workers may sit inside a collective of the very forward that failed: a retry cannot be
+                    # agreed with them, so the job fails fast (rows computed so far stay in the file).
+                    raise _OOM[0](f"out of memory on a batch of {len(idx)} rows in a replica of "
+                                  f"{self.channel.size} ranks ({str(exc).splitlines()[0][:160]}); rerun with a "
+                                  f"smaller --batch-size and --resume") from exc
+                if len(idx) == 1:
+                    raise
+                batch_size = max(1, len(idx) // 2)
+                log.warning("out of memory on a batch of %d rows (%s); retrying with batch size %d",
+                            len(idx), str(exc).splitlines()[0][:120], batch_size)
+                _free_cache(self.device)
+                continue
+            for i, r in zip(idx, results):
+                out[i] = r
+            start += len(idx)
+            if tick is not None:
+                tick()
+        return out
+
+    def _score_batch(self, rows) -> list[tuple[float, bool, int]]:
+        testing.check_oom(len(rows))
+        inps = [r[0][:-1] for r in rows]
+        width = max(len(x) for x in inps)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        sel, tgt, owner = [], [], []
+        for b, ((toks, n), inp) in enumerate(zip(rows, inps)):
+            ids[b, : len(inp)] = torch.tensor(inp, dtype=torch.long)
+            inplen = len(inp)
+            sel.extend(b * width + p for p in range(inplen - n, inplen))
+            tgt.extend(toks[-n:])
+            owner.extend([b] * n)
+        flat = torch.cat([ids.flatten(), torch.tensor(sel, dtype=torch.long), torch.tensor(tgt, dtype=torch.long)])
+        packed = self.buffers.view(flat.numel())
+        packed.copy_(flat)
+        if self.has_workers:
+            self.channel.send(OP_SCORE, {"packed": packed}, b=len(rows), t=width, n=len(sel))
+        lp, greedy = self.shard.score(packed, len(rows), width, len(sel))
+        lp, greedy = lp.double().cpu(), greedy.cpu()
+        owner_t = torch.tensor(owner, dtype=torch.long)
+        sums = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, owner_t, lp)
+        misses = torch.zeros(len(rows), dtype=torch.long).index_add_(0, owner_t, (~greedy).long())
+        self.stats.tokens_scored += len(sel)
+        return [(float(sums[b]), bool(misses[b] == 0), rows[b][1]) for b in range(len(rows))]
+
+    # ------------------------------------------------------------------ generation
+    @contextlib.contextmanager
+    def generating(self, greedy: bool = False):
+        """While active, every forward the leader's model runs (HF ``generate``'s) is mirrored by the workers.
+
+        ``greedy`` swaps the LM head for a vocab-parallel argmax on every TP rank
+        (:class:`mpitp.replica.generation.GenerationState`).
+        """
+        model, shard, gen = self.model, self.shard, self.gen
+        if self.has_workers:
+            self.channel.send(OP_GEN_BEGIN, greedy=greedy)
+        gen.begin(greedy)
+        patched = "forward" in vars(model)
+        original = model.forward
+
+        @functools.wraps(original)  # generate validates its kwargs against the forward's signature (Falcon-H1)
+        def mirrored_forward(*args, **kwargs):
+            if args:
+                raise TypeError("mpitp mirrors keyword-argument forwards only")
+            plain, tensors = gen.encode(kwargs)
+            self.channel.send(OP_GEN_FORWARD, tensors, plain=plain)
+            self.stats.forwards += 1
+            if shard.pipeline:
+                return shard.generate_step(kwargs, gen.greedy, gen.note_nonfinite)
+            return original(**kwargs)
+
+        if self.has_workers:
+            model.forward = mirrored_forward
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if self.has_workers:
+                if patched:
+                    model.forward = original
+                else:
+                    del model.forward  # back to the class's forward
+                if ok:  # after a failure the workers may sit in a collective of the failed forward: no message
+                    self.channel.send(OP_GEN_END)
+            gen.end()
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        """Release the workers from their serve loop."""
+        if self.has_workers:
+            self.channel.send(OP_STOP, phase="TP stop")
+
+    def idle(self) -> None:
+        """Tell the workers that no forward comes until the next dispatch run: they wait without a deadline while
+        rank 0 does work of its own (lm-eval's metrics, the results file), however long it takes."""
+        if self.has_workers:
+            self.channel.send(OP_IDLE, phase="TP idle")
+
+
+def _free_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

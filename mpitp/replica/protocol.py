@@ -1,0 +1,120 @@
+"""What a replica's leader sends the rest of its replica, and how: one kind of message for every operation.
+
+A message is a small dict sent over the replica's MPI communicator (its ``op``, a few plain values, and the shape and
+dtype of each tensor that follows), then its tensors, broadcast from the leader over the replica's torch world (as
+vLLM's ``broadcast_tensor_dict``). The others wait for the dict with a polled, sleeping MPI receive rather than a
+spinning torch collective, so an idle worker costs no CPU; the tensors then take the fast path.
+
+Operations (``op``):
+
+=================  ===================================================================================
+``score``          one scoring batch: ``b`` rows of ``t`` tokens, ``n`` scored positions; tensor ``packed``
+``gen_begin``      a ``generate`` call starts (``greedy``: swap the LM head for a vocab-parallel argmax)
+``gen_forward``    one of its forwards: ``plain`` keyword arguments, the tensor ones follow by name
+``gen_end``        the call ended
+``idle``           no forward until the next dispatch run: wait without a deadline
+``stop``           leave the worker loop
+=================  ===================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mpitp.parallel import comm as mpicomm
+
+OP_SCORE = "score"
+OP_GEN_BEGIN = "gen_begin"
+OP_GEN_FORWARD = "gen_forward"
+OP_GEN_END = "gen_end"
+OP_STOP = "stop"
+OP_IDLE = "idle"
+
+# How long a worker waits beyond its leader's deadline: when a stall upstream trips the deadline, the leader's
+# message (which names the upstream phase) is the one the user sees.
+WORKER_GRACE_S = 5.0
+
+
+@dataclass
+class Message:
+    """One message as a worker receives it: its op, its plain values, and the tensors that follow it."""
+
+    op: str
+    meta: dict = field(default_factory=dict)
+    specs: list[tuple[str, tuple, str]] = field(default_factory=list)  # (name, shape, dtype) in sending order
+
+
+class ControlChannel:
+    """The replica's leader-to-workers channel (one per rank; the leader sends, the others receive).
+
+    ``tp_group`` is the torch group of this rank's TP ranks (None = the default world). Without pipeline stages that
+    is the replica; with stages the replica is the default world, so tensors go there. ``counter`` counts the bytes
+    this rank broadcasts.
+    """
+
+    def __init__(self, layout, timeout: float, device, tp_group=None, counter=None):
+        self.layout = layout
+        self.timeout = timeout
+        self.device = torch.device(device)
+        self.size = layout.replica_size
+        self.group = tp_group if layout.pp == 1 else None
+        self.counter = counter
+
+    @property
+    def has_workers(self) -> bool:
+        return self.size > 1
+
+    def send(self, op: str, tensors: dict[str, torch.Tensor] | None = None, phase: str = "TP control",
+             **meta) -> None:
+        """Leader: send ``op`` with ``meta`` over MPI, then ``tensors`` (in their order) over torch."""
+        tensors = {k: t.contiguous() for k, t in (tensors or {}).items()}
+        specs = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()]
+        mpicomm.bcast_obj({"op": op, "meta": meta, "specs": specs}, self.layout.replica_comm, root=0,
+                          timeout=self.timeout, phase=phase)
+        for t in tensors.values():
+            self._broadcast(t)
+
+    def recv(self, phase: str, idle: bool = False) -> Message:
+        """Worker: the next message's dict (its tensors come with :meth:`recv_tensors`). An idle worker (its leader
+        between dispatch runs) waits without a deadline."""
+        timeout = None if idle else self.timeout + WORKER_GRACE_S
+        msg = mpicomm.bcast_obj(None, self.layout.replica_comm, root=0, timeout=timeout, phase=phase)
+        return Message(msg["op"], msg["meta"], msg["specs"])
+
+    def recv_tensors(self, msg: Message, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Worker: the tensors that follow ``msg``, received into ``out``'s tensors where given, else new ones."""
+        got = {}
+        for name, shape, dtype in msg.specs:
+            t = (out or {}).get(name)
+            if t is None:
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            got[name] = self._broadcast(t)
+        return got
+
+    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.has_workers:
+            import torch.distributed as dist
+
+            if self.counter is not None:
+                self.counter.add(t)
+            dist.broadcast(t, src=0, group=self.group)
+        return t
+
+
+class BufferPool:
+    """Views of one persistent int64 buffer, grown in powers of two.
+
+    Every batch has another size; allocating a fresh tensor per message fragments a GPU caching allocator (one of
+    Fast-LLM's reported problems). Leader and workers size their buffers the same way.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._buf: torch.Tensor | None = None
+
+    def view(self, n: int) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(1 << max(10, (n - 1).bit_length()), dtype=torch.long, device=self.device)
+        return self._buf[:n]

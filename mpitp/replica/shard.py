@@ -1,0 +1,127 @@
+"""This rank's part of every forward of its replica: its stage's layers (TP-sharded), its slice of the LM head.
+
+Leader and workers run the same code here, so transformers' TP collectives and the stage-to-stage sends line up.
+Without pipeline stages every rank runs the whole (sharded) model and scores vocab-parallel over its TP group. With
+stages (pp > 1) stage 0 embeds and runs its layers, hands the activations to the next stage (micro-batched when
+scoring, so stages overlap), and the last stage scores vocab-parallel over its TP group; only O(tokens) scores (or,
+when generating, the chosen token ids) travel back to the leader.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpitp import testing
+from mpitp.replica.generation import chosen_token_logits
+from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, micro_batches
+from mpitp.replica.scoring import TPOps, VocabParallelHead
+from mpitp.replica.stats import Stats
+
+
+def base_model(model):
+    """The decoder stack without the LM head (``LlamaModel`` inside ``LlamaForCausalLM``, and so on)."""
+    return model.base_model
+
+
+class ReplicaShard:
+    """One per rank: the model shard it holds and the forwards it runs, whether it leads the replica or not.
+
+    ``tp_group`` is the torch group of this rank's stage's TP ranks (None = the default world).
+    """
+
+    def __init__(self, model, layout, device: str, stats: Stats | None = None, tp_group=None):
+        self.model = model
+        self.layout = layout
+        self.device = torch.device(device)
+        self.stats = stats or Stats()
+        self.ops = TPOps(size=layout.tp, group=tp_group, counter=self.stats.tp, reduce_counter=self.stats.tp_score)
+        self.pipeline = layout.pp > 1
+        self.link = StageLink(layout, self.stats.pp) if self.pipeline else None
+        self.head = VocabParallelHead.from_model(model, self.ops) if layout.last_stage else None
+        self.base = base_model(model)
+        testing.install_forward_fault(getattr(self.base, "layers", None), layout.rank, lambda: self.stats.forwards)
+
+    @torch.no_grad()
+    def score(self, packed: torch.Tensor, b: int, t: int, n: int):
+        """(log p, is_greedy) of the ``n`` scored positions of a packed batch (``b`` rows of ``t`` input ids, the
+        flat indices of the scored positions, their targets): on every rank without stages, on the leader with."""
+        ids = packed[: b * t].view(b, t)
+        sel = packed[b * t : b * t + n]
+        tgt = packed[b * t + n :]
+        self.stats.forwards += 1
+        if self.pipeline:
+            return self._score_pipeline(ids, sel, tgt)
+        hidden = self.base(input_ids=ids, use_cache=False).last_hidden_state
+        hs = hidden.reshape(b * t, -1).index_select(0, sel)
+        return self.head.score(hs, tgt)
+
+    def _score_pipeline(self, ids: torch.Tensor, sel: torch.Tensor, tgt: torch.Tensor):
+        """One batch through the stages in micro-batches (GPipe's forward half); scores come back to the leader."""
+        lay, link, base = self.layout, self.link, self.base
+        b, t = ids.shape
+        outs = []
+        for r0, r1 in micro_batches(b, lay.pp):
+            if lay.first_stage:
+                h = base(input_ids=ids[r0:r1], use_cache=False).last_hidden_state
+            else:
+                x = link.recv_activation(self.device)
+                h = base(inputs_embeds=x, use_cache=False).last_hidden_state
+            if lay.last_stage:
+                outs.append(h)
+            else:
+                link.send_activation(h)  # asynchronous: this stage goes on with the next micro-batch
+        link.flush()
+        if lay.last_stage:
+            hs = torch.cat(outs).reshape(b * t, -1).index_select(0, sel)
+            lp, greedy = self.head.score(hs, tgt)
+            if lay.tp_rank == 0:
+                link.send(lp.float(), dst=0)
+                link.send(greedy.to(torch.uint8), dst=0)
+                link.flush()
+            return lp, greedy
+        if lay.is_leader:
+            n = sel.numel()
+            lp = link.recv((n,), torch.float32, self.device, src=lay.last_stage_leader)
+            greedy = link.recv((n,), torch.uint8, self.device, src=lay.last_stage_leader).bool()
+            return lp, greedy
+        return None, None
+
+    @torch.no_grad()
+    def generate_step(self, kwargs: dict, greedy: bool, on_nonfinite=None):
+        """One ``generate`` forward through the stages, each with its own KV cache; returns the leader's output.
+
+        The last stage picks the next token vocab-parallel (greedy) and sends only the ids to the leader, which
+        hands HF a logits tensor that is 0 at that id and -inf elsewhere; for sampling it sends the last
+        position's gathered logits, and the leader's seeded generator samples.
+        """
+        lay, link = self.layout, self.link
+        kw = {k: v for k, v in kwargs.items() if k not in HEAD_ONLY_KWARGS}
+        ids = kw["input_ids"]
+        b = ids.shape[0]
+        if not lay.first_stage:
+            kw.pop("input_ids")
+            kw["inputs_embeds"] = link.recv_activation(self.device)
+        h = self.base(**kw).last_hidden_state
+        if not lay.last_stage:
+            link.send_activation(h)
+            link.flush()
+        if lay.last_stage:
+            if greedy:
+                out = self.head.argmax(h[:, -1, :])
+            else:
+                out = self.head.full_logits(h[:, -1, :]).unsqueeze(1)  # the model's logits: its head steps applied
+            if lay.tp_rank == 0:
+                link.send(out, dst=0)
+                link.flush()
+            return None
+        if not lay.is_leader:
+            return None
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        if greedy:
+            tok = link.recv((b,), torch.long, self.device, src=lay.last_stage_leader)
+            logits = chosen_token_logits(tok, vocab, on_nonfinite)
+        else:
+            logits = link.recv((b, 1, vocab), torch.float32, self.device, src=lay.last_stage_leader)
+        return CausalLMOutputWithPast(logits=logits, cache=kw.get("cache"))

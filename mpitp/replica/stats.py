@@ -1,0 +1,28 @@
+"""Per-rank counters of a run: time, requests, tokens, forwards and the bytes each channel carried."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mpitp.replica.scoring import CommCounter
+
+
+@dataclass
+class Stats:
+    """Per-rank counters; the DP leader's are the group's and end up in the results file."""
+
+    busy_s: float = 0.0
+    requests: float = 0.0  # rolling requests count 1/n per window computed, so they can span DP groups
+    tokens_scored: int = 0
+    tokens_generated: int = 0
+    forwards: int = 0
+    tp: CommCounter = field(default_factory=CommCounter)
+    tp_score: CommCounter = field(default_factory=CommCounter)
+    pp: CommCounter = field(default_factory=CommCounter)
+    mpi_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(busy_s=self.busy_s, requests=self.requests, tokens_scored=self.tokens_scored,
+                    tokens_generated=self.tokens_generated, forwards=self.forwards, tp_bytes=self.tp.bytes,
+                    tp_calls=self.tp.calls, tp_score_bytes=self.tp_score.bytes, mpi_bytes=self.mpi_bytes,
+                    pp_bytes=self.pp.bytes)

@@ -1,0 +1,68 @@
+"""A replica's worker (every rank but its leader): mirror the leader's forwards until it says stop.
+
+Each message (:mod:`mpitp.replica.protocol`) names one operation; the worker runs its part of the same forward
+(:class:`mpitp.replica.shard.ReplicaShard`), keeping its own KV-cache shard in step during generation
+(:class:`mpitp.replica.generation.GenerationState`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpitp import testing
+from mpitp.replica.generation import GenerationState
+from mpitp.replica.protocol import (OP_GEN_BEGIN, OP_GEN_END, OP_GEN_FORWARD, OP_IDLE, OP_SCORE, OP_STOP, BufferPool,
+                                    ControlChannel)
+
+
+class ReplicaWorker:
+    """A rank of a replica other than its leader; :meth:`serve` is all it does."""
+
+    def __init__(self, shard, timeout: float):
+        self.shard = shard
+        self.layout = shard.layout
+        self.stats = shard.stats
+        self.channel = ControlChannel(shard.layout, timeout, shard.device, shard.ops.group, shard.stats.tp)
+        self.buffers = BufferPool(shard.device)
+        self.gen = GenerationState(shard)
+        lay = shard.layout
+        self.wait_phase = ("TP worker waiting for its leader" if not shard.pipeline or lay.first_stage
+                           else f"pipeline stage {lay.pp_rank} waiting for its leader")
+
+    def serve(self) -> None:
+        """Mirror the leader's forwards until it says stop.
+
+        Idle until the first forward (rank 0 is building lm-eval's tasks) and after each ``idle``: then the wait has
+        no deadline (see :func:`mpitp.evaluation.dispatch.serve_remote` for why that still ends a broken job).
+        """
+        idle = True
+        while True:
+            msg = self.channel.recv(self.wait_phase, idle=idle)
+            op = msg.op
+            idle = op == OP_IDLE
+            testing.check_raise(self.layout.rank, self.stats.forwards)
+            if op == OP_SCORE:
+                b, t, n = msg.meta["b"], msg.meta["t"], msg.meta["n"]
+                packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(b * t + 2 * n)})["packed"]
+                self.shard.score(packed, b, t, n)
+            elif op == OP_GEN_BEGIN:
+                self.gen.begin(bool(msg.meta.get("greedy")))
+            elif op == OP_GEN_FORWARD:
+                self._gen_forward(msg)
+            elif op == OP_GEN_END:
+                self.gen.end()
+            elif op == OP_STOP:
+                return
+            elif op == OP_IDLE:
+                pass
+            else:  # pragma: no cover - protocol bug
+                raise RuntimeError(f"unknown TP control op {op!r}")
+
+    def _gen_forward(self, msg) -> None:
+        kwargs = self.gen.decode(msg.meta["plain"], self.channel.recv_tensors(msg))
+        if self.shard.pipeline:
+            self.shard.generate_step(kwargs, self.gen.greedy, self.gen.note_nonfinite)
+        else:
+            with torch.no_grad():
+                self.shard.model(**kwargs)
+        self.stats.forwards += 1

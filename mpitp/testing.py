@@ -1,0 +1,131 @@
+"""The one seam through which production code reaches test-only behaviour (``MPITP_TEST_*`` environment variables).
+
+The test suite and the fault drills launch real ``mpiexec`` jobs and steer them from outside through these variables:
+a stall at a named point, random chunk sizes, a simulated out-of-memory error, an exception on a worker or inside a
+forward, an altered LM head. Production code calls the functions below at those points; each is a cheap no-op when
+its variable is unset. The environment is read once per process (:func:`hooks`).
+
+===============================================  ==================================================================
+``MPITP_TEST_STALL=<where>:<seconds>``           :func:`stall` sleeps at ``where`` (``between_chunks``,
+                                                 ``post_processing``, ``metrics``): a run long enough for a drill
+``MPITP_TEST_CHUNK_SEED=<seed>``                 :func:`chunks_per_group`: random chunk sizes (stress tests)
+``MPITP_TEST_OOM_ABOVE=<rows>``                  :func:`check_oom`: a batch of more rows fails as out of memory
+``MPITP_TEST_RAISE=<rank>:<forwards>``           :func:`check_raise`: that TP worker raises at a message boundary
+``MPITP_TEST_RAISE_IN_FORWARD=<rank>:<n>[:oom]`` :func:`install_forward_fault`: that rank raises *inside* a forward
+``MPITP_TEST_ALTER_HEAD=<factor>|nan``           :func:`alter_head`: the head's weights scaled after loading
+===============================================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("mpitp")
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The test hooks this process was started with (None: off)."""
+
+    stall: tuple[str, float] | None = None
+    chunk_seed: str | None = None
+    oom_above: int | None = None
+    raise_at: tuple[int, int] | None = None
+    raise_in_forward: tuple[int, int, bool] | None = None
+    alter_head: float | None = None
+
+    @classmethod
+    def from_env(cls, env=None) -> Hooks:
+        env = os.environ if env is None else env
+        stall = env.get("MPITP_TEST_STALL")
+        raise_at = env.get("MPITP_TEST_RAISE")
+        in_forward = env.get("MPITP_TEST_RAISE_IN_FORWARD")
+        oom = env.get("MPITP_TEST_OOM_ABOVE")
+        alter = env.get("MPITP_TEST_ALTER_HEAD")  # "nan" makes every logit NaN (an fp16 overflow)
+        forward = None
+        if in_forward:
+            parts = in_forward.split(":")
+            forward = (int(parts[0]), int(parts[1]), parts[2:] == ["oom"])
+        where, _, seconds = (stall or "").partition(":")
+        return cls(stall=(where, float(seconds)) if stall else None,
+                   chunk_seed=env.get("MPITP_TEST_CHUNK_SEED") or None,
+                   oom_above=int(oom) if oom else None,
+                   raise_at=tuple(int(x) for x in raise_at.split(":")) if raise_at else None,
+                   raise_in_forward=forward,
+                   alter_head=float(alter) if alter else None)
+
+
+@functools.cache
+def hooks() -> Hooks:
+    """This process's hooks, read from the environment on first use (``hooks.cache_clear()`` reads it again)."""
+    return Hooks.from_env()
+
+
+def _oom_error():
+    import torch
+
+    return torch.OutOfMemoryError if hasattr(torch, "OutOfMemoryError") else RuntimeError
+
+
+def stall(where: str) -> None:
+    """Sleep on this rank at ``where`` when ``MPITP_TEST_STALL`` names it (rank 0's points: fault drills)."""
+    spec = hooks().stall
+    if spec is not None and spec[0] == where:
+        log.warning("test hook: stalling %g s at %s", spec[1], where)
+        time.sleep(spec[1])
+
+
+def chunks_per_group(kind: str, n_items: int, default: int) -> int:
+    """The dispatcher's chunks per DP group: random per run kind and size under ``MPITP_TEST_CHUNK_SEED``."""
+    seed = hooks().chunk_seed
+    if seed is None:
+        return default
+    import random
+
+    return random.Random(f"{seed}:{kind}:{n_items}").randint(1, 16)
+
+
+def check_oom(rows: int) -> None:
+    """Fail a batch of more than ``MPITP_TEST_OOM_ABOVE`` rows as out of memory (the leader's retry path)."""
+    limit = hooks().oom_above
+    if limit is not None and rows > limit:
+        raise _oom_error()(f"test hook: simulated out of memory for {rows} rows")
+
+
+def check_raise(rank: int, forwards: int) -> None:
+    """Raise on the TP worker of global rank ``rank`` once it has run the forwards ``MPITP_TEST_RAISE`` names."""
+    spec = hooks().raise_at
+    if spec is not None and rank == spec[0] and forwards >= spec[1]:
+        raise RuntimeError(f"test hook: injected failure on rank {rank} after {forwards} forwards")
+
+
+def install_forward_fault(layers, rank: int, forwards) -> None:
+    """Under ``MPITP_TEST_RAISE_IN_FORWARD=<rank>:<n>[:oom]`` raise inside the forward of that rank's last decoder
+    layer once it has run ``n`` forwards (``forwards()`` counts them): its TP peers are then inside a torch collective
+    of the same forward (or, with stages, waiting for its activations), not at a message boundary."""
+    spec = hooks().raise_in_forward
+    if spec is None or spec[0] != rank or not layers:
+        return
+    after, oom = spec[1], spec[2]
+
+    def hook(module, args):
+        done = forwards()
+        if done > after:
+            where = f"inside a forward on rank {rank} after {done - 1} forwards"
+            if oom:
+                raise _oom_error()(f"test hook: simulated out of memory {where}")
+            raise RuntimeError(f"test hook: injected failure {where}")
+
+    layers[-1].register_forward_pre_hook(hook)
+
+
+def alter_head(head) -> None:
+    """Scale the vocab-parallel head's weight shard by ``MPITP_TEST_ALTER_HEAD``, as a model class with a logit step
+    mpitp does not know would (a Cohere ``logit_scale`` that is not applied); ``nan`` makes every logit NaN."""
+    factor = hooks().alter_head
+    if factor is not None and head is not None:
+        head.weight = head.weight * factor

@@ -1,0 +1,76 @@
+"""The leader encodes each generate forward's arguments and a worker decodes them back (mpitp.replica.generation):
+a grown attention mask travels as a marker, the KV cache as each rank's own. Real generation under TP/PP is covered
+by the parity tests; this checks the encoding alone, leader and worker state side by side in one process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mpitp.replica.generation import CACHE, EXTEND_ONES, GenerationState, chosen_token_logits
+from mpitp.replica.scoring import CommCounter
+
+
+def _shard():
+    from transformers import DynamicCache, LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                         vocab_size=11)
+    ops = SimpleNamespace(reduce_counter=CommCounter())
+    return SimpleNamespace(model=SimpleNamespace(config=config), ops=ops, pipeline=True), DynamicCache
+
+
+def test_forward_arguments_round_trip_with_mask_growth_and_cache():
+    shard, DynamicCache = _shard()
+    leader, worker = GenerationState(shard), GenerationState(shard)
+    scoring = shard.ops.reduce_counter
+    leader.begin(greedy=False)
+    worker.begin(greedy=False)
+    assert shard.ops.reduce_counter is not scoring  # argmax traffic is not counted as scoring
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[0, 0] = 0
+    steps = [dict(input_ids=torch.arange(10).view(2, 5), attention_mask=mask, past_key_values=DynamicCache(),
+                  use_cache=True, logits_to_keep=1)]
+    grown = mask
+    for t in range(3):
+        grown = torch.cat([grown, torch.ones(2, 1, dtype=torch.long)], dim=1)
+        steps.append(dict(input_ids=torch.tensor([[t], [t + 1]]), attention_mask=grown,
+                          past_key_values=steps[0]["past_key_values"], use_cache=True, logits_to_keep=1))
+    caches = set()
+    for i, kwargs in enumerate(steps):
+        plain, tensors = leader.encode(kwargs)
+        assert plain["past_key_values"] == CACHE and plain["use_cache"] is True
+        assert ("attention_mask" in tensors) == (i == 0) and (plain.get("attention_mask") == EXTEND_ONES) == (i > 0)
+        got = worker.decode(plain, {k: v.clone() for k, v in tensors.items()})
+        assert set(got) == set(kwargs)
+        for k, v in kwargs.items():
+            if torch.is_tensor(v):
+                assert torch.equal(got[k], v), k
+        assert isinstance(got["past_key_values"], DynamicCache) and got["past_key_values"] is not kwargs[
+            "past_key_values"]
+        caches.add(id(got["past_key_values"]))
+    assert len(caches) == 1  # the worker keeps one cache of its own for the whole call
+    worker.end()
+    leader.end()
+    assert shard.ops.reduce_counter is scoring
+    leader.begin(greedy=False)  # a new call starts from nothing: no stale mask to extend
+    plain, tensors = leader.encode(dict(attention_mask=grown))
+    assert "attention_mask" in tensors
+
+
+def test_unmirrorable_argument_is_refused():
+    shard, _ = _shard()
+    state = GenerationState(shard)
+    state.begin(greedy=False)
+    with pytest.raises(TypeError, match="cannot mirror forward argument extra=list"):
+        state.encode(dict(extra=[1, 2]))
+
+
+def test_chosen_token_logits_pick_the_id_and_report_nan_rows():
+    seen = []
+    logits = chosen_token_logits(torch.tensor([3, 11]), 11, lambda: seen.append(True))
+    assert logits.shape == (2, 1, 11) and logits.argmax(-1).view(-1).tolist() == [3, 0]
+    assert seen == [True]  # id 11 is past the vocabulary: no logit reached the maximum
+    assert float(logits[0, 0, 3]) == 0.0 and bool(torch.isinf(logits[0, 0, :3]).all())
