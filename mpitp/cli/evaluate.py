@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from mpitp.errors import UsageError
-from mpitp.evaluation.runner import EvalConfig, run_eval
+from mpitp.evaluation.runner import run_eval
+from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
 
