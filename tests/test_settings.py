@@ -8,7 +8,6 @@ import inspect
 import json
 import math
 import pickle
-import textwrap
 
 import pytest
 
@@ -39,7 +38,8 @@ runs:
 
 # The same settings on mpitp eval's command line (lm-eval's flags), per job-file run
 CLI = ["--model", "hf", "--model_args", '{"pretrained": "org/m", "add_bos_token": true}', "--tasks", "a,b",
-       "--dtype", "float32", "--data-dir", "/d", "--gen_kwargs", '{"until": ["\\n\\n", "Question:"], "max_gen_toks": 5}',
+       "--dtype", "float32", "--data-dir", "/d",
+       "--gen_kwargs", '{"until": ["\\n\\n", "Question:"], "max_gen_toks": 5}',
        "--metadata", '{"max_seq_lengths": [64]}', "--system_instruction", "Be brief."]
 LIMITS = {"fraction": "0.25", "one-float": "1.0", "count": "3", "whole-float": "3.0"}
 
@@ -111,15 +111,16 @@ def test_job_runs_pickle_read_only(job):
     assert spec.gen_kwargs["until"] == ("\n\n", "Question:")
 
 
-@pytest.mark.parametrize("value,expected", [("1.5", "got 1.5"), ("0", "got 0"), ("-1", "got -1"), ("'3'", "got '3'"),
-                                            ("true", "got True"), (".inf", "got inf")])
-def test_job_file_limit_refusals(tmp_path, value, expected):
+@pytest.mark.parametrize("value,shown", [("1.5", "1.5"), ("0", "0"), ("-1", "-1"), ("'3'", "'3'"), ("true", "True"),
+                                         (".inf", "inf")])
+def test_job_file_limit_refusals(tmp_path, value, shown):
+    """YAML is typed: a count with a fraction, a quoted number or a flag is a slip, refused while reading the file."""
     path = tmp_path / "job.yaml"
     path.write_text(f"runs: [{{model: demo, tasks: t, limit: {value}}}]\n")
     with pytest.raises(JobFileError) as info:
         load_job(path)
     assert str(info.value).endswith("field 'limit': expected a positive integer (examples per task) or a fraction "
-                                    f"in (0, 1), got {expected.split('got ')[1]}")
+                                    f"in (0, 1), got {shown}")
 
 
 def test_identity_unchanged_for_older_files():
@@ -165,6 +166,21 @@ def test_command_line_options_come_from_the_declaration():
         assert set(spec["flags"]) <= set(by_dest[dest].option_strings)
     assert by_dest["dtype"].choices == ("auto", "float32", "bfloat16", "float16")
     assert not math.isnan(by_dest["timeout"].default) and by_dest["timeout"].default > 0
-    usage = textwrap.dedent(parser.format_help())
+    usage = parser.format_help()
     for flag in ("--tp", "--pp", "--output", "--resume", "--skip-head-check", "--watch-idle", "--max-length"):
         assert flag in usage
+
+
+@pytest.mark.parametrize("value,docs", [("0.25", 3), ("1.0", 1), ("1", 1), ("3.0", 3), ("2.5", 2)])
+def test_command_line_limit_is_lm_evals(value, docs):
+    assert _lm_eval_docs(_cli_config("--limit", value).limit) == _lm_eval_docs(float(value)) == docs
+
+
+@pytest.mark.parametrize("value,message", [("0", "--limit: must be > 0, got 0"), ("x", "--limit: expected a number, "
+                                           "got 'x'"), ("inf", "--limit: must be a finite number, got inf")])
+def test_command_line_limit_refusals(value, message):
+    from mpitp.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        _cli_config("--limit", value)
+    assert str(info.value) == message

@@ -61,6 +61,7 @@ def limit_value(v) -> int | float:
     """lm-eval's ``--limit``: a number < 1 is a fraction of each task's documents, one >= 1 a count of documents
     (``lm_eval.evaluator_utils.get_sample_size``: ``ceil(n * limit) if limit < 1.0 else int(limit)``), so 1.0 is
     one document. A whole count is kept as an int (the same meaning, and the spelling resume identities use)."""
+    given = v
     if isinstance(v, bool):
         raise BadValue(f"expected a number, got {v!r}")
     if not isinstance(v, (int, float)):
@@ -68,8 +69,10 @@ def limit_value(v) -> int | float:
             v = float(v)
         except (TypeError, ValueError):
             raise BadValue(f"expected a number, got {v!r}") from None
-    if not v > 0 or v == math.inf:
-        raise BadValue(f"must be > 0, got {v}")
+    if not v > 0:
+        raise BadValue(f"must be > 0, got {given}")
+    if v == math.inf:
+        raise BadValue(f"must be a finite number, got {given}")
     return int(v) if v >= 1 and v == int(v) else v
 
 
