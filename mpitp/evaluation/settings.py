@@ -321,24 +321,24 @@ class EvalConfig:
     gen_kwargs: str | dict | None = setting(identity=ALWAYS, job=yaml_gen_kwargs)
     apply_chat_template: bool | str = setting(False, identity=ALWAYS, job=yaml_bool)
     include_path: str | list[str] | None = setting(job=yaml_string)
-    data_dir: str | None = setting(identity=ALWAYS, job=yaml_string,
-                                   cli=cli("--data-dir", group=RESULTS,
-                                           help="Serve stock tasks offline from DIR/<task>/<split>.jsonl."))
     seed: int | list | None = setting(identity=ALWAYS, job=yaml_int_at_least(0, "a non-negative integer"))
     output: str | None = setting(job=yaml_output, cli=cli(
         "--output", group=RESULTS,
         help="HDF5 results file (default: beside --output_path's files, else results/<model>-<time>.h5)."))
-    overwrite: bool = setting(False, cli=cli("--overwrite", group=RESULTS, action="store_true",
-                                             help="Replace an existing --output file."))
     resume: bool = setting(False, cli=cli("--resume", group=RESULTS, action="store_true",
                                           help="Continue an existing --output file."))
+    overwrite: bool = setting(False, cli=cli("--overwrite", group=RESULTS, action="store_true",
+                                             help="Replace an existing --output file."))
+    data_dir: str | None = setting(identity=ALWAYS, job=yaml_string,
+                                   cli=cli("--data-dir", group=RESULTS,
+                                           help="Serve stock tasks offline from DIR/<task>/<split>.jsonl."))
     log_samples: bool = setting(False, job=yaml_bool)
+    demo: bool = setting(False, cli=cli("--demo", group=RESULTS, action="store_true",
+                                        help="Built-in offline demo: tiny random Llama, three small tasks."))
     bootstrap_iters: int = setting(100000, cli=cli("--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0),
                                                    help="Bootstrap iterations for stderr (default 100000, as "
                                                         "lm-eval)."))
     trust_remote_code: bool = setting(False, lm_eval_job=True)
-    demo: bool = setting(False, cli=cli("--demo", group=RESULTS, action="store_true",
-                                        help="Built-in offline demo: tiny random Llama, three small tasks."))
     skip_head_check: bool = setting(False, cli=cli(  # see mpitp.replica.headcheck: what it risks is said when used
         "--skip-head-check", group=RESULTS, action="store_true",
         help="Do not compare the vocab-parallel head with the model's own logits on a probe after loading (saves "
