@@ -20,7 +20,8 @@ import re
 
 from mpitp.errors import UsageError
 from mpitp.evaluation.settings import (BadValue, batch_size_value, cli_batch_size, cli_int_at_least, cli_limit,
-                                       cli_options, cli_runtime_dests, cli_setting_dests, limit_value)
+                                       cli_options, cli_runtime_dests, cli_setting_dests, from_evaluator_config,
+                                       limit_value, lm_eval_named)
 
 HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 """lm-eval's names for ``HFLM`` (``lm_eval.models.MODEL_MAPPING``): the one backend mpitp runs."""
@@ -344,15 +345,9 @@ def to_eval_config(ec, mine: dict):
         **{k: mine[k] for k in cli_setting_dests(shorthand=False) if k in mine},
         model_source=source, model_args=model_args, hflm_args=hflm,
         attn_implementation=_opt_str(loading.get("attn_implementation")),
-        subfolder=_opt_str(loading.get("subfolder")), max_batch_size=ec.max_batch_size, device=ec.device,
-        output_path=ec.output_path, samples=ec.samples or None, use_cache=ec.use_cache,
-        cache_requests=ec.cache_requests or None, check_integrity=bool(ec.check_integrity),
-        write_out=bool(ec.write_out), system_instruction=ec.system_instruction,
-        fewshot_as_multiturn=ec.fewshot_as_multiturn, show_config=bool(ec.show_config), verbosity=ec.verbosity,
-        wandb_args=ec.wandb_args or None, wandb_config_args=ec.wandb_config_args or None,
-        hf_hub_log_args=ec.hf_hub_log_args or None, trackio_args=ec.trackio_args or None,
-        predict_only=bool(ec.predict_only), confirm_run_unsafe_code=bool(ec.confirm_run_unsafe_code),
-        metadata=ec.metadata or None)
+        subfolder=_opt_str(loading.get("subfolder")), device=ec.device,
+        **{f.name: from_evaluator_config(f, getattr(ec, f.name)) for f in lm_eval_named()
+           if f.name not in ("model_args", "trust_remote_code")})
 
 
 def _opt_str(v):

@@ -498,13 +498,27 @@ def job_fields() -> dict[str, Callable[[Any], Any]]:
     return out
 
 
+def lm_eval_named():
+    """The settings named as lm-eval's ``EvaluatorConfig`` fields that mpitp takes over as they are (``lm_eval_job``):
+    a job file names them so, and ``mpitp eval`` copies them from lm-eval's parsed command line."""
+    return [f for f in eval_settings() if f.metadata.get("lm_eval_job")]
+
+
+def from_evaluator_config(f, value):
+    """``EvaluatorConfig``'s value for setting ``f`` in mpitp's spelling: a flag as a bool, an empty mapping as None."""
+    kind = str(f.type)
+    if kind == "bool":
+        return bool(value)
+    if "dict" in kind:
+        return value or None
+    return value
+
+
 def lm_eval_job_fields() -> dict[str, Callable[[Any], Any]]:
     """Job-file fields named as lm-eval's ``EvaluatorConfig`` fields, read with their meaning on the command line;
     the YAML reader follows the field's type."""
     out = {}
-    for f in eval_settings():
-        if not f.metadata.get("lm_eval_job"):
-            continue
+    for f in lm_eval_named():
         kind = str(f.type)
         if "dict" in kind:
             out[f.name] = yaml_mapping
