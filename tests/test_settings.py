@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 from mpitp.evaluation.lmeval_args import MPITP_DESTS, build_parser, parse_eval_args
-from mpitp.evaluation.settings import EvalConfig, cli_options, eval_settings
+from mpitp.evaluation.settings import EvalConfig, cli_options, eval_settings, lm_eval_named
 from mpitp.jobs.jobfile import JobFileError, load_job
 from mpitp.jobs.jobrun import eval_config
 
@@ -152,9 +152,11 @@ def test_every_lm_eval_setting_is_declared():
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
     declared = {f.name for f in eval_settings()}
-    assert {f.name for f in dataclasses.fields(EvaluatorConfig)} - {"config"} <= declared
+    lm_eval_fields = {f.name for f in dataclasses.fields(EvaluatorConfig)}
+    assert lm_eval_fields - {"config"} <= declared
+    assert {f.name for f in lm_eval_named()} <= lm_eval_fields  # mpitp eval copies these from lm-eval's parse
     for f in eval_settings():
-        assert not (f.metadata["job"] and f.metadata["lm_eval_job"]), f.name
+        assert not (f.metadata["job"] and f.metadata["lm_eval"]), f.name
         assert f.metadata["identity"] in (None, "always", "if_set"), f.name
 
 

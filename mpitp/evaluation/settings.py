@@ -278,16 +278,18 @@ def cli(*flags: str, group: str, shorthand: bool = False, **argparse_kwargs) -> 
 
 
 def setting(default=None, *, factory: Callable[[], Any] | None = None, identity: str | None = None,
-            job: Callable[[Any], Any] | None = None, lm_eval_job: bool = False, cli: dict | None = None):
+            job: Callable[[Any], Any] | None = None, lm_eval: bool = False, cli: dict | None = None):
     """A field of :class:`EvalConfig` with what the rest of mpitp derives from it.
 
     ``identity``: :data:`ALWAYS` or :data:`IF_SET` when the setting changes results (resume compares it).
-    ``job``: the job-file field of that name and its YAML reader; ``lm_eval_job``: a job-file field named as lm-eval's
-    ``EvaluatorConfig`` field, read as ``--FIELD`` is (``mpitp.evaluation.lmeval_args.apply_lm_eval_settings``:
-    model_args split and refused, predict_only implying log_samples ...). ``cli``: mpitp's own ``mpitp eval``
-    option for it (lm-eval's flags come from lm-eval's parser, so they are not declared again here).
+    ``job``: the job-file field of that name and its YAML reader. ``lm_eval``: an lm-eval ``EvaluatorConfig`` field of
+    that name, taken over with its meaning: ``mpitp eval`` copies it from lm-eval's parsed command line, a job file
+    names it so and it is applied as ``--FIELD`` is (``mpitp.evaluation.lmeval_args.apply_lm_eval_settings``:
+    model_args split and refused, predict_only implying log_samples ...; its YAML reader follows the field's type).
+    ``cli``: mpitp's own ``mpitp eval`` option for it (lm-eval's flags come from lm-eval's parser, so they are not
+    declared again here).
     """
-    meta = dict(identity=identity, job=job, lm_eval_job=lm_eval_job, cli=cli)
+    meta = dict(identity=identity, job=job, lm_eval=lm_eval, cli=cli)
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -338,36 +340,36 @@ class EvalConfig:
     bootstrap_iters: int = setting(100000, cli=cli("--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0),
                                                    help="Bootstrap iterations for stderr (default 100000, as "
                                                         "lm-eval)."))
-    trust_remote_code: bool = setting(False, lm_eval_job=True)
+    trust_remote_code: bool = setting(False, lm_eval=True)
     skip_head_check: bool = setting(False, cli=cli(  # see mpitp.replica.headcheck: what it risks is said when used
         "--skip-head-check", group=RESULTS, action="store_true",
         help="Do not compare the vocab-parallel head with the model's own logits on a probe after loading (saves "
              "one small forward; risks wrong log-likelihoods for a model whose forward changes its logits in a way "
              "mpitp does not apply)."))
     model_source: str = setting("hf")
-    model_args: dict | None = setting(lm_eval_job=True)
+    model_args: dict | None = setting(lm_eval=True)
     hflm_args: dict | None = setting(identity=IF_SET)
     attn_implementation: str | None = setting(identity=IF_SET)
     subfolder: str | None = setting(identity=IF_SET)
-    max_batch_size: int | None = setting(lm_eval_job=True)
+    max_batch_size: int | None = setting(lm_eval=True)
     device: str | None = setting()
-    output_path: str | None = setting(lm_eval_job=True)
-    samples: dict | None = setting(identity=IF_SET, lm_eval_job=True)
-    use_cache: str | None = setting(lm_eval_job=True)
-    cache_requests: dict | None = setting(lm_eval_job=True)
-    check_integrity: bool = setting(False, lm_eval_job=True)
-    write_out: bool = setting(False, lm_eval_job=True)
-    system_instruction: str | None = setting(identity=IF_SET, lm_eval_job=True)
-    fewshot_as_multiturn: bool | None = setting(identity=IF_SET, lm_eval_job=True)
-    show_config: bool = setting(False, lm_eval_job=True)
-    verbosity: str | None = setting(lm_eval_job=True)
-    wandb_args: dict | None = setting(lm_eval_job=True)
-    wandb_config_args: dict | None = setting(lm_eval_job=True)
-    hf_hub_log_args: dict | None = setting(lm_eval_job=True)
-    trackio_args: dict | None = setting(lm_eval_job=True)
-    predict_only: bool = setting(False, identity=IF_SET, lm_eval_job=True)
-    confirm_run_unsafe_code: bool = setting(False, lm_eval_job=True)
-    metadata: dict | None = setting(identity=IF_SET, lm_eval_job=True)
+    output_path: str | None = setting(lm_eval=True)
+    samples: dict | None = setting(identity=IF_SET, lm_eval=True)
+    use_cache: str | None = setting(lm_eval=True)
+    cache_requests: dict | None = setting(lm_eval=True)
+    check_integrity: bool = setting(False, lm_eval=True)
+    write_out: bool = setting(False, lm_eval=True)
+    system_instruction: str | None = setting(identity=IF_SET, lm_eval=True)
+    fewshot_as_multiturn: bool | None = setting(identity=IF_SET, lm_eval=True)
+    show_config: bool = setting(False, lm_eval=True)
+    verbosity: str | None = setting(lm_eval=True)
+    wandb_args: dict | None = setting(lm_eval=True)
+    wandb_config_args: dict | None = setting(lm_eval=True)
+    hf_hub_log_args: dict | None = setting(lm_eval=True)
+    trackio_args: dict | None = setting(lm_eval=True)
+    predict_only: bool = setting(False, identity=IF_SET, lm_eval=True)
+    confirm_run_unsafe_code: bool = setting(False, lm_eval=True)
+    metadata: dict | None = setting(identity=IF_SET, lm_eval=True)
 
     def identity(self) -> dict:
         """The settings that determine results: a resumed run must match them exactly."""
@@ -499,9 +501,9 @@ def job_fields() -> dict[str, Callable[[Any], Any]]:
 
 
 def lm_eval_named():
-    """The settings named as lm-eval's ``EvaluatorConfig`` fields that mpitp takes over as they are (``lm_eval_job``):
+    """The settings named as lm-eval's ``EvaluatorConfig`` fields that mpitp takes over as they are (``lm_eval``):
     a job file names them so, and ``mpitp eval`` copies them from lm-eval's parsed command line."""
-    return [f for f in eval_settings() if f.metadata.get("lm_eval_job")]
+    return [f for f in eval_settings() if f.metadata.get("lm_eval")]
 
 
 def from_evaluator_config(f, value):
