@@ -60,9 +60,9 @@ BAD_FIELDS = [
                           "got 'bf16' (did you mean 'bfloat16'?)"),
     ("batch_size", "0", P + "'batch_size': expected a positive integer, 'auto' or 'auto:N', got 0"),
     ("num_fewshot", "-1", P + "'num_fewshot': expected a non-negative integer, got -1"),
-    ("limit", "0", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got 0"),
-    ("limit", "1.5", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got 1.5"),
-    ("limit", "'10'", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1], got '10'"),
+    ("limit", "0", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1), got 0"),
+    ("limit", "1.5", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1), got 1.5"),
+    ("limit", "'10'", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1), got '10'"),
     ("max_length", "-5", P + "'max_length': expected a positive integer, got -5"),
     ("gen_kwargs", "3", P + "'gen_kwargs': expected a string like 'temperature=0,top_p=1' or a mapping, got 3"),
     ("gen_kwargs", "{a: {b: 1}}", P + "'gen_kwargs': key 'a': expected a number, string, boolean "
@@ -213,11 +213,12 @@ def test_defaults_and_overrides(write, tmp_path):
         second.tp = 4
 
 
-def test_limit_fraction_one_means_no_limit(write):
+def test_limit_follows_lm_eval(write):
+    """lm-eval reads a limit < 1 as a fraction and one >= 1 as a count, so 1.0 is one document (as ``--limit 1.0``)."""
     runs = load_job(write("runs: [{name: a, model: demo, tasks: t, limit: 1.0},"
                           " {name: b, model: demo, tasks: t, limit: 1},"
                           " {name: c, model: demo, tasks: t, limit: 0.25}]\n")).runs
-    assert [r.limit for r in runs] == [None, 1, 0.25]
+    assert [r.limit for r in runs] == [1, 1, 0.25]
 
 
 def test_many_tasks_keep_derived_name_short(write):

@@ -63,6 +63,9 @@ defaults:
   dtype: float32
   limit: 3
   seed: 1234
+  gen_kwargs:              # a mapping, with a list: reaches lm-eval as it is
+    until: ["\\n\\n", "Question:"]
+    max_gen_toks: 5
 runs:
   - name: good-tp1
     tp: 1
@@ -104,6 +107,9 @@ def test_job_with_a_failing_run(tmp_path):
         assert a["status"] == "complete", name
         assert (a["world_size"], a["tp"], a["dp"]) == (4, tp, 4 // tp), name
         assert json.loads(a["config_json"])["limit"] == 3
+        assert json.loads(a["config_json"])["gen_kwargs"] == {"until": ["\n\n", "Question:"], "max_gen_toks": 5}
+        gen = json.loads(a["results_json"])["configs"]["mpitp_demo_gen"]["generation_kwargs"]
+        assert gen["until"] == ["\n\n", "Question:"] and gen["max_gen_toks"] == 5, gen  # not the string "['\n\n', ..."
         for task in DEMO_TASKS:
             assert len(read_requests(str(path), task)["doc_id"]) >= 3
             assert read_metrics(str(path), task)["sample_len"] == 3

@@ -13,7 +13,7 @@ import pytest
 
 from mpitp.evaluation.checks import task_manager
 from mpitp.evaluation.requestcache import enable, request_key
-from mpitp.evaluation.runner import EvalConfig
+from mpitp.evaluation.settings import EvalConfig
 from support import OFFLINE_ENV
 from support.mpi import explain, run_mpi
 

@@ -313,7 +313,7 @@ def test_resume_with_another_layout_equals_uninterrupted(tmp_path):
 
     # ... nor with another --limit (the check itself, with the settings the file was made with)
     from mpitp.evaluation.checks import check_resumable
-    from mpitp.evaluation.runner import EvalConfig
+    from mpitp.evaluation.settings import EvalConfig
 
     stored = json.loads(attrs(partial)["config_json"])
     check_resumable(str(partial), EvalConfig(**stored))  # identical settings: accepted

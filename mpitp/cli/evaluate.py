@@ -10,7 +10,8 @@ import sys
 import click
 
 from mpitp.errors import UsageError
-from mpitp.evaluation.runner import EvalConfig, run_eval
+from mpitp.evaluation.runner import run_eval
+from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
 

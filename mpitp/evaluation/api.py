@@ -107,7 +107,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
               timeout, max_length, device, overwrite, lm_eval_kwargs):
     import torch
 
-    from mpitp.evaluation.runner import EvalConfig, evaluate_loaded
+    from mpitp.evaluation.runner import evaluate_loaded
+    from mpitp.evaluation.settings import EvalConfig
     from mpitp.parallel.runtime import Runtime
     from mpitp.parallel.replica_group import ReplicaGroup, backend_for
 

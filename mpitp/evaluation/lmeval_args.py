@@ -5,8 +5,9 @@ The lm-eval flags are not re-declared here: :func:`build_parser` takes the parse
 or ``a,b``, ``--model_args k=v,k2=v2`` or a JSON object, ``--seed 0,None,8,52``), and lm-eval's ``EvaluatorConfig``
 turns the result into settings (``--config`` YAML, ``--predict_only`` implying ``--log_samples``, the few-shot
 multi-turn default, seeds, ``--samples`` files). Every long option is accepted with ``_`` or ``-`` alike. What this
-module adds: mpitp's own options, the translation to :class:`mpitp.evaluation.runner.EvalConfig`, and refusals of what cannot
-apply here (another backend, HFLM arguments that mean another way of placing the model).
+module adds: mpitp's own options (declared with the settings in :mod:`mpitp.evaluation.settings`), the translation
+to :class:`mpitp.evaluation.settings.EvalConfig`, and refusals of what cannot apply here (another backend, HFLM
+arguments that mean another way of placing the model).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import io
 import os
 import re
 
-from mpitp.parallel.comm import DEFAULT_TIMEOUT
 from mpitp.errors import UsageError
+from mpitp.evaluation.settings import (BadValue, batch_size_value, cli_batch_size, cli_int_at_least, cli_limit,
+                                       cli_options, cli_runtime_dests, cli_setting_dests, from_evaluator_config,
+                                       limit_value, lm_eval_named)
 
 HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 """lm-eval's names for ``HFLM`` (``lm_eval.models.MODEL_MAPPING``): the one backend mpitp runs."""
@@ -107,96 +110,16 @@ class _Parser(argparse.ArgumentParser):
         raise _Exit(0, self.format_help())
 
 
-MPITP_DESTS = ("tp", "pp", "threads", "timeout", "log_all_ranks", "output", "resume", "overwrite", "data_dir",
-               "demo", "bootstrap_iters", "tokenizer", "revision", "dtype", "max_length", "skip_head_check",
-               "watch", "watch_idle")
-
-
-def _positive_float(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
-    return v
-
-
-def _at_least(lo: int):
-    def check(value: str) -> int:
-        try:
-            v = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return v
-    return check
-
-
-def _limit(value: str):
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return v
-
-
-def batch_size_value(value) -> int | str:
-    """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N`` (N >= 1)."""
-    text = str(value).strip()
-    if text == "auto":
-        return "auto"
-    if text.startswith("auto:"):
-        n = text[5:]
-        if n.isdigit() and int(n) >= 1:
-            return f"auto:{int(n)}"
-        raise argparse.ArgumentTypeError(f"expected auto:N with N a positive integer, got {value!r}")
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'auto:N', got {value!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value if isinstance(value, int) else text  # as typed: lm-eval records the string it was given
+MPITP_DESTS = tuple(dest for dest, _ in cli_options())
+"""mpitp's own options (declared with the settings, :mod:`mpitp.evaluation.settings`), apart from lm-eval's."""
 
 
 def _add_mpitp_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mpitp: parallel layout")
-    g.add_argument("--tp", type=_at_least(1), default=1, help="Tensor-parallel degree; dp = world size / (tp x pp).")
-    g.add_argument("--pp", type=_at_least(1), default=1,
-                   help="Pipeline stages per model replica (TP inside each stage).")
-    g.add_argument("--threads", type=_at_least(1), default=None,
-                   help="Torch threads per rank (default: cores per node / ranks per node).")
-    g.add_argument("--timeout", type=_positive_float, default=float(DEFAULT_TIMEOUT),
-                   help=f"Seconds any rank waits for its peers (default {DEFAULT_TIMEOUT}).")
-    g.add_argument("--log-all-ranks", action="store_true", help="Log from every rank, each line with its rank.")
-    g = p.add_argument_group("mpitp: HDF5 results and offline data")
-    g.add_argument("--output", default=None,
-                   help="HDF5 results file (default: beside --output_path's files, else results/<model>-<time>.h5).")
-    g.add_argument("--resume", action="store_true", help="Continue an existing --output file.")
-    g.add_argument("--overwrite", action="store_true", help="Replace an existing --output file.")
-    g.add_argument("--data-dir", default=None, help="Serve stock tasks offline from DIR/<task>/<split>.jsonl.")
-    g.add_argument("--demo", action="store_true", help="Built-in offline demo: tiny random Llama, three small tasks.")
-    g.add_argument("--bootstrap-iters", type=_at_least(0), default=100000,
-                   help="Bootstrap iterations for stderr (default 100000, as lm-eval).")
-    g.add_argument("--skip-head-check", action="store_true",
-                   help="Do not compare the vocab-parallel head with the model's own logits on a probe after loading "
-                        "(saves one small forward; risks wrong log-likelihoods for a model whose forward changes its "
-                        "logits in a way mpitp does not apply).")
-    g = p.add_argument_group("mpitp: checkpoint sweeps (--model 'ckpts/step-*' or a comma list evaluates each)")
-    g.add_argument("--watch", default=None, metavar="DIR",
-                   help="Evaluate checkpoints (subdirectories of DIR) as they appear; resumable.")
-    g.add_argument("--watch-idle", type=_positive_float, default=600.0,
-                   help="With --watch: stop after this many seconds without a new complete checkpoint (default 600).")
-    g = p.add_argument_group("mpitp: model_args shorthands (the same as --model_args key=value)")
-    g.add_argument("--tokenizer", default=None, help="model_args tokenizer=")
-    g.add_argument("--revision", default=None, help="model_args revision=")
-    g.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
-                   help="model_args dtype=")
-    g.add_argument("--max-length", type=_at_least(2), default=None, help="model_args max_length=")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for _dest, spec in cli_options():
+        if spec["group"] not in groups:
+            groups[spec["group"]] = p.add_argument_group(spec["group"])
+        groups[spec["group"]].add_argument(*spec["flags"], **spec["kwargs"])
 
 
 def _add_dash_aliases(p: argparse.ArgumentParser) -> None:
@@ -229,13 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in HELP_NOTES:
             action.help = HELP_NOTES[action.dest]
         if action.dest == "batch_size":
-            action.type = batch_size_value
+            action.type = cli_batch_size
         elif action.dest == "limit":
-            action.type = _limit
+            action.type = cli_limit
         elif action.dest == "max_batch_size":
-            action.type = _at_least(1)
+            action.type = cli_int_at_least(1)
         elif action.dest == "num_fewshot":
-            action.type = _at_least(0)
+            action.type = cli_int_at_least(0)
     _add_mpitp_options(p)
     _add_dash_aliases(p)
     return p
@@ -298,12 +221,11 @@ def parse_eval_args(argv: list[str]):
     if isinstance(ec.batch_size, str) or ec.batch_size is not None:
         try:
             ec.batch_size = batch_size_value(ec.batch_size)
-        except argparse.ArgumentTypeError as exc:
+        except BadValue as exc:
             raise UsageError(f"--batch_size: {exc}") from None
     cfg = to_eval_config(ec, mine)
-    runtime = dict(tp=mine["tp"], pp=mine["pp"], threads=mine["threads"], timeout=mine["timeout"],
-                   log_all_ranks=mine["log_all_ranks"], device=runtime_device(ec.device), watch=mine["watch"],
-                   watch_idle=mine["watch_idle"])
+    runtime = {k: mine[k] for k in cli_runtime_dests()}
+    runtime["device"] = runtime_device(ec.device)
     return ("run", cfg, runtime, shown.getvalue())
 
 
@@ -384,11 +306,11 @@ def _merge_shorthand(model_args: dict, key: str, value) -> None:
 
 
 def to_eval_config(ec, mine: dict):
-    """lm-eval's ``EvaluatorConfig`` plus mpitp's options as an :class:`mpitp.evaluation.runner.EvalConfig`."""
-    from mpitp.evaluation.runner import EvalConfig
+    """lm-eval's ``EvaluatorConfig`` plus mpitp's options as an :class:`mpitp.evaluation.settings.EvalConfig`."""
+    from mpitp.evaluation.settings import EvalConfig
 
     model_args = dict(ec.model_args or {})
-    for key in ("tokenizer", "revision", "dtype", "max_length"):
+    for key in cli_setting_dests(shorthand=True):
         _merge_shorthand(model_args, key, mine.get(key))
     source, pretrained = resolve_model(ec.model, model_args)
     if pretrained is not None:
@@ -398,7 +320,14 @@ def to_eval_config(ec, mine: dict):
         ec.max_batch_size = int(model_args["max_batch_size"])
     hflm.pop("max_batch_size", None)
     if "batch_size" in model_args and not isinstance(ec.batch_size, str) and ec.batch_size == 1:
-        ec.batch_size = batch_size_value(model_args["batch_size"])
+        try:
+            ec.batch_size = batch_size_value(model_args["batch_size"])
+        except BadValue as exc:
+            raise UsageError(f"--model_args batch_size={model_args['batch_size']}: {exc}") from None
+    try:
+        limit = None if ec.limit is None else limit_value(ec.limit)
+    except BadValue as exc:
+        raise UsageError(f"--limit: {exc}") from None
     trust = bool(ec.trust_remote_code or str(loading.get("trust_remote_code", "")).lower() in ("true", "1"))
     max_length = hflm.pop("max_length", None)
     tasks = ec.tasks if isinstance(ec.tasks, list) else [t for t in str(ec.tasks or "").split(",")]
@@ -409,24 +338,16 @@ def to_eval_config(ec, mine: dict):
     return EvalConfig(
         model=pretrained, tasks=tasks, tokenizer=_opt_str(loading.get("tokenizer")),
         revision=_opt_str(loading.get("revision")), dtype=str(loading.get("dtype", "auto")),
-        num_fewshot=ec.num_fewshot, limit=_limit_number(ec.limit), batch_size=ec.batch_size,
+        num_fewshot=ec.num_fewshot, limit=limit, batch_size=ec.batch_size,
         max_length=_opt_int(max_length),
         gen_kwargs=ec.gen_kwargs or None, apply_chat_template=ec.apply_chat_template,
-        include_path=ec.include_path, data_dir=mine.get("data_dir"), seed=ec.seed, output=mine.get("output"),
-        overwrite=mine.get("overwrite", False), resume=mine.get("resume", False), log_samples=bool(ec.log_samples),
-        bootstrap_iters=mine.get("bootstrap_iters", 100000), trust_remote_code=trust, demo=mine.get("demo", False),
-        skip_head_check=mine.get("skip_head_check", False),
+        include_path=ec.include_path, seed=ec.seed, log_samples=bool(ec.log_samples), trust_remote_code=trust,
+        **{k: mine[k] for k in cli_setting_dests(shorthand=False) if k in mine},
         model_source=source, model_args=model_args, hflm_args=hflm,
         attn_implementation=_opt_str(loading.get("attn_implementation")),
-        subfolder=_opt_str(loading.get("subfolder")), max_batch_size=ec.max_batch_size, device=ec.device,
-        output_path=ec.output_path, samples=ec.samples or None, use_cache=ec.use_cache,
-        cache_requests=ec.cache_requests or None, check_integrity=bool(ec.check_integrity),
-        write_out=bool(ec.write_out), system_instruction=ec.system_instruction,
-        fewshot_as_multiturn=ec.fewshot_as_multiturn, show_config=bool(ec.show_config), verbosity=ec.verbosity,
-        wandb_args=ec.wandb_args or None, wandb_config_args=ec.wandb_config_args or None,
-        hf_hub_log_args=ec.hf_hub_log_args or None, trackio_args=ec.trackio_args or None,
-        predict_only=bool(ec.predict_only), confirm_run_unsafe_code=bool(ec.confirm_run_unsafe_code),
-        metadata=ec.metadata or None)
+        subfolder=_opt_str(loading.get("subfolder")), device=ec.device,
+        **{f.name: from_evaluator_config(f, getattr(ec, f.name)) for f in lm_eval_named()
+           if f.name not in ("model_args", "trust_remote_code")})
 
 
 def _opt_str(v):
@@ -435,14 +356,6 @@ def _opt_str(v):
 
 def _opt_int(v):
     return None if v is None else int(v)
-
-
-def _limit_number(v):
-    """lm-eval reads ``--limit`` as a float; a whole number of documents is kept as an int (same meaning)."""
-    if v is None:
-        return None
-    v = float(v)
-    return int(v) if v >= 1 and v == int(v) else v
 
 
 def check_lm_eval_settings(cfg) -> None:
@@ -482,25 +395,30 @@ def model_args_dict(args) -> dict:
 
 def apply_lm_eval_settings(cfg, settings: dict) -> None:
     """A job file's lm-eval fields (named as lm-eval's EvaluatorConfig fields) onto ``cfg``, with the flags' meaning:
-    model_args split and refused as for ``--model_args``, ``predict_only`` implying ``log_samples``, ``metadata``
-    merged over model_args for the TaskManager."""
+    model_args split and refused as for ``--model_args`` (the job file's tokenizer, revision, dtype and max_length
+    merged into it as ``--dtype`` ... are), ``predict_only`` implying ``log_samples``, ``metadata`` merged over
+    model_args for the TaskManager (when the run names lm-eval fields: a run without them has none, as before)."""
     from lm_eval.config.evaluate_config import DICT_KEYS
     from lm_eval.utils import simple_parse_args_string
 
     settings = {k: v for k, v in settings.items() if v is not None}
+    given_lm_eval = bool(settings)
     for key in DICT_KEYS:
         if isinstance(settings.get(key), str):
             settings[key] = model_args_dict(settings[key]) if key == "model_args" else \
                 simple_parse_args_string(settings[key])
         elif key in settings:
             settings[key] = dict(settings[key])
-    model_args = {"pretrained": cfg.model, **settings.pop("model_args", {})}
-    for key in ("tokenizer", "revision", "dtype", "max_length"):
+    model_args = {**({"pretrained": cfg.model} if cfg.model else {}), **settings.pop("model_args", {})}
+    given = dict(model_args)  # what lm-eval merges into metadata (before the shorthands, as on the command line)
+    for key in cli_setting_dests(shorthand=True):
+        current = getattr(cfg, key)
         if key in model_args:
-            current = getattr(cfg, key)
             if current not in (None, "auto") and str(current) != str(model_args[key]):
                 raise UsageError(f"{key}: {current} and model_args {key}={model_args[key]} disagree")
             setattr(cfg, key, int(model_args[key]) if key == "max_length" else str(model_args[key]))
+        elif current not in (None, "auto"):  # the job file's dtype: as --dtype, model_args dtype=
+            model_args[key] = current
     if str(model_args.get("trust_remote_code", "")).lower() in ("true", "1"):
         cfg.trust_remote_code = True
     loading, hflm = split_model_args(model_args)
@@ -518,7 +436,8 @@ def apply_lm_eval_settings(cfg, settings: dict) -> None:
         setattr(cfg, key, value)
     if cfg.predict_only:
         cfg.log_samples = True
-    cfg.metadata = {**model_args, **(cfg.metadata or {})}
+    if given_lm_eval:
+        cfg.metadata = {**given, **(cfg.metadata or {})}
     for key, why in NETWORK_ONLY.items():
         if str((cfg.hf_hub_log_args or {}).get(key, "")).lower() in ("true", "1"):
             raise UsageError(why)

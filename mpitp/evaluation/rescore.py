@@ -80,8 +80,8 @@ def _stored_rows(path: str) -> dict[tuple, dict]:
 
 
 def _config(path: str, include_path, data_dir):
+    from mpitp.evaluation.settings import EvalConfig
     from mpitp.results.schema import open_h5
-    from mpitp.evaluation.runner import EvalConfig
 
     try:
         with open_h5(path) as f:
@@ -92,8 +92,7 @@ def _config(path: str, include_path, data_dir):
     if "config_json" not in attrs:
         raise UsageError(f"cannot rescore {path}: not an mpitp results file (no config_json)", collective=True)
     saved = json.loads(attrs.get("eval_config_json") or attrs["config_json"])
-    known = EvalConfig.__dataclass_fields__
-    cfg = EvalConfig(**{k: v for k, v in saved.items() if k in known})
+    cfg = EvalConfig.from_saved(saved)
     if include_path:
         cfg.include_path = include_path
     if data_dir:

@@ -13,118 +13,15 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 
 from mpitp import __version__, testing
 from mpitp.parallel import comm as mpicomm
 from mpitp.evaluation.checks import check_all, remove_generated, check_tasks, offline_include
 from mpitp.evaluation.progress import make_progress
+from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel.runtime import Runtime, agree
 
 log = logging.getLogger("mpitp")
-
-
-@dataclass
-class EvalConfig:
-    """Everything that defines an evaluation (lm-eval's vocabulary). Resume compares the ``identity`` part.
-
-    The fields after ``demo`` are lm-eval's settings that ``mpitp eval`` took over from ``lm_eval`` (see
-    :mod:`mpitp.evaluation.lmeval_args`); their defaults are lm-eval's, so older results files still resume.
-    """
-
-    model: str | None = None
-    tasks: list[str] = field(default_factory=list)
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str = "auto"
-    num_fewshot: int | None = None
-    limit: float | None = None
-    batch_size: int | str = 1
-    max_length: int | None = None
-    gen_kwargs: str | dict | None = None
-    apply_chat_template: bool | str = False
-    include_path: str | list[str] | None = None
-    data_dir: str | None = None
-    seed: int | list | None = None
-    output: str | None = None
-    overwrite: bool = False
-    resume: bool = False
-    log_samples: bool = False
-    bootstrap_iters: int = 100000
-    trust_remote_code: bool = False
-    demo: bool = False
-    skip_head_check: bool = False  # see mpitp.replica.headcheck: what it risks is said when it is used
-    model_source: str = "hf"
-    model_args: dict | None = None
-    hflm_args: dict | None = None
-    attn_implementation: str | None = None
-    subfolder: str | None = None
-    max_batch_size: int | None = None
-    device: str | None = None
-    output_path: str | None = None
-    samples: dict | None = None
-    use_cache: str | None = None
-    cache_requests: dict | None = None
-    check_integrity: bool = False
-    write_out: bool = False
-    system_instruction: str | None = None
-    fewshot_as_multiturn: bool | None = None
-    show_config: bool = False
-    verbosity: str | None = None
-    wandb_args: dict | None = None
-    wandb_config_args: dict | None = None
-    hf_hub_log_args: dict | None = None
-    trackio_args: dict | None = None
-    predict_only: bool = False
-    confirm_run_unsafe_code: bool = False
-    metadata: dict | None = None
-
-    _RESULT_KEYS = ("model", "tokenizer", "revision", "dtype", "tasks", "num_fewshot", "limit", "max_length",
-                    "gen_kwargs", "apply_chat_template", "seed", "data_dir")
-    _RESULT_KEYS_IF_SET = ("hflm_args", "attn_implementation", "subfolder", "samples", "system_instruction",
-                           "fewshot_as_multiturn", "predict_only", "metadata")
-    """Later settings that change results: recorded only when set, so files written before them still resume."""
-
-    def identity(self) -> dict:
-        """The settings that determine results: a resumed run must match them exactly."""
-        out = {k: getattr(self, k) for k in self._RESULT_KEYS}
-        out["seed"] = _seed_identity(self.seed)
-        for k in self._RESULT_KEYS_IF_SET:
-            v = getattr(self, k)
-            if k == "metadata" and v:  # lm-eval merges model_args into it: only what --metadata added counts
-                v = {mk: mv for mk, mv in v.items() if (self.model_args or {}).get(mk, object()) != mv}
-            if v not in (None, False, {}, []):
-                out[k] = v
-        return out
-
-    def load_kwargs(self) -> dict:
-        """``from_pretrained`` arguments from ``--model_args`` beyond model, revision, dtype and remote code."""
-        return {k: getattr(self, k) for k in ("attn_implementation", "subfolder") if getattr(self, k)}
-
-    def fixed_batch_size(self) -> int:
-        """The batch size to start from: the number given, or 1 for ``auto`` (sized later, see mpitp.replica.batchsize)."""
-        return int(self.batch_size) if str(self.batch_size).isdigit() else 1
-
-    def seeds(self) -> dict:
-        """``simple_evaluate``'s four seed arguments (lm-eval's ``--seed`` slots: python, numpy, torch, few-shot)."""
-        if self.seed is None:
-            return {}
-        s = list(self.seed) if isinstance(self.seed, (list, tuple)) else [self.seed] * 4
-        return dict(random_seed=s[0], numpy_random_seed=s[1], torch_random_seed=s[2], fewshot_random_seed=s[3])
-
-
-_DEFAULT_SEEDS = [0, 1234, 1234, 1234]  # lm-eval's (simple_evaluate's defaults, and its CLI's)
-
-
-def _seed_identity(seed):
-    """One spelling per meaning: lm-eval's default seeds as None (no --seed), four equal seeds as one int."""
-    if isinstance(seed, (list, tuple)):
-        seed = list(seed)
-        if seed == _DEFAULT_SEEDS:
-            return None
-        if len(set(seed)) == 1:
-            return seed[0]
-    return seed
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -569,15 +466,8 @@ class _RootRun:
         """``simple_evaluate``'s arguments: the settings, lm-eval's request cache (:mod:`mpitp.evaluation.requestcache`
         unless the caller or ``--cache_requests`` says otherwise), then the caller's own (``mpitp.evaluate``)."""
         cfg = self.cfg
-        kwargs = dict(num_fewshot=cfg.num_fewshot, limit=cfg.limit, gen_kwargs=cfg.gen_kwargs or {},
-                      apply_chat_template=cfg.apply_chat_template, log_samples=cfg.log_samples,
-                      bootstrap_iters=cfg.bootstrap_iters, task_manager=tm, model_args=cfg.model_args or "",
-                      batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
-                      samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
-                      system_instruction=cfg.system_instruction, predict_only=cfg.predict_only,
-                      fewshot_as_multiturn=_multiturn(cfg), evaluation_tracker=tracker,
-                      confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
-                      **_requests_cache(cfg.cache_requests), **cfg.seeds())
+        kwargs = dict(cfg.lm_eval_arguments(), fewshot_as_multiturn=_multiturn(cfg), task_manager=tm,
+                      evaluation_tracker=tracker, **_requests_cache(cfg.cache_requests))
         if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
             from mpitp.evaluation.requestcache import enable
 

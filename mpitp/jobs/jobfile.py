@@ -26,22 +26,22 @@ directory the scheduler starts it in.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import glob
-import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import yaml
+
+from mpitp.evaluation import settings
+from mpitp.evaluation.settings import (DTYPES, BadValue, FrozenDict, show, suggest, thaw, yaml_string,
+                                       yaml_tasks)
 
 __all__ = ["DEMO_MODEL", "DTYPES", "Job", "JobFileError", "RunSpec", "load_job"]
 
 DEMO_MODEL = "demo"  # built-in tiny model; never treated as a path
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 _PER_RUN_ONLY = ("name", "output")  # would collide if shared by all runs
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _UNSET_VAR_RE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
@@ -56,49 +56,33 @@ class JobFileError(ValueError):
         self.path, self.run, self.run_name, self.field = path, run, run_name, field
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """One fully validated evaluation run; paths are absolute strings."""
+def _to_eval_kwargs(self) -> dict[str, Any]:
+    """Keyword arguments for the eval function, one per field, same names.
 
-    name: str
-    model: str
-    tasks: tuple[str, ...]
-    output: str
-    tokenizer: str | None = None
-    revision: str | None = None
-    tp: int = 1
-    pp: int = 1
-    dtype: str = "auto"
-    batch_size: int | str = 1
-    num_fewshot: int | None = None
-    limit: int | float | None = None
-    max_length: int | None = None
-    # str ("temperature=0,top_p=1") or a read-only mapping; not hashable, so
-    # excluded from the hash (equality still compares it).
-    gen_kwargs: str | Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
-    apply_chat_template: bool = False
-    include_path: str | None = None
-    data_dir: str | None = None
-    seed: int | None = None
-    device: str | None = None
-    timeout: float | None = None
-    log_samples: bool = False
-    # lm-eval settings named as its EvaluatorConfig fields (model_args, system_instruction, predict_only, ...):
-    # the same meaning as the flags of ``mpitp eval``; a read-only mapping.
-    lm_eval: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
+    Returns plain mutable types (list of tasks, dict/list gen_kwargs) so the callee may modify them without touching
+    this frozen spec.
+    """
+    return {f.name: thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    def to_eval_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the eval function, one per field, same names.
 
-        Returns plain mutable types (list of tasks, dict/list gen_kwargs) so the
-        callee may modify them without touching this frozen spec.
-        """
-        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        kwargs["tasks"] = list(self.tasks)
-        if isinstance(self.gen_kwargs, Mapping):
-            kwargs["gen_kwargs"] = {k: list(v) if isinstance(v, tuple) else v
-                                    for k, v in self.gen_kwargs.items()}
-        return kwargs
+def _run_spec_class():
+    """``RunSpec``: one fully validated evaluation run (paths are absolute strings), with one field per job-file
+    field of :mod:`mpitp.evaluation.settings` (the run's own: name, output; the settings read as themselves; the
+    runtime ones: tp, pp, device, timeout) and ``lm_eval``, the lm-eval-named settings as a read-only mapping.
+    Mappings are excluded from the hash (equality still compares them)."""
+    specs: list[tuple] = [("name", str), ("model", str), ("tasks", tuple), ("output", str)]
+    for f in settings.eval_settings():
+        if f.metadata.get("job") and f.name not in ("model", "tasks", "output"):
+            hashable = "dict" not in str(f.type)
+            specs.append((f.name, Any, dataclasses.field(default=settings.default(f), hash=hashable)))
+    specs += [(s.name, Any, dataclasses.field(default=s.default)) for s in settings.RUNTIME if s.job]
+    specs.append(("lm_eval", Any, dataclasses.field(default=None, hash=False)))
+    cls = dataclasses.make_dataclass("RunSpec", specs, frozen=True, namespace={"to_eval_kwargs": _to_eval_kwargs})
+    cls.__module__ = __name__  # pickled by reference: every rank receives the job's runs
+    return cls
+
+
+RunSpec = _run_spec_class()
 
 
 @dataclass(frozen=True)
@@ -117,122 +101,14 @@ class Job:
 # --------------------------------------------------------------------------
 # Field checkers: each returns the normalised value or raises _Bad(reason).
 
-class _Bad(Exception):
-    pass
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "an empty value"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _string(v: Any) -> str:
-    if isinstance(v, str) and v.strip():
-        return v.strip()
-    hint = " (quote it in YAML)" if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
-    raise _Bad(f"expected a non-empty string, got {_show(v)}{hint}")
-
-
-def _int_at_least(lo: int, what: str) -> Callable[[Any], int]:
-    def check(v: Any) -> int:
-        if _is_int(v) and v >= lo:
-            return v
-        raise _Bad(f"expected {what}, got {_show(v)}")
-    return check
-
-
-def _dtype(v: Any) -> str:
-    if v in DTYPES:
-        return v
-    choices = ", ".join(repr(d) for d in DTYPES)
-    raise _Bad(f"expected one of {choices}, got {_show(v)}{_suggest(v, DTYPES)}")
-
-
-def _boolean(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise _Bad(f"expected true or false, got {_show(v)}")
-
-
-def _limit(v: Any) -> int | float | None:
-    """int = documents per task, float = fraction.  ``1.0`` (all of it) becomes None:
-    lm-eval would read a float 1.0 as "one document"."""
-    if _is_int(v) and v >= 1:
-        return v
-    if isinstance(v, float) and 0 < v <= 1:
-        return None if v == 1.0 else v
-    raise _Bad(f"expected a positive integer (examples per task) or a fraction in (0, 1], got {_show(v)}")
-
-
-def _timeout(v: Any) -> float:
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf:
-        return float(v)
-    raise _Bad(f"expected a positive number of seconds, got {_show(v)}")
-
-
-def _tasks(v: Any) -> tuple[str, ...]:
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list):
-        raise _Bad(f"expected a list of task names or a comma-separated string, got {_show(v)}")
-    tasks: list[str] = []
-    for i, item in enumerate(items, 1):
-        if not isinstance(item, str):
-            raise _Bad(f"item {i}: expected a task name, got {_show(item)}")
-        for task in (t.strip() for t in item.split(",")):
-            if not task:
-                raise _Bad(f"empty task name in {_show(item)}")
-            if task in tasks:
-                raise _Bad(f"task {task!r} is listed twice")
-            tasks.append(task)
-    if not tasks:
-        raise _Bad("expected at least one task")
-    return tuple(tasks)
-
-
-def _gen_kwargs(v: Any) -> str | Mapping[str, Any]:
-    if isinstance(v, str):
-        return v.strip()
-    if not isinstance(v, dict):
-        raise _Bad(f"expected a string like 'temperature=0,top_p=1' or a mapping, got {_show(v)}")
-    out: dict[str, Any] = {}
-    for key, val in v.items():
-        if not isinstance(key, str):
-            raise _Bad(f"key {_show(key)}: expected a string key")
-        scalar = (str, int, float, bool)
-        if isinstance(val, list) and all(isinstance(x, scalar) for x in val):
-            val = tuple(val)
-        elif not isinstance(val, scalar):
-            raise _Bad(f"key {key!r}: expected a number, string, boolean or list of them, got {_show(val)}")
-        out[key] = val
-    return MappingProxyType(out)
+_Bad = BadValue
+_show, _suggest, _string, _tasks = show, suggest, yaml_string, yaml_tasks
 
 
 def _name(v: Any) -> str:
     if isinstance(v, str) and _NAME_RE.match(v):
         return v
     raise _Bad(f"expected a name of letters, digits and ._+- (used in file names), got {_show(v)}")
-
-
-def _output(v: Any) -> str:
-    v = _string(v)
-    if not v.endswith((".h5", ".hdf5")):
-        raise _Bad(f"expected a path ending in .h5, got {_show(v)}")
-    return v
-
-
-def _batch_size(v: Any) -> int | str:
-    """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N``."""
-    if _is_int(v) and v >= 1:
-        return v
-    if isinstance(v, str) and (v == "auto" or (v.startswith("auto:") and v[5:].isdigit() and int(v[5:]) >= 1)):
-        return v
-    raise _Bad(f"expected a positive integer, 'auto' or 'auto:N', got {_show(v)}")
 
 
 def _models(v: Any) -> tuple[str, ...]:
@@ -243,72 +119,17 @@ def _models(v: Any) -> tuple[str, ...]:
     return tuple(p.strip() for p in items)
 
 
-_CHECKS: dict[str, Callable[[Any], Any]] = {
-    "name": _name,
-    "model": _string,
-    "models": _models,
-    "tasks": _tasks,
-    "tokenizer": _string,
-    "revision": _string,
-    "tp": _int_at_least(1, "a positive integer"),
-    "pp": _int_at_least(1, "a positive integer"),
-    "dtype": _dtype,
-    "batch_size": _batch_size,
-    "num_fewshot": _int_at_least(0, "a non-negative integer"),
-    "limit": _limit,
-    "max_length": _int_at_least(1, "a positive integer"),
-    "gen_kwargs": _gen_kwargs,
-    "apply_chat_template": _boolean,
-    "include_path": _string,
-    "data_dir": _string,
-    "seed": _int_at_least(0, "a non-negative integer"),
-    "output": _output,
-    "device": _string,
-    "timeout": _timeout,
-    "log_samples": _boolean,
-}
-_LM_EVAL_STRUCTURAL = ("config", "model", "tasks", "batch_size")
-
-
-def _lm_eval_fields() -> dict[str, str]:
-    """Job-file fields taken from lm-eval's own declaration (``EvaluatorConfig``) rather than re-declared here:
-    every field of it that has no job-file field of its own, with its declared type. Imported only when a job file
-    uses one (lm-eval's import costs seconds on a login node)."""
-    import dataclasses as dc
-
-    from lm_eval.config.evaluate_config import EvaluatorConfig
-
-    return {f.name: str(f.type) for f in dc.fields(EvaluatorConfig)
-            if f.name not in _CHECKS and f.name not in _LM_EVAL_STRUCTURAL}
-
-
-def _lm_eval_value(field: str, kind: str, v: Any) -> Any:
-    """A value for lm-eval field ``field`` of declared type ``kind`` (``dict``, ``bool``, ``str | None`` ...)."""
-    if kind == "dict" or "dict" in kind.split(" | "):
-        if isinstance(v, str):
-            return v.strip()
-        if isinstance(v, dict):
-            return MappingProxyType(dict(v))
-        raise _Bad(f"expected a mapping or a string like 'key=value,key2=value2', got {_show(v)}")
-    if kind.startswith("bool"):
-        if isinstance(v, bool) or (v is None and "None" in kind):
-            return v
-        raise _Bad(f"expected true or false, got {_show(v)}")
-    if kind.startswith("int"):
-        return _int_at_least(1, "a positive integer")(v)
-    return _string(v)
+_CHECKS: dict[str, Callable[[Any], Any]] = {"name": _name, "models": _models, **settings.job_fields()}
+"""The job file's own fields (a run's name; a sweep's models) and the settings read as themselves."""
+_LM_EVAL_FIELDS = settings.lm_eval_job_fields()
+"""Fields named as lm-eval's ``EvaluatorConfig`` fields: a mapping, a flag, a string ... with the flag's meaning."""
 
 
 _REQUIRED = ("model", "tasks")
-# Fields whose RunSpec default is None accept an explicit null (to clear a default).
+# Fields whose RunSpec default is None accept an explicit null (to clear a default); lm-eval-named ones always do.
 _NULLABLE = {f.name for f in dataclasses.fields(RunSpec) if f.default is None}
 _PATH_FIELDS = ("include_path", "data_dir", "output")
 _MAYBE_PATH_FIELDS = ("model", "tokenizer")  # HF id or local directory
-
-
-def _suggest(word: Any, options: Any) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # --------------------------------------------------------------------------
@@ -451,8 +272,8 @@ def load_job(path: str | os.PathLike[str]) -> Job:
         if name is not None:
             label = f"run {index} ({name!r})"
         for key in raw:  # defaults' keys were checked already
-            if key not in _CHECKS and key not in _lm_eval_fields():
-                raise run_fail(key, f"unknown field{_suggest(key, [*_CHECKS, *_lm_eval_fields()])}")
+            if key not in _CHECKS and key not in _LM_EVAL_FIELDS:
+                raise run_fail(key, f"unknown field{_suggest(key, [*_CHECKS, *_LM_EVAL_FIELDS])}")
         for field in _REQUIRED:
             if merged.get(field) is None:
                 raise run_fail(field, "required field is missing")
@@ -463,7 +284,7 @@ def load_job(path: str | os.PathLike[str]) -> Job:
                 _check_lm_eval(extras)
             except _Bad as exc:
                 raise run_fail("model_args", str(exc)) from None
-            values["lm_eval"] = MappingProxyType(extras)
+            values["lm_eval"] = FrozenDict(extras)
         values["name"] = name
         sweep = "," in values["model"] or glob.has_magic(values["model"])
         values.setdefault("output", f"results/{name}/{{name}}.h5" if sweep else f"results/{name}.h5")
@@ -488,13 +309,12 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 
 def _check_field(field: str, value: Any, fail: Callable[[str, str], JobFileError]) -> Any:
     if field not in _CHECKS:
-        lm_eval = _lm_eval_fields()
-        if field not in lm_eval:
-            raise fail(field, f"unknown field{_suggest(field, [*_CHECKS, *lm_eval])}")
+        if field not in _LM_EVAL_FIELDS:
+            raise fail(field, f"unknown field{_suggest(field, [*_CHECKS, *_LM_EVAL_FIELDS])}")
         if value is None:
             return None
         try:
-            return _lm_eval_value(field, lm_eval[field], value)
+            return _LM_EVAL_FIELDS[field](value)
         except _Bad as exc:
             raise fail(field, str(exc)) from None
     if value is None and field in _NULLABLE:

@@ -14,32 +14,28 @@ import time
 
 from mpitp.parallel import comm as mpicomm
 from mpitp.errors import UsageError
-from mpitp.evaluation.runner import EvalConfig, run_eval
+from mpitp.evaluation.runner import run_eval
+from mpitp.evaluation.settings import EvalConfig, eval_settings, thaw
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
 
 log = logging.getLogger("mpitp")
 
-_EVAL_FIELDS = {"model", "tasks", "tokenizer", "revision", "dtype", "num_fewshot", "limit", "batch_size",
-                "max_length", "gen_kwargs", "apply_chat_template", "include_path", "data_dir", "seed", "output",
-                "log_samples"}
-
 
 def eval_config(spec) -> EvalConfig:
-    """A job-file run as an :class:`EvalConfig` (``model: demo`` means the built-in demo)."""
+    """A job-file run as an :class:`EvalConfig` (``model: demo`` means the built-in demo): the settings the job file
+    reads as themselves are copied (a ``gen_kwargs`` mapping stays a dict: lm-eval reads it as one), the lm-eval-named
+    ones are applied with the flags' meaning."""
     from mpitp.jobs.jobfile import DEMO_MODEL
 
-    kw = {k: v for k, v in spec.to_eval_kwargs().items() if k in _EVAL_FIELDS}
-    if isinstance(kw.get("gen_kwargs"), dict):
-        kw["gen_kwargs"] = ",".join(f"{k}={v}" for k, v in kw["gen_kwargs"].items())
+    kw = {f.name: thaw(getattr(spec, f.name)) for f in eval_settings() if f.metadata.get("job")}
     demo = kw.get("model") == DEMO_MODEL
     if demo:
         kw["model"] = None
     cfg = EvalConfig(demo=demo, **kw)
-    if spec.lm_eval:
-        from mpitp.evaluation.lmeval_args import apply_lm_eval_settings
+    from mpitp.evaluation.lmeval_args import apply_lm_eval_settings
 
-        apply_lm_eval_settings(cfg, dict(spec.lm_eval))
+    apply_lm_eval_settings(cfg, thaw(spec.lm_eval or {}))
     return cfg
 
 

@@ -204,7 +204,7 @@ def _load_everywhere(cfg, rt):
             from mpitp.replica.pipeline import load_stage
 
             model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision,
-                               cfg.trust_remote_code)
+                               cfg.trust_remote_code, **cfg.load_kwargs())
         else:
             model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
                                **cfg.load_kwargs())

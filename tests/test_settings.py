@@ -1,0 +1,188 @@
+"""One declaration of the evaluation settings (mpitp.evaluation.settings): a job file and the command line mean the
+same, reach lm-eval as what they say (lists and dicts included) and keep the resume identity of older files."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import pickle
+
+import pytest
+
+from mpitp.evaluation.lmeval_args import MPITP_DESTS, build_parser, parse_eval_args
+from mpitp.evaluation.settings import EvalConfig, cli_options, eval_settings, lm_eval_named
+from mpitp.jobs.jobfile import JobFileError, load_job
+from mpitp.jobs.jobrun import eval_config
+
+JOB = """\
+defaults:
+  model: org/m
+  tasks: [a, b]
+  dtype: float32
+  data_dir: /d
+  gen_kwargs:
+    until: ["\\n\\n", "Question:"]
+    max_gen_toks: 5
+  model_args: {add_bos_token: true}
+  metadata: {max_seq_lengths: [64]}
+  system_instruction: Be brief.
+runs:
+  - {name: fraction, limit: 0.25, output: /o/fraction.h5}
+  - {name: one-float, limit: 1.0, output: /o/one-float.h5}
+  - {name: count, limit: 3, output: /o/count.h5}
+  - {name: whole-float, limit: 3.0, output: /o/whole-float.h5}
+  - {name: kv-string, limit: 3, gen_kwargs: "temperature=0,max_gen_toks=5", output: /o/kv.h5}
+"""
+
+# The same settings on mpitp eval's command line (lm-eval's flags), per job-file run
+CLI = ["--model", "hf", "--model_args", '{"pretrained": "org/m", "add_bos_token": true}', "--tasks", "a,b",
+       "--dtype", "float32", "--data-dir", "/d",
+       "--gen_kwargs", '{"until": ["\\n\\n", "Question:"], "max_gen_toks": 5}',
+       "--metadata", '{"max_seq_lengths": [64]}', "--system_instruction", "Be brief."]
+LIMITS = {"fraction": "0.25", "one-float": "1.0", "count": "3", "whole-float": "3.0"}
+
+
+@pytest.fixture
+def job(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB)
+    return load_job(path)
+
+
+def _cli_config(*extra: str) -> EvalConfig:
+    parsed = parse_eval_args([*CLI, *extra])
+    assert parsed[0] == "run", parsed
+    return parsed[1]
+
+
+def _lm_eval_docs(limit, n_docs: int = 10) -> int:
+    """How many documents lm-eval evaluates for ``limit`` (its own rule, lm_eval.evaluator_utils)."""
+    from lm_eval.evaluator_utils import get_sample_size
+
+    class Task:
+        eval_docs = range(n_docs)
+
+    return get_sample_size(Task(), limit)
+
+
+def test_job_file_reaches_lm_eval_as_written(job):
+    """gen_kwargs, model_args and metadata mappings reach lm-eval's arguments as the dicts and lists they are; each
+    limit means what lm-eval makes of it (1.0 is one document, as ``lm_eval --limit 1.0``)."""
+    runs = {spec.name: spec for spec in pickle.loads(pickle.dumps(job)).runs}  # as every rank receives it
+    assert set(runs) == {"fraction", "one-float", "count", "whole-float", "kv-string"}
+    docs = {"fraction": 3, "one-float": 1, "count": 3, "whole-float": 3, "kv-string": 3}
+    for name, spec in runs.items():
+        args = eval_config(spec).lm_eval_arguments()
+        assert _lm_eval_docs(args["limit"]) == docs[name], (name, args["limit"])
+        assert args["model_args"] == {"pretrained": "org/m", "add_bos_token": True, "dtype": "float32"}  # as --dtype
+        assert args["metadata"] == {"pretrained": "org/m", "add_bos_token": True, "max_seq_lengths": [64]}
+        assert args["system_instruction"] == "Be brief."
+        if name == "kv-string":  # lm-eval parses the k=v string itself
+            assert args["gen_kwargs"] == "temperature=0,max_gen_toks=5"
+        else:
+            assert args["gen_kwargs"] == {"until": ["\n\n", "Question:"], "max_gen_toks": 5}
+            assert isinstance(args["gen_kwargs"]["until"], list)
+    assert set(args) <= set(inspect.signature(__import__("lm_eval").simple_evaluate).parameters)
+
+
+def test_job_file_and_command_line_mean_the_same(job):
+    """The same settings through either door give the same resume identity and the same lm-eval arguments."""
+    for spec in job.runs:
+        if spec.name not in LIMITS:
+            continue
+        from_job, from_cli = eval_config(spec), _cli_config("--limit", LIMITS[spec.name])
+        assert from_job.identity() == from_cli.identity(), spec.name
+        assert from_job.lm_eval_arguments() == from_cli.lm_eval_arguments(), spec.name
+        assert _lm_eval_docs(from_job.limit) == _lm_eval_docs(float(LIMITS[spec.name])), spec.name
+
+
+def test_job_runs_pickle_read_only(job):
+    """A job is broadcast to every rank (pickled); its mappings stay read-only for the callee's sake."""
+    spec = pickle.loads(pickle.dumps(job.runs[0]))
+    assert spec == job.runs[0]
+    with pytest.raises(TypeError):
+        spec.gen_kwargs["max_gen_toks"] = 1
+    with pytest.raises(TypeError):
+        spec.lm_eval["model_args"]["add_bos_token"] = False
+    kwargs = spec.to_eval_kwargs()
+    kwargs["gen_kwargs"]["until"].append("x")  # a plain copy
+    assert spec.gen_kwargs["until"] == ("\n\n", "Question:")
+
+
+@pytest.mark.parametrize("value,shown", [("1.5", "1.5"), ("0", "0"), ("-1", "-1"), ("'3'", "'3'"), ("true", "True"),
+                                         (".inf", "inf")])
+def test_job_file_limit_refusals(tmp_path, value, shown):
+    """YAML is typed: a count with a fraction, a quoted number or a flag is a slip, refused while reading the file."""
+    path = tmp_path / "job.yaml"
+    path.write_text(f"runs: [{{model: demo, tasks: t, limit: {value}}}]\n")
+    with pytest.raises(JobFileError) as info:
+        load_job(path)
+    assert str(info.value).endswith("field 'limit': expected a positive integer (examples per task) or a fraction "
+                                    f"in (0, 1), got {shown}")
+
+
+def test_identity_unchanged_for_older_files():
+    """config_json as the version before the settings table wrote it: a resumed run must still compare equal."""
+    written_before = [
+        '{"apply_chat_template": false, "data_dir": "/d", "dtype": "float32", "gen_kwargs": {"max_gen_toks": 5, '
+        '"until": ["\\n\\n"]}, "hflm_args": {"add_bos_token": true}, "limit": 3, "max_length": null, "metadata": '
+        '{"max_seq_lengths": [64]}, "model": "org/m", "num_fewshot": null, "revision": null, "seed": null, '
+        '"system_instruction": "Be brief.", "tasks": ["a", "b"], "tokenizer": null}',
+        '{"apply_chat_template": false, "data_dir": null, "dtype": "auto", "gen_kwargs": null, "limit": null, '
+        '"max_length": null, "model": "m", "num_fewshot": null, "revision": null, "seed": 7, "tasks": ["a"], '
+        '"tokenizer": null}',
+    ]
+    now = [
+        EvalConfig(model="org/m", tasks=["a", "b"], dtype="float32", limit=3, data_dir="/d",
+                   gen_kwargs={"until": ["\n\n"], "max_gen_toks": 5}, seed=[0, 1234, 1234, 1234],
+                   model_args={"pretrained": "org/m", "add_bos_token": True}, hflm_args={"add_bos_token": True},
+                   system_instruction="Be brief.", predict_only=False,
+                   metadata={"pretrained": "org/m", "add_bos_token": True, "max_seq_lengths": [64]}),
+        EvalConfig(model="m", tasks=["a"], seed=7),
+    ]
+    for stored, cfg in zip(written_before, now):
+        assert json.loads(json.dumps(cfg.identity())) == json.loads(stored)
+
+
+def test_every_lm_eval_setting_is_declared():
+    """lm-eval's EvaluatorConfig fields all have a setting (a new lm-eval field shows up here, not as a silent gap),
+    and every setting a job file reads has its reader."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    declared = {f.name for f in eval_settings()}
+    lm_eval_fields = {f.name for f in dataclasses.fields(EvaluatorConfig)}
+    assert lm_eval_fields - {"config"} <= declared
+    assert {f.name for f in lm_eval_named()} <= lm_eval_fields  # mpitp eval copies these from lm-eval's parse
+    for f in eval_settings():
+        assert not (f.metadata["job"] and f.metadata["lm_eval"]), f.name
+        assert f.metadata["identity"] in (None, "always", "if_set"), f.name
+
+
+def test_command_line_options_come_from_the_declaration():
+    parser = build_parser()
+    by_dest = {a.dest: a for a in parser._actions}
+    for dest, spec in cli_options():
+        assert dest in MPITP_DESTS and dest in by_dest
+        assert set(spec["flags"]) <= set(by_dest[dest].option_strings)
+    assert by_dest["dtype"].choices == ("auto", "float32", "bfloat16", "float16")
+    assert not math.isnan(by_dest["timeout"].default) and by_dest["timeout"].default > 0
+    usage = parser.format_help()
+    for flag in ("--tp", "--pp", "--output", "--resume", "--skip-head-check", "--watch-idle", "--max-length"):
+        assert flag in usage
+
+
+@pytest.mark.parametrize("value,docs", [("0.25", 3), ("1.0", 1), ("1", 1), ("3.0", 3), ("2.5", 2)])
+def test_command_line_limit_is_lm_evals(value, docs):
+    assert _lm_eval_docs(_cli_config("--limit", value).limit) == _lm_eval_docs(float(value)) == docs
+
+
+@pytest.mark.parametrize("value,message", [("0", "--limit: must be > 0, got 0"), ("x", "--limit: expected a number, "
+                                           "got 'x'"), ("inf", "--limit: must be a finite number, got inf")])
+def test_command_line_limit_refusals(value, message):
+    from mpitp.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        _cli_config("--limit", value)
+    assert str(info.value) == message
