@@ -460,9 +460,7 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
 
     def _runner(kind, items, weights, instances):
         if lm.auto is not None:  # chunks hold whole auto-sized batches of their longest rows (as for a fixed size)
-            rows = [r for rs in items for r in rs] if kind == KIND_ROLLING else None
-            longest = max((len(r[0]) for r in rows), default=1) if rows is not None else max(weights, default=1)
-            dispatcher.batch_size = lm.auto.size(longest)
+            dispatcher.batch_size = lm.auto.size(lm.longest_tokens(kind, items, weights))
         keys = request_keys(instances)
         results: list = [None] * len(items)
         todo = []
