@@ -524,12 +524,13 @@ def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict):
 
         kwargs.update(enable(cfg, tm, tokenizer_name))
     kwargs.update(extra)
+    from mpitp.evaluation.templates import compiled_once
     from mpitp.results.docscores import capture
 
     env_info = _EnvInfoEarly()
     try:
         clock.t_eval = time.perf_counter()
-        with env_info, capture() as doc_scores:
+        with env_info, compiled_once(), capture() as doc_scores:
             res = lm_eval.simple_evaluate(model=lm, tasks=cfg.tasks, **kwargs)
         clock.eval_done()
     except BaseException:
