@@ -51,33 +51,44 @@ def main() -> None:
     ap.add_argument("--lm-eval-threads", type=int, default=2,
                     help="torch threads of the lm-eval process (2: the issue's baseline; on a loaded machine two "
                          "OpenMP threads spin-wait for each other, 1 is the fair comparison there)")
+    ap.add_argument("--before", metavar="TREE", default=None,
+                    help="also run mpitp from this checkout (e.g. `git archive <commit> | tar -x -C TREE`), "
+                         "alternating with the current tree at each dp: before/after side by side in one run")
+    ap.add_argument("--tree", default=None, help="import mpitp from this checkout instead of PYTHONPATH's")
+    ap.add_argument("--no-lm-eval", action="store_true", help="skip the lm-eval reference (no ratio printed)")
     args = ap.parse_args()
     model = str(common.STORIES)
     common.say(common.machine())
     common.say(f"model {model}, {TASK}" + (f" --limit {args.limit}" if args.limit else " (all documents)") +
                f", batch size {args.batch_size}")
-    ref = run_lm_eval(model, args.batch_size, args.limit, threads=args.lm_eval_threads)
-    common.say(f"lm_eval hf (1 process, {args.lm_eval_threads} threads): {ref['time_s']:.1f} s, "
-               f"CPU {ref['cpu_s']:.1f} s; "
-               f"{common.loadavg()}")
-    rows, times = [[f"lm_eval hf, {args.lm_eval_threads} threads", ref["time_s"], 1.0, "", "", "", ""]], {}
-    for dp in [int(x) for x in args.dp.split(",")]:
+    rows, times = [], {}
+    ref = {"time_s": float("nan")}
+    if not args.no_lm_eval:
+        ref = run_lm_eval(model, args.batch_size, args.limit, threads=args.lm_eval_threads)
+        common.say(f"lm_eval hf (1 process, {args.lm_eval_threads} threads): {ref['time_s']:.1f} s, "
+                   f"CPU {ref['cpu_s']:.1f} s; "
+                   f"{common.loadavg()}")
+        rows.append([f"lm_eval hf, {args.lm_eval_threads} threads", ref["time_s"], 1.0, "", "", "", ""])
+    trees = ([("before", args.before)] if args.before else []) + [("", args.tree)]
+    for dp, (name, tree) in [(int(x), t) for x in args.dp.split(",") for t in trees]:
         threads = "2" if dp == 1 else "1"
         r = common.run_mpitp(dp, model, TASK, batch_size=args.batch_size, limit=args.limit,
-                             extra=["--threads", threads, "--dtype", "float32"], timeout=3600)
+                             extra=["--threads", threads, "--dtype", "float32"], timeout=3600, tree=tree)
         busy = max(r["h5_stats"]["busy_s"])
         ph = phases(r["output"])
-        times[dp] = r["time_s"]
+        if not name:
+            times[dp] = r["time_s"]
         serial = r["time_s"] - busy
         order = ("checks", "load", "requests", "tokenising", "metrics", "writing", "final_snapshot")
         detail = ", ".join(f"{k} {ph[k]:.1f}" for k in order if k in ph)
-        rows.append([f"mpitp dp={dp} (threads {threads})", r["time_s"], r["time_s"] / ref["time_s"], busy, serial,
+        label = f"mpitp dp={dp} (threads {threads})" + (f" [{name}]" if name else "")
+        rows.append([label, r["time_s"], r["time_s"] / ref["time_s"], busy, serial,
                      ph.get("dispatch", float("nan")), detail])
-        common.say(f"mpitp dp={dp}: {r['time_s']:.1f} s, max group busy {busy:.1f} s, serial {serial:.1f} s "
+        common.say(f"{label}: {r['time_s']:.1f} s, max group busy {busy:.1f} s, serial {serial:.1f} s "
                    f"[{detail}]; {common.loadavg()}")
     common.say(common.fmt_table(rows, ["run", "eval wall s", "time / lm-eval", "max group busy s",
                                        "wall - max busy s", "rank 0 dispatch s", "rank 0 phases s"]))
-    if 2 in times:
+    if 2 in times and not args.no_lm_eval:
         common.say(f"RATIO scaling_dp2_vs_lmeval {times[2] / ref['time_s']:.3f}")
 
 

@@ -1,7 +1,8 @@
-"""Sharding lm-eval requests across DP groups: token-balanced chunks, handed out dynamically, results in order.
+"""Sharding lm-eval requests across DP groups: size-balanced chunks, handed out dynamically, results in order.
 
 Global rank 0 owns the queue. Chunks are cut from the requests sorted longest first (memory trouble shows up in the
-first minute, not the last hour) so that each carries about the same number of tokens. Every remote DP leader keeps
+first minute, not the last hour) so that each carries about the same weight: characters of text for requests the DP
+leaders tokenise themselves, tokens for rolling windows. Every remote DP leader keeps
 ``prefetch`` chunks in flight; rank 0's own group computes a chunk whenever no result is waiting, so it works too
 without starving the others. A group that gets no chunk simply waits for the stop message.
 """
@@ -30,7 +31,7 @@ class Chunk:
 
 def make_chunks(kind: str, items: list, weights: list[int], n_groups: int, per_group: int = 4,
                 max_items: int | None = None, min_items: int = 1, tail_split: int = 8) -> list[Chunk]:
-    """Cut ``items`` (sorted by weight, heaviest first) into token-balanced chunks that shrink towards the end.
+    """Cut ``items`` (sorted by weight, heaviest first) into weight-balanced chunks that shrink towards the end.
 
     Each chunk carries about ``remaining / (n_groups * per_group)`` tokens, but not less than ``1 / tail_split``
     of the first chunk (guided self-scheduling): early chunks are large (few round trips), the last ones small, so

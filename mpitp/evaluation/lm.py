@@ -2,8 +2,16 @@
 
 ``HFLM`` keeps doing everything that defines lm-eval's numbers (tokenisation and the empty-context prefix rule,
 rolling windows, chat templates, stop sequences, left truncation, generation post-processing). This subclass only
-replaces *where* the forwards happen: global rank 0 turns each request into a work item, the dispatcher spreads the
-items over the DP groups, and inside a group the TP leader drives its workers (see :mod:`mpitp.replica.leader`).
+replaces *where* that work and the forwards happen: global rank 0 turns each request into a work item, the
+dispatcher spreads the items over the DP groups, and inside a group the TP leader drives its workers (see
+:mod:`mpitp.replica.leader`).
+
+Tokenising is part of the work item's computation, not rank 0's: a ``loglikelihood`` item is the request's
+``(context, continuation)`` text, and the DP leader that scores it encodes it with lm-eval's own
+``TemplateLM.loglikelihood`` loop (``_encode_pair``, the empty-context prefix rule), a ``generate_until`` item is
+its text as well (``HFLM.generate_until`` encodes it). Rank 0 balances the chunks by characters instead of tokens.
+Rolling requests stay tokenised on rank 0: they are dispatched window by window, and the windows come from the
+tokens (few, long documents, so this is little of rank 0's time).
 """
 
 from __future__ import annotations
@@ -77,7 +85,6 @@ class MPITPLM(HFLM):
         self.runner = None  # set on rank 0: a callable (kind, items, weights, instances) -> results
         self.seed = 1234  # base of the per-request sampling seeds (lm-eval's default torch seed; --seed sets it)
         self.auto = None  # a mpitp.replica.batchsize.AutoBatch with --batch_size auto
-        self._instances = None
         self.encode_cache: dict | None = None  # a sweep shares one among checkpoints with the same tokenizer
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
@@ -96,25 +103,42 @@ class MPITPLM(HFLM):
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        self._instances = requests
-        try:
-            return super().loglikelihood(requests, disable_tqdm=True)
-        finally:
-            self._instances = None
+        """Items are the requests' ``(context, continuation)`` texts, weighed by characters; the DP leader that gets
+        a chunk tokenises it (:meth:`score_rows_of`)."""
+        pairs = [tuple(req.args) for req in requests]
+        weights = [len(ctx) + len(cont) for ctx, cont in pairs]
+        out = self.runner(KIND_SCORE, pairs, weights, requests)
+        refuse_nonfinite([ll for ll, _, _ in out], requests)
+        answers = [(ll, greedy) for ll, greedy, _ in out]
+        for pair, ans in zip(pairs, answers):
+            self.cache_hook.add_partial("loglikelihood", pair, ans)
+        return answers
+
+    def longest_tokens(self, kind: str, items: list, weights: list, sample: int = 64) -> int:
+        """The longest row in tokens (``--batch_size auto`` sizes the chunks' batches for it), from the ``sample``
+        items longest in characters: rank 0 tokenises those few, not the whole set."""
+        if kind == KIND_ROLLING:
+            return max((len(r[0]) for rows in items for r in rows), default=1)
+        top = sorted(range(len(items)), key=lambda i: -weights[i])[:sample]
+        if kind == KIND_SCORE:
+            return max((len(row) for row, _ in self.score_rows_of([items[i] for i in top])), default=1)
+        return max((len(self.tok_encode(items[i][0])) + int(items[i][1].get("max_gen_toks", self.max_gen_toks))
+                    for i in top), default=1)  # generate_until: prompt plus the tokens to generate
+
+    # ------------------------------------------------------------------ a DP leader: lm-eval's encodings
+    def score_rows_of(self, pairs: list) -> list[tuple[list[int], int]]:
+        """``(context, continuation)`` texts -> scoring rows, encoded by lm-eval's own ``loglikelihood`` loop
+        (``_encode_pair``, the empty-context prefix rule), which hands them to :meth:`_loglikelihood_tokens`."""
+        return HFLM.loglikelihood(self, [_Req(tuple(p)) for p in pairs], disable_tqdm=True)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        """Reached from :meth:`loglikelihood` with lm-eval's encodings, one per request, in request order."""
+        """Reached from :meth:`score_rows_of` with lm-eval's encodings, one per request, in request order: the rows
+        lm-eval's ``_loglikelihood_tokens`` would score (input plus last target, number of targets)."""
         rows = []
         for _, ctx, cont in requests:
             assert len(ctx) > 0 and len(cont) > 0 and len(cont) <= self.max_length
             rows.append(((ctx + cont)[-(self.max_length + 1):], len(cont)))
-        weights = [len(r[0]) for r in rows]
-        out = self.runner(KIND_SCORE, rows, weights, self._instances)
-        refuse_nonfinite([ll for ll, _, _ in out], self._instances)
-        answers = [(ll, greedy) for ll, greedy, _ in out]
-        for (key, _, _), ans in zip(requests, answers):
-            self.cache_hook.add_partial("loglikelihood", key, ans)
-        return answers
+        return rows
 
     def rolling_rows(self, string: str) -> list[tuple[list[int], int]]:
         """lm-eval's disjoint rolling windows of ``string`` as scoring rows (same helpers as ``HFLM``)."""
@@ -136,7 +160,9 @@ class MPITPLM(HFLM):
     def generate_until(self, requests, disable_tqdm: bool = False):
         keys = request_keys(requests)
         items = [(*req.args, sample_seed(self.seed, key)) for req, key in zip(requests, keys)]
-        weights = [len(self.tok_encode(ctx)) + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw, _ in items]
+        # Weighed by characters (~4 per token, a balance proxy only) plus the tokens to generate: the DP leader that
+        # gets a request tokenises it (``HFLM.generate_until``), rank 0 does not.
+        weights = [len(ctx) // 4 + 1 + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw, _ in items]
         out = self.runner(KIND_GENERATE, items, weights, requests)
         return [text for text, _ in out]
 
@@ -152,7 +178,7 @@ class MPITPLM(HFLM):
 
     def _compute(self, kind: str, items: list, tick) -> list:
         if kind == KIND_SCORE:
-            return self._score_rows(items, tick)
+            return self._score_rows(self.score_rows_of(items), tick)
         if kind == KIND_WINDOW:
             return self._score_rows([row for row, _ in items], tick)
         if kind == KIND_GENERATE:

@@ -408,9 +408,7 @@ class _RootRun:
 
         if self.lm.auto is None:
             return
-        rows = [r for rs in items for r in rs] if kind == KIND_ROLLING else None
-        longest = max((len(r[0]) for r in rows), default=1) if rows is not None else max(weights, default=1)
-        self.dispatcher.batch_size = self.lm.auto.size(longest)
+        self.dispatcher.batch_size = self.lm.auto.size(self.lm.longest_tokens(kind, items, weights))
 
     def _reuse_stored(self, kind: str, keys: list) -> tuple[list, list[int]]:
         """(results with the stored ones filled in, indices of the requests still to compute)."""
@@ -479,12 +477,13 @@ class _RootRun:
         """(lm-eval's results, its per-document scores captured on the way)."""
         import lm_eval
 
+        from mpitp.evaluation.templates import compiled_once
         from mpitp.results.docscores import capture
 
         env_info = _EnvInfoEarly()
         try:
             self.clock.t_eval = time.perf_counter()
-            with env_info, capture() as doc_scores:
+            with env_info, compiled_once(), capture() as doc_scores:
                 res = lm_eval.simple_evaluate(model=self.lm, tasks=self.cfg.tasks, **kwargs)
             self.clock.eval_done()
         except BaseException:

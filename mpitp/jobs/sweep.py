@@ -3,9 +3,10 @@
 ``mpitp eval --model 'ckpts/step-*'`` (a glob, a comma list, or both) and ``--watch DIR`` come here. What a launch
 per checkpoint pays again and again is paid once: MPI start-up, the torch world of each replica, importing torch,
 transformers and lm-eval, lm-eval's task index (``TaskManager``) and the tasks themselves (datasets read, documents
-and prompts built: ``TaskManager.load`` is memoised for the sweep) and the token ids of every prompt, once per
-tokenizer (``MPITPLM.encode_cache``, keyed by the hash of the tokenizer's files: a checkpoint with another tokenizer
-tokenises with its own). Per checkpoint remain the weights and lm-eval's request building (prompt rendering).
+and prompts built: ``TaskManager.load`` is memoised for the sweep) and the token ids of the prompts, once per
+tokenizer on each DP leader (``MPITPLM.encode_cache``, keyed by the hash of the tokenizer's files: a checkpoint with
+another tokenizer tokenises with its own). Leaders tokenise the requests they are handed, and chunks go to whichever
+group asks first, so a leader reuses the encodings of the requests it had before and encodes the others. Per checkpoint remain the weights and lm-eval's request building (prompt rendering).
 
 Each checkpoint gets its own results file, exactly as a separate ``mpitp eval`` would write it (same identity, so
 ``--resume`` works per file; with ``--resume`` a file already ``complete`` for the same checkpoint is skipped without
