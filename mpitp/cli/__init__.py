@@ -6,13 +6,17 @@ any other exception on any rank is printed once with its rank and aborts the who
 
 from __future__ import annotations
 
-import sys
+from mpitp.parallel.walltime import listen_early
 
-import click
+listen_early()  # first of all, before numpy and MPI load: a walltime signal while a rank starts must not be lost
 
-from mpitp import __version__
-from mpitp.parallel.comm import DEFAULT_TIMEOUT
-from mpitp.errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort, world_rank
+import sys  # noqa: E402
+
+import click  # noqa: E402
+
+from mpitp import __version__  # noqa: E402
+from mpitp.parallel.comm import DEFAULT_TIMEOUT  # noqa: E402
+from mpitp.errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort, world_rank  # noqa: E402
 
 
 def _positive_float(ctx, param, value):
@@ -68,9 +72,6 @@ def _register_optional():
 
 
 def main(argv=None) -> None:
-    from mpitp.parallel.walltime import listen_early
-
-    listen_early()  # before the slow imports: a walltime signal during start-up must not be lost
     install_excepthook()
     _register_optional()
     try:

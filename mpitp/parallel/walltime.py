@@ -27,17 +27,21 @@ _early: int | None = None  # a stop signal that came before the rank was known (
 
 
 def listen_early() -> None:
-    """Called first thing in ``main``: remember SIGUSR1 until :func:`install` knows the rank.
+    """Run on importing the CLI, before numpy and MPI load: remember SIGUSR1 until :func:`install` knows the rank.
 
     Starting a rank (imports of torch and lm-eval, MPI_Init) takes tens of seconds on a loaded node, and a walltime
-    signal in that window must not be lost: SIGUSR1's default action would kill the rank, and once MPI is up MPICH's
-    own handler swallows it. :func:`install` acts on a remembered signal at once.
+    signal in that window must not be lost: SIGUSR1's default action would kill the rank. MPICH installs a SIGUSR1
+    handler of its own in MPI_Init and calls the one it found, so this one still hears the signal after that.
+    :func:`install` acts on a remembered signal at once.
     """
     def remember(signum, frame):
         global _early
         _early = signum
 
-    signal.signal(signal.SIGUSR1, remember)
+    try:
+        signal.signal(signal.SIGUSR1, remember)
+    except ValueError:  # imported off the main thread (an embedding program): signals are not ours to take
+        pass
 
 
 def watch(dispatcher) -> None:
