@@ -32,17 +32,18 @@ set -u
 # srun --mpi=pmix: as given (--srun-mpi pmix)
 # On USR1 mpitp stops at once (every landed request is already in its results file) and exits 75; this
 # script then requeues the job. The next start skips completed runs and resumes the interrupted one.
-# SLURM checks time limits every 30 s and sends USR1 when the next check could be too late, so it comes up to a
-# minute before the asked 300 s: the step is stopped 300 s before the job's own end
-# time (squeue), so every start keeps its whole window. Should it not end within half the grace, it is terminated
-# (the rows stay) so that the requeue still happens in time.
+# SLURM looks at time limits every 30 s and sends USR1 on the first look that could otherwise be late: up to 30 s
+# (its docs: 60 s) before the asked 300 s. The step is stopped 300 s before the job's
+# own end time (squeue) instead, so every start keeps its whole window. Should it not end within half the grace, it is
+# terminated (the rows stay) so that the requeue still happens in time.
 echo "mpitp: start $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID at $(date -u +%T)"
 step=
 stop_at=
 stop_step() {
     [[ -n $stop_at ]] && return
     local end
-    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null) && end=$(date -d "$end" +%s 2>/dev/null) || end=0
+    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null) && end=$(date -d "$end" +%s 2>/dev/null) \
+        || end=$(($(date +%s) + 300))  # no answer: stop now
     stop_at=$((end - 300))
     echo "mpitp: walltime near (USR1) at $(date -u +%T); the step stops at $(date -u -d "@$stop_at" +%T)"
     if [[ -n $step ]]; then stop_later; fi
