@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     install_excepthook()
     _register_optional()
     try:
-        cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
     except UsageError as exc:
         if not exc.collective:
             report_and_abort(exc)
@@ -94,6 +94,8 @@ def main(argv=None) -> None:
         sys.exit(USAGE_EXIT if exc.exit_code == 2 else exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
+        sys.exit(code)
 
 
 @cli.command(name="eval", add_help_option=False,
