@@ -6,7 +6,7 @@ any other exception on any rank is printed once with its rank and aborts the who
 
 from __future__ import annotations
 
-from mpitp.parallel.walltime import listen_early
+from mpitp.parallel.walltime import finished, listen_early
 
 listen_early()  # first of all, before numpy and MPI load: a walltime signal while a rank starts must not be lost
 
@@ -76,6 +76,7 @@ def main(argv=None) -> None:
     _register_optional()
     try:
         code = cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
+        finished()  # a late walltime signal must not kill a rank whose work is done
     except UsageError as exc:
         if not exc.collective:
             report_and_abort(exc)

@@ -23,6 +23,7 @@ _NAMES = {signal.SIGUSR1: "SIGUSR1 (walltime near)", signal.SIGTERM: "SIGTERM"}
 _dispatcher = None
 _writer = None
 FLUSH_S = 20.0  # the longest a stop waits for the results writer (an fsync on a slow shared file system)
+_stopping = False
 _early: int | None = None  # a stop signal that came before the rank was known (while Python and MPI start up)
 
 
@@ -41,6 +42,17 @@ def listen_early() -> None:
     try:
         signal.signal(signal.SIGUSR1, remember)
     except ValueError:  # imported off the main thread (an embedding program): signals are not ours to take
+        pass
+
+
+def finished() -> None:
+    """The command has ended and written its results: from now on a walltime signal (the batch script's stop racing
+    the end of the job) has nothing left to save, and must not kill the rank on its way out either, which would make
+    the script requeue a finished job. Python puts the signals it handles back to their default at exit; an ignored
+    one stays ignored."""
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    except ValueError:  # not the main thread
         pass
 
 
@@ -99,6 +111,10 @@ def _stop(signum, frame) -> None:
         os.kill(os.getpid(), signum)
         return
 
+    global _stopping
+    if _stopping:  # one stop per rank: a second signal (the scheduler's and the script's) changes nothing
+        return
+    _stopping = True
     threading.Thread(target=_flush_and_abort, args=(signum,), name="mpitp-stop", daemon=True).start()
 
 
