@@ -123,7 +123,7 @@ def test_srun_without_the_mpi_plugin_refuses_on_every_task(slurm, tmp_path):
 # SLURM 22.05 checks time limits every 30 s and sends USR1 up to 30 s (docs: 60 s) before the asked grace; the batch
 # script times the stop from the job's end time instead, so a start ends REQUEUE_GRACE_S before its limit.
 REQUEUE_GRACE_S = 10  # short: mpitp needs a second or two (flush the journal, abort); the step is ended at half
-REQUEUE_MIN_S = 120  # --time 00:01:00 left 55 s a start: less than the 50-140 s measured from srun to the first chunk
+REQUEUE_MIN_S = 120  # --time 00:01:00 leaves 50-55 s a start: less than the 50-140 s from srun to the first chunk here
 
 
 def _requeue_time(reference_s: float) -> str:
