@@ -76,7 +76,6 @@ def main(argv=None) -> None:
     _register_optional()
     try:
         code = cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
-        finished()  # a late walltime signal must not kill a rank whose work is done
     except UsageError as exc:
         if not exc.collective:
             report_and_abort(exc)
@@ -95,6 +94,8 @@ def main(argv=None) -> None:
         sys.exit(USAGE_EXIT if exc.exit_code == 2 else exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    finally:  # also when the command ends by sys.exit (mpitp run, eval)
+        finished()  # a late walltime signal must not kill a rank whose work is done
     if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
         sys.exit(code)
 
