@@ -11,12 +11,16 @@ any other exception on any rank is printed once with its rank and aborts the who
 
 from __future__ import annotations
 
-import sys
+from mpitp.parallel.walltime import finished, listen_early
 
-import click
+listen_early()  # first of all, before numpy and MPI load: a walltime signal while a rank starts must not be lost
 
-from mpitp import __version__
-from mpitp.errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort, world_rank
+import sys  # noqa: E402
+
+import click  # noqa: E402
+
+from mpitp import __version__  # noqa: E402
+from mpitp.errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort, world_rank  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,13 +45,10 @@ def register(group: click.Group) -> None:
 
 
 def main(argv=None) -> None:
-    from mpitp.parallel.walltime import listen_early
-
-    listen_early()  # before the slow imports: a walltime signal during start-up must not be lost
     install_excepthook()
     register(cli)
     try:
-        cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
     except UsageError as exc:
         if not exc.collective:
             report_and_abort(exc)
@@ -66,3 +67,7 @@ def main(argv=None) -> None:
         sys.exit(USAGE_EXIT if exc.exit_code == 2 else exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    finally:  # also when the command ends by sys.exit (mpitp run, eval)
+        finished()  # a late walltime signal must not kill a rank whose work is done
+    if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
+        sys.exit(code)

@@ -356,7 +356,7 @@ def job_state(scheduler: str, job_id: str) -> dict[str, str]:
             return dict(state=state.split()[0], restarts="?", exit=code, elapsed=elapsed)
         raise SubmitError(f"scontrol does not know job {job_id}: {(done.stderr or done.stdout).strip()}")
     done = subprocess.run(["qstat", "-x", "-f", job_id], capture_output=True, text=True, timeout=60)
-    fields = dict(re.findall(r"^\s*(\w+) = (.*)$", done.stdout, flags=re.M))
+    fields = dict(re.findall(r"^\s*([\w.]+) = (.*)$", done.stdout, flags=re.M))  # resources_used.walltime
     if done.returncode != 0 or "job_state" not in fields:
         raise SubmitError(f"qstat does not know job {job_id}: {(done.stderr or done.stdout).strip()}")
     state = {"F": "FINISHED", "R": "RUNNING", "Q": "QUEUED", "H": "HELD", "E": "EXITING"}.get(fields["job_state"],

@@ -23,21 +23,37 @@ _NAMES = {signal.SIGUSR1: "SIGUSR1 (walltime near)", signal.SIGTERM: "SIGTERM"}
 _dispatcher = None
 _writer = None
 FLUSH_S = 20.0  # the longest a stop waits for the results writer (an fsync on a slow shared file system)
+_stopping = False
 _early: int | None = None  # a stop signal that came before the rank was known (while Python and MPI start up)
 
 
 def listen_early() -> None:
-    """Called first thing in ``main``: remember SIGUSR1 until :func:`install` knows the rank.
+    """Run on importing the CLI, before numpy and MPI load: remember SIGUSR1 until :func:`install` knows the rank.
 
     Starting a rank (imports of torch and lm-eval, MPI_Init) takes tens of seconds on a loaded node, and a walltime
-    signal in that window must not be lost: SIGUSR1's default action would kill the rank, and once MPI is up MPICH's
-    own handler swallows it. :func:`install` acts on a remembered signal at once.
+    signal in that window must not be lost: SIGUSR1's default action would kill the rank. MPICH installs a SIGUSR1
+    handler of its own in MPI_Init and calls the one it found, so this one still hears the signal after that.
+    :func:`install` acts on a remembered signal at once.
     """
     def remember(signum, frame):
         global _early
         _early = signum
 
-    signal.signal(signal.SIGUSR1, remember)
+    try:
+        signal.signal(signal.SIGUSR1, remember)
+    except ValueError:  # imported off the main thread (an embedding program): signals are not ours to take
+        pass
+
+
+def finished() -> None:
+    """The command has ended and written its results: from now on a walltime signal (the batch script's stop racing
+    the end of the job) has nothing left to save, and must not kill the rank on its way out either, which would make
+    the script requeue a finished job. Python puts the signals it handles back to their default at exit; an ignored
+    one stays ignored."""
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
 
 
 def watch(dispatcher) -> None:
@@ -95,6 +111,10 @@ def _stop(signum, frame) -> None:
         os.kill(os.getpid(), signum)
         return
 
+    global _stopping
+    if _stopping:  # one stop per rank: a second signal (the scheduler's and the script's) changes nothing
+        return
+    _stopping = True
     threading.Thread(target=_flush_and_abort, args=(signum,), name="mpitp-stop", daemon=True).start()
 
 

@@ -33,25 +33,38 @@ set -u
 export NCCL_DEBUG=WARN
 
 # On USR1 mpitp stops at once (every landed request is already in its results file) and exits 75; this
-# script then requeues the job. The next start skips completed runs and resumes the interrupted one. Should the step
-# not end within half the grace, it is terminated (the rows stay) so that the requeue still happens in time.
+# script then requeues the job. The next start skips completed runs and resumes the interrupted one.
+# SLURM looks at time limits every 30 s and sends USR1 on the first look that could otherwise be late: up to 30 s
+# (its docs: 60 s) before the asked 300 s. The step is stopped 300 s before the job's
+# own end time (squeue) instead, so every start keeps its whole window. Should it not end within half the grace, it is
+# terminated (the rows stay) so that the requeue still happens in time.
 echo "mpitp: start $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID at $(date -u +%T)"
-stopping=0
 step=
+stop_at=
 stop_step() {
-    stopping=1
-    echo "mpitp: walltime near (USR1) at $(date -u +%T)"
-    kill -USR1 "$step" 2>/dev/null || true
-    (sleep 150; kill -TERM "$step" 2>/dev/null) &
+    [[ -n $stop_at ]] && return
+    local end
+    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null) && end=$(date -d "$end" +%s 2>/dev/null) \
+        || end=$(($(date +%s) + 300))  # no answer: stop now
+    stop_at=$((end - 300))
+    echo "mpitp: walltime near (USR1) at $(date -u +%T); the step stops at $(date -u -d "@$stop_at" +%T)"
+    if [[ -n $step ]]; then stop_later; fi
+}
+stop_later() {  # USR1 to the step at stop_at, and SIGTERM half the grace later should it still run
+    local delay=$((stop_at - $(date +%s)))
+    ((delay > 0)) || delay=0
+    (sleep "$delay"; kill -USR1 "$step" 2>/dev/null
+     sleep 150; kill -TERM "$step" 2>/dev/null) &
 }
 trap stop_step USR1
 set +e
 mpirun -n $SLURM_NTASKS mpitp run @REPO@/jobs/demo.yaml --log-level 'debug info' &
 step=$!
+if [[ -n $stop_at ]]; then stop_later; fi  # USR1 came while the step was being started
 wait "$step"; status=$?
 while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
 set -e
-if [[ $stopping == 1 && $status != 0 ]]; then
+if [[ -n $stop_at && $status != 0 ]]; then
     echo "mpitp: stopped before the walltime (exit $status) at $(date -u +%T); requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
 fi

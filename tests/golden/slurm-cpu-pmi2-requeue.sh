@@ -30,25 +30,54 @@ set -u
 
 # srun --mpi=pmi2: as given (--srun-mpi pmi2)
 # On USR1 mpitp stops at once (every landed request is already in its results file) and exits 75; this
-# script then requeues the job. The next start skips completed runs and resumes the interrupted one. Should the step
-# not end within half the grace, it is terminated (the rows stay) so that the requeue still happens in time.
+# script then requeues the job. The next start skips completed runs and resumes the interrupted one.
+# SLURM looks at time limits every 30 s and sends USR1 on the first look that could otherwise be late: up to 30 s
+# (its docs: 60 s) before the asked 60 s. The step is stopped 60 s before the job's
+# own end time (squeue) instead, so every start keeps its whole window. Should it not end within half the grace, it is
+# terminated (the rows stay) so that the requeue still happens in time.
 echo "mpitp: start $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID at $(date -u +%T)"
-stopping=0
 step=
+stop_at=
 stop_step() {
-    stopping=1
-    echo "mpitp: walltime near (USR1) at $(date -u +%T)"
-    kill -USR1 "$step" 2>/dev/null || true
-    (sleep 30; kill -TERM "$step" 2>/dev/null) &
+    [[ -n $stop_at ]] && return
+    local end
+    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null) && end=$(date -d "$end" +%s 2>/dev/null) \
+        || end=$(($(date +%s) + 60))  # no answer: stop now
+    stop_at=$((end - 60))
+    echo "mpitp: walltime near (USR1) at $(date -u +%T); the step stops at $(date -u -d "@$stop_at" +%T)"
+    if [[ -n $step ]]; then stop_later; fi
+}
+stop_later() {  # USR1 to the step at stop_at, and SIGTERM half the grace later should it still run
+    local delay=$((stop_at - $(date +%s)))
+    ((delay > 0)) || delay=0
+    (sleep "$delay"; kill -USR1 "$step" 2>/dev/null
+     sleep 30; kill -TERM "$step" 2>/dev/null) &
 }
 trap stop_step USR1
+if ((${SLURM_RESTART_COUNT:-0} > 0)); then
+    # A requeued job numbers its steps from 0 again, and MPICH names its shared memory after the PMI job id
+    # (job.step): a segment left by the ranks the last start had to kill would be taken up by this start's
+    # MPI_Init, which then hangs or fails ("Message truncated"). This job's stale segments go first, on every node.
+    fnv1a() {  # MPICH's HASH_FNV of a PMI job id, in hex as in its segment names
+        local s=$1 h=2166136261 c
+        while [[ -n $s ]]; do printf -v c %d "'${s:0:1}"; s=${s:1}; h=$((((h ^ c) * 16777619) & 0xffffffff)); done
+        printf %x "$h"
+    }
+    stale=
+    for id in $SLURM_JOB_ID.{0,1} slurm.pmix.$SLURM_JOB_ID.{0,1}; do
+        stale+=" /dev/shm/mpich_shm_$(fnv1a "$id")_* /dev/shm/mpich_vci_$(fnv1a "$id")_*"
+    done
+    srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --mpi=none \
+        bash -c "rm -f $stale" || true
+fi
 set +e
 srun --mpi=pmi2 --kill-on-bad-exit=1 mpitp run @REPO@/jobs/demo.yaml &
 step=$!
+if [[ -n $stop_at ]]; then stop_later; fi  # USR1 came while the step was being started
 wait "$step"; status=$?
 while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
 set -e
-if [[ $stopping == 1 && $status != 0 ]]; then
+if [[ -n $stop_at && $status != 0 ]]; then
     echo "mpitp: stopped before the walltime (exit $status) at $(date -u +%T); requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
 fi

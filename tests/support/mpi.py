@@ -45,7 +45,8 @@ def require_mpi_marker(what: str) -> None:
 
 def launch_in(argv) -> str | None:
     """What of ``argv`` starts an MPI world: a launcher (``mpiexec``, ``srun``, ``torchrun``, ...), or ``python -m
-    mpitp`` other than ``inspect`` (a singleton mpitp initialises MPI and torch.distributed); None for anything else,
+    mpitp`` other than ``inspect`` and ``submit`` (a singleton mpitp initialises MPI and torch.distributed; those two
+    read files or call the scheduler's commands); None for anything else,
     queries (:data:`QUERIES`) included."""
     if isinstance(argv, (str, bytes, os.PathLike)):
         return None  # shell strings and bare programs: the tests launch MPI as argument lists only
@@ -58,7 +59,7 @@ def launch_in(argv) -> str | None:
         return Path(args[0]).name
     if "-m" in args[:2] and len(args) > 2 and args[args.index("-m") + 1] == "mpitp":
         rest = args[args.index("-m") + 2:]
-        if not rest or rest[0] != "inspect":
+        if not rest or rest[0] not in ("inspect", "submit"):
             return "python -m mpitp " + " ".join(rest[:1])
     return None
 
