@@ -34,9 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from mpitp.results.rows import read_requests  # noqa: E402
-
 from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5  # noqa: E402
-
 from mpitp.results.store import ResultWriter  # noqa: E402
 
 META = dict(model="bench", tokenizer="bench", dtype="float32", world_size=1, tp=1, dp=1, config_json="{}")

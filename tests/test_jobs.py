@@ -22,6 +22,7 @@ from mpitp.results.schema import open_h5  # noqa: E402
 from support import OFFLINE_ENV, REPO, STORIES  # noqa: E402
 from support.mpi import explain, run_mpi  # noqa: E402
 from support.parity import close  # noqa: E402
+
 pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")

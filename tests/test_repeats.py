@@ -14,6 +14,7 @@ from mpitp.results.store import ResultWriter
 from support import STORIES
 from support.launch import file_rows, inspect_diff
 from support.mpi import explain, run_mpi
+
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
 SLOW_TASKS = str(Path(__file__).parent / "slow_tasks")

@@ -22,6 +22,7 @@ from mpitp.cli.inspect import inspect_command
 from mpitp.results.rows import read_metrics
 from support import OFFLINE_ENV, REPO
 from support.mpi import explain, run_mpi
+
 pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")

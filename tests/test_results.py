@@ -30,6 +30,7 @@ from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, open_h5  # n
 from support import OFFLINE_ENV, STORIES  # noqa: E402
 from support.mpi import explain, run_mpi  # noqa: E402
 from support.parity import compare_requests, mpitp_requests, reference_requests  # noqa: E402
+
 pytestmark = pytest.mark.mpi  # every test here launches mpiexec
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")

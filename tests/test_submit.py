@@ -17,9 +17,9 @@ import jinja2
 import pytest
 from click.testing import CliRunner
 
+from mpitp.cli.submit import submit_command
 from mpitp.jobs import submit as submit_mod
 from mpitp.jobs.jobfile import JobFileError
-from mpitp.cli.submit import submit_command
 from mpitp.jobs.submit import SubmitError, SubmitUsageError, render_script, submit
 
 REPO = Path(__file__).resolve().parents[1]

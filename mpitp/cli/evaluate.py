@@ -44,8 +44,8 @@ def eval_command(args):
 
 def eval_main(argv: list[str]) -> None:
     """Rank 0 parses (a ``--config`` or ``--samples`` file is read once) and every rank gets its verdict."""
-    from mpitp.parallel.comm import DEFAULT_TIMEOUT
     from mpitp.evaluation.lmeval_args import parse_eval_args
+    from mpitp.parallel.comm import DEFAULT_TIMEOUT
 
     world = world_from_comm()
     if world.rank == 0:

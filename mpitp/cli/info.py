@@ -8,10 +8,10 @@ import click
 
 from mpitp.cli.options import runtime_options
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import setup_logging, start
-from mpitp.results.texttable import format_table
 from mpitp.parallel.launch import oversubscription_warning
+from mpitp.parallel.runtime import setup_logging, start
 from mpitp.parallel.world import mpi_implementation, mpi_library_version
+from mpitp.results.texttable import format_table
 
 log = logging.getLogger("mpitp")
 
@@ -37,9 +37,9 @@ def layout_rows(rt) -> list[dict] | None:
 
 def _stage_split(rt, model: str) -> str | None:
     """The layer split of ``model`` over the stages (checked like ``mpitp eval`` checks it)."""
+    from mpitp.parallel.runtime import agree
     from mpitp.replica.loading import load_config
     from mpitp.replica.pipeline import check_pp, describe_split, num_layers
-    from mpitp.parallel.runtime import agree
 
     def check():
         config = load_config(model)

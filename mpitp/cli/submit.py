@@ -8,8 +8,18 @@ import time as _time
 import click
 
 from mpitp.jobs.jobfile import JobFileError, load_job
-from mpitp.jobs.submit import (DEFAULT_SIGNAL_GRACE, SCHEDULERS, SubmitError, SubmitUsageError, follow_command,
-                               job_summary, log_paths, script_path, submit, wait_for)
+from mpitp.jobs.submit import (
+    DEFAULT_SIGNAL_GRACE,
+    SCHEDULERS,
+    SubmitError,
+    SubmitUsageError,
+    follow_command,
+    job_summary,
+    log_paths,
+    script_path,
+    submit,
+    wait_for,
+)
 
 
 @click.command("submit")

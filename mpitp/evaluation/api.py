@@ -1,7 +1,8 @@
 """``mpitp.evaluate``: lm-eval numbers for a live, already-sharded model, from inside a running MPI job.
 
 For a training or analysis script that already runs under ``mpirun`` and holds a TP-sharded transformers model:
-no checkpoint, no reload. It runs the very code path of ``mpitp eval`` (:func:`mpitp.evaluation.runner.evaluate_loaded`) and
+no checkpoint, no reload. It runs the very code path of ``mpitp eval``
+(:func:`mpitp.evaluation.runner.evaluate_loaded`) and
 leaves the caller's world as it found it: the model back in its previous train/eval mode, no process group
 destroyed, no message left in flight (a closing barrier, after success), autograd off only inside.
 """
@@ -99,8 +100,8 @@ def check_torch_world(layout, group) -> None:
     if size != layout.replica_size:
         raise UsageError(f"mpitp.evaluate needs one torch world per model replica: the torch world has {size} ranks "
                          f"but a replica has tp={layout.tp} (dp={layout.dp} replicas on {layout.world.size} MPI "
-                         f"ranks); create the worlds with mpitp.parallel.runtime.start(tp={layout.tp}) instead of one world "
-                         f"with a (dp, tp) mesh", collective=True)
+                         f"ranks); create the worlds with mpitp.parallel.runtime.start(tp={layout.tp}) instead of one "
+                         "world with a (dp, tp) mesh", collective=True)
 
 
 def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
@@ -109,8 +110,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
 
     from mpitp.evaluation.runner import evaluate_loaded
     from mpitp.evaluation.settings import EvalConfig
-    from mpitp.parallel.runtime import Runtime
     from mpitp.parallel.replica_group import ReplicaGroup, backend_for
+    from mpitp.parallel.runtime import Runtime
 
     dev = device or str(next(model.parameters()).device)
     rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from mpitp import testing
 from mpitp.parallel import comm as mpicomm
+
 log = logging.getLogger("mpitp")
 
 TAG_WORK = 11

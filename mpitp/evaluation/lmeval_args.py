@@ -19,9 +19,19 @@ import os
 import re
 
 from mpitp.errors import UsageError
-from mpitp.evaluation.settings import (BadValue, batch_size_value, cli_batch_size, cli_int_at_least, cli_limit,
-                                       cli_options, cli_runtime_dests, cli_setting_dests, from_evaluator_config,
-                                       limit_value, lm_eval_named)
+from mpitp.evaluation.settings import (
+    BadValue,
+    batch_size_value,
+    cli_batch_size,
+    cli_int_at_least,
+    cli_limit,
+    cli_options,
+    cli_runtime_dests,
+    cli_setting_dests,
+    from_evaluator_config,
+    limit_value,
+    lm_eval_named,
+)
 
 HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 """lm-eval's names for ``HFLM`` (``lm_eval.models.MODEL_MAPPING``): the one backend mpitp runs."""

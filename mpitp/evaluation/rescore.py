@@ -2,7 +2,8 @@
 
 After a filter or metric change in a task's YAML, lm-eval's own pipeline runs again (tasks built from the same
 settings, the same seeds, ``simple_evaluate``) with an lm that answers every request from the file. A request is
-found by the resume key (task, doc_id, idx, hash of its arguments: :func:`mpitp.evaluation.lm.request_keys`), so a change that
+found by the resume key (task, doc_id, idx, hash of its arguments: :func:`mpitp.evaluation.lm.request_keys`), so a
+change that
 alters the requests themselves (prompt template, few-shot, limit) finds requests missing and is refused, one line,
 exit 2: rerun those with ``mpitp eval --resume``.
 
@@ -107,7 +108,7 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
     """lm-eval's results dict and the per-document scores for ``path``, from its stored rows only."""
     import lm_eval
 
-    from mpitp.evaluation.checks import remove_generated, check_tasks, offline_include
+    from mpitp.evaluation.checks import check_tasks, offline_include, remove_generated
     from mpitp.results.docscores import capture
 
     if not os.path.isfile(path):

@@ -15,10 +15,10 @@ import sys
 import time
 
 from mpitp import __version__, testing
-from mpitp.parallel import comm as mpicomm
-from mpitp.evaluation.checks import check_all, remove_generated, check_tasks, offline_include
+from mpitp.evaluation.checks import check_all, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.progress import make_progress
 from mpitp.evaluation.settings import EvalConfig
+from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import Runtime, agree
 
 log = logging.getLogger("mpitp")
@@ -44,7 +44,8 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
 
 def _extra_metadata(cfg: EvalConfig) -> dict:
     """What is on disk (weights, tokenizer, library versions: the rest of the resume identity, see
-    :mod:`mpitp.evaluation.fingerprint`) and the whole configuration (so ``mpitp rescore`` can rebuild the tasks: include
+    :mod:`mpitp.evaluation.fingerprint`) and the whole configuration (so ``mpitp rescore`` can rebuild the tasks:
+    include
     paths, data directory, bootstrap iterations)."""
     from dataclasses import asdict
 
@@ -104,8 +105,8 @@ class _Progress:
 
 def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
-    from mpitp.replica.loading import load_model
     from mpitp.evaluation.quiet import quiet_integration
+    from mpitp.replica.loading import load_model
 
     quiet_integration(cfg.verbosity, rt.world.rank == 0)
     t_start = time.perf_counter()
@@ -143,8 +144,8 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
     other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
     """
-    from mpitp.replica.batchsize import AutoBatch, agreed_budget, is_auto
     from mpitp.evaluation.dispatch import Dispatcher, serve_remote
+    from mpitp.replica.batchsize import AutoBatch, agreed_budget, is_auto
     from mpitp.replica.leader import ReplicaLeader
     from mpitp.replica.shard import ReplicaShard
     from mpitp.replica.stats import Stats
@@ -404,7 +405,6 @@ class _RootRun:
     def _size_batches(self, kind: str, items: list, weights: list) -> None:
         """With ``--batch_size auto``, chunks hold whole auto-sized batches of their longest rows (as for a fixed
         size)."""
-        from mpitp.evaluation.lm import KIND_ROLLING
 
         if self.lm.auto is None:
             return

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from mpitp.replica.loading import DTYPES
 

@@ -29,15 +29,15 @@ import dataclasses
 import glob
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from mpitp.evaluation import settings
-from mpitp.evaluation.settings import (DTYPES, BadValue, FrozenDict, show, suggest, thaw, yaml_string,
-                                       yaml_tasks)
+from mpitp.evaluation.settings import DTYPES, BadValue, FrozenDict, show, suggest, thaw, yaml_string, yaml_tasks
 
 __all__ = ["DEMO_MODEL", "DTYPES", "Job", "JobFileError", "RunSpec", "load_job"]
 

@@ -12,10 +12,10 @@ import logging
 import os
 import time
 
-from mpitp.parallel import comm as mpicomm
 from mpitp.errors import UsageError
 from mpitp.evaluation.runner import run_eval
 from mpitp.evaluation.settings import EvalConfig, eval_settings, thaw
+from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
 

@@ -381,8 +381,8 @@ def wait_for(scheduler: str, job_id: str, poll: float = 5.0, echo=None) -> dict[
 
 def job_summary(job: Job) -> tuple[int, str]:
     """(number of runs complete, a table of every run's output status) for a job file, read from its outputs."""
-    from mpitp.results.texttable import format_table
     from mpitp.jobs.jobrun import output_status
+    from mpitp.results.texttable import format_table
 
     rows = [dict(run=r.name, tp=r.tp, status=output_status(r.output), output=r.output) for r in job.runs]
     ok = sum(1 for r in rows if r["status"] == "complete")

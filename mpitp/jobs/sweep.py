@@ -6,7 +6,8 @@ transformers and lm-eval, lm-eval's task index (``TaskManager``) and the tasks t
 and prompts built: ``TaskManager.load`` is memoised for the sweep) and the token ids of the prompts, once per
 tokenizer on each DP leader (``MPITPLM.encode_cache``, keyed by the hash of the tokenizer's files: a checkpoint with
 another tokenizer tokenises with its own). Leaders tokenise the requests they are handed, and chunks go to whichever
-group asks first, so a leader reuses the encodings of the requests it had before and encodes the others. Per checkpoint remain the weights and lm-eval's request building (prompt rendering).
+group asks first, so a leader reuses the encodings of the requests it had before and encodes the others. Per
+checkpoint remain the weights and lm-eval's request building (prompt rendering).
 
 Each checkpoint gets its own results file, exactly as a separate ``mpitp eval`` would write it (same identity, so
 ``--resume`` works per file; with ``--resume`` a file already ``complete`` for the same checkpoint is skipped without
@@ -226,10 +227,10 @@ def _load_everywhere(cfg, rt):
 
 def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
-    from mpitp.parallel import comm as mpicomm
-    from mpitp.parallel.runtime import agree
     from mpitp.evaluation.checks import check_all
     from mpitp.evaluation.runner import evaluate_loaded
+    from mpitp.parallel import comm as mpicomm
+    from mpitp.parallel.runtime import agree
 
     t_start = time.perf_counter()
     keep = state.keep

@@ -82,8 +82,8 @@ def default_watch_dir(directory: str) -> str:
 
 def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) -> int:
     """Every rank calls it. Exit status 1 when a checkpoint failed, else 0."""
+    from mpitp.jobs.sweep import SweepState, finish, render_summary, summary_path, write_summary
     from mpitp.parallel.runtime import agree
-    from mpitp.jobs.sweep import SweepState, finish, output_for, render_summary, run_models, summary_path, write_summary
 
     def check():
         if not os.path.isdir(directory):
@@ -116,9 +116,9 @@ def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) ->
 
 
 def _watch_loop(cfg, rt, directory, idle_s, poll_s, base, state) -> list:
+    from mpitp.jobs.sweep import output_for, run_models
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.runtime import agree
-    from mpitp.jobs.sweep import output_for, run_models
 
     scanner = Scanner(directory) if rt.world.rank == 0 else None
     rows, seen = [], set()

@@ -11,8 +11,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from mpitp.parallel import comm as mpicomm
 from mpitp.errors import UsageError
+from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.layout import Layout, make_layout
 from mpitp.parallel.replica_group import ReplicaGroup, init_replica_group
 from mpitp.parallel.world import World, world_from_comm
@@ -106,7 +106,8 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
 
 
 def _device_plan(device: str | None, local_rank: int):
-    """:func:`mpitp.parallel.device.plan_device` for this process; hides the GPUs (before CUDA starts) when it says so."""
+    """:func:`mpitp.parallel.device.plan_device` for this process; hides the GPUs (before CUDA starts) when it says
+    so."""
     import torch
 
     from mpitp.parallel.device import plan_device

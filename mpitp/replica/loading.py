@@ -1,6 +1,7 @@
 """Checking and loading a causal LM, TP-sharded with transformers' own plans.
 
-Checks run on rank 0 *before* any weights load (through :func:`mpitp.parallel.runtime.agree`), so bad input costs seconds,
+Checks run on rank 0 *before* any weights load (through :func:`mpitp.parallel.runtime.agree`), so bad input costs
+seconds,
 not a model load on every rank. Loading with tp > 1 uses ``DistributedConfig(tp_size=tp)``: transformers shards each
 weight as it reads it, so no rank ever holds the whole model.
 """

@@ -11,8 +11,16 @@ import torch
 
 from mpitp import testing
 from mpitp.replica.generation import GenerationState
-from mpitp.replica.protocol import (OP_GEN_BEGIN, OP_GEN_END, OP_GEN_FORWARD, OP_IDLE, OP_SCORE, OP_STOP, BufferPool,
-                                    ControlChannel)
+from mpitp.replica.protocol import (
+    OP_GEN_BEGIN,
+    OP_GEN_END,
+    OP_GEN_FORWARD,
+    OP_IDLE,
+    OP_SCORE,
+    OP_STOP,
+    BufferPool,
+    ControlChannel,
+)
 
 
 class ReplicaWorker:

@@ -95,6 +95,7 @@ class RunFile:
 def load(path: str) -> RunFile:
     """Read the summary of ``path``; any failure is a one-line :class:`BadInput`."""
     import numpy as np
+
     from mpitp.results.rows import request_counts
     from mpitp.results.schema import STATS_FIELDS, open_h5
 

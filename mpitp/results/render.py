@@ -25,6 +25,7 @@ def _fmt_value(v) -> str:
 
 def _stats_totals(run: RunFile) -> dict | None:
     import numpy as np
+
     from mpitp.results.schema import STATS_FIELDS
 
     if not run.stats or "busy_s" not in run.stats:

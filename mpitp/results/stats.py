@@ -18,8 +18,8 @@ scipy is not required: the binomial tail is summed exactly and the chi-square (1
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

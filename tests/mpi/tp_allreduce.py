@@ -14,12 +14,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 import mpitp.parallel.comm as mc
 from mpitp.errors import install_excepthook
-from mpitp.parallel.runtime import start
 from mpitp.parallel.replica_group import destroy_replica_group
+from mpitp.parallel.runtime import start
 
 from _checks import Checks, say
 
@@ -73,7 +72,7 @@ def main():
     rows = mc.gather_obj((lay.dp_rank, lay.tp_rank, int(t[0]), os.environ["MASTER_PORT"]), world.comm,
                          timeout=60.0, phase="gather sums")
     if rank == 0:
-        for r, (dp_rank, tp_rank, s, port) in enumerate(rows):
+        for r, (dp_rank, tp_rank, s, _port) in enumerate(rows):
             group = range(dp_rank * tp, (dp_rank + 1) * tp)
             check((dp_rank, tp_rank) == divmod(r, tp), f"rank {r} layout")
             check(s == sum(value(x) for x in group), f"rank {r}: group sum {s}")
