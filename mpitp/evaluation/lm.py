@@ -187,7 +187,6 @@ class MPITPLM(HFLM):
                 new = max(int(item[1].get("max_gen_toks", self.max_gen_toks)) for item in items)
                 self.batch_size_per_gpu = self.auto.size(min(longest, self.max_length), new)
             self._tick = tick
-            self._gen_tokens = []
             try:
                 texts = self._generate(items)
             finally:

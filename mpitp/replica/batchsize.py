@@ -80,11 +80,6 @@ def row_bytes(config, tp: int, pp: int, dtype_bytes: int, tokens: int, new_token
     return n * (per_token + scores + kv)
 
 
-def bucket(tokens: int) -> int:
-    """The power-of-two length bucket a row of ``tokens`` falls in (its upper bound)."""
-    return 1 << max(0, int(tokens) - 1).bit_length()
-
-
 class AutoBatch:
     """Batch sizes per length bucket for one model replica; built on a DP leader from its replica's agreed budget."""
 

@@ -67,7 +67,6 @@ class TaskInfo:
     attrs: dict
     metrics: dict
     n_rows: int
-    has_samples: bool
 
 
 @dataclass
@@ -121,7 +120,6 @@ def load(path: str) -> RunFile:
                     attrs={k: _py(v) for k, v in g.attrs.items()},
                     metrics={k: _py(v) for k, v in g["metrics"].attrs.items()} if "metrics" in g else {},
                     n_rows=int(req["doc_id"].shape[0]) if req is not None and "doc_id" in req else 0,
-                    has_samples="samples" in g,
                 )
             stats = None
             if "stats" in f:
@@ -131,7 +129,7 @@ def load(path: str) -> RunFile:
             if name in tasks:
                 tasks[name].n_rows = n
             else:
-                tasks[name] = TaskInfo(name=name, attrs={}, metrics={}, n_rows=n, has_samples=False)
+                tasks[name] = TaskInfo(name=name, attrs={}, metrics={}, n_rows=n)
     except BadInput:
         raise
     except (OSError, KeyError, ValueError, RuntimeError) as exc:  # what h5py raises on a damaged or foreign file;
