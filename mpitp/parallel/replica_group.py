@@ -97,6 +97,10 @@ def init_replica_group(layout: Layout, device: str, timeout: float) -> ReplicaGr
             g = dist.new_group(ranks=list(range(s * layout.tp, (s + 1) * layout.tp)))
             if s == layout.pp_rank:
                 group = g
+    # gloo's full mesh connects in the background of init_process_group: a rank that returned may leave (a usage
+    # error found right after start-up) while a peer is still connecting, which then dies in connectFullMesh instead
+    # of exiting 2. No rank goes on before every rank of the replica has its world.
+    mpicomm.barrier(comm, timeout=timeout, phase="TP group start")
     return ReplicaGroup(size=size, rank=rank, tp_size=layout.tp, tp_rank=layout.tp_rank, backend=backend,
                         device=device, tp_group=group)
 
