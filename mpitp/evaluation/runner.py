@@ -464,7 +464,7 @@ class _RootRun:
         """``simple_evaluate``'s arguments: the settings, lm-eval's request cache (:mod:`mpitp.evaluation.requestcache`
         unless the caller or ``--cache_requests`` says otherwise), then the caller's own (``mpitp.evaluate``)."""
         cfg = self.cfg
-        kwargs = dict(cfg.lm_eval_arguments(), fewshot_as_multiturn=_multiturn(cfg), task_manager=tm,
+        kwargs = dict(cfg.lm_eval_arguments(), task_manager=tm,
                       evaluation_tracker=tracker, **_requests_cache(cfg.cache_requests))
         if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
             from mpitp.evaluation.requestcache import enable
@@ -501,13 +501,6 @@ def _rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indic
         inst = instances[todo[i]]
         by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
     return by_task
-
-
-def _multiturn(cfg) -> bool | None:
-    """lm-eval's CLI rule: few-shot as multi-turn defaults to on with a chat template, else stays unset."""
-    if cfg.fewshot_as_multiturn is None and cfg.apply_chat_template:
-        return True
-    return cfg.fewshot_as_multiturn
 
 
 def _requests_cache(cache_requests: dict | None) -> dict:

@@ -397,8 +397,14 @@ class EvalConfig:
                     batch_size=self.batch_size, max_batch_size=self.max_batch_size, device=self.device,
                     samples=self.samples, check_integrity=self.check_integrity, write_out=self.write_out,
                     system_instruction=self.system_instruction, predict_only=self.predict_only,
-                    fewshot_as_multiturn=self.fewshot_as_multiturn,
+                    fewshot_as_multiturn=self.multiturn(),
                     confirm_run_unsafe_code=self.confirm_run_unsafe_code, metadata=self.metadata, **self.seeds())
+
+    def multiturn(self) -> bool | None:
+        """lm-eval's CLI rule: few-shot as multi-turn defaults to on with a chat template, else stays unset."""
+        if self.fewshot_as_multiturn is None and self.apply_chat_template:
+            return True
+        return self.fewshot_as_multiturn
 
     def load_kwargs(self) -> dict:
         """``from_pretrained`` arguments from ``--model_args`` beyond model, revision, dtype and remote code."""
