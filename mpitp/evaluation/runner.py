@@ -19,7 +19,7 @@ from mpitp.evaluation.checks import check_all, check_tasks, offline_include, rem
 from mpitp.evaluation.progress import make_progress
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import Runtime, agree
+from mpitp.parallel.runtime import Runtime, agree, start_torch
 
 log = logging.getLogger("mpitp")
 
@@ -115,6 +115,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
     out, tokenizer = agree(lambda: check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
     phases = {"checks": time.perf_counter() - t_start}
+    start_torch(rt)
     if lay.pp > 1:
         from mpitp.replica.pipeline import describe_split, load_stage, num_layers
 

@@ -345,13 +345,14 @@ def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str],
 
 def run_sweep(cfg, rt) -> int:
     """``mpitp eval --model 'glob,list'``: every rank calls it. Exit status 1 when a checkpoint failed."""
-    from mpitp.parallel.runtime import agree
+    from mpitp.parallel.runtime import agree, start_torch
 
     models = agree(lambda: expand_models(cfg.model), rt.world.comm, rt.timeout, "expanding --model")
     names = checkpoint_names(models)
     default_dir = agree(default_sweep_dir, rt.world.comm, rt.timeout, "naming outputs")
     outputs = agree(lambda: [output_for(cfg.output, n, default_dir) for n in names], rt.world.comm, rt.timeout,
                     "naming outputs")
+    start_torch(rt)
     if rt.world.rank == 0:
         log.info("sweep: %d checkpoints: %s", len(models), ", ".join(names))
     t0 = time.perf_counter()

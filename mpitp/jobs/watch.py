@@ -83,7 +83,7 @@ def default_watch_dir(directory: str) -> str:
 def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) -> int:
     """Every rank calls it. Exit status 1 when a checkpoint failed, else 0."""
     from mpitp.jobs.sweep import SweepState, finish, render_summary, summary_path, write_summary
-    from mpitp.parallel.runtime import agree
+    from mpitp.parallel.runtime import agree, start_torch
 
     def check():
         if not os.path.isdir(directory):
@@ -95,6 +95,7 @@ def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) ->
         return True
 
     agree(check, rt.world.comm, rt.timeout, "checking --watch")
+    start_torch(rt)
     cfg.resume = True  # a watch always continues its own files
     base = default_watch_dir(directory)
     state = SweepState()

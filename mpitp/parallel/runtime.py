@@ -26,7 +26,7 @@ class Runtime:
 
     world: World
     layout: Layout
-    device: str
+    device: str | None  # the request (maybe None) until start_torch, then the device this rank runs on
     threads: int
     timeout: float
     replica_group: ReplicaGroup | None = field(default=None)
@@ -83,25 +83,37 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
     """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments.
 
     Pass ``world`` to reuse one (a job file runs several layouts, one after another, in the same MPI world).
+    ``init_torch=False`` stops after the MPI layout: ``rt.device`` is still the request and torch is not even
+    imported, so rank 0 can refuse bad input before the other ranks spend seconds of a shared CPU starting torch
+    (:func:`start_torch` then finishes the job).
     """
     world = world or world_from_comm(comm)
     try:
         layout = make_layout(world, tp, pp)
     except UsageError as exc:
         raise UsageError(str(exc), collective=True) from None
-    plan = _device_plan(device, world.local_rank)
-    dev = plan.device
-    n_threads = threads or world.default_threads
-    rt = Runtime(world=world, layout=layout, device=dev, threads=n_threads, timeout=timeout)
+    rt = Runtime(world=world, layout=layout, device=device, threads=threads or world.default_threads,
+                 timeout=timeout)
     if init_torch:
-        import torch
+        start_torch(rt)
+    return rt
 
-        torch.set_num_threads(n_threads)
-        if dev.startswith("cuda"):
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        if plan.set_device:
-            torch.cuda.set_device(torch.device(dev))
-        rt.replica_group = init_replica_group(layout, dev, timeout)
+
+def start_torch(rt: Runtime) -> Runtime:
+    """Pick this rank's device, set torch's threads and bring up the replica's torch world. Collective; a no-op
+    when the runtime already has its torch world."""
+    if rt.replica_group is not None:
+        return rt
+    import torch
+
+    plan = _device_plan(rt.device, rt.world.local_rank)
+    rt.device = plan.device
+    torch.set_num_threads(rt.threads)
+    if rt.device.startswith("cuda"):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if plan.set_device:
+        torch.cuda.set_device(torch.device(rt.device))
+    rt.replica_group = init_replica_group(rt.layout, rt.device, rt.timeout)
     return rt
 
 
