@@ -478,13 +478,14 @@ class _RootRun:
         """(lm-eval's results, its per-document scores captured on the way)."""
         import lm_eval
 
+        from mpitp.evaluation.eval_docs import listed_once
         from mpitp.evaluation.templates import compiled_once
         from mpitp.results.docscores import capture
 
         env_info = _EnvInfoEarly()
         try:
             self.clock.t_eval = time.perf_counter()
-            with env_info, compiled_once(), capture() as doc_scores:
+            with env_info, compiled_once(), listed_once(), capture() as doc_scores:
                 res = lm_eval.simple_evaluate(model=self.lm, tasks=self.cfg.tasks, **kwargs)
             self.clock.eval_done()
         except BaseException:

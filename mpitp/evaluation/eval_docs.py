@@ -1,0 +1,90 @@
+"""lm-eval's evaluation documents decoded once per task instead of once per pass.
+
+``Task.eval_docs`` is a property that calls ``validation_docs()`` / ``test_docs()`` each time it is read, and those
+run the task's ``process_docs`` (a ``datasets.map`` over the whole split, e.g. hellaswag's) and hand back an arrow
+dataset whose every iteration decodes each row into a new dict again. ``simple_evaluate`` reads it several times on
+global rank 0: to count documents, to build the requests and again to compute the metrics after the last request,
+while every DP group waits. Inside :func:`listed_once` a task's documents are produced once and kept, lazily (a
+``--limit 10`` run of a large split decodes ten of them, not the split): the same documents, in the same order. Each
+pass still gets documents of its own, as from arrow (a structural copy, much cheaper than decoding), so a task's
+function that edits a document in place sees the same input on every pass as without this block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def _fresh(value):
+    """A copy of a decoded document: dicts and lists are new, leaves (strings, numbers, images) shared."""
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    return value
+
+
+class _Listed:
+    """A sequence over an iterable that is consumed only as far as it has been read; ``len`` and other attributes
+    come from the source."""
+
+    def __init__(self, source):
+        self._source = source
+        self._iter = None
+        self._items: list = []
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getattr__(self, name):  # a Dataset's own attributes (``features``, ``column_names``) come from the source
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._source, name)
+
+    def _fill(self, n: int | None) -> None:
+        if self._iter is None:
+            self._iter = iter(self._source)
+        while n is None or len(self._items) < n:
+            try:
+                self._items.append(next(self._iter))
+            except StopIteration:
+                self._iter = iter(())
+                return
+
+    def __iter__(self):
+        i = 0
+        while True:
+            if i >= len(self._items):
+                self._fill(i + 1)
+                if i >= len(self._items):
+                    return
+            yield _fresh(self._items[i])
+            i += 1
+
+    def __getitem__(self, i):
+        if not isinstance(i, int):  # a Dataset's column or slice (columns of lists): the source answers
+            return self._source[i]
+        self._fill(None if i < 0 else i + 1)
+        return _fresh(self._items[i])
+
+
+@contextlib.contextmanager
+def listed_once():
+    """Inside this block each lm-eval task's ``eval_docs`` is computed once and then read from memory."""
+    from lm_eval.api.task import Task
+
+    original = Task.__dict__["eval_docs"]
+    listed: dict[int, tuple] = {}  # id(task) -> (task, docs): the task is held so its id is not reused meanwhile
+
+    def eval_docs(task):
+        hit = listed.get(id(task))
+        if hit is None:
+            source = original.fget(task)
+            hit = listed[id(task)] = (task, _Listed(source) if hasattr(source, "__len__") else list(source))
+        return hit[1]
+
+    Task.eval_docs = property(eval_docs)
+    try:
+        yield
+    finally:
+        Task.eval_docs = original

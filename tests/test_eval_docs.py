@@ -1,0 +1,102 @@
+"""lm-eval's documents decoded once per task (:mod:`mpitp.evaluation.eval_docs`): same requests, same metrics.
+
+No MPI: real lm-eval ``simple_evaluate`` on the real local splits with a stand-in LM whose answer is a function of
+the request's text, with and without :func:`listed_once`.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+
+class _Counting:
+    """A Dataset-like source that counts the rows it has been asked for."""
+
+    features = {"q": "string"}
+
+    def __init__(self, n: int):
+        self.rows = [{"q": f"question {i}", "xs": [i, i + 1]} for i in range(n)]
+        self.produced = 0
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __iter__(self):
+        for row in self.rows:
+            self.produced += 1
+            yield {"q": row["q"], "xs": list(row["xs"])}
+
+    def __getitem__(self, key):
+        return [r[key] for r in self.rows]
+
+
+def test_listed_reads_only_as_far_as_asked_and_hands_out_fresh_documents():
+    from itertools import islice
+
+    from mpitp.evaluation.eval_docs import _Listed
+
+    source = _Counting(100)
+    docs = _Listed(source)
+    assert len(docs) == 100 and source.produced == 0 and docs.features == {"q": "string"}
+    assert [d["q"] for d in islice(docs, 3)] == ["question 0", "question 1", "question 2"]
+    assert source.produced == 3  # a --limit 3 run decodes three documents, not the split
+    first = next(iter(docs))
+    first["q"] = "edited"
+    first["xs"].append(99)  # a task function editing a document in place ...
+    assert next(iter(docs)) == {"q": "question 0", "xs": [0, 1]}  # ... does not change the next pass's
+    assert docs[5]["q"] == "question 5" and source.produced == 6
+    assert docs["q"][7] == "question 7"  # a column comes from the source
+    assert len(list(docs)) == 100 and source.produced == 100
+    assert len(list(docs)) == 100 and source.produced == 100  # the second full pass decodes nothing
+
+
+def _run(include_path, tasks, listed: bool):
+    import contextlib
+
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
+
+    from mpitp.evaluation.eval_docs import listed_once
+
+    seen = []
+
+    class Stand(LM):
+        def loglikelihood(self, requests, disable_tqdm=False):
+            seen.extend(r.args for r in requests)
+            return [(-(zlib.crc32("".join(r.args).encode()) % 1000) / 100.0, False) for r in requests]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def generate_until(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    reads = []
+    original = Task.__dict__["eval_docs"]
+
+    def counted(task):
+        reads.append(task.config.task)
+        return original.fget(task)
+
+    Task.eval_docs = property(counted)  # under listed_once: how often lm-eval's own property runs
+    try:
+        with listed_once() if listed else contextlib.nullcontext():
+            res = lm_eval.simple_evaluate(model=Stand(), tasks=tasks, limit=40, log_samples=False,
+                                          task_manager=TaskManager(include_path=include_path,
+                                                                   include_defaults=False))
+    finally:
+        Task.eval_docs = original
+    metrics = {t: {k: v for k, v in r.items() if "," in k} for t, r in res["results"].items()}
+    return seen, metrics, reads
+
+
+def test_same_requests_and_metrics_with_documents_listed_once(test_tasks):
+    tasks = ["hellaswag_local", "arc_easy_local"]
+    plain = _run(test_tasks, tasks, listed=False)
+    listed = _run(test_tasks, tasks, listed=True)
+    assert len(plain[0]) > 200 and listed[0] == plain[0]
+    assert listed[1] == plain[1] and set(plain[1]) == set(tasks)
+    assert sorted(listed[2]) == sorted(tasks)  # lm-eval's property ran once per task ...
+    assert len(plain[2]) > 2 * len(tasks)  # ... where lm-eval alone reads it several times
