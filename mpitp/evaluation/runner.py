@@ -19,7 +19,7 @@ from mpitp.evaluation.checks import check_all, check_tasks, offline_include, rem
 from mpitp.evaluation.progress import make_progress
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import Runtime, agree, start_torch
+from mpitp.parallel.runtime import Runtime, agree, start_torch, warm_imports
 
 log = logging.getLogger("mpitp")
 
@@ -113,6 +113,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
     lay = rt.layout
     # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
+    warm_imports(rt.world)
     out, tokenizer = agree(lambda: check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
     phases = {"checks": time.perf_counter() - t_start}
     start_torch(rt)

@@ -117,6 +117,16 @@ def start_torch(rt: Runtime) -> Runtime:
     return rt
 
 
+def warm_imports(world: World) -> None:
+    """Ranks other than 0 import torch and transformers' model code before they wait for rank 0's checks, on a node
+    with a core for each rank: there the imports overlap the checks for free and :func:`start_torch` and the load
+    find them done. On an oversubscribed node they would take CPU from rank 0's checks (and slow a refused run), so
+    there the ranks wait idle."""
+    if world.rank != 0 and world.cores_per_node >= world.local_size:
+        import torch  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
+
+
 def _device_plan(device: str | None, local_rank: int):
     """:func:`mpitp.parallel.device.plan_device` for this process; hides the GPUs (before CUDA starts) when it says
     so."""
