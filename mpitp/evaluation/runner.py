@@ -466,8 +466,7 @@ class _RootRun:
         """``simple_evaluate``'s arguments: the settings, lm-eval's request cache (:mod:`mpitp.evaluation.requestcache`
         unless the caller or ``--cache_requests`` says otherwise), then the caller's own (``mpitp.evaluate``)."""
         cfg = self.cfg
-        kwargs = dict(cfg.lm_eval_arguments(), task_manager=tm,
-                      evaluation_tracker=tracker, **_requests_cache(cfg.cache_requests))
+        kwargs = dict(cfg.lm_eval_arguments(), task_manager=tm, evaluation_tracker=tracker)
         if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
             from mpitp.evaluation.requestcache import enable
 
@@ -504,13 +503,6 @@ def _rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indic
         inst = instances[todo[i]]
         by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
     return by_task
-
-
-def _requests_cache(cache_requests: dict | None) -> dict:
-    """lm-eval's ``--cache_requests true|refresh|delete`` as ``simple_evaluate``'s three flags."""
-    c = cache_requests or {}
-    return dict(cache_requests=bool(c.get("cache_requests")), rewrite_requests_cache=bool(c.get(
-        "rewrite_requests_cache")), delete_requests_cache=bool(c.get("delete_requests_cache")))
 
 
 def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None) -> None:

@@ -389,8 +389,8 @@ class EvalConfig:
         return out
 
     def lm_eval_arguments(self) -> dict:
-        """This configuration's arguments to ``lm_eval.simple_evaluate`` (the model, task manager, loggers and the
-        request cache come from the caller)."""
+        """This configuration's arguments to ``lm_eval.simple_evaluate`` (the model, task manager and loggers come
+        from the caller; so does mpitp's own request cache when ``--cache_requests`` is not given)."""
         return dict(num_fewshot=self.num_fewshot, limit=self.limit, gen_kwargs=self.gen_kwargs or {},
                     apply_chat_template=self.apply_chat_template, log_samples=self.log_samples,
                     bootstrap_iters=self.bootstrap_iters, model_args=self.model_args or "",
@@ -398,7 +398,15 @@ class EvalConfig:
                     samples=self.samples, check_integrity=self.check_integrity, write_out=self.write_out,
                     system_instruction=self.system_instruction, predict_only=self.predict_only,
                     fewshot_as_multiturn=self.multiturn(),
-                    confirm_run_unsafe_code=self.confirm_run_unsafe_code, metadata=self.metadata, **self.seeds())
+                    confirm_run_unsafe_code=self.confirm_run_unsafe_code, metadata=self.metadata, **self.seeds(),
+                    **self.requests_cache())
+
+    def requests_cache(self) -> dict:
+        """lm-eval's ``--cache_requests true|refresh|delete`` as ``simple_evaluate``'s three flags."""
+        c = self.cache_requests or {}
+        return dict(cache_requests=bool(c.get("cache_requests")),
+                    rewrite_requests_cache=bool(c.get("rewrite_requests_cache")),
+                    delete_requests_cache=bool(c.get("delete_requests_cache")))
 
     def multiturn(self) -> bool | None:
         """lm-eval's CLI rule: few-shot as multi-turn defaults to on with a chat template, else stays unset."""

@@ -30,19 +30,6 @@ class BadInput(Exception):
     and exits with status 2. Raised only for what is wrong with the input: a bug of ours surfaces as itself."""
 
 
-def _py(v):
-    """HDF5 attribute value -> plain Python."""
-    import numpy as np
-
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, np.ndarray):
-        return [_py(x) for x in v.tolist()]
-    return v
-
-
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
@@ -96,12 +83,12 @@ def load(path: str) -> RunFile:
     import numpy as np
 
     from mpitp.results.rows import request_counts
-    from mpitp.results.schema import STATS_FIELDS, open_h5
+    from mpitp.results.schema import STATS_FIELDS, open_h5, py_value
 
     check_path(path)
     try:
         with open_h5(path) as f:
-            attrs = {k: _py(v) for k, v in f.attrs.items()}
+            attrs = {k: py_value(v) for k, v in f.attrs.items()}
             if "tasks" not in f:
                 raise _not_mpitp(path, "no /tasks group")
             if "status" not in attrs:
@@ -117,8 +104,8 @@ def load(path: str) -> RunFile:
                 req = g.get("requests")
                 tasks[name] = TaskInfo(
                     name=name,
-                    attrs={k: _py(v) for k, v in g.attrs.items()},
-                    metrics={k: _py(v) for k, v in g["metrics"].attrs.items()} if "metrics" in g else {},
+                    attrs={k: py_value(v) for k, v in g.attrs.items()},
+                    metrics={k: py_value(v) for k, v in g["metrics"].attrs.items()} if "metrics" in g else {},
                     n_rows=int(req["doc_id"].shape[0]) if req is not None and "doc_id" in req else 0,
                 )
             stats = None

@@ -79,9 +79,11 @@ def h5_attr(v):
 
 
 def py_value(v):
-    """HDF5 value -> plain Python (bytes decoded, numpy scalars unwrapped)."""
+    """HDF5 value -> plain Python (bytes decoded, numpy scalars unwrapped, arrays as lists of those)."""
     if isinstance(v, bytes):
         return v.decode("utf-8", "surrogateescape")
     if isinstance(v, np.generic):
         return v.item()
+    if isinstance(v, np.ndarray):
+        return [py_value(x) for x in v.tolist()]
     return v

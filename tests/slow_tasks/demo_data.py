@@ -1,36 +1,4 @@
-"""Dataset loader for the mpitp demo tasks.
+"""The demo tasks' loader for the test tasks in this folder: lm-eval imports a ``!function`` module from the YAML's
+own folder, so this names the package's loader (which reads the demo's JSONL files beside it)."""
 
-lm-eval imports this module by file path (``custom_dataset: !function
-demo_data.load_jsonl``) and calls the loader with the task's ``metadata`` and
-``dataset_kwargs`` as keyword arguments.  The JSONL file is resolved relative to
-this file, so the tasks work from any working directory and from an installed
-wheel, and nothing is written to (or read from) the HF datasets cache.
-"""
-
-from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
-
-HERE = Path(__file__).resolve().parent
-
-
-def read_jsonl(data_file: str) -> list[dict[str, Any]]:
-    path = Path(data_file)
-    if not path.is_absolute():
-        path = HERE / path
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def load_jsonl(data_file: str, split: str = "test", **_ignored: Any):
-    """Return a ``datasets.DatasetDict`` with one split built in memory.
-
-    Extra keyword arguments (task metadata such as ``version`` or the model
-    arguments lm-eval forwards) are ignored.
-    """
-    import datasets
-
-    rows = read_jsonl(data_file)
-    return datasets.DatasetDict({split: datasets.Dataset.from_list(rows)})
+from mpitp.tasks.demo.tasks.demo_data import load_jsonl  # noqa: F401
