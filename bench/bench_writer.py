@@ -50,7 +50,7 @@ def chunk_rows(c: int, per_chunk: int) -> dict[str, list[dict]]:
         out[TASKS[gen]].append(dict(doc_id=n // 4, idx=n % 4, kind="generate_until" if gen else "loglikelihood",
                                     loglikelihood=math.nan if gen else -0.001 * n, is_greedy=bool(n & 1),
                                     generation="The answer is 42.\n" if gen else "", n_tokens=7 + n % 50,
-                                    args_hash=f"{n * 2654435761 % (1 << 64):016x}"))
+                                    args_hash=f"{n * 2654435761 % (1 << 64):016x}", repeat=0))
     return out
 
 
