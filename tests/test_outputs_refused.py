@@ -71,7 +71,7 @@ def test_inspect_reports_its_own_bugs(tmp_path, monkeypatch):
     def bug(v):
         raise TypeError("a bug in inspect")
 
-    monkeypatch.setattr(ins, "_py", bug)
+    monkeypatch.setattr("mpitp.results.schema.py_value", bug)  # the decoder load() uses for every attribute
     with pytest.raises(TypeError, match="a bug in inspect"):
         ins.load(str(path))
     monkeypatch.undo()
