@@ -7,6 +7,7 @@ import hashlib
 import os
 
 import h5py
+import numpy as np
 import pytest
 
 from support.mpi import explain, run_mpi
@@ -67,8 +68,12 @@ def test_inspect_reports_its_own_bugs(tmp_path, monkeypatch):
     writer.save()  # the rows into the HDF5 snapshot (not only the journal), so that /tasks/t exists below
     writer.close()
     assert ins.load(str(path)).attrs["status"] == "running"
+    with h5py.File(path, "a") as f:  # a foreign attribute whose bytes are not UTF-8: shown, printable
+        f.attrs["foreign"] = np.bytes_(b"caf\xe9")
+    shown = ins.load(str(path)).attrs["foreign"]
+    assert shown == "caf\ufffd" and shown.encode("utf-8")
 
-    def bug(v):
+    def bug(v, errors=None):
         raise TypeError("a bug in inspect")
 
     monkeypatch.setattr("mpitp.results.schema.py_value", bug)  # the decoder load() uses for every attribute

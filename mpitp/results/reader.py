@@ -30,6 +30,9 @@ class BadInput(Exception):
     and exits with status 2. Raised only for what is wrong with the input: a bug of ours surfaces as itself."""
 
 
+_SHOWN = "replace"  # attribute bytes that are not UTF-8 are shown with U+FFFD, never fail the print
+
+
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
@@ -88,7 +91,7 @@ def load(path: str) -> RunFile:
     check_path(path)
     try:
         with open_h5(path) as f:
-            attrs = {k: py_value(v) for k, v in f.attrs.items()}
+            attrs = {k: py_value(v, _SHOWN) for k, v in f.attrs.items()}
             if "tasks" not in f:
                 raise _not_mpitp(path, "no /tasks group")
             if "status" not in attrs:
@@ -104,8 +107,8 @@ def load(path: str) -> RunFile:
                 req = g.get("requests")
                 tasks[name] = TaskInfo(
                     name=name,
-                    attrs={k: py_value(v) for k, v in g.attrs.items()},
-                    metrics={k: py_value(v) for k, v in g["metrics"].attrs.items()} if "metrics" in g else {},
+                    attrs={k: py_value(v, _SHOWN) for k, v in g.attrs.items()},
+                    metrics={k: py_value(v, _SHOWN) for k, v in g["metrics"].attrs.items()} if "metrics" in g else {},
                     n_rows=int(req["doc_id"].shape[0]) if req is not None and "doc_id" in req else 0,
                 )
             stats = None

@@ -78,12 +78,14 @@ def h5_attr(v):
     return str(v)
 
 
-def py_value(v):
-    """HDF5 value -> plain Python (bytes decoded, numpy scalars unwrapped, arrays as lists of those)."""
+def py_value(v, errors: str = "surrogateescape"):
+    """HDF5 value -> plain Python (bytes decoded, numpy scalars unwrapped, arrays as lists of those). Rows and resume
+    keep undecodable bytes round-trippable (``surrogateescape``); what is only shown (``inspect``) passes
+    ``errors="replace"`` so printing it cannot fail."""
     if isinstance(v, bytes):
-        return v.decode("utf-8", "surrogateescape")
+        return v.decode("utf-8", errors)
     if isinstance(v, np.generic):
         return v.item()
     if isinstance(v, np.ndarray):
-        return [py_value(x) for x in v.tolist()]
+        return [py_value(x, errors) for x in v.tolist()]
     return v
