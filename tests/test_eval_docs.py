@@ -50,6 +50,16 @@ def test_listed_reads_only_as_far_as_asked_and_hands_out_fresh_documents():
     assert len(list(docs)) == 100 and source.produced == 100  # the second full pass decodes nothing
 
 
+def test_listed_generator_source_counts_and_copies_too():
+    from mpitp.evaluation.eval_docs import _Listed
+
+    source = _Counting(5)
+    docs = _Listed(iter(source))  # a task's own generator: no len
+    assert len(docs) == 5 and source.produced == 5
+    next(iter(docs))["xs"].append(99)
+    assert [d["xs"] for d in docs] == [[i, i + 1] for i in range(5)] and source.produced == 5
+
+
 def _run(include_path, tasks, listed: bool):
     import contextlib
 

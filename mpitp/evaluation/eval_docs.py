@@ -26,7 +26,7 @@ def _fresh(value):
 
 class _Listed:
     """A sequence over an iterable that is consumed only as far as it has been read; ``len`` and other attributes
-    come from the source."""
+    come from the source (``len`` of a source without one reads it to the end)."""
 
     def __init__(self, source):
         self._source = source
@@ -34,7 +34,11 @@ class _Listed:
         self._items: list = []
 
     def __len__(self) -> int:
-        return len(self._source)
+        try:
+            return len(self._source)
+        except TypeError:  # a task's own generator of documents: count them by reading them all
+            self._fill(None)
+            return len(self._items)
 
     def __getattr__(self, name):  # a Dataset's own attributes (``features``, ``column_names``) come from the source
         if name.startswith("_"):
@@ -80,7 +84,7 @@ def listed_once():
         hit = listed.get(id(task))
         if hit is None:
             source = original.fget(task)
-            hit = listed[id(task)] = (task, _Listed(source) if hasattr(source, "__len__") else list(source))
+            hit = listed[id(task)] = (task, _Listed(source))
         return hit[1]
 
     Task.eval_docs = property(eval_docs)
