@@ -1,6 +1,6 @@
 """Scaling with real compute: mpitp dp=1, 2, 4 on full hellaswag (stories260K) vs single-process lm-eval hf.
 
-    python bench/bench_scaling.py [--batch-size 16] [--limit N]
+    python bench/bench_scaling.py [--batch-size 16] [--limit N] [--plain-too]
 
 Question (issue 17): with a tiny model (so compute per group is small, as it is per group on many GPUs), how much of
 a run is rank 0 alone? Runs, one after the other on the same machine (``hellaswag_local``: the real HellaSwag
@@ -56,6 +56,8 @@ def main() -> None:
                          "alternating with the current tree at each dp: before/after side by side in one run")
     ap.add_argument("--tree", default=None, help="import mpitp from this checkout instead of PYTHONPATH's")
     ap.add_argument("--no-lm-eval", action="store_true", help="skip the lm-eval reference (no ratio printed)")
+    ap.add_argument("--plain-too", action="store_true",
+                    help="also run each dp with --no-prefix-sharing (rows scored alone), side by side")
     args = ap.parse_args()
     model = str(common.STORIES)
     common.say(common.machine())
@@ -69,11 +71,13 @@ def main() -> None:
                    f"CPU {ref['cpu_s']:.1f} s; "
                    f"{common.loadavg()}")
         rows.append([f"lm_eval hf, {args.lm_eval_threads} threads", ref["time_s"], 1.0, "", "", "", ""])
-    trees = ([("before", args.before)] if args.before else []) + [("", args.tree)]
-    for dp, (name, tree) in [(int(x), t) for x in args.dp.split(",") for t in trees]:
+    trees = ([("before", args.before, [])] if args.before else []) + [("", args.tree, [])]
+    if args.plain_too:
+        trees.insert(0, ("plain rows", args.tree, ["--no-prefix-sharing"]))
+    for dp, (name, tree, flags) in [(int(x), t) for x in args.dp.split(",") for t in trees]:
         threads = "2" if dp == 1 else "1"
         r = common.run_mpitp(dp, model, TASK, batch_size=args.batch_size, limit=args.limit,
-                             extra=["--threads", threads, "--dtype", "float32"], timeout=3600, tree=tree)
+                             extra=["--threads", threads, "--dtype", "float32"] + flags, timeout=3600, tree=tree)
         busy = max(r["h5_stats"]["busy_s"])
         ph = phases(r["output"])
         if not name:
@@ -81,6 +85,9 @@ def main() -> None:
         serial = r["time_s"] - busy
         order = ("checks", "load", "requests", "tokenising", "metrics", "writing", "final_snapshot")
         detail = ", ".join(f"{k} {ph[k]:.1f}" for k in order if k in ph)
+        st = r["h5_stats"] or {}
+        if st.get("row_tokens") is not None and sum(st["row_tokens"]):
+            detail += f"; tokens read {sum(st['tokens_read']) / sum(st['row_tokens']):.0%} of the rows'"
         label = f"mpitp dp={dp} (threads {threads})" + (f" [{name}]" if name else "")
         rows.append([label, r["time_s"], r["time_s"] / ref["time_s"], busy, serial,
                      ph.get("dispatch", float("nan")), detail])

@@ -38,7 +38,8 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
     rank 0 and None elsewhere; writes HDF5 only when ``output`` is given (replacing it unless ``overwrite=False``).
     Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...);
     ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
-    (:mod:`mpitp.replica.headcheck`).
+    (:mod:`mpitp.replica.headcheck`); ``no_prefix_sharing=True`` scores every row on its own
+    (:mod:`mpitp.replica.prefix`).
     """
     layout, group = layout_for(model, comm, layout)
     return _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
@@ -119,7 +120,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
                                             tp_rank=layout.tp_rank, backend=backend_for(dev), device=dev,
                                             tp_group=group))
     cfg_fields = {k: lm_eval_kwargs.pop(k) for k in ("gen_kwargs", "apply_chat_template", "log_samples",
-                                                       "bootstrap_iters", "seed", "skip_head_check")
+                                                       "bootstrap_iters", "seed", "skip_head_check",
+                                                       "no_prefix_sharing")
                   if k in lm_eval_kwargs}
     cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__),
                      tokenizer=getattr(tokenizer, "name_or_path", tokenizer),

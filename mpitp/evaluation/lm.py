@@ -39,6 +39,22 @@ def combine_windows(parts: list[tuple[float, bool, int]]) -> tuple[float, bool, 
     return math.fsum(p[0] for p in parts), all(p[1] for p in parts), sum(p[2] for p in parts)
 
 
+def shared_context_weights(pairs: list[tuple[str, str]]) -> list[int]:
+    """Each request's weight (characters) for the chunking, equal for all requests with the same context: chunks are
+    cut from the requests sorted by weight, so a multiple-choice document's choices stay next to each other (and
+    mostly in one chunk, where the DP leader scores them as one tree, :mod:`mpitp.replica.prefix`). The sum, which
+    the balancing uses, is kept to within rounding."""
+    members: dict[str, list[int]] = {}
+    for i, (ctx, _) in enumerate(pairs):
+        members.setdefault(ctx, []).append(i)
+    weights = [0] * len(pairs)
+    for ix in members.values():
+        w = round(sum(len(pairs[i][0]) + len(pairs[i][1]) for i in ix) / len(ix))
+        for i in ix:
+            weights[i] = w
+    return weights
+
+
 @dataclass
 class _Req:
     """The part of an lm-eval ``Instance`` that ``HFLM.generate_until`` reads."""
@@ -106,7 +122,7 @@ class MPITPLM(HFLM):
         """Items are the requests' ``(context, continuation)`` texts, weighed by characters; the DP leader that gets
         a chunk tokenises it (:meth:`score_rows_of`)."""
         pairs = [tuple(req.args) for req in requests]
-        weights = [len(ctx) + len(cont) for ctx, cont in pairs]
+        weights = shared_context_weights(pairs)
         out = self.runner(KIND_SCORE, pairs, weights, requests)
         refuse_nonfinite([ll for ll, _, _ in out], requests)
         answers = [(ll, greedy) for ll, greedy, _ in out]

@@ -161,6 +161,9 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     from mpitp.replica.headcheck import check_head
 
     head_check_s = check_head(shard, rt.world.comm, rt.timeout, skip=cfg.skip_head_check)
+    from mpitp.replica.prefix import check_sharing
+
+    sharing = check_sharing(shard, enabled=not cfg.no_prefix_sharing)
     state = None
     budget = None
     if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
@@ -192,7 +195,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
-            _finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s)
+            _finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing)
     mpicomm.barrier(rt.world.comm, None, phase="end of evaluation")  # rank 0 writes the file meanwhile
     return state["results"] if state else None
 
@@ -505,7 +508,8 @@ def _rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indic
     return by_task
 
 
-def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None) -> None:
+def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None,
+                 sharing: str | None = None) -> None:
     from lm_eval.utils import make_table
 
     res, writer, phases = state["results"], state["writer"], state["phases"]
@@ -557,4 +561,10 @@ def _finish_root(state, all_stats, wall: float, head_check_s: float | None = Non
         rows, cols = PROBE_SHAPE
         print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
               f"replica)")
+    rows_in, read = sum(s.get("row_tokens", 0) for s in all_stats), sum(s.get("tokens_read", 0) for s in all_stats)
+    if sharing is None:
+        print(f"prefix sharing: on; the forwards read {read} input tokens for rows of {rows_in}"
+              + (f" ({read / rows_in:.0%})" if rows_in else ""))
+    else:
+        print(f"prefix sharing: {sharing}")
     print(_PhaseClock.describe(phases, wall, all_stats))

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections import deque
 
 import torch
 
 from mpitp import testing
 from mpitp.replica.generation import GenerationState
+from mpitp.replica.prefix import group_rows, pack
 from mpitp.replica.protocol import (
     OP_GEN_BEGIN,
     OP_GEN_END,
@@ -64,59 +66,60 @@ class ReplicaLeader:
 
         A row is lm-eval's ``(context + continuation)[-(max_length + 1):]``: the model reads all but the last token
         and the last ``n_targets`` tokens are scored, exactly as lm-eval's ``_loglikelihood_tokens`` slices them.
+        Rows sharing their context are scored as one tree when the shard allows it (:mod:`mpitp.replica.prefix`);
+        ``batch_size`` counts rows either way.
         """
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        queue = deque(group_rows(rows, self.shard.share))
         out: list = [None] * len(rows)
-        start = 0
-        while start < len(order):
-            idx = order[start : start + batch_size]
+        while queue:
+            batch, n_rows = [], 0
+            while queue and n_rows + len(queue[0].rows) <= batch_size:
+                batch.append(queue.popleft())
+                n_rows += len(batch[-1].rows)
+            if not batch:  # one context with more rows than a batch: a batch of them now, the rest next
+                head, rest = queue.popleft().split(batch_size)
+                queue.appendleft(rest)
+                batch, n_rows = [head], batch_size
             try:
-                results = self._score_batch([rows[i] for i in idx])
+                results = self._score_batch(batch, n_rows)
             except _OOM as exc:
                 if self.has_workers:
                     # The workers may sit inside a collective of the very forward that failed: a retry cannot be
                     # agreed with them, so the job fails fast (rows computed so far stay in the file).
-                    raise _OOM[0](f"out of memory on a batch of {len(idx)} rows in a replica of "
+                    raise _OOM[0](f"out of memory on a batch of {n_rows} rows in a replica of "
                                   f"{self.channel.size} ranks ({str(exc).splitlines()[0][:160]}); rerun with a "
                                   f"smaller --batch-size and --resume") from exc
-                if len(idx) == 1:
+                if n_rows == 1:
                     raise
-                batch_size = max(1, len(idx) // 2)
+                batch_size = max(1, n_rows // 2)
                 log.warning("out of memory on a batch of %d rows (%s); retrying with batch size %d",
-                            len(idx), str(exc).splitlines()[0][:120], batch_size)
+                            n_rows, str(exc).splitlines()[0][:120], batch_size)
                 _free_cache(self.device)
+                queue.extendleft(reversed(batch))
                 continue
-            for i, r in zip(idx, results):
+            for i, r in zip((i for g in batch for i in g.rows), results):
                 out[i] = r
-            start += len(idx)
             if tick is not None:
                 tick()
         return out
 
-    def _score_batch(self, rows) -> list[tuple[float, bool, int]]:
-        testing.check_oom(len(rows))
-        inps = [r[0][:-1] for r in rows]
-        width = max(len(x) for x in inps)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        sel, tgt, owner = [], [], []
-        for b, ((toks, n), inp) in enumerate(zip(rows, inps)):
-            ids[b, : len(inp)] = torch.tensor(inp, dtype=torch.long)
-            inplen = len(inp)
-            sel.extend(b * width + p for p in range(inplen - n, inplen))
-            tgt.extend(toks[-n:])
-            owner.extend([b] * n)
-        flat = torch.cat([ids.flatten(), torch.tensor(sel, dtype=torch.long), torch.tensor(tgt, dtype=torch.long)])
+    def _score_batch(self, groups, n_rows: int) -> list[tuple[float, bool, int]]:
+        testing.check_oom(n_rows)
+        flat, size, owner = pack(groups)
         packed = self.buffers.view(flat.numel())
         packed.copy_(flat)
         if self.has_workers:
-            self.channel.send(OP_SCORE, {"packed": packed}, b=len(rows), t=width, n=len(sel))
-        lp, greedy = self.shard.score(packed, len(rows), width, len(sel))
+            self.channel.send(OP_SCORE, {"packed": packed}, **size)
+        lp, greedy = self.shard.score(packed, **size)
         lp, greedy = lp.double().cpu(), greedy.cpu()
         owner_t = torch.tensor(owner, dtype=torch.long)
-        sums = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, owner_t, lp)
-        misses = torch.zeros(len(rows), dtype=torch.long).index_add_(0, owner_t, (~greedy).long())
-        self.stats.tokens_scored += len(sel)
-        return [(float(sums[b]), bool(misses[b] == 0), rows[b][1]) for b in range(len(rows))]
+        sums = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, owner_t, lp)
+        misses = torch.zeros(n_rows, dtype=torch.long).index_add_(0, owner_t, (~greedy).long())
+        self.stats.tokens_scored += size["n"]
+        self.stats.row_tokens += sum(len(g.ctx) + len(c) - 1 for g in groups for c in g.conts)
+        self.stats.tokens_read += sum(g.packed_len for g in groups)
+        conts = [c for g in groups for c in g.conts]
+        return [(float(sums[k]), bool(misses[k] == 0), len(conts[k])) for k in range(n_rows)]
 
     # ------------------------------------------------------------------ generation
     @contextlib.contextmanager

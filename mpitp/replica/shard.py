@@ -14,6 +14,7 @@ import torch
 from mpitp import testing
 from mpitp.replica.generation import chosen_token_logits
 from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, micro_batches
+from mpitp.replica.prefix import SPEC_KW, TreeSpec
 from mpitp.replica.scoring import TPOps, VocabParallelHead
 from mpitp.replica.stats import Stats
 
@@ -39,19 +40,30 @@ class ReplicaShard:
         self.link = StageLink(layout, self.stats.pp) if self.pipeline else None
         self.head = VocabParallelHead.from_model(model, self.ops) if layout.last_stage else None
         self.base = base_model(model)
+        self.share = False  # rows sharing a context scored as trees (mpitp.replica.prefix.check_sharing sets it)
+        self.attention_layers = 0  # set with it: the attention calls one forward makes
         testing.install_forward_fault(getattr(self.base, "layers", None), layout.rank, lambda: self.stats.forwards)
 
     @torch.no_grad()
-    def score(self, packed: torch.Tensor, b: int, t: int, n: int):
-        """(log p, is_greedy) of the ``n`` scored positions of a packed batch (``b`` rows of ``t`` input ids, the
-        flat indices of the scored positions, their targets): on every rank without stages, on the leader with."""
+    def score(self, packed: torch.Tensor, b: int, t: int, n: int, r: int = 0, spec=None):
+        """(log p, is_greedy) of the ``n`` scored positions of a packed batch (:func:`mpitp.replica.prefix.pack`:
+        ``b`` sequences of ``t`` input ids, the flat indices of the scored positions, their targets, and with ``r``
+        continuations a tree's tables): on every rank without stages, on the leader with."""
         ids = packed[: b * t].view(b, t)
         sel = packed[b * t : b * t + n]
-        tgt = packed[b * t + n :]
+        tgt = packed[b * t + n : b * t + 2 * n]
         self.stats.forwards += 1
         if self.pipeline:
             return self._score_pipeline(ids, sel, tgt)
-        hidden = self.base(input_ids=ids, use_cache=False).last_hidden_state
+        if r:
+            spec = spec or TreeSpec.from_packed(packed, b, t, n, r)
+            hidden = self.base(input_ids=ids, position_ids=spec.position_ids, use_cache=False,
+                               **{SPEC_KW: spec}).last_hidden_state
+            if self.share and spec.calls != self.attention_layers:  # the probe saw every layer take the tree
+                raise RuntimeError(f"prefix sharing: the tree reached {spec.calls} of {self.attention_layers} "
+                                   f"layers' attention")
+        else:
+            hidden = self.base(input_ids=ids, use_cache=False).last_hidden_state
         hs = hidden.reshape(b * t, -1).index_select(0, sel)
         return self.head.score(hs, tgt)
 

@@ -14,6 +14,8 @@ class Stats:
     busy_s: float = 0.0
     requests: float = 0.0  # rolling requests count 1/n per window computed, so they can span DP groups
     tokens_scored: int = 0
+    row_tokens: int = 0  # input tokens of the rows scored, each row alone
+    tokens_read: int = 0  # input tokens the forwards read for them (fewer where rows share a context)
     tokens_generated: int = 0
     forwards: int = 0
     tp: CommCounter = field(default_factory=CommCounter)
@@ -23,6 +25,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         return dict(busy_s=self.busy_s, requests=self.requests, tokens_scored=self.tokens_scored,
+                    row_tokens=self.row_tokens, tokens_read=self.tokens_read,
                     tokens_generated=self.tokens_generated, forwards=self.forwards, tp_bytes=self.tp.bytes,
                     tp_calls=self.tp.calls, tp_score_bytes=self.tp_score.bytes, mpi_bytes=self.mpi_bytes,
                     pp_bytes=self.pp.bytes)

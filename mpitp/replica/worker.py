@@ -11,6 +11,7 @@ import torch
 
 from mpitp import testing
 from mpitp.replica.generation import GenerationState
+from mpitp.replica.prefix import packed_size
 from mpitp.replica.protocol import (
     OP_GEN_BEGIN,
     OP_GEN_END,
@@ -50,9 +51,9 @@ class ReplicaWorker:
             idle = op == OP_IDLE
             testing.check_raise(self.layout.rank, self.stats.forwards)
             if op == OP_SCORE:
-                b, t, n = msg.meta["b"], msg.meta["t"], msg.meta["n"]
-                packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(b * t + 2 * n)})["packed"]
-                self.shard.score(packed, b, t, n)
+                size = {k: msg.meta[k] for k in ("b", "t", "n", "r")}
+                packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(packed_size(**size))})["packed"]
+                self.shard.score(packed, **size)
             elif op == OP_GEN_BEGIN:
                 self.gen.begin(bool(msg.meta.get("greedy")))
             elif op == OP_GEN_FORWARD:

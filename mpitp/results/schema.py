@@ -17,8 +17,11 @@ Schema (stable; extend, don't break):
   ``forwards``, ``tp_bytes`` (all TP traffic this group's leader sent), ``tp_score_bytes`` (the scoring reductions
   alone), ``mpi_bytes`` (work and results between DP groups), ``pp_bytes`` (activations and scores all ranks of the
   group sent between pipeline stages; 0 without stages). With stages, ``tp_score_bytes`` is the last stage's (where
-  scoring happens). ``requests`` counts a rolling request's windows as shares of it (they may run in different
-  groups), so a group's value can be fractional; the sum over groups is whole.
+  scoring happens). ``row_tokens`` are the input tokens of the rows scored, each row alone, ``tokens_read`` the
+  ones the forwards read for them (fewer where rows sharing a context were scored as one tree,
+  :mod:`mpitp.replica.prefix`; both absent from older files). ``requests`` counts a rolling request's windows as
+  shares of it (they may run in different groups), so a group's value can be fractional; the sum over groups is
+  whole.
 - ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
 - root attrs ``run_id`` (names the journal that belongs to this file) and ``journal_seq`` (the last journal record
   the snapshot holds); ``phases_json`` (rank 0's seconds per phase: checks, load, building requests, tokenising,
@@ -54,7 +57,7 @@ REQUEST_FIELDS = {
     "repeat": np.int32,  # 0..k-1 for the k clones of a request of an lm-eval task with ``repeats: k``
 }
 STATS_FIELDS = ("busy_s", "requests", "tokens_scored", "tokens_generated", "forwards", "tp_bytes", "tp_score_bytes",
-                "mpi_bytes", "pp_bytes")
+                "mpi_bytes", "pp_bytes", "row_tokens", "tokens_read")
 
 
 def _locking() -> bool:

@@ -1,0 +1,313 @@
+"""Prefix sharing: rows of a batch that share their context are scored as one tree, the context computed once.
+
+lm-eval scores a multiple-choice document as one row per choice, each the whole context plus that choice: hellaswag's
+four endings make the model read the same context four times. Here the rows of a batch whose tokens before their
+targets are identical become one packed sequence -- the context once, then each row's continuation but its last
+token -- with position ids that restart at the context's end for every continuation. In every layer the context
+attends causally to itself and each continuation to the context and causally to itself, never to another
+continuation: exactly the attention each row has alone, so the log-probs are the same up to rounding. The context's
+last position predicts every row's first target; the rest are predicted inside each continuation.
+
+The attention runs in :func:`tree_attention`, which wraps transformers' ``sdpa`` attention function and acts only when
+a forward carries a :class:`TreeSpec` (keyword ``mpitp_tree``, handed down to every attention call as transformers
+hands down its attention keyword arguments). Whether a model's forward really honours it -- position ids used, the
+keyword reaching every layer, nothing carried along the sequence outside attention (state-space layers), no sliding
+window or soft-cap -- is decided from numbers, not from a list of model types: :func:`check_sharing` scores a probe
+both ways once after loading, and a model that differs, raises, or calls the attention fewer times than it has
+layers scores plain rows. With pipeline stages (the stages' forwards take no such keyword) rows stay plain too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("mpitp")
+
+SPEC_KW = "mpitp_tree"
+
+
+class TreeUnsupported(RuntimeError):
+    """A layer's attention call asks for something :func:`tree_attention` does not do (sliding window, soft-cap,
+    attention sinks, a position bias, non-causal attention, dropout)."""
+
+
+# ---------------------------------------------------------------------------------------------------------- leader
+@dataclass
+class Group:
+    """Rows (indices into the batch's row list) sharing ``ctx``; each row's continuation is ``conts[k]``."""
+
+    ctx: list[int]
+    rows: list[int] = field(default_factory=list)
+    conts: list[list[int]] = field(default_factory=list)
+
+    @property
+    def packed_len(self) -> int:
+        return len(self.ctx) + sum(len(c) - 1 for c in self.conts)
+
+    def split(self, size: int) -> tuple[Group, Group]:
+        return (Group(self.ctx, self.rows[:size], self.conts[:size]),
+                Group(self.ctx, self.rows[size:], self.conts[size:]))
+
+
+def group_rows(rows: list[tuple[list[int], int]], share: bool) -> list[Group]:
+    """Rows ``(input plus last target, n_targets)`` grouped by their context ``tokens[:-n]`` (each alone when
+    ``share`` is off), longest packed sequence first (as plain rows are sorted longest first)."""
+    groups: dict = {}
+    out = []
+    for i, (toks, n) in enumerate(rows):
+        ctx, cont = toks[:-n], toks[len(toks) - n:]
+        key = tuple(ctx) if share else i
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = Group(list(ctx))
+            out.append(g)
+        g.rows.append(i)
+        g.conts.append(list(cont))
+    out.sort(key=lambda g: -g.packed_len)
+    return out
+
+
+def pack(groups: list[Group]) -> tuple[torch.Tensor, dict, list[int]]:
+    """A batch of groups as one flat int64 tensor, its sizes (``b`` sequences of ``t`` ids, ``n`` scored positions,
+    ``r`` continuations with input tokens of their own), and each scored position's row (rows in the groups' order).
+
+    Layout: ``[ids (b*t) | sel (n) | tgt (n)]`` and, when ``r > 0``, ``[ctx_len (b) | br_group | br_start | br_len
+    (r each)]``. ``sel`` are flat indices into ``ids`` of the positions whose next token is scored, ``tgt`` those
+    tokens. A group of one row is that row as is; a group whose continuations are single tokens is its context alone
+    (every row scored at its last position): both need no tree, ``r`` counts only what does.
+    """
+    t = max(g.packed_len for g in groups)
+    ids = torch.zeros((len(groups), t), dtype=torch.long)
+    sel, tgt, owner, ctx_len, br_group, br_start, br_len = [], [], [], [], [], [], []
+    row = 0
+    for gi, g in enumerate(groups):
+        c = len(g.ctx)
+        seq = list(g.ctx)
+        ctx_len.append(c if len(g.conts) > 1 else g.packed_len)  # a row alone is all "context": causal throughout
+        for cont in g.conts:
+            start = len(seq)
+            seq.extend(cont[:-1])
+            sel.append(gi * t + c - 1)
+            sel.extend(range(gi * t + start, gi * t + len(seq)))
+            tgt.extend(cont)
+            owner.extend([row] * len(cont))
+            if len(cont) > 1 and len(g.conts) > 1:
+                br_group.append(gi)
+                br_start.append(start)
+                br_len.append(len(cont) - 1)
+            row += 1
+        ids[gi, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    tables = (sel, tgt) + ((ctx_len, br_group, br_start, br_len) if br_group else ())
+    flat = torch.cat([ids.flatten()] + [torch.tensor(x, dtype=torch.long) for x in tables])
+    return flat, dict(b=len(groups), t=t, n=len(sel), r=len(br_group)), owner
+
+
+def packed_size(b: int, t: int, n: int, r: int = 0) -> int:
+    return b * t + 2 * n + (b + 3 * r if r else 0)
+
+
+# ---------------------------------------------------------------------------------------------------- every rank
+class _Part:
+    """Some continuations of a batch (of similar lengths), attended in one call: their tokens' flat indices
+    ``index`` [r, emax] (past a continuation's end: its first token again, computed and never read back), where
+    their outputs go (``dst``, from ``src`` of the call's flattened output), and the mask over
+    ``[their contexts, padded to cmax | themselves]``."""
+
+    def __init__(self, ctx_len, group, start, length, t: int):
+        dev = ctx_len.device
+        self.group = group
+        self.r = group.numel()
+        emax = int(length.max())
+        ctx = ctx_len[group]
+        self.cmax = int(ctx.max())
+        ar = torch.arange(emax, device=dev)
+        valid = ar[None, :] < length[:, None]
+        self.index = group[:, None] * t + start[:, None] + torch.where(valid, ar[None, :], 0)
+        self.dst = self.index[valid]
+        self.src = torch.arange(self.r * emax, device=dev).view(self.r, emax)[valid]
+        self.positions = (ctx[:, None] + ar[None, :])[valid]
+        ctx_keys = torch.arange(self.cmax, device=dev)[None, None, :] < ctx[:, None, None]
+        own_keys = (ar[None, :] <= ar[:, None]).expand(self.r, emax, emax)
+        self.mask = torch.cat([ctx_keys.expand(self.r, emax, self.cmax), own_keys], dim=2).unsqueeze(1)
+
+
+class TreeSpec:
+    """Everything :func:`tree_attention` needs for one packed batch, built once per forward on every rank from the
+    batch's small tables (``ctx_len`` per sequence; ``br_group``, ``br_start``, ``br_len`` per continuation with at
+    least one input token), and shared by all layers.
+
+    The continuations are attended in parts of ``part_rows``, longest first: one call over all of them would pad
+    every continuation to the longest one of the batch (a document's endings differ in length), and the kernel
+    computes padded entries like any other.
+    """
+
+    def __init__(self, ctx_len: torch.Tensor, br_group: torch.Tensor, br_start: torch.Tensor, br_len: torch.Tensor,
+                 t: int, part_rows: int = 4):
+        dev = ctx_len.device
+        self.b = ctx_len.numel()
+        self.t = t
+        self.cmax = int(ctx_len.max())
+        self.calls = 0
+        ar_t = torch.arange(t, device=dev)
+        pos = torch.where(ar_t[None, :] < ctx_len[:, None], ar_t[None, :], 0)
+        order = torch.argsort(br_len, descending=True, stable=True)
+        self.parts = [_Part(ctx_len, br_group[ix], br_start[ix], br_len[ix], t)
+                      for ix in torch.split(order, part_rows)]
+        for part in self.parts:
+            pos.view(-1)[part.dst] = part.positions
+        self.position_ids = pos
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, b: int, t: int, n: int, r: int) -> TreeSpec:
+        o = b * t + 2 * n
+        ctx_len = packed[o : o + b]
+        o += b
+        br = packed[o : o + 3 * r].view(3, r)
+        return cls(ctx_len, br[0], br[1], br[2], t)
+
+
+def tree_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec: TreeSpec,
+                   dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention of each row of a packed tree with ``scaled_dot_product_attention``: the contexts (causal,
+    by themselves) in one call, then each part of the continuations against their contexts and causally
+    themselves. Returns ``[b, t, heads, head_dim]`` as transformers' attention functions do."""
+    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise TreeUnsupported(f"attention with {name}")
+    if dropout or not getattr(module, "is_causal", True):
+        raise TreeUnsupported("attention with dropout or without a causal mask")
+    spec.calls += 1
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    b, hq, t, _ = query.shape
+    hkv = key.shape[1]
+    gqa = dict(enable_gqa=True) if hq != hkv else {}
+    c = spec.cmax
+    out = torch.zeros((b, t, hq, value.shape[-1]), dtype=query.dtype, device=query.device)
+    out[:, :c] = sdpa(query[:, :, :c], key[:, :, :c], value[:, :, :c], is_causal=True, scale=scaling,
+                      **gqa).transpose(1, 2)
+    flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (query, key, value))
+    flat_out = out.view(b * t, hq, -1)
+    for part in spec.parts:
+        def rows(flat, part=part):  # the part's continuation tokens [r, heads, emax, d]
+            return flat[part.index].transpose(1, 2)
+
+        k = torch.cat([key[part.group, :, : part.cmax], rows(flat_k)], dim=2)
+        v = torch.cat([value[part.group, :, : part.cmax], rows(flat_v)], dim=2)
+        if gqa:  # the masked kernel's grouped-query path is the slow one: repeat the key/value heads instead
+            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        o = sdpa(rows(flat_q), k, v, attn_mask=part.mask, scale=scaling)
+        flat_out[part.dst] = o.transpose(1, 2).reshape(-1, hq, o.shape[-1])[part.src]
+    return out, None
+
+
+def install() -> bool:
+    """Wrap transformers' ``sdpa`` attention function (once per process): with a :class:`TreeSpec` in its keyword
+    arguments it runs :func:`tree_attention`, else exactly the original. False where transformers has none."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # pragma: no cover
+        return False
+    orig = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if orig is None:
+        return False
+    if getattr(orig, "_mpitp_tree", False):
+        return True
+
+    def sdpa_or_tree(module, query, key, value, attention_mask, **kwargs):
+        spec = kwargs.pop(SPEC_KW, None)
+        if spec is None:
+            return orig(module, query, key, value, attention_mask, **kwargs)
+        return tree_attention(module, query, key, value, spec, **kwargs)
+
+    sdpa_or_tree._mpitp_tree = True
+    ALL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_or_tree)
+    return True
+
+
+def attention_layers(shard) -> int:
+    """How many attention calls one forward of this rank's layers makes when every layer is an attention layer."""
+    layers = getattr(shard.base, "layers", None)
+    if layers is not None:
+        return len(layers)
+    return int(getattr(shard.model.config.get_text_config(), "num_hidden_layers", -1))
+
+
+def _attention_kind(text) -> str | None:
+    """What, in the config alone, rules the tree out: the probe is short and would not see a window."""
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
+    if other:
+        return f"layer types {', '.join(other)}"
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) is not False:
+        return "sliding-window attention"
+    if getattr(text, "attention_chunk_size", None):
+        return "chunked attention"
+    return None
+
+
+def _probe_groups(vocab: int) -> list[Group]:
+    """The same probe on every rank without a message: two contexts with continuations of 1 to 6 tokens, and a row
+    alone (batched with trees, it is causal throughout)."""
+    g = torch.Generator().manual_seed(4321)
+
+    def ids(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    return [Group(ids(9), [0, 1, 2], [ids(4), ids(1), ids(6)]), Group(ids(5), [3, 4], [ids(3), ids(2)]),
+            Group(ids(4), [5], [ids(5)])]
+
+
+@torch.no_grad()
+def check_sharing(shard, enabled: bool = True) -> str | None:
+    """None when this replica scores shared contexts as trees (``shard.share`` set), else why not (a phrase for
+    the run's summary).
+
+    Every rank of the replica runs the same probe forwards (transformers' TP collectives need all of them): the
+    probe's rows scored one per sequence, then as trees; the run shares prefixes only when the log-probs agree within
+    the head check's tolerance and the attention saw the tree in every layer.
+    """
+    from mpitp.replica.headcheck import tolerance
+
+    if not enabled:
+        return "off (--no-prefix-sharing)"
+    if shard.pipeline:
+        return "off with pipeline stages"
+    why = _attention_kind(shard.model.config.get_text_config())
+    if why:
+        return f"off: {why}"
+    impl = getattr(shard.model.config, "_attn_implementation", None)
+    if impl != "sdpa":
+        return f"off: attention implementation {impl!r} (sharing runs on 'sdpa')"
+    if not install():
+        return "off: transformers has no 'sdpa' attention function"
+    groups = _probe_groups(int(shard.head.vocab_size))
+    plain = [Group(g.ctx, [r], [c]) for g in groups for r, c in zip(g.rows, g.conts)]
+    try:
+        ref = _probe_scores(shard, plain)
+        got, calls = _probe_scores(shard, groups, tree=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the model's forward does with a tree, it stays plain
+        return f"off: {type(shard.model).__name__}'s forward does not take a packed tree ({type(exc).__name__}: " \
+               f"{str(exc).splitlines()[0][:120] if str(exc) else ''})"
+    expected = attention_layers(shard)
+    if calls != expected:
+        return f"off: the tree reached {calls} of {expected} layers' attention"
+    dtype = next(shard.model.parameters()).dtype
+    tol = tolerance(ref, ref.unsqueeze(1), dtype)
+    if not bool(((got - ref).abs() <= tol).all()):
+        return f"off: tree and plain rows differ by up to {float((got - ref).abs().max()):.3g} on the probe"
+    shard.attention_layers = expected
+    shard.share = True
+    return None
+
+
+def _probe_scores(shard, groups: list[Group], tree: bool = False):
+    flat, size, owner = pack(groups)
+    flat = flat.to(shard.device)
+    spec = TreeSpec.from_packed(flat, **size) if tree else None
+    shard.stats.forwards -= 1  # score() counts one: the probe is none of the run's forwards (nor a test hook's)
+    lp, _ = shard.score(flat, spec=spec, **size)
+    sums = torch.zeros(len(groups) and max(owner) + 1, dtype=torch.float64, device=lp.device)
+    sums.index_add_(0, torch.tensor(owner, device=lp.device), lp.double())
+    return (sums.cpu(), spec.calls) if tree else sums.cpu()
