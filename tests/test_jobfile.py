@@ -320,3 +320,17 @@ def test_lm_eval_fields_in_job_files(tmp_path):
     job.write_text("runs:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n    system_instructions: x\n")
     with pytest.raises(JobFileError, match="did you mean 'system_instruction'"):
         load_job(job)
+
+
+def test_no_prefix_sharing_in_job_files(tmp_path):
+    """``--no-prefix-sharing`` has its job-file field (one declaration in settings.py): it reaches the run's config."""
+    from mpitp.jobs.jobrun import eval_config
+
+    job = tmp_path / "job.yaml"
+    job.write_text("defaults:\n  no_prefix_sharing: true\nruns:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n"
+                   "  - model: demo\n    name: shared\n    tasks: [mpitp_demo_mc]\n    no_prefix_sharing: false\n")
+    first, second = load_job(job).runs
+    assert eval_config(first).no_prefix_sharing is True and eval_config(second).no_prefix_sharing is False
+    job.write_text("runs:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n    no_prefix_sharing: 1\n")
+    with pytest.raises(JobFileError, match="'no_prefix_sharing': expected true or false, got 1"):
+        load_job(job)

@@ -1,12 +1,19 @@
-"""Reduced precision: bf16 and fp16 runs measured against the float32 result on the same requests.
+"""Reduced precision: bf16 and fp16, as parity with lm-eval where the forwards are the same, as figures elsewhere.
 
-Parity with lm-eval in the same dtype is not the right test: mpitp's log-softmax is float32 over the model's logits,
-``HFLM``'s is in the model dtype. So both are measured against lm-eval's float32 log-likelihoods, per task: mpitp's
-error must be no larger than lm-eval's, and greedy generations must be the ones lm-eval produces in that dtype (both
-take the argmax of the same logits). That holds where mpitp runs the very forward lm-eval runs (tp=1, here dp=2).
-With tp=2 the decoder's row-parallel matmuls sum partial products in the model dtype on each rank before the
-all-reduce: a different rounding of the body, not of the head, so the tp=2 figures are measured and printed (the
-README has them) and only required finite. One MPI launch: a job file with one run per dtype and layout.
+mpitp's log-softmax is float32 over the model's own logits; ``HFLM``'s is in the model dtype unless its
+``softmax_dtype=float32`` is set. So the parity test is against ``lm_eval --model hf`` with
+``dtype=<dtype>,softmax_dtype=float32`` at batch size 1, where mpitp (tp=1, dp=2) runs the very forward lm-eval runs:
+every row alone, same shapes, so the same model-dtype logits; per request within the project's rule, and the same
+greedy generations.
+
+At batch size 4 the decoder body rounds differently with another batch composition (dp=2's token-balanced chunks and
+packed groups are not lm-eval's batches), and with tp=2 row-parallel matmuls sum partial products in the model dtype on
+each rank before the all-reduce. That is rounding of the body, not of the scoring, and it moves the error against the
+float32 result either way by tens of percent on a few requests (measured: fp16's own log-softmax came out *closer* to
+float32 than a float32 log-softmax of the same fp16 logits on lambada, 8.5e-4 vs 8.9e-4 mean over 25 requests). Those
+layouts are measured against lm-eval's float32 log-likelihoods, printed (the README has them), and only held to a bound
+that a scoring defect would cross: finite, and a mean error per task within 2x lm-eval's. One MPI launch: a job file
+with one run per dtype and layout.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import pytest
 
 from support import STORIES
 from support.mpi import explain, run_mpi
-from support.parity import mpitp_requests, reference_requests
+from support.parity import compare_requests, mpitp_requests, reference_requests
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
@@ -25,19 +32,17 @@ TASKS = ["arc_easy_local", "lambada_openai_local", "wikitext_local", "gsm8k_loca
 LIMIT = 3
 GEN_KWARGS = "max_gen_toks=24"
 DTYPES = ["bfloat16", "float16"]
-# In bf16 the decoder body itself rounds differently with another batch composition (mpitp's token-balanced chunks over
-# dp=2 are not lm-eval's batches): measured, arc_easy's mean error was 3.10e-3 for mpitp and 2.65e-3 for lm-eval while
-# the float32 log-softmax made lambada's and wikitext's clearly smaller. Per task the head must not make things worse
-# beyond that body noise; summed over the tasks mpitp's error must be no larger than lm-eval's.
-BODY_SLACK = 1.25
+BODY_BOUND = 2.0  # batch-4 layouts: mean error per task within this factor of lm-eval's (body rounding, see above)
+LAYOUTS = {"tp1-bs1": dict(tp=1, batch_size=1), "tp1": dict(tp=1, batch_size=4), "tp2": dict(tp=2, batch_size=4)}
 
 
-def _lm_eval(dtype: str, include: str, tm):
+def _lm_eval(dtype: str, tm, batch_size: int = 4, softmax32: bool = False):
     import lm_eval
 
-    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={STORIES},dtype={dtype}", tasks=TASKS,
-                                  limit=LIMIT, batch_size=4, device="cpu", gen_kwargs=GEN_KWARGS, log_samples=True,
-                                  bootstrap_iters=0, task_manager=tm)
+    args = f"pretrained={STORIES},dtype={dtype}" + (",softmax_dtype=float32" if softmax32 else "")
+    res = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=TASKS, limit=LIMIT, batch_size=batch_size,
+                                  device="cpu", gen_kwargs=GEN_KWARGS, log_samples=True, bootstrap_iters=0,
+                                  task_manager=tm)
     return reference_requests(res["samples"])
 
 
@@ -56,49 +61,52 @@ def measured(test_tasks, tmp_path_factory):
 
     torch.set_num_threads(2)
     tm = TaskManager(include_path=test_tasks)
-    refs = {d: _lm_eval(d, test_tasks, tm) for d in ["float32", *DTYPES]}
+    refs = {d: _lm_eval(d, tm) for d in ["float32", *DTYPES]}
+    refs.update({(d, "softmax32"): _lm_eval(d, tm, batch_size=1, softmax32=True) for d in DTYPES})
     tmp = tmp_path_factory.mktemp("precision")
-    runs = [dict(name=f"stories-{d}-tp{tp}", dtype=d, tp=tp, output=str(tmp / f"{d}-tp{tp}.h5"))
-            for d in DTYPES for tp in (1, 2)]
+    runs = [dict(name=f"stories-{d}-{name}", dtype=d, output=str(tmp / f"{d}-{name}.h5"), **layout)
+            for d in DTYPES for name, layout in LAYOUTS.items()]
     job = tmp / "precision.yaml"
     job.write_text(yaml.safe_dump(dict(defaults=dict(model=str(STORIES), tasks=TASKS, include_path=test_tasks,
-                                                     limit=LIMIT, batch_size=4, gen_kwargs=GEN_KWARGS),
+                                                     limit=LIMIT, gen_kwargs=GEN_KWARGS),
                                        runs=runs), sort_keys=False))
     proc = run_mpi(2, ["run", str(job)], timeout=1200)
     assert proc.returncode == 0, explain(proc)
-    got = {(d, tp): mpitp_requests(str(tmp / f"{d}-tp{tp}.h5"), TASKS) for d in DTYPES for tp in (1, 2)}
+    got = {(d, name): mpitp_requests(str(tmp / f"{d}-{name}.h5"), TASKS) for d in DTYPES for name in LAYOUTS}
     return refs, got
 
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reduced_precision_error_no_larger_than_lm_eval(dtype, measured):
+def test_reduced_precision_parity_where_the_forward_is_lm_evals(dtype, measured):
+    refs, got = measured
+    worst, problems = compare_requests(refs[dtype, "softmax32"], got[dtype, "tp1-bs1"])
+    print(f"\n{dtype}, batch size 1, vs lm-eval hf softmax_dtype=float32: max relative |d ll| {worst:.2e}")
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduced_precision_error_of_other_layouts(dtype, measured):
     refs, got = measured
     truth = refs["float32"]
     print(f"\n{dtype} vs float32 lm-eval, relative |d ll| (mean / max) per task:")
-    failures, totals = [], [0.0, 0.0]
+    failures = []
     for task in TASKS:
         if task == "gsm8k_local":
             continue
         lm_mean, lm_max = _errors(truth, refs[dtype], task)
-        tp1_mean, tp1_max = _errors(truth, got[dtype, 1], task)
-        tp2_mean, tp2_max = _errors(truth, got[dtype, 2], task)
-        print(f"  {task:22s} lm-eval hf {lm_mean:.2e} / {lm_max:.2e}   mpitp tp=1 {tp1_mean:.2e} / {tp1_max:.2e}   "
-              f"mpitp tp=2 {tp2_mean:.2e} / {tp2_max:.2e}")
-        totals[0] += lm_mean
-        totals[1] += tp1_mean
-        if not tp1_mean <= BODY_SLACK * lm_mean:
-            failures.append(f"{task}: mpitp tp=1 mean error {tp1_mean:.3g} > {BODY_SLACK} x lm-eval's {lm_mean:.3g}")
-        if not math.isfinite(tp2_mean):
-            failures.append(f"{task}: mpitp tp=2 error not finite")
-    if not totals[1] <= totals[0]:
-        failures.append(f"mpitp tp=1 error summed over tasks {totals[1]:.3g} > lm-eval's {totals[0]:.3g}")
+        line = f"  {task:22s} lm-eval hf {lm_mean:.2e} / {lm_max:.2e}"
+        for name in ("tp1", "tp2"):
+            mean, worst = _errors(truth, got[dtype, name], task)
+            line += f"   mpitp {name} {mean:.2e} / {worst:.2e}"
+            if not (math.isfinite(worst) and mean <= BODY_BOUND * lm_mean):
+                failures.append(f"{task}: mpitp {name} mean error {mean:.3g} > {BODY_BOUND} x lm-eval's {lm_mean:.3g}")
+        print(line)
     gens = {k: v[2] for k, v in refs[dtype].items() if k[0] == "gsm8k_local"}
-    for tp in (1, 2):
-        same = sum(got[dtype, tp][k][2] == g for k, g in gens.items())
-        vs32 = sum(got[dtype, tp][k][2] == truth[k][2] for k in gens)
-        print(f"  gsm8k_local generations, mpitp tp={tp}: {same}/{len(gens)} equal to lm-eval hf {dtype}, "
+    for name in ("tp1", "tp2"):
+        same = sum(got[dtype, name][k][2] == g for k, g in gens.items())
+        vs32 = sum(got[dtype, name][k][2] == truth[k][2] for k in gens)
+        print(f"  gsm8k_local generations, mpitp {name}: {same}/{len(gens)} equal to lm-eval hf {dtype}, "
               f"{vs32}/{len(gens)} equal to float32")
-        if tp == 1 and same != len(gens):
-            failures.append(f"tp=1 greedy generations differ from lm-eval's in {dtype}")
     assert not failures, "\n".join(failures)

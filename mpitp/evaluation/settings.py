@@ -342,7 +342,7 @@ class EvalConfig:
                                                    help="Bootstrap iterations for stderr (default 100000, as "
                                                         "lm-eval)."))
     trust_remote_code: bool = setting(False, lm_eval=True)
-    no_prefix_sharing: bool = setting(False, cli=cli(  # see mpitp.replica.prefix
+    no_prefix_sharing: bool = setting(False, job=yaml_bool, cli=cli(  # see mpitp.replica.prefix
         "--no-prefix-sharing", group=RESULTS, action="store_true",
         help="Score every row on its own, even where rows share their context (by default such rows are scored as "
              "one tree, the context read once; same log-likelihoods up to rounding)."))
