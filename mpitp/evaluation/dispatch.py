@@ -121,10 +121,14 @@ class Dispatcher:
 
         def receive(block: bool) -> bool:
             nonlocal outstanding
-            if not block and mpicomm.probe(self.comm, tag=TAG_RESULT) is None:
-                return False
-            (_, cid, res), src, _ = mpicomm.recv_obj(self.comm, tag=TAG_RESULT, timeout=self.timeout,
-                                                     phase=f"waiting for {kind} results from DP groups")
+            if block:
+                got = mpicomm.recv_obj(self.comm, tag=TAG_RESULT, timeout=self.timeout,
+                                       phase=f"waiting for {kind} results from DP groups")
+            else:  # a matched probe: the message looked at is the one received (see mpicomm._matched_head)
+                got = mpicomm.try_recv_obj(self.comm, tag=TAG_RESULT)
+                if got is None:
+                    return False
+            (_, cid, res), src, _ = got
             outstanding -= 1
             send_next(src)  # the group's next chunk first: recording this one must not keep it waiting
             land(by_cid[cid].indices, res)

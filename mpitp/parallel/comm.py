@@ -185,16 +185,51 @@ def send_obj(obj, dest: int, tag: int, comm: MPI.Comm, timeout: float | None = D
 
 
 def probe(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Status | None:
-    """Non-blocking check for an incoming framed object; returns its status (source, tag) or None."""
+    """Non-blocking check for an incoming framed object; returns its status (source, tag) or None. Only to look:
+    take the message with :func:`try_recv_obj`, which receives exactly the message its probe matched."""
     status = MPI.Status()
     if comm.Iprobe(source=source, tag=tag, status=status):
         return status
     return None
 
 
+def _matched_head(comm: MPI.Comm, source: int, tag: int) -> tuple[np.ndarray, int, int] | None:
+    """Matched probe (``Improbe`` + ``Mrecv``) for the header of a framed object from any of ``source``.
+
+    Why not ``Iprobe`` then ``Irecv(ANY_SOURCE)``: under MPICH's ch4 with a network module (UCX, between nodes) a
+    wildcard receive posted after a wildcard probe matched nothing at all, although the probed message had arrived
+    (a dp=4 run across two nodes hung: issue 25). A matched probe removes the message it found from the queue, so
+    the receive that follows cannot miss it or take another; the rest of the object then comes from that one source.
+    """
+    status = MPI.Status()
+    message = comm.Improbe(source=source, tag=tag, status=status)
+    if message is None:
+        return None
+    head = np.zeros(_HEADER_SLOTS, dtype=np.int64)
+    message.Recv(head)
+    return head, status.Get_source(), status.Get_tag()
+
+
+def try_recv_obj(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple | None:
+    """Receive one framed object if its header has arrived (``(obj, source, tag)``), else None at once."""
+    found = _matched_head(comm, source, tag)
+    if found is None:
+        return None
+    head, src, tg = found
+    return _recv_payload(comm, head, src, tg), src, tg
+
+
 def recv_obj(comm: MPI.Comm, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
              timeout: float | None = DEFAULT_TIMEOUT, phase: str = "receive") -> tuple[object, int, int]:
-    """Receive one framed object; returns ``(obj, source, tag)``. The wait for the header is polled."""
+    """Receive one framed object; returns ``(obj, source, tag)``. The wait for the header is polled.
+
+    From one source: a posted ``Irecv``. From any source: a polled matched probe (see :func:`_matched_head`)."""
+    if source == MPI.ANY_SOURCE:
+        poller = Poller(timeout, phase)
+        while (found := _matched_head(comm, source, tag)) is None:
+            poller.sleep()
+        head, src, tg = found
+        return _recv_payload(comm, head, src, tg), src, tg
     head = np.zeros(_HEADER_SLOTS, dtype=np.int64)
     status = wait(comm.Irecv(head, source=source, tag=tag), timeout, phase)
     src, tg = status.Get_source(), status.Get_tag()
