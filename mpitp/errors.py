@@ -81,6 +81,17 @@ def _peer_lost(exc: BaseException) -> bool:
     return any(s in str(exc) for s in _PEER_LOST)
 
 
+def _node_name() -> str:
+    try:
+        from mpi4py import MPI
+
+        return MPI.Get_processor_name()
+    except Exception:  # pragma: no cover
+        import socket
+
+        return socket.gethostname()
+
+
 def report_and_abort(exc: BaseException) -> None:
     """Print ``exc`` once with the failing rank and bring the whole job down."""
     rank = world_rank()
@@ -88,6 +99,10 @@ def report_and_abort(exc: BaseException) -> None:
         # A usage error raised on a single rank (not agreed collectively) still ends the job with status 2.
         _stderr().write(f"mpitp: error: {exc}\n")
         abort(USAGE_EXIT)
+    if isinstance(exc, DeadlineError):
+        # A wait that ran out is a fault of the job, not a bug of this rank: one line naming where, no traceback.
+        _stderr().write(f"\nmpitp: error: rank {rank} on {_node_name()}: {exc}\n")
+        abort(1)
     if _peer_lost(exc):
         # The real error is a peer's: it is printing it and aborting the job. Under MPICH that abort arrives at
         # once; Open MPI takes a moment longer, and this rank's echo of it would be printed as a second fatal error.

@@ -1,8 +1,11 @@
-"""The address a replica leader's rendezvous store listens on when pipeline stages sit on other nodes.
+"""The address (and interface) this node uses for torch traffic with other nodes: the replica leader's rendezvous
+store when pipeline stages sit on other nodes, and gloo's sockets.
 
-Resolving the host name is not enough: Debian-style ``/etc/hosts`` maps it to 127.0.1.1, which the other node
-cannot reach (it waited until ``--timeout``). :func:`choose_address` is the pure rule (tested case by case);
-:func:`store_address` feeds it this host's facts. The chosen address travels to the other ranks over MPI.
+Resolving the host name is not enough: Debian-style ``/etc/hosts`` maps it to 127.0.1.1 (many clusters keep that),
+which another node cannot reach (it waited until ``--timeout``), and gloo itself binds to what the host name resolves
+to unless ``GLOO_SOCKET_IFNAME`` names an interface. One setting names the node network: ``MPITP_IFACE`` (``--iface``
+in ``mpitp eval``/``run``, ``iface:`` in job files, written into the scripts ``mpitp submit`` generates).
+:func:`choose_address` is the pure rule (tested case by case); :func:`store_address` feeds it this host's facts.
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ def _ifnames(value: str | None) -> list[str]:
 
 
 def choose_address(interfaces: dict[str, list[str]], host_addrs: list[str], env: dict) -> str:
-    """The first of: ``MPITP_STORE_ADDR``; the address of the interface ``GLOO_SOCKET_IFNAME`` (else
-    ``NCCL_SOCKET_IFNAME``) names (prefix match, as NCCL does); a non-loopback address the host name resolves to;
+    """The first of: ``MPITP_STORE_ADDR``; the address of the interface ``MPITP_IFACE`` names, else
+    ``GLOO_SOCKET_IFNAME``, else ``NCCL_SOCKET_IFNAME`` (prefix match, as NCCL does); a non-loopback address the host name resolves to;
     the first usable IPv4 address of a physical-looking interface (sorted by name). Raises ``RuntimeError`` when
     there is none, naming the variable to set."""
     if env.get("MPITP_STORE_ADDR"):
         return env["MPITP_STORE_ADDR"]
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+    for var in ("MPITP_IFACE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         for want in _ifnames(env.get(var)):
             for name in sorted(interfaces):
                 if name.startswith(want):
@@ -56,7 +59,7 @@ def choose_address(interfaces: dict[str, list[str]], host_addrs: list[str], env:
             return usable[0]
     raise RuntimeError("no address other nodes can reach: the host name resolves to "
                        f"{', '.join(host_addrs) or 'nothing'} and no interface has a non-loopback IPv4 address; "
-                       "set MPITP_STORE_ADDR (or GLOO_SOCKET_IFNAME) to the address/interface of the node network")
+                       "set MPITP_IFACE (--iface) to the interface of the node network")
 
 
 def interface_addresses() -> dict[str, list[str]]:
@@ -88,3 +91,33 @@ def host_addresses() -> list[str]:
 
 def store_address() -> str:
     return choose_address(interface_addresses(), host_addresses(), dict(os.environ))
+
+
+def interface_of(addr: str, interfaces: dict[str, list[str]] | None = None) -> str | None:
+    """The name of this host's interface that holds ``addr`` (None when none does)."""
+    interfaces = interface_addresses() if interfaces is None else interfaces
+    return next((name for name in sorted(interfaces) if addr in interfaces[name]), None)
+
+
+def node_network() -> tuple[str, str | None]:
+    """``(address, interface)`` this node uses for torch traffic with other nodes; ``("-", None)`` when there is
+    none (a single-node machine without a network)."""
+    interfaces = interface_addresses()
+    try:
+        addr = choose_address(interfaces, host_addresses(), dict(os.environ))
+    except RuntimeError:
+        return "-", None
+    return addr, interface_of(addr, interfaces)
+
+
+def use_node_network() -> str:
+    """Point gloo (and NCCL, where ``MPITP_IFACE`` names the interface) at the node network before a torch world
+    that spans nodes starts; returns the address other nodes reach this rank at. Variables already set win."""
+    addr, iface = node_network()
+    if addr == "-":
+        choose_address(interface_addresses(), host_addresses(), dict(os.environ))  # raises, naming the setting
+    if iface and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = iface  # else gloo binds to what the host name resolves to (127.0.1.1)
+    if os.environ.get("MPITP_IFACE"):
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", os.environ["MPITP_IFACE"])
+    return addr

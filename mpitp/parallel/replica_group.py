@@ -50,9 +50,13 @@ def backend_for(device: str) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
-def _store_address(layout: Layout) -> str:
+def spans_nodes(layout: Layout) -> bool:
     node = layout.world.node_of_rank
-    if len({node[r] for r in layout.replica_ranks}) == 1:
+    return len({node[r] for r in layout.replica_ranks}) > 1
+
+
+def _store_address(layout: Layout) -> str:
+    if not spans_nodes(layout):
         return LOOPBACK
     from mpitp.parallel.netaddr import store_address
 
@@ -72,6 +76,10 @@ def init_replica_group(layout: Layout, device: str, timeout: float) -> ReplicaGr
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     td = timedelta(seconds=timeout)
     comm, rank = layout.replica_comm, layout.replica_rank
+    if spans_nodes(layout):  # every rank, before gloo binds its sockets: the node network, not the host name's
+        from mpitp.parallel.netaddr import use_node_network
+
+        use_node_network()
     if rank == 0:
         addr = _store_address(layout)
         store = dist.TCPStore(addr, 0, world_size=size, is_master=True, timeout=td, wait_for_workers=False)

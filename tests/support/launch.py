@@ -35,14 +35,19 @@ def inspect_diff(a, b, *extra) -> subprocess.CompletedProcess:
 class Launch:
     """``mpiexec -n N python -m mpitp ARGS`` in its own session; output lines are kept with their arrival time."""
 
-    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None, script=None):
-        """``script``: run ``python SCRIPT ARGS`` instead of ``python -m mpitp ARGS``."""
+    def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None, script=None,
+                 launcher: list[str] | None = None):
+        """``script``: run ``python SCRIPT ARGS`` instead of ``python -m mpitp ARGS``. ``launcher``: the launch prefix
+        for N ranks instead of the local ``mpiexec -n N`` (ranks started over ssh on other nodes:
+        :mod:`support.nodes`); the ranks are then found by the tag this launch puts in their environment."""
         entry = [str(script)] if script else ["-m", "mpitp"]
-        cmd = [*mpiexec_cmd(n), sys.executable, *entry, *args]
+        cmd = [*(launcher or mpiexec_cmd(n)), sys.executable, *entry, *args]
         self.t0 = time.monotonic()
         self.t_end: float | None = None
+        self.tag = f"{os.getpid()}-{time.monotonic_ns()}" if launcher else None
+        tag = {"MPITP_TEST_LAUNCH_TAG": self.tag} if self.tag else {}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                     env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})},
+                                     env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {}), **tag},
                                      start_new_session=True)
         self.out: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
         self.readers = [threading.Thread(target=self._read, args=(s, name), daemon=True)
@@ -75,11 +80,14 @@ class Launch:
         SIGUSR1 meant for rank 0 hit it and the run went on to exit 0.)
         """
         tagged = {}
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
+        procs = psutil.process_iter() if self.tag else psutil.Process(self.proc.pid).children(recursive=True)
+        for child in procs:
             try:
                 env = child.environ()
                 parent = child.ppid()
             except (psutil.Error, OSError):
+                continue
+            if self.tag and env.get("MPITP_TEST_LAUNCH_TAG") != self.tag:
                 continue
             rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))  # MPICH's Hydra / Open MPI's prterun
             if rank is not None:

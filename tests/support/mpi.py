@@ -121,9 +121,10 @@ def mpi_env() -> dict:
 
 
 def run_mpi(n: int, args: list[str], timeout: float = 600, env: dict | None = None, cwd=None,
-            module: str = "mpitp") -> subprocess.CompletedProcess:
-    """``mpiexec -n N python -m mpitp ARGS`` (or another module); returns the finished process with timing."""
-    cmd = [*mpiexec_cmd(n), sys.executable, "-m", module, *args]
+            module: str = "mpitp", launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """``mpiexec -n N python -m mpitp ARGS`` (or another module); returns the finished process with timing.
+    ``launcher``: another launch prefix for the N ranks (across emulated nodes: :mod:`support.nodes`)."""
+    cmd = [*(launcher or mpiexec_cmd(n)), sys.executable, "-m", module, *args]
     full_env = {**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)

@@ -1,0 +1,64 @@
+"""Launches across emulated compute nodes (``hpc/local-nodes.sh``: a network namespace, hostname and sshd per node).
+
+Ranks start over real ssh on nodes whose own hostname resolves to 127.0.1.1 (as on many clusters); MPICH's Hydra
+and Open MPI's prterun run here, in the machine's own namespace, and reach the nodes through the bridge. A test that
+needs the nodes asks for :func:`require_nodes`: skipped where none are up, failed under CI (``.ci/run`` starts them).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from . import REPO
+from .mpi import mpi_family, mpiexec_path
+
+DIR = Path(os.environ.get("MPITP_NODES_DIR", "/var/tmp/mpitp-nodes"))
+SSH = DIR / "ssh"
+BRIDGE = "mpitpbr0"
+SUBNET = "10.77.0.0/24"
+NODES = ("nodea", "nodeb")
+SCRIPT = REPO / "hpc" / "local-nodes.sh"
+
+#: Variables Open MPI's prterun must be told to pass on (-x); MPICH's Hydra passes the whole environment.
+_FORWARD_PREFIXES = ("HF_", "MPITP_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "OMP_", "GLOO_", "TQDM_")
+
+
+def require_nodes() -> None:
+    """Skip the test unless the emulated nodes answer over ssh; under CI their absence is a failure."""
+    status = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True, timeout=60) \
+        if SSH.exists() else None
+    if status is not None and status.returncode == 0:
+        return
+    why = status.stdout.strip() if status is not None else f"no {SSH}"
+    if os.environ.get("CI"):
+        pytest.fail(f"emulated nodes are not up under CI ({why}); .ci/run starts them with hpc/local-nodes.sh")
+    pytest.skip(f"emulated nodes are not up ({why}); hpc/local-nodes.sh start")
+
+
+def launcher(per_node: dict[str, int]) -> list[str]:
+    """The launch prefix for ``per_node`` ranks on each node, under the suite's MPI."""
+    n = sum(per_node.values())
+    hosts = ",".join(f"{node}:{k}" for node, k in per_node.items())
+    if mpi_family() == "openmpi":
+        forward = sorted({k for k in os.environ if k.startswith(_FORWARD_PREFIXES)} | {"PATH", "MPITP_TEST_LAUNCH_TAG"}
+                         | {"HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONUNBUFFERED"})
+        prefix = str(Path(mpiexec_path()).parent.parent)
+        return [mpiexec_path(), "--prefix", prefix, "--mca", "plm_rsh_agent", str(SSH),
+                "--prtemca", "oob_tcp_if_include", SUBNET, "--mca", "btl_tcp_if_include", SUBNET,
+                "--host", hosts, "--oversubscribe", "-n", str(n), *[a for k in forward for a in ("-x", k)]]
+    return [mpiexec_path(), "-launcher", "ssh", "-launcher-exec", str(SSH), "-iface", BRIDGE, "-hosts", hosts,
+            "-n", str(n)]
+
+
+def namespace(node: str) -> str:
+    return f"mpitp-{node}"
+
+
+def set_link(node: str, up: bool) -> None:
+    """Cut (or restore) a node's network: its interface on the bridge goes down (or up)."""
+    subprocess.run(["ip", "-n", namespace(node), "link", "set", "eth0", "up" if up else "down"], check=True,
+                   timeout=30)
