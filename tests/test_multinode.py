@@ -20,7 +20,7 @@ import pytest
 from support import STORIES
 from support.launch import Launch, file_rows, inspect_diff
 from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi
-from support.nodes import launcher, namespace, require_nodes, set_link
+from support.nodes import launcher, namespace, require_nodes
 from support.parity import compare_requests, mpitp_requests, reference_requests
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multinode]
