@@ -89,10 +89,12 @@ def test_overrides():
     assert choose_address(NODE, [], {"NCCL_SOCKET_IFNAME": "=ib"}) == "192.168.10.3"  # NCCL's prefix syntax
     assert choose_address(NODE, ["127.0.1.1"], {"NCCL_SOCKET_IFNAME": "^docker"}) == "10.1.2.3"  # exclusion: ignored
     assert choose_address(NODE, ["127.0.1.1"], {"GLOO_SOCKET_IFNAME": "missing0"}) == "10.1.2.3"
+    # MPITP_IFACE, the one setting mpitp documents, before the libraries' own variables
+    assert choose_address(NODE, ["10.1.2.3"], {"MPITP_IFACE": "ib", "GLOO_SOCKET_IFNAME": "eth"}) == "192.168.10.3"
 
 
 def test_link_local_and_loopback_only_is_an_error():
-    with pytest.raises(RuntimeError, match="set MPITP_STORE_ADDR"):
+    with pytest.raises(RuntimeError, match="set MPITP_IFACE"):
         choose_address({"lo": ["127.0.0.1"], "eth0": ["169.254.3.4"], "docker0": ["172.17.0.1"]}, ["127.0.1.1"], {})
 
 

@@ -37,8 +37,8 @@ def _ifnames(value: str | None) -> list[str]:
 def choose_address(interfaces: dict[str, list[str]], host_addrs: list[str], env: dict) -> str:
     """The first of: ``MPITP_STORE_ADDR``; the address of the interface ``MPITP_IFACE`` names, else
     ``GLOO_SOCKET_IFNAME``, else ``NCCL_SOCKET_IFNAME`` (prefix match, as NCCL does); a non-loopback address the
-    host name resolves to; the first usable IPv4 address of a physical-looking interface (sorted by name). Raises ``RuntimeError`` when
-    there is none, naming the variable to set."""
+    host name resolves to; the first usable IPv4 address of a physical-looking interface (sorted by name).
+    Raises ``RuntimeError`` when there is none, naming the setting."""
     if env.get("MPITP_STORE_ADDR"):
         return env["MPITP_STORE_ADDR"]
     for var in ("MPITP_IFACE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
