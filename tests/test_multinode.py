@@ -9,15 +9,17 @@ Every node's own hostname resolves to 127.0.1.1, so an address taken from the ho
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
-from support import STORIES
+from support import OFFLINE_ENV, STORIES
 from support.launch import Launch, file_rows, inspect_diff
 from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi
 from support.nodes import launcher, namespace, require_nodes
@@ -151,3 +153,53 @@ def test_node_lost_then_resume(two_by_two, test_tasks, tmp_path):
     assert diff.returncode == 0, diff.stdout + diff.stderr
     print(f"node lost ({mpi_family()}): ranks {victims} killed, every rank gone {took:.1f} s later, {kept} rows kept "
           f"(seen {seen}); resume {proc.elapsed:.1f} s, inspect diff vs uninterrupted: same")
+
+
+TWO_NODE_JOB = """\
+defaults:
+  model: demo
+  tasks: [mpitp_demo_mc, mpitp_demo_ppl, mpitp_demo_gen]
+  dtype: float32
+  batch_size: 2
+  limit: 4
+runs:
+  - name: two-nodes
+    tp: 2
+    output: {output}
+"""
+
+
+@pytest.mark.slurm
+def test_slurm_submit_runs_a_two_node_step(tmp_path):
+    """``mpitp submit --partition nodes --nodes 2 --ranks-per-node 2 --wait`` on the local SLURM whose two slurmds
+    live in the emulated nodes (hpc/local-slurm.sh): the step's ranks sit on nodea and nodeb (the file says so) and
+    the results equal a plain single-node ``mpiexec -n 4 mpitp run`` of the same job."""
+    import shutil
+
+    import h5py
+
+    if shutil.which("sinfo") is None:
+        pytest.skip("no SLURM commands (hpc/local-slurm.sh start)")
+    states = subprocess.run(["sinfo", "-h", "-p", "nodes", "-o", "%t"], capture_output=True, text=True,
+                            timeout=60).stdout.split()
+    if not states or not set(states) <= {"idle", "mix", "alloc"}:
+        why = f"no idle SLURM partition 'nodes' (states {states}); hpc/local-nodes.sh start, then local-slurm.sh start"
+        pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "two.yaml").write_text(TWO_NODE_JOB.format(output="../out/two.h5"))
+    (tmp_path / "jobs" / "ref.yaml").write_text(TWO_NODE_JOB.format(output="../out/ref.h5"))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "mpitp", "submit", "jobs/two.yaml", "--scheduler", "slurm",
+                           "--partition", "nodes", "--nodes", "2", "--ranks-per-node", "2", "--time", "00:15:00",
+                           "--no-requeue", "--wait"], capture_output=True, text=True, cwd=tmp_path, timeout=1200,
+                          env={**os.environ, **OFFLINE_ENV})
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, explain(proc) + "".join(p.read_text() for p in (tmp_path / "out").glob("*.err"))
+    with h5py.File(tmp_path / "out" / "two.h5", "r") as f:
+        assert f.attrs["status"] == "complete"
+        assert f.attrs["nodes"] == "nodea:2,nodeb:2", f.attrs["nodes"]
+    ref = run_mpi(4, ["run", str(tmp_path / "jobs" / "ref.yaml")], timeout=600)
+    assert ref.returncode == 0, explain(ref)
+    diff = inspect_diff(tmp_path / "out" / "two.h5", tmp_path / "out" / "ref.h5")
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    print(f"SLURM two-node step (nodea:2,nodeb:2): submit --wait {took:.1f} s; inspect diff vs one node: same")

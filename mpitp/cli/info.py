@@ -19,20 +19,46 @@ log = logging.getLogger("mpitp")
 @click.command(name="info")
 @runtime_options
 @click.option("--model", default=None, help="With --pp: print which decoder layers each stage of this model holds.")
-def info_command(tp, pp, device, threads, timeout, log_all_ranks, model):
-    """Print the dp x pp x tp layout, the MPI library and the torch backend (rank 0 prints)."""
+def info_command(tp, pp, device, threads, timeout, log_all_ranks, iface, model):
+    """Print the dp x pp x tp layout, the nodes with the address each uses, the MPI library and the torch backend
+    (rank 0 prints)."""
     run_info(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks,
-             model=model)
+             model=model, iface=iface)
 
 
 def layout_rows(rt) -> list[dict] | None:
     """Gather one row per rank on global rank 0 (None elsewhere)."""
+    from mpitp.parallel.netaddr import node_network
+
     lay = rt.layout
+    address, iface = node_network()
     row = dict(rank=rt.world.rank, node=rt.world.node_name, node_index=rt.world.node_index,
+               address=address if iface is None else f"{address} ({iface})",
                local_rank=rt.world.local_rank, dp_rank=lay.dp_rank, pp_rank=lay.pp_rank, tp_rank=lay.tp_rank,
                role="leader" if lay.is_leader else ("stage-leader" if lay.tp_rank == 0 else "worker"),
                device=rt.device, threads=rt.threads)
     return mpicomm.gather_obj(row, rt.world.comm, root=0, timeout=rt.timeout, phase="info gather")
+
+
+def _span(values) -> str:
+    """``0-3`` for a run of integers, ``0,2`` otherwise."""
+    values = sorted(set(values))
+    if len(values) > 2 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
+
+
+def node_rows(rows: list[dict]) -> list[dict]:
+    """One row per node: its ranks, the address it uses for traffic with other nodes, and which DP groups, pipeline
+    stages and TP groups live there (a TP group is named ``dp.stage``; it never spans nodes)."""
+    out = []
+    for index in sorted({r["node_index"] for r in rows}):
+        mine = [r for r in rows if r["node_index"] == index]
+        out.append(dict(node=mine[0]["node"], ranks=f"{len(mine)} ({_span(r['rank'] for r in mine)})",
+                        address=mine[0]["address"], dp_groups=_span(r["dp_rank"] for r in mine),
+                        pp_stages=_span(r["pp_rank"] for r in mine),
+                        tp_groups=" ".join(sorted({f"{r['dp_rank']}.{r['pp_rank']}" for r in mine}))))
+    return out
 
 
 def _stage_split(rt, model: str) -> str | None:
@@ -49,14 +75,15 @@ def _stage_split(rt, model: str) -> str | None:
     return agree(check, rt.world.comm, rt.timeout, "checking the model's stages")
 
 
-def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: str | None = None) -> None:
+def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: str | None = None,
+             iface: str | None = None) -> None:
     import torch
 
     from mpitp.parallel.world import world_from_comm
 
     rank = world_from_comm().rank
     setup_logging(rank, log_all_ranks)
-    rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout)
+    rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, iface=iface)
     split = _stage_split(rt, model) if model else None
     rows = layout_rows(rt)
     # Prove the TP torch worlds are live: one all_reduce per TP group.
@@ -79,6 +106,7 @@ def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: st
         if warning:
             print(f"warning: node {crowded[0]}: {warning}")
         print(f"torch {torch.__version__}, TP backend: {backend}, timeout {rt.timeout:g} s")
+        print(format_table(node_rows(rows), ["node", "ranks", "address", "dp_groups", "pp_stages", "tp_groups"]))
         print(format_table(rows, ["rank", "node", "local_rank", "dp_rank", "pp_rank", "tp_rank", "role", "device",
                                   "threads"]))
         if split:

@@ -21,6 +21,8 @@ def _positive_float(ctx, param, value):
 
 def runtime_options(f):
     """Options shared by every subcommand that starts the MPI runtime."""
+    f = click.option("--iface", default=None, metavar="NAME",
+                     help="Network interface between nodes (sets MPITP_IFACE).")(f)
     f = click.option("--log-all-ranks", is_flag=True, help="Log from every rank, each line prefixed with its rank.")(f)
     f = click.option("--timeout", default=str(DEFAULT_TIMEOUT), callback=_positive_float, show_default=True,
                      help="Seconds any rank waits for its peers (MPI barriers and torch.distributed).")(f)

@@ -38,6 +38,8 @@ from mpitp.jobs.submit import (
               help='Shell lines run before launch, e.g. "module load cuda; source venv/bin/activate" '
                    "(default: put this mpitp's folder on PATH).")
 @click.option("--nccl-env", multiple=True, metavar="NAME=VALUE", help="Site NCCL variable; repeatable.")
+@click.option("--iface", metavar="NAME", help="Network interface between nodes, exported as MPITP_IFACE (gloo, "
+                                            "NCCL and mpitp's rendezvous use it).")
 @click.option("--launcher", type=click.Choice(("srun", "mpirun", "mpiexec")),
               help="MPI launcher (slurm: srun [default] or mpirun; pbs: mpiexec).")
 @click.option("--srun-mpi", default="auto", show_default=True, metavar="auto|pmi2|pmix|...",
@@ -53,7 +55,7 @@ from mpitp.jobs.submit import (
 @click.option("--dry-run", is_flag=True, help="Print the script; write and submit nothing.")
 def submit_command(job_file: str, scheduler: str, nodes: int, ranks_per_node: int | None, gpus_per_node: int | None,
                    walltime: str, account: str | None, partition: str | None, queue: str | None,
-                   cpus_per_task: int | None, env_setup: str | None, nccl_env: tuple[str, ...],
+                   cpus_per_task: int | None, env_setup: str | None, nccl_env: tuple[str, ...], iface: str | None,
                    launcher: str | None, srun_mpi: str, signal_grace: int, no_requeue: bool, wait: bool,
                    run_args: tuple[str, ...], script_dir: str | None, dry_run: bool) -> None:
     """Write a SLURM/PBS batch script for JOB.yaml and submit it."""
@@ -61,7 +63,7 @@ def submit_command(job_file: str, scheduler: str, nodes: int, ranks_per_node: in
         result = submit(scheduler, job_file, script_dir=script_dir, dry_run=dry_run, nodes=nodes,
                         ranks_per_node=ranks_per_node, gpus_per_node=gpus_per_node, time=walltime,
                         account=account, partition=partition, queue=queue, env_setup=env_setup, launcher=launcher,
-                        srun_mpi=srun_mpi, cpus_per_task=cpus_per_task, nccl_env=nccl_env,
+                        srun_mpi=srun_mpi, cpus_per_task=cpus_per_task, nccl_env=nccl_env, iface=iface,
                         requeue=not no_requeue, signal_grace=signal_grace, extra_args=run_args)
     except SubmitUsageError as exc:
         raise click.UsageError(str(exc)) from None

@@ -36,6 +36,7 @@ def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
 
     return dict(mpitp_version=__version__, model=cfg.model, tokenizer=tokenizer, dtype=cfg.dtype,
                 world_size=rt.world.size, tp=rt.layout.tp, dp=rt.layout.dp, pp=rt.layout.pp,
+                nodes=rt.world.nodes_text,
                 command=" ".join(sys.argv),
                 lm_eval_version=getattr(lm_eval, "__version__", "unknown"), torch_version=torch.__version__,
                 transformers_version=transformers.__version__, mpi_version=mpi_library_version(),

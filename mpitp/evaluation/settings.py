@@ -490,6 +490,10 @@ RUNTIME = (
         help=lambda: f"Seconds any rank waits for its peers (default {_default_timeout()}).")),
     RuntimeSetting("log_all_ranks", False, None, cli(
         "--log-all-ranks", group=LAYOUT, action="store_true", help="Log from every rank, each line with its rank.")),
+    RuntimeSetting("iface", None, yaml_string, cli(
+        "--iface", group=LAYOUT, default=None, metavar="NAME",
+        help="Network interface between nodes (gloo, NCCL, the rendezvous); sets MPITP_IFACE (default: the "
+             "host name's address unless loopback, else the first physical interface).")),
     RuntimeSetting("device", None, yaml_string),  # on the command line: lm-eval's own --device
     RuntimeSetting("watch", None, None, cli(
         "--watch", group=SWEEPS, default=None, metavar="DIR",

@@ -100,7 +100,8 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             cfg = agree(lambda: eval_config(spec), world.comm, timeout, "reading the run's settings")
             cfg.resume = state == "running"
             rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
-                       timeout=spec.timeout or timeout, world=world, init_torch=False)  # torch after the checks
+                       timeout=spec.timeout or timeout, world=world, init_torch=False,  # torch after the checks
+                       iface=spec.iface)
             if cfg.demo:
                 from mpitp.cli.evaluate import demo_config
 

@@ -166,6 +166,15 @@ def _srun_mpi(choice: str | None) -> tuple[str, str]:
     return want, f"{reason}; `srun --mpi=list` offers {', '.join(offered)} (--srun-mpi auto)"
 
 
+def _iface(name: str | None) -> str | None:
+    """``--iface``: a network interface name (exported as ``MPITP_IFACE`` in the script)."""
+    if name is None:
+        return None
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,31}", name):
+        raise SubmitUsageError(f"--iface {name!r}: expected a network interface name such as ib0 or hsn0")
+    return name
+
+
 def _log_dir(job: Job) -> Path:
     """Logs go next to the outputs: their common directory (or the job file's, if none)."""
     common = Path(os.path.commonpath([os.path.dirname(r.output) for r in job.runs]))
@@ -183,8 +192,8 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
              time: str, ranks_per_node: int | None = None, account: str | None = None,
              partition: str | None = None, queue: str | None = None, env_setup: str | None = None,
              launcher: str | None = None, srun_mpi: str | None = "auto", cpus_per_task: int | None = None,
-             nccl_env: Any = None, requeue: bool = True, signal_grace: int = DEFAULT_SIGNAL_GRACE,
-             extra_args: Sequence[str] = ()) -> tuple[Job, dict[str, Any]]:
+             nccl_env: Any = None, iface: str | None = None, requeue: bool = True,
+             signal_grace: int = DEFAULT_SIGNAL_GRACE, extra_args: Sequence[str] = ()) -> tuple[Job, dict[str, Any]]:
     """Validate everything and build the template context."""
     if scheduler not in SCHEDULERS:
         raise SubmitUsageError(f"unknown scheduler {scheduler!r}; expected 'slurm' or 'pbs'")
@@ -227,6 +236,7 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
         "partition": _directive_word("--partition", partition),
         "queue": _directive_word("--queue", queue),
         "nccl_env": _nccl_pairs(nccl_env),
+        "iface": _iface(iface),
     }
 
     job = load_job(job_path)
@@ -263,8 +273,9 @@ def render_script(scheduler: str, job_path: str | os.PathLike[str], **options: A
 
     Options (all keyword): ``nodes``, ``time``, ``ranks_per_node`` (defaults to ``gpus_per_node``),
     ``gpus_per_node`` (0/None: no GPU request), ``account``, ``partition`` (slurm), ``queue`` (pbs),
-    ``env_setup``, ``launcher`` (slurm: ``srun`` [default] or ``mpirun``; pbs: ``mpiexec``), ``srun_mpi``
-    (``auto`` [default], ``pmi2``, ``pmix``, ...), ``cpus_per_task``, ``nccl_env`` (a mapping or ``NAME=VALUE``
+    ``env_setup``, ``iface`` (the network interface between nodes: ``MPITP_IFACE``), ``launcher`` (slurm: ``srun``
+    [default] or ``mpirun``; pbs: ``mpiexec``), ``srun_mpi`` (``auto`` [default], ``pmi2``, ``pmix``, ...),
+    ``cpus_per_task``, ``nccl_env`` (a mapping or ``NAME=VALUE``
     strings, exported with shell quoting), ``requeue`` (slurm: requeue at the walltime, default True),
     ``signal_grace`` (seconds), ``extra_args`` (appended to ``mpitp run``).
     Raises :class:`SubmitError` / :class:`SubmitUsageError` or :class:`~mpitp.jobs.jobfile.JobFileError`.

@@ -79,14 +79,17 @@ def agree(check, comm, timeout: float, phase: str):
 
 def start(tp: int = 1, device: str | None = None, threads: int | None = None,
           timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True,
-          world: World | None = None, pp: int = 1) -> Runtime:
+          world: World | None = None, pp: int = 1, iface: str | None = None) -> Runtime:
     """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments.
 
     Pass ``world`` to reuse one (a job file runs several layouts, one after another, in the same MPI world).
     ``init_torch=False`` stops after the MPI layout: ``rt.device`` is still the request and torch is not even
     imported, so rank 0 can refuse bad input before the other ranks spend seconds of a shared CPU starting torch
-    (:func:`start_torch` then finishes the job).
+    (:func:`start_torch` then finishes the job). ``iface`` names the network interface between nodes: it becomes
+    ``MPITP_IFACE`` (:mod:`mpitp.parallel.netaddr`), which the torch world reads when a replica spans nodes.
     """
+    if iface:
+        os.environ["MPITP_IFACE"] = iface
     world = world or world_from_comm(comm)
     try:
         layout = make_layout(world, tp, pp)

@@ -66,6 +66,14 @@ class World:
     node_of_rank: tuple[int, ...]
     cores_per_node: int
     launcher: str
+    node_names: tuple[str, ...] = ()  # by node index
+
+    @property
+    def nodes_text(self) -> str:
+        """``nodea:2,nodeb:2``: each node's name and how many ranks it holds, in node order."""
+        counts = [self.node_of_rank.count(i) for i in range(self.n_nodes)]
+        names = self.node_names or tuple(str(i) for i in range(self.n_nodes))
+        return ",".join(f"{name}:{k}" for name, k in zip(names, counts))
 
     @property
     def default_threads(self) -> int:
@@ -86,6 +94,7 @@ def world_from_comm(comm: MPI.Comm | None = None) -> World:
     node_leader = node_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
     leaders = comm.allgather(node_leader)
     order = {leader: i for i, leader in enumerate(sorted(set(leaders)))}
+    names = comm.allgather(name)
     cpus = node_comm.allgather(_available_cpus())
     cores = len(set().union(*cpus))
     return World(
@@ -101,6 +110,7 @@ def world_from_comm(comm: MPI.Comm | None = None) -> World:
         node_of_rank=tuple(order[x] for x in leaders),
         cores_per_node=cores,
         launcher=detect_launcher(),
+        node_names=tuple(names[leader] for leader in sorted(order)),
     )
 
 

@@ -44,7 +44,10 @@ def _stats_totals(run: RunFile) -> dict | None:
 def layout_line(attrs: dict) -> str:
     pp = int(attrs.get("pp", 1) or 1)
     stages = f" x pp {pp}" if pp > 1 else ""
-    return f"world {attrs.get('world_size', '?')} = dp {attrs.get('dp', '?')}{stages} x tp {attrs.get('tp', '?')}"
+    nodes = str(attrs.get("nodes") or "")
+    where = f" on {nodes.count(',') + 1} node(s) ({nodes})" if nodes else ""
+    return (f"world {attrs.get('world_size', '?')} = dp {attrs.get('dp', '?')}{stages} x tp {attrs.get('tp', '?')}"
+            f"{where}")
 
 
 def header_lines(run: RunFile) -> list[str]:

@@ -6,7 +6,8 @@ Schema (stable; extend, don't break):
 - root attrs: ``mpitp_version``, ``created``, ``model``, ``tokenizer``, ``dtype``, ``world_size``, ``tp``, ``dp``,
   ``command``, ``lm_eval_version``, ``torch_version``, ``transformers_version``, ``mpi_version``, ``status``
   (``running`` until metrics are written, then ``complete``), ``config_json`` (the settings resume must match),
-  ``wall_time_s``, ``results_json`` (lm-eval's results dict, for ``inspect --json``).
+  ``wall_time_s``, ``results_json`` (lm-eval's results dict, for ``inspect --json``), ``nodes`` (``nodea:2,nodeb:2``:
+  the nodes the run used and their ranks; absent from older files).
 - ``/tasks/<task>`` attrs ``output_type``, ``num_fewshot``, ``n_docs``; ``/tasks/<task>/metrics`` one attr per
   lm-eval metric key (``acc,none``, ``acc_stderr,none``, ...).
 - ``/tasks/<task>/requests``: equal-length datasets, one row per lm-eval request instance: ``doc_id`` int64,
