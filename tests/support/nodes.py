@@ -49,7 +49,7 @@ def launcher(per_node: dict[str, int]) -> list[str]:
         prefix = str(Path(mpiexec_path()).parent.parent)
         return [mpiexec_path(), "--prefix", prefix, "--mca", "plm_rsh_agent", str(SSH),
                 "--prtemca", "oob_tcp_if_include", SUBNET, "--mca", "btl_tcp_if_include", SUBNET,
-                "--host", hosts, "--oversubscribe", "-n", str(n), *[a for k in forward for a in ("-x", k)]]
+                "--host", hosts, "--map-by", "slot", "--oversubscribe", "-n", str(n), *[a for k in forward for a in ("-x", k)]]
     return [mpiexec_path(), "-launcher", "ssh", "-launcher-exec", str(SSH), "-iface", BRIDGE, "-hosts", hosts,
             "-n", str(n)]
 
