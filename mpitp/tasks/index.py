@@ -77,8 +77,9 @@ def _installed(path: Path) -> bool:
 
 # ------------------------------------------------------------------------------------------------ fingerprints
 def _walk(root: Path):
-    """(relative path, absolute path) of every file under ``root``, lm-eval's ignored folders left out."""
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    """(relative path, absolute path) of every file under ``root``, lm-eval's ignored folders left out (and, as
+    ``Path.glob("**/*.yaml")`` in lm-eval's walk, folders reached through a symlink)."""
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _IGNORE_DIRS)
         for fn in sorted(filenames):
             full = os.path.join(dirpath, fn)
