@@ -25,22 +25,24 @@ def _paths(include_path) -> list[str]:
 def task_manager(tasks: list[str], include_path, metadata: dict | None = None):
     """lm-eval's TaskManager for ``tasks``; refuses unknown names before the slow part.
 
-    Indexing lm-eval's ~14k stock task YAMLs takes 8-12 s (more on a loaded node), so it is skipped when the include
-    path has every task, and a name that no stock file can declare (:mod:`mpitp.tasks.names`, under a second) is
-    refused without it.
+    lm-eval's index of its ~14.7k stock task YAMLs takes 8-16 s to build, so it is kept in a cache
+    (:mod:`mpitp.tasks.index`, a fraction of a second to read) and skipped altogether when the include path has every
+    task. Before a build (no cache yet), a name that no stock file can declare (:mod:`mpitp.tasks.names`, under a
+    second) is refused without it.
     """
-    from lm_eval.tasks import TaskManager
+    from mpitp.tasks import index
 
     included: list[str] = []
     if include_path:
-        tm = TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR", metadata=metadata)
+        tm = index.task_manager(include_path, include_defaults=False, metadata=metadata)
         if all(t in tm.all_tasks for t in tasks):
             return tm
         included = tm.all_tasks
-    from mpitp.tasks.names import stock_task_names
+    if not index.is_cached():
+        from mpitp.tasks.names import stock_task_names
 
-    _refuse_unknown(tasks, set(included) | stock_task_names())
-    return TaskManager(include_path=include_path or None, verbosity="ERROR", metadata=metadata)
+        _refuse_unknown(tasks, set(included) | stock_task_names())
+    return index.task_manager(include_path or None, metadata=metadata)
 
 
 def _refuse_unknown(tasks: list[str], known: set[str]) -> None:

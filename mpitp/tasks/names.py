@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-_KEY = re.compile(r"""^['"]?(task|group|tag)['"]?\s*:\s*(.*?)\s*(?:#.*)?$""")
+_KEY = re.compile(r"""^['"]?(\w+)['"]?\s*:\s*(.*?)\s*(?:#.*)?$""")  # a top-level key
 _ITEM = re.compile(r"^\s*-\s+(.*?)\s*(?:#.*)?$")
 _NAME = re.compile(r"""[^\s{}\[\],'"!]+""")  # one token: no spaces, brackets, quotes or YAML tags
 _NOT_YAML = (".py", ".pyc", ".md", ".txt", ".json", ".jsonl", ".csv", ".tsv", ".sh", ".ipynb")
@@ -33,8 +33,8 @@ def _values(text: str) -> list[str]:
     return [p.strip().strip("'\"") for p in parts]
 
 
-def names_in_file(path: str | Path) -> set[str]:
-    """The ``task``/``group``/``tag`` values of one file, read line by line (no YAML parsing)."""
+def key_values(path: str | Path, keys=("task", "group", "tag")) -> set[str]:
+    """The values of the top-level ``keys`` of one file, read line by line (no YAML parsing)."""
     found: set[str] = set()
     in_list = False
     with open(path, encoding="utf-8", errors="replace") as fh:
@@ -42,8 +42,8 @@ def names_in_file(path: str | Path) -> set[str]:
             key = _KEY.match(line)
             if key:
                 value = key.group(2)
-                in_list = value == ""
-                if value:
+                in_list = key.group(1) in keys and value == ""
+                if value and key.group(1) in keys:
                     found.update(_values(value))
                 continue
             if in_list:
@@ -53,6 +53,11 @@ def names_in_file(path: str | Path) -> set[str]:
                 elif line.strip() and not line[0].isspace():
                     in_list = False
     return {n for n in found if _NAME.fullmatch(n)}
+
+
+def names_in_file(path: str | Path) -> set[str]:
+    """The ``task``/``group``/``tag`` values of one file, read line by line (no YAML parsing)."""
+    return key_values(path)
 
 
 def scan_task_names(root: str | Path) -> set[str]:

@@ -1,0 +1,372 @@
+"""lm-eval's task index, built once per task tree and kept as JSON under the user's cache dir.
+
+``TaskManager()`` YAML-parses every file of lm-eval's task tree (~14.7k in 0.4.13, includes resolved) to learn which
+name is a task, a group or a tag and where it lives: 8-16 s on one core, paid by every launch, ``mpitp rescore`` and
+sweep while the other ranks wait. The outcome is small (name, kind, YAML path, tags per name), so it is stored, one
+file per tree:
+
+- **lm-eval's own tree**, keyed by lm-eval's version and install path; a source (editable) install, whose YAMLs change
+  without a new version, is keyed like an include path.
+- **an include path**, keyed by its path and the size, modification time and inode of every file under it, and of
+  every file outside it that its YAMLs ``include`` (the ``--data-dir`` overrides include the stock YAMLs). A tree of
+  fewer than :data:`MIN_FILES` YAMLs is indexed directly every time (milliseconds): ``--data-dir`` writes its
+  overrides to a new temporary folder per run, which would otherwise leave a cache file behind each time.
+
+Each tree is indexed by lm-eval itself (``TaskIndex.build([tree])``) and the trees are merged as ``TaskIndex.build``
+merges them (a later tree's name replaces an earlier one's, with lm-eval's warning), so a cached index names the same
+tasks, groups and tags as a fresh ``TaskManager``. The one piece of lm-eval internals used is how a ``TaskManager``
+holds its index (:func:`_adopt`), checked against the installed version; anything else falls back to lm-eval's own
+``TaskManager``. An entry's parsed config (``Entry.cfg``, which lm-eval itself reads only for entries without a YAML)
+is read from its YAML on first use, as lm-eval parsed it.
+
+The cache files are plain JSON that anyone with access to the cache dir could have written: each is validated on load
+(shape, kinds, every YAML path a ``.yaml`` file inside its tree) and anything unexpected is rebuilt, never trusted.
+Writes go to an ``O_EXCL`` temporary file in the same folder, then ``os.replace``. ``MPITP_TASK_INDEX_CACHE`` = a
+directory (default ``<mpitp cache>/task-index``) or ``0`` (off: lm-eval builds the index every time).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("mpitp")
+
+FORMAT = 1
+MIN_FILES = 64
+"""Trees with fewer YAML files are indexed directly, never cached."""
+_IGNORE_DIRS = {"__pycache__", ".ipynb_checkpoints"}  # lm-eval's own (lm_eval.tasks._index._IGNORE_DIRS)
+_KINDS = ("TASK", "PY_TASK", "GROUP", "TAG")
+
+counters: collections.Counter = collections.Counter()
+"""``walks``: trees lm-eval indexed; ``hits``: trees read from the cache; ``rebuilt``: cache files refused on load."""
+
+
+def cache_dir() -> Path | None:
+    v = os.environ.get("MPITP_TASK_INDEX_CACHE", "")
+    if v in ("0", "off", "false", "False"):
+        return None
+    if v:
+        return Path(v).expanduser()
+    from mpitp.tasks.demo import default_cache_dir
+
+    return Path(default_cache_dir()) / "task-index"
+
+
+def _lm_eval_version() -> str:
+    import lm_eval
+
+    return str(getattr(lm_eval, "__version__", "?"))
+
+
+def _stock_dir() -> Path:
+    from mpitp.tasks.offline import stock_tasks_dir
+
+    return stock_tasks_dir()
+
+
+def _installed(path: Path) -> bool:
+    """Whether ``path`` is inside an installed distribution (its files change only with its version)."""
+    return any(part in ("site-packages", "dist-packages") for part in path.parts)
+
+
+# ------------------------------------------------------------------------------------------------ fingerprints
+def _walk(root: Path):
+    """(relative path, absolute path) of every file under ``root``, lm-eval's ignored folders left out (and, as
+    ``Path.glob("**/*.yaml")`` in lm-eval's walk, folders reached through a symlink)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _IGNORE_DIRS)
+        for fn in sorted(filenames):
+            full = os.path.join(dirpath, fn)
+            yield os.path.relpath(full, root), full
+
+
+def _stat(path: str) -> list:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [path, None]
+    return [path, [st.st_size, st.st_mtime_ns, st.st_ino]]
+
+
+def _tree_state(root: Path) -> tuple[str, set[str]]:
+    """(hash of every file's relative path, size, modification time and inode; the relative ``.yaml`` paths)."""
+    h = hashlib.sha256()
+    yamls = set()
+    for rel, full in _walk(root):
+        h.update(json.dumps([rel, _stat(full)[1]]).encode())
+        if rel.endswith(".yaml"):
+            yamls.add(rel)
+    return h.hexdigest(), yamls
+
+
+def _external_includes(root: Path, yamls: set[str]) -> list[str]:
+    """Files outside ``root`` that its YAMLs include, directly or through each other (read as text, not parsed)."""
+    from mpitp.tasks.names import key_values
+
+    seen: set[str] = set()
+    todo = [str(root / rel) for rel in sorted(yamls)]
+    inside = str(root.resolve()) + os.sep
+    outside = []
+    while todo:
+        path = todo.pop()
+        for inc in sorted(key_values(path, ("include",))):
+            target = os.path.normpath(os.path.join(os.path.dirname(path), os.path.expanduser(inc)))
+            real = os.path.realpath(target)
+            if real.startswith(inside) or real in seen:
+                continue
+            seen.add(real)
+            outside.append(real)
+            if os.path.isfile(real):
+                todo.append(real)
+    return sorted(outside)
+
+
+# ------------------------------------------------------------------------------------------------ the cache file
+def _cache_file(root: Path) -> Path | None:
+    folder = cache_dir()
+    if folder is None:
+        return None
+    ident = json.dumps([str(root.resolve()), _lm_eval_version(), sys.version_info[:2]])
+    return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
+
+
+def _load(path: Path, root: Path, key: dict, yamls: set[str] | None) -> tuple[list, list] | None:
+    """(deps, entries) stored in ``path`` for ``root`` under ``key``, or None when it is missing, stale or not
+    ours."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.info("task index cache %s unreadable (%s): rebuilding it", path, exc)
+        counters["rebuilt"] += 1
+        return None
+    try:
+        entries = _valid(data, root, key, yamls)
+    except (TypeError, ValueError, KeyError) as exc:
+        log.info("task index cache %s refused (%s): rebuilding it", path, exc)
+        counters["rebuilt"] += 1
+        return None
+    return entries
+
+
+def _valid(data, root: Path, key: dict, yamls: set[str] | None) -> tuple[list, list] | None:
+    """(deps, entries) if ``data`` is a well-formed index of ``root`` under ``key``; None when stale; raises when
+    malformed."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError("not an mpitp task index")
+    if data.get("root") != str(root.resolve()) or data.get("key") != key:
+        return None  # another tree or another state of it: stale, not broken
+    deps = data.get("deps")
+    if not isinstance(deps, list):
+        raise ValueError("deps is not a list")
+    if not _current(deps):
+        return None
+    entries = data["entries"]
+    if not isinstance(entries, list):
+        raise ValueError("entries is not a list")
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and e[0] and e[1] in _KINDS
+                and isinstance(e[3], list) and all(isinstance(t, str) for t in e[3])):
+            raise ValueError(f"bad entry {str(e)[:80]}")
+        rel = e[2]
+        if rel is None:
+            if e[1] != "TAG":
+                raise ValueError(f"{e[0]}: a {e[1]} without a YAML")
+            continue
+        if not isinstance(rel, str) or not rel.endswith(".yaml") or os.path.isabs(rel) or \
+                ".." in Path(rel).parts or (yamls is not None and rel not in yamls):
+            raise ValueError(f"{e[0]}: {str(rel)[:80]} is not a YAML of the tree")
+    return deps, entries
+
+
+def _save(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically: an O_EXCL temporary file in the same folder, then ``os.replace``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(data, fh, separators=(",", ":"))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:  # a read-only or full cache dir costs the next launch a rebuild, nothing else
+        log.info("task index cache %s not written: %s", path, exc)
+
+
+# ------------------------------------------------------------------------------------------------ one tree
+def _to_json(index: dict, root: Path) -> list:
+    out = []
+    for name, e in index.items():
+        rel = None if e.yaml_path is None else os.path.relpath(e.yaml_path, root)
+        out.append([name, e.kind.name, rel, sorted(e.tags)])
+    return out
+
+
+def _from_json(entries: list, root: Path) -> dict:
+    from lm_eval.tasks._index import Kind
+
+    cls = _lazy_entry_class()
+    return {name: cls(name=name, kind=Kind[kind], yaml_path=None if rel is None else root / rel, tags=set(tags))
+            for name, kind, rel, tags in entries}
+
+
+_tree_memo: dict = {}  # (root, key) -> entries: a process that builds several TaskManagers reads each file once
+
+
+def _state(root: Path, stock: bool) -> tuple[Path | None, dict, set[str] | None]:
+    """(the cache file for ``root`` or None when it is not cached, the key it must hold, the tree's YAMLs when they
+    were listed)."""
+    if stock and _installed(root.resolve()):
+        return _cache_file(root), {"lm_eval": _lm_eval_version(), "tree": "installed"}, None
+    digest, yamls = _tree_state(root)
+    path = _cache_file(root) if len(yamls) >= MIN_FILES else None
+    return path, {"lm_eval": _lm_eval_version(), "tree": digest}, yamls
+
+
+def _cached(root: Path, path: Path | None, key: dict, yamls: set[str] | None) -> list | None:
+    if path is None:
+        return None
+    memo_key = (str(root.resolve()), json.dumps(key, sort_keys=True))
+    deps, entries = _tree_memo.get(memo_key, (None, None))
+    if entries is not None and _current(deps):
+        return entries
+    data = _load(path, root, key, yamls)
+    if data is None:
+        return None
+    _tree_memo[memo_key] = data
+    return data[1]
+
+
+def _current(deps: list) -> bool:
+    """Whether every file outside the tree that it includes is as it was when the tree was indexed."""
+    return all(_stat(str(d[0])) == d for d in deps)
+
+
+def tree_index(root: str | os.PathLike, *, stock: bool = False) -> dict:
+    """``{name: Entry}`` of one tree, as ``TaskIndex.build([root])`` returns it, from the cache when it is current."""
+    from lm_eval.tasks._index import TaskIndex
+
+    root = Path(root)
+    path, key, yamls = _state(root, stock)
+    entries = _cached(root, path, key, yamls)
+    if entries is not None:
+        counters["hits"] += 1
+        return _from_json(entries, root)
+    counters["walks"] += 1
+    deps = [] if path is None or yamls is None else [_stat(p) for p in _external_includes(root, yamls)]
+    index = TaskIndex.build([root])
+    if path is not None:
+        entries = _to_json(index, root)
+        _save(path, {"format": FORMAT, "root": str(root.resolve()), "key": key, "deps": deps, "entries": entries})
+        _tree_memo[(str(root.resolve()), json.dumps(key, sort_keys=True))] = (deps, entries)
+    return index
+
+
+def is_cached(root: str | os.PathLike | None = None) -> bool:
+    """Whether lm-eval's tree (``root=None``) or ``root`` would be read from the cache now (the read is kept: the
+    next :func:`task_manager` does not read the file again)."""
+    stock = root is None
+    root = Path(_stock_dir() if stock else root)
+    if cache_dir() is None or not _supported():
+        return False
+    return _cached(root, *_state(root, stock)) is not None
+
+
+# ------------------------------------------------------------------------------------------------ the manager
+def merged_index(include_path=None, include_defaults: bool = True) -> dict:
+    """``TaskIndex.build`` of lm-eval's tree (unless ``include_defaults`` is false) then each include path, merged
+    as lm-eval merges them: a later tree's name replaces an earlier one's, with lm-eval's own warning."""
+    from lm_eval.tasks import _index as lm_index
+
+    trees = ([(_stock_dir(), True)] if include_defaults else []) + [(Path(p), False) for p in _paths(include_path)]
+    index: dict = {}
+    for root, stock in trees:
+        for name, entry in tree_index(root, stock=stock).items():
+            if name in index:
+                lm_index.log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                                     index[name].yaml_path)
+            index[name] = entry
+    return index
+
+
+def _paths(include_path) -> list:
+    if not include_path:
+        return []
+    return list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
+
+
+def task_manager(include_path=None, include_defaults: bool = True, metadata: dict | None = None):
+    """lm-eval's ``TaskManager(include_path=..., include_defaults=..., metadata=...)`` with its index from the cache
+    (lm-eval's own constructor when the cache is off or the installed lm-eval holds its index differently)."""
+    from lm_eval.tasks import TaskManager
+
+    if cache_dir() is None or not _supported():
+        counters["walks"] += len(_paths(include_path)) + bool(include_defaults)
+        return TaskManager(include_path=include_path or None, include_defaults=include_defaults, metadata=metadata)
+    index = merged_index(include_path, include_defaults)
+    tm = TaskManager(include_path=None, include_defaults=False, metadata=metadata)  # an empty index: no walk
+    tm.include_path = include_path or None
+    _adopt(tm, index)
+    return tm
+
+
+def _supported() -> bool:
+    """lm-eval 0.4 with the ``TaskIndex`` / ``TaskManager._index`` layout (0.4.10 and later, checked on 0.4.13)."""
+    if not _lm_eval_version().startswith("0.4."):
+        return False
+    try:
+        from lm_eval.tasks import TaskManager
+        from lm_eval.tasks._index import Entry, Kind, TaskIndex  # noqa: F401
+    except ImportError:
+        return False
+    names = TaskManager.__init__.__code__.co_names
+    return all(a in names for a in ("_index", "_all_tasks", "_all_subtasks", "_all_groups", "_all_tags")) and \
+        hasattr(TaskIndex, "build") and [f for f in Entry.__dataclass_fields__] == ["name", "kind", "yaml_path",
+                                                                                   "cfg", "tags"]
+
+
+def _adopt(tm, index: dict) -> None:
+    """Give ``tm`` ``index`` as ``TaskManager.__init__`` (lm-eval 0.4.13) sets it up after ``TaskIndex.build``."""
+    from lm_eval.tasks._index import Kind
+
+    tm._index = index
+    tm._all_tasks = sorted(index)
+    tm._all_subtasks = sorted(k for k, e in index.items() if e.kind in (Kind.TASK, Kind.PY_TASK))
+    tm._all_groups = sorted(k for k, e in index.items() if e.kind == Kind.GROUP)
+    tm._all_tags = sorted(k for k, e in index.items() if e.kind == Kind.TAG)
+
+
+_LAZY = None
+
+
+def _lazy_entry_class():
+    """lm-eval's ``Entry`` whose ``cfg`` is parsed from its YAML on first use, as ``TaskIndex.build`` parsed it."""
+    global _LAZY
+    if _LAZY is None:
+        from lm_eval.tasks._index import Entry, Kind
+        from lm_eval.tasks._yaml_loader import load_yaml
+
+        class CachedEntry(Entry):
+            @property
+            def cfg(self):
+                if self._cfg is None and self.yaml_path is not None and self.kind != Kind.TAG:
+                    self._cfg = load_yaml(self.yaml_path, resolve_func=False, recursive=True)
+                return self._cfg
+
+            @cfg.setter
+            def cfg(self, value):
+                self._cfg = value
+
+        _LAZY = CachedEntry
+    return _LAZY
