@@ -22,7 +22,7 @@ import pytest
 from support import OFFLINE_ENV, STORIES
 from support.launch import Launch, file_rows, inspect_diff
 from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi
-from support.nodes import launcher, namespace, require_nodes
+from support.nodes import launcher, namespace, require_nodes, set_link
 from support.parity import compare_requests, mpitp_requests, reference_requests
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multinode]
@@ -204,3 +204,37 @@ def test_slurm_submit_runs_a_two_node_step(tmp_path):
     diff = inspect_diff(tmp_path / "out" / "two.h5", tmp_path / "out" / "ref.h5")
     assert diff.returncode == 0, diff.stdout + diff.stderr
     print(f"SLURM two-node step (nodea:2,nodeb:2): submit --wait {took:.1f} s; inspect diff vs one node: same")
+
+
+@pytest.mark.openmpi
+def test_network_cut_ends_the_job(test_tasks, tmp_path):
+    """nodeb's interface goes down mid-run (--timeout 20): the job ends on its own, no traceback, and the rows landed
+    so far stay in the file. Who ends it depends on the launcher: under MPICH rank 0's deadline (one line naming the
+    phase; Hydra does not notice a silent node), under Open MPI prterun itself, which loses its ssh-connected daemon
+    on nodeb within seconds and names the node."""
+    out = tmp_path / "cut.h5"
+    args = _args(test_tasks, out, "--tp", "2")
+    args[args.index("--timeout") + 1] = "20"
+    try:
+        with Launch(4, args, env={"MPITP_TEST_STALL": "between_chunks:2"}, launcher=launcher(TWO_BY_TWO)) as job:
+            job.wait_rows(out)
+            seen = file_rows(out)[1]
+            t_cut = time.monotonic()
+            set_link("nodeb", up=False)
+            # rank 0 finishes the chunks it holds (2 s stalls each), then waits --timeout for nodeb's results
+            took = job.gone_within(t_cut, 90.0)
+            assert job.proc.returncode != 0, job.explain()
+    finally:
+        set_link("nodeb", up=True)
+    err = mpitp_stderr(job.stderr)
+    said = re.findall(r"mpitp: error: rank (\d+) on (\S+): timed out after 20 s in phase '([^']+)'", err)
+    if mpi_family() == "mpich":
+        assert said, job.explain()
+    else:
+        said = said or ["prterun: " + ("lost nodeb" if "nodeb" in job.stdout + job.stderr else "?")]
+        assert "nodeb" in job.stdout + job.stderr, job.explain()
+    assert "Traceback" not in err, job.explain()
+    status, kept = file_rows(out)
+    assert status == "running" and kept >= seen > 0, (status, kept, seen)
+    print(f"network cut ({mpi_family()}): every rank gone {took:.1f} s after nodeb's link went down "
+          f"(--timeout 20), said {said}, {kept} rows kept")

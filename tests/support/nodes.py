@@ -49,9 +49,13 @@ def launcher(per_node: dict[str, int]) -> list[str]:
         prefix = str(Path(mpiexec_path()).parent.parent)
         return [mpiexec_path(), "--prefix", prefix, "--mca", "plm_rsh_agent", str(SSH),
                 "--prtemca", "oob_tcp_if_include", SUBNET, "--mca", "btl_tcp_if_include", SUBNET,
-                "--host", hosts, "--map-by", "slot", "--oversubscribe", "-n", str(n), *[a for k in forward for a in ("-x", k)]]
+                "--host", hosts, "--map-by", "slot", "--oversubscribe", "-n", str(n),
+                *[a for k in forward for a in ("-x", k)]]
+    # The emulated nodes share one kernel, and UCX (MPICH's network module) would reach the other node's ranks
+    # through shared memory and cross-memory attach: node traffic goes over the bridge only with TCP alone, as
+    # between real nodes (a cut network then cuts it).
     return [mpiexec_path(), "-launcher", "ssh", "-launcher-exec", str(SSH), "-iface", BRIDGE, "-hosts", hosts,
-            "-n", str(n)]
+            "-genv", "UCX_TLS", "tcp,self", "-n", str(n)]
 
 
 def namespace(node: str) -> str:
