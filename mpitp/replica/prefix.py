@@ -404,8 +404,9 @@ def check_sharing(shard, enabled: bool = True) -> str | None:
     groups = _probe_groups(int(shard.head.vocab_size))
     plain = [a for g in groups for a in g.alone()]
     try:
-        ref = _probe_scores(shard, plain)
-        got, calls = _probe_scores(shard, groups, tree=True)
+        with shard.stats.uncounted():
+            ref = _probe_scores(shard, plain)
+            got, calls = _probe_scores(shard, groups, tree=True)
     except Exception as exc:  # noqa: BLE001 - whatever the model's forward does with a tree, it stays plain
         return f"off: {type(shard.model).__name__}'s forward does not take a packed tree ({type(exc).__name__}: " \
                f"{str(exc).splitlines()[0][:120] if str(exc) else ''})"
