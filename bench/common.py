@@ -33,7 +33,7 @@ STORIES = SHARED / "models" / "stories260K"
 BIN = ROOT / ".venv" / "bin"
 PYTHON = str(BIN / "python") if (BIN / "python").exists() else sys.executable
 MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else str(Path(sys.executable).parent / "mpiexec")
-TORCHRUN = str(BIN / "torchrun")
+TORCHRUN = str(BIN / "torchrun") if (BIN / "torchrun").exists() else str(Path(sys.executable).parent / "torchrun")
 DRIVER = str(BENCH / "_driver.py")
 
 SMALL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,

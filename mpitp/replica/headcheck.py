@@ -51,24 +51,26 @@ def tolerance(ref_lp: torch.Tensor, ref_logits: torch.Tensor, dtype: torch.dtype
 
 
 def _compare(head, h: torch.Tensor, ref_logits: torch.Tensor, dtype) -> tuple[float, float, str]:
-    """(largest |d log p|, largest |d| / tolerance) between the head path and the model's logits, over the full
-    log-softmax rows (gathered: probe only) and the scoring reductions (:meth:`VocabParallelHead.score`)."""
+    """(largest |d log p|, largest |d| / tolerance) between the head path and the model's logits, over this rank's
+    columns of the log-softmax rows (every TP rank checks its own: the verdict takes the worst rank; nothing is
+    gathered) and the scoring reductions (:meth:`VocabParallelHead.score`)."""
     ref_logits = ref_logits.float().reshape(-1, ref_logits.shape[-1])[:, : head.vocab_size]
     ref_lp = torch.log_softmax(ref_logits, dim=-1)
-    ours = torch.log_softmax(head.full_logits(h), dim=-1)
+    ours = head.local_log_softmax(h)
     g = torch.Generator().manual_seed(4321)
     targets = torch.randint(0, head.vocab_size, (h.shape[0],), generator=g).to(h.device)
     lp, _ = head.score(h, targets)
     tol = tolerance(ref_lp, ref_logits, dtype)
-    d_rows = (ours - ref_lp).abs()
+    cols = slice(head.offset, head.offset + ours.shape[1])
+    d_rows = (ours - ref_lp[:, cols]).abs()
     ref_t = ref_lp.gather(1, targets.unsqueeze(1)).squeeze(1)
     d_score = (lp - ref_t).abs()
     tol_t = tol.gather(1, targets.unsqueeze(1)).squeeze(1)
-    tol = torch.where(torch.isfinite(tol), tol, 1.0)
+    tol = torch.where(torch.isfinite(tol), tol, 1.0)[:, cols]
     tol_t = torch.where(torch.isfinite(tol_t), tol_t, 1.0)
     # Where the model's own logits are NaN/inf (a float16 overflow) nothing can be compared: the head path must be
     # non-finite there too, and the scoring's own NaN check names the request that meets it.
-    d_rows = torch.where(torch.isfinite(ref_lp), d_rows, torch.where(torch.isfinite(ours), float("inf"), 0.0))
+    d_rows = torch.where(torch.isfinite(ref_lp[:, cols]), d_rows, torch.where(torch.isfinite(ours), float("inf"), 0.0))
     d_score = torch.where(torch.isfinite(ref_t), d_score, torch.where(torch.isfinite(lp), float("inf"), 0.0))
     worst = max(float(d_rows.max()), float(d_score.max()))
     ratio = max(float((d_rows / tol).max()), float((d_score / tol_t).max()))
@@ -115,7 +117,8 @@ def check_head(shard, world_comm, timeout: float, skip: bool = False) -> float |
                         "step mpitp does not apply would give wrong log-likelihoods without an error", model_type)
         return None
     t0 = time.perf_counter()
-    local = _local_check(shard)
+    with shard.stats.uncounted():
+        local = _local_check(shard)
     parts = mpicomm.gather_obj(local, world_comm, root=0, timeout=timeout, phase="head check")
     verdict = None
     if parts is not None:

@@ -17,7 +17,7 @@ import torch
 
 from mpitp import testing
 from mpitp.replica.generation import GenerationState
-from mpitp.replica.prefix import group_rows, pack
+from mpitp.replica.prefix import next_batch, pack, plan
 from mpitp.replica.protocol import (
     OP_GEN_BEGIN,
     OP_GEN_END,
@@ -66,20 +66,13 @@ class ReplicaLeader:
 
         A row is lm-eval's ``(context + continuation)[-(max_length + 1):]``: the model reads all but the last token
         and the last ``n_targets`` tokens are scored, exactly as lm-eval's ``_loglikelihood_tokens`` slices them.
-        Rows sharing their context are scored as one tree when the shard allows it (:mod:`mpitp.replica.prefix`);
-        ``batch_size`` counts rows either way.
+        Rows sharing their context are scored as one tree when the shard allows it and the tree costs less
+        (:func:`mpitp.replica.prefix.plan`); ``batch_size`` counts rows either way.
         """
-        queue = deque(group_rows(rows, self.shard.share))
+        queue = deque(plan(rows, batch_size, self.shard.share, self.shard.flop_weights))
         out: list = [None] * len(rows)
         while queue:
-            batch, n_rows = [], 0
-            while queue and n_rows + len(queue[0].rows) <= batch_size:
-                batch.append(queue.popleft())
-                n_rows += len(batch[-1].rows)
-            if not batch:  # one context with more rows than a batch: a batch of them now, the rest next
-                head, rest = queue.popleft().split(batch_size)
-                queue.appendleft(rest)
-                batch, n_rows = [head], batch_size
+            batch, n_rows = next_batch(queue, batch_size)
             try:
                 results = self._score_batch(batch, n_rows)
             except _OOM as exc:

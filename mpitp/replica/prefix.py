@@ -15,11 +15,16 @@ keyword reaching every layer, nothing carried along the sequence outside attenti
 window or soft-cap -- is decided from numbers, not from a list of model types: :func:`check_sharing` scores a probe
 both ways once after loading, and a model that differs, raises, or calls the attention fewer times than it has
 layers scores plain rows. With pipeline stages (the stages' forwards take no such keyword) rows stay plain too.
+
+Whether rows that may share are packed as trees is decided per set of rows by :func:`plan`, from what each plan sends
+and computes (:class:`Cost`): a tree pads its batch to its whole length and masks its continuations' attention, which
+a short shared context does not pay back (rolling windows share only the token before each window: issue 31).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -51,10 +56,15 @@ class Group:
         return (Group(self.ctx, self.rows[:size], self.conts[:size]),
                 Group(self.ctx, self.rows[size:], self.conts[size:]))
 
+    def alone(self) -> list[Group]:
+        """Each row as a group of its own."""
+        return [Group(self.ctx, [r], [c]) for r, c in zip(self.rows, self.conts)]
 
-def group_rows(rows: list[tuple[list[int], int]], share: bool) -> list[Group]:
+
+def group_rows(rows: list[tuple[list[int], int]], share: bool, keep=None) -> list[Group]:
     """Rows ``(input plus last target, n_targets)`` grouped by their context ``tokens[:-n]`` (each alone when
-    ``share`` is off), longest packed sequence first (as plain rows are sorted longest first)."""
+    ``share`` is off), longest packed sequence first (as plain rows are sorted longest first). ``keep(group)``:
+    whether a group of several rows stays a tree; the rows of one it rejects are scored alone."""
     groups: dict = {}
     out = []
     for i, (toks, n) in enumerate(rows):
@@ -66,8 +76,117 @@ def group_rows(rows: list[tuple[list[int], int]], share: bool) -> list[Group]:
             out.append(g)
         g.rows.append(i)
         g.conts.append(list(cont))
+    if keep is not None:
+        out = [part for g in out for part in ([g] if len(g.rows) == 1 or keep(g) else g.alone())]
     out.sort(key=lambda g: -g.packed_len)
     return out
+
+
+def next_batch(queue, batch_size: int) -> tuple[list[Group], int]:
+    """Take the next batch off ``queue`` (a deque of groups): whole groups while their rows fit in ``batch_size``,
+    else the first ``batch_size`` rows of a group larger than a batch (its rest goes back first). Returns the batch
+    and its number of rows."""
+    batch, n_rows = [], 0
+    while queue and n_rows + len(queue[0].rows) <= batch_size:
+        batch.append(queue.popleft())
+        n_rows += len(batch[-1].rows)
+    if not batch:  # one context with more rows than a batch: a batch of them now, the rest next
+        head, rest = queue.popleft().split(batch_size)
+        queue.appendleft(rest)
+        batch, n_rows = [head], batch_size
+    return batch, n_rows
+
+
+# ------------------------------------------------------------------------------------------- what a plan costs
+PART_ROWS = 4  # continuations attended per call (TreeSpec's parts)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What scoring some rows costs: ``ints`` int64 values the leader broadcasts to its TP workers (the packed
+    batches), ``positions`` sequence positions the forwards compute (padding included: every layer's matmuls, and
+    transformers' TP all-reduces of the hidden states, scale with them), ``entries`` query-key pairs the attention
+    computes (a causal call counts its lower triangle, a masked one every pair), ``forwards`` batches."""
+
+    ints: int = 0
+    positions: int = 0
+    entries: int = 0
+    forwards: int = 0
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.ints + other.ints, self.positions + other.positions, self.entries + other.entries,
+                    self.forwards + other.forwards)
+
+    def flops(self, weights: tuple[float, float]) -> float:
+        """Multiply-adds per layer, roughly: ``weights`` = (per position, per attention entry)."""
+        return self.positions * weights[0] + self.entries * weights[1]
+
+
+def flop_weights(config) -> tuple[float, float]:
+    """Per layer, the multiply-adds of one position (attention projections + MLP) and of one attention entry
+    (scores and weighted values over all heads), from a text config: enough to rank two plans of the same rows."""
+    h = int(getattr(config, "hidden_size", 0) or 1)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * h)
+    return float(4 * h * h + 3 * h * inter), float(2 * h)
+
+
+def _causal(t: int) -> int:
+    return t * (t + 1) // 2
+
+
+def batch_cost(groups: list[Group]) -> Cost:
+    """The cost of one batch as :func:`pack` lays it out and :func:`tree_attention` (or, without a tree, the
+    model's causal attention) computes it."""
+    t = max(g.packed_len for g in groups)
+    b = len(groups)
+    n = sum(len(c) for g in groups for c in g.conts)
+    ctx = [len(g.ctx) if len(g.conts) > 1 else g.packed_len for g in groups]
+    branches = sorted(((len(c) - 1, cl) for g, cl in zip(groups, ctx) if len(g.conts) > 1 for c in g.conts
+                       if len(c) > 1), key=lambda x: -x[0])
+    if not branches:
+        entries = b * _causal(t)
+    else:
+        entries = b * _causal(max(ctx))
+        for i in range(0, len(branches), PART_ROWS):
+            part = branches[i : i + PART_ROWS]
+            emax = part[0][0]
+            entries += len(part) * emax * (max(cl for _, cl in part) + emax)
+    return Cost(packed_size(b, t, n, len(branches)), b * t, entries, 1)
+
+
+def plan_cost(groups: list[Group], batch_size: int) -> Cost:
+    """The cost of scoring ``groups`` in the batches :func:`next_batch` cuts."""
+    queue, total = deque(groups), Cost()
+    while queue:
+        total = total + batch_cost(next_batch(queue, batch_size)[0])
+    return total
+
+
+def _no_more(a: Cost, b: Cost, weights) -> bool:
+    return a.ints <= b.ints and a.flops(weights) <= b.flops(weights)
+
+
+def plan(rows: list[tuple[list[int], int]], batch_size: int, share: bool, weights=(1.0, 0.0)) -> list[Group]:
+    """The groups to score ``rows`` as: trees only where they cost less.
+
+    Sharing a context saves reading it once per extra row, but a tree is one long sequence (its context and every
+    continuation) that the batch's other sequences are padded to, its continuations attend with an explicit mask
+    (no causal fast path), and its tables travel with the ids. Rolling windows, whose "context" is the single token
+    before each window, gain one position per window and would lose all that. So a context is shared only when its
+    tree costs no more than its rows alone (ints sent, multiply-adds), and the trees are used only when the whole
+    plan costs no more than the plain one: scoring never sends or computes more than plain rows of the same
+    requests (``weights``: :func:`flop_weights`)."""
+    plain = group_rows(rows, share=False)
+    if not share:
+        return plain
+
+    def keep(g: Group) -> bool:
+        return _no_more(batch_cost([g]), sum((batch_cost([a]) for a in g.alone()), Cost()), weights)
+
+    trees = group_rows(rows, share=True, keep=keep)
+    if len(trees) == len(plain):
+        return plain
+    return trees if _no_more(plan_cost(trees, batch_size), plan_cost(plain, batch_size), weights) else plain
 
 
 def pack(groups: list[Group]) -> tuple[torch.Tensor, dict, list[int]]:
@@ -145,7 +264,7 @@ class TreeSpec:
     """
 
     def __init__(self, ctx_len: torch.Tensor, br_group: torch.Tensor, br_start: torch.Tensor, br_len: torch.Tensor,
-                 t: int, part_rows: int = 4):
+                 t: int, part_rows: int = PART_ROWS):
         dev = ctx_len.device
         self.b = ctx_len.numel()
         self.t = t
@@ -283,10 +402,11 @@ def check_sharing(shard, enabled: bool = True) -> str | None:
     if not install():
         return "off: transformers has no 'sdpa' attention function"
     groups = _probe_groups(int(shard.head.vocab_size))
-    plain = [Group(g.ctx, [r], [c]) for g in groups for r, c in zip(g.rows, g.conts)]
+    plain = [a for g in groups for a in g.alone()]
     try:
-        ref = _probe_scores(shard, plain)
-        got, calls = _probe_scores(shard, groups, tree=True)
+        with shard.stats.uncounted():
+            ref = _probe_scores(shard, plain)
+            got, calls = _probe_scores(shard, groups, tree=True)
     except Exception as exc:  # noqa: BLE001 - whatever the model's forward does with a tree, it stays plain
         return f"off: {type(shard.model).__name__}'s forward does not take a packed tree ({type(exc).__name__}: " \
                f"{str(exc).splitlines()[0][:120] if str(exc) else ''})"

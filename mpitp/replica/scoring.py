@@ -163,6 +163,16 @@ class VocabParallelHead:
             out[sl] = idx.long()
         return out
 
+    @torch.no_grad()
+    def local_log_softmax(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's columns ``[offset, offset + width)`` of the log-softmax rows for hidden states ``h`` [N, H]:
+        the normaliser from two reductions (max, sum of exp: 8 B per row), nothing gathered (the head check's
+        comparison; :meth:`full_logits` would all-gather 4 B per row and vocabulary entry)."""
+        logits = self.local_logits(h)
+        gmax = self.ops.max(logits.max(dim=-1).values.clone())
+        sumexp = self.ops.sum(torch.exp(logits - gmax.unsqueeze(-1)).sum(dim=-1))
+        return logits - (gmax + torch.log(sumexp)).unsqueeze(-1)
+
     def full_logits(self, h: torch.Tensor) -> torch.Tensor:
         """All-gathered logits [N, V]; only for sampling, where the full distribution is genuinely needed."""
         local = self.local_logits(h)

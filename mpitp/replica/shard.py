@@ -14,7 +14,7 @@ import torch
 from mpitp import testing
 from mpitp.replica.generation import chosen_token_logits
 from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, micro_batches
-from mpitp.replica.prefix import SPEC_KW, TreeSpec
+from mpitp.replica.prefix import SPEC_KW, TreeSpec, flop_weights
 from mpitp.replica.scoring import TPOps, VocabParallelHead
 from mpitp.replica.stats import Stats
 
@@ -42,6 +42,7 @@ class ReplicaShard:
         self.base = base_model(model)
         self.share = False  # rows sharing a context scored as trees (mpitp.replica.prefix.check_sharing sets it)
         self.attention_layers = 0  # set with it: the attention calls one forward makes
+        self.flop_weights = flop_weights(model.config.get_text_config())  # to weigh a tree against plain rows
         testing.install_forward_fault(getattr(self.base, "layers", None), layout.rank, lambda: self.stats.forwards)
 
     @torch.no_grad()

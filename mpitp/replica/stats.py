@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 
 from mpitp.replica.scoring import CommCounter
 
@@ -22,6 +23,19 @@ class Stats:
     tp_score: CommCounter = field(default_factory=CommCounter)
     pp: CommCounter = field(default_factory=CommCounter)
     mpi_bytes: int = 0
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """The start-up checks' traffic (head check, prefix-sharing probe) is none of the run's, as their forwards
+        are none of its forwards: the byte counters are put back as they were when the block ends. What the checks
+        send is fixed by the probes' sizes (tests/test_traffic.py holds it), whatever the workload."""
+        saved = {name: replace(getattr(self, name)) for name in ("tp", "tp_score", "pp")}
+        try:
+            yield
+        finally:
+            for name, was in saved.items():
+                now = getattr(self, name)  # the same object the collectives hold: reset in place
+                now.bytes, now.calls = was.bytes, was.calls
 
     def as_dict(self) -> dict:
         return dict(busy_s=self.busy_s, requests=self.requests, tokens_scored=self.tokens_scored,

@@ -15,9 +15,10 @@ Schema (stable; extend, don't break):
   str, ``n_tokens`` int32, ``args_hash`` str (the resume key with task, doc_id and idx). Rows are appended as chunks
   complete, so their order is completion order; sort by (doc_id, idx) to compare.
 - ``/stats``: one row per DP group: ``dp_rank``, ``busy_s``, ``requests``, ``tokens_scored``, ``tokens_generated``,
-  ``forwards``, ``tp_bytes`` (all TP traffic this group's leader sent), ``tp_score_bytes`` (the scoring reductions
-  alone), ``mpi_bytes`` (work and results between DP groups), ``pp_bytes`` (activations and scores all ranks of the
-  group sent between pipeline stages; 0 without stages). With stages, ``tp_score_bytes`` is the last stage's (where
+  ``forwards``, ``tp_bytes`` (all TP traffic this group's leader sent in the run's forwards; the start-up checks'
+  probes are not counted, as they count no forward), ``tp_score_bytes`` (the scoring reductions alone),
+  ``mpi_bytes`` (work and results between DP groups), ``pp_bytes`` (activations and scores all ranks of the group
+  sent between pipeline stages; 0 without stages). With stages, ``tp_score_bytes`` is the last stage's (where
   scoring happens). ``row_tokens`` are the input tokens of the rows scored, each row alone, ``tokens_read`` the
   ones the forwards read for them (fewer where rows sharing a context were scored as one tree,
   :mod:`mpitp.replica.prefix`; both absent from older files). ``requests`` counts a rolling request's windows as
