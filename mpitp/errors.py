@@ -113,6 +113,35 @@ def report_and_abort(exc: BaseException) -> None:
     abort(1)
 
 
+#: Seconds MPI_Finalize may take at the end of a command before the rank leaves without it. Finalize holds a
+#: barrier through the launcher (Hydra's PMI); a node whose network went away after the work was done would keep
+#: every rank in it forever, and mpi4py runs it at exit where no deadline applies.
+FINALIZE_WAIT_S = 30.0
+
+
+def finalize_within(seconds: float = FINALIZE_WAIT_S) -> None:
+    """Finalize MPI now (if this process started it), or leave with status 1 and one line after ``seconds``."""
+    try:
+        from mpi4py import MPI
+    except ImportError:  # pragma: no cover
+        return
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    import threading
+
+    def give_up():
+        _stderr().write(f"mpitp: error: rank {world_rank()} on {_node_name()}: MPI_Finalize did not complete within "
+                        f"{seconds:g} s (a node unreachable?); leaving without it, the results written are kept\n")
+        _stderr().flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()  # MPI_Finalize releases the GIL (mpi4py), so the timer runs while it waits
+    MPI.Finalize()
+    timer.cancel()
+
+
 def install_excepthook() -> None:
     """Make an uncaught exception on any rank abort the job instead of leaving the other ranks hanging."""
 

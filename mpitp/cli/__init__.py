@@ -20,7 +20,15 @@ import sys  # noqa: E402
 import click  # noqa: E402
 
 from mpitp import __version__  # noqa: E402
-from mpitp.errors import USAGE_EXIT, UsageError, abort, install_excepthook, report_and_abort, world_rank  # noqa: E402
+from mpitp.errors import (  # noqa: E402
+    USAGE_EXIT,
+    UsageError,
+    abort,
+    finalize_within,
+    install_excepthook,
+    report_and_abort,
+    world_rank,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,5 +77,8 @@ def main(argv=None) -> None:
         sys.exit(exc.exit_code)
     finally:  # also when the command ends by sys.exit (mpitp run, eval)
         finished()  # a late walltime signal must not kill a rank whose work is done
+        failing = sys.exc_info()[1]
+        if failing is None or isinstance(failing, SystemExit):  # a failure goes on to the excepthook's abort
+            finalize_within()  # bounded: a node lost after the work was done must not hold this rank forever
     if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
         sys.exit(code)

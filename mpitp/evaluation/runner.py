@@ -197,7 +197,9 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
                                        phase="gathering stats")
         if lay.is_root:
             _finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing)
-    mpicomm.barrier(rt.world.comm, None, phase="end of evaluation")  # rank 0 writes the file meanwhile
+    # Rank 0 computes lm-eval's metrics and writes the file meanwhile: bounded work, so a deadline. Without one a node
+    # whose network went away at the end held every rank here forever (the launcher kills dead ranks, not silent ones).
+    mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")
     return state["results"] if state else None
 
 
