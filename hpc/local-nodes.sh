@@ -194,7 +194,9 @@ status() {
 env_vars() {
     local hosts="" n
     for n in "${NODES[@]}"; do hosts+="${hosts:+ }$n"; done
-    echo "export MPITP_NODES_SSH=$DIR/ssh MPITP_NODES_IFACE=$BRIDGE MPITP_NODES_LIST='$hosts'"
+    # UCX (MPICH's network module) would reach the other nodes' ranks through the shared kernel's memory: TCP only,
+    # so node traffic crosses the bridge as between real nodes.
+    echo "export MPITP_NODES_SSH=$DIR/ssh MPITP_NODES_IFACE=$BRIDGE MPITP_NODES_LIST='$hosts' UCX_TLS=tcp,self"
 }
 
 case ${1:-} in
