@@ -116,6 +116,19 @@ def test_tp_group_spanning_nodes_is_refused(tmp_path):
     assert not (tmp_path / "x.h5").exists()
 
 
+@pytest.mark.openmpi
+def test_info_shows_the_nodes_and_their_addresses():
+    """``mpitp info`` under a two-node launch: one row per node with its ranks, the address it uses for traffic with
+    the other node (its bridge address, not the 127.0.1.1 its hostname resolves to) and the groups it holds."""
+    proc = run_mpi(4, ["info", "--tp", "2", "--pp", "2", "--timeout", "60"], launcher=launcher(TWO_BY_TWO), timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "world 4 = dp 1 x pp 2 x tp 2 on 2 node(s)" in proc.stdout, proc.stdout
+    rows = re.findall(r"^(node[ab])\s+2 \(([\d,]+)\)\s+(\S+) \((\w+)\)\s+(\S+)\s+(\S+)\s+(.+?)\s*$", proc.stdout,
+                      flags=re.M)
+    assert rows == [("nodea", "0,1", "10.77.0.10", "eth0", "0", "0", "0.0"),
+                    ("nodeb", "2,3", "10.77.0.11", "eth0", "0", "1", "0.1")], proc.stdout
+
+
 def _node_ranks(job: Launch, node: str) -> list[int]:
     """Global ranks of ``job`` whose process lives in ``node``'s namespace."""
     inside = set(int(p) for p in subprocess.run(["ip", "netns", "pids", namespace(node)], capture_output=True,
