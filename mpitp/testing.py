@@ -13,6 +13,8 @@ its variable is unset. The environment is read once per process (:func:`hooks`).
 ``MPITP_TEST_RAISE=<rank>:<forwards>``           :func:`check_raise`: that TP worker raises at a message boundary
 ``MPITP_TEST_RAISE_IN_FORWARD=<rank>:<n>[:oom]`` :func:`install_forward_fault`: that rank raises *inside* a forward
 ``MPITP_TEST_ALTER_HEAD=<factor>|nan``           :func:`alter_head`: the head's weights scaled after loading
+``MPITP_TEST_IO_REPORT=1``                       :func:`report_io`: each rank prints its ``/proc/self/io`` counters
+                                                 when the model is loaded (bench/README: bytes read per node)
 ===============================================  ==================================================================
 """
 
@@ -37,6 +39,7 @@ class Hooks:
     raise_at: tuple[int, int] | None = None
     raise_in_forward: tuple[int, int, bool] | None = None
     alter_head: float | None = None
+    io_report: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> Hooks:
@@ -56,7 +59,8 @@ class Hooks:
                    oom_above=int(oom) if oom else None,
                    raise_at=tuple(int(x) for x in raise_at.split(":")) if raise_at else None,
                    raise_in_forward=forward,
-                   alter_head=float(alter) if alter else None)
+                   alter_head=float(alter) if alter else None,
+                   io_report=env.get("MPITP_TEST_IO_REPORT", "") not in ("", "0"))
 
 
 @functools.cache
@@ -129,3 +133,23 @@ def alter_head(head) -> None:
     factor = hooks().alter_head
     if factor is not None and head is not None:
         head.weight = head.weight * factor
+
+
+def report_io(phase: str, world) -> None:
+    """Under ``MPITP_TEST_IO_REPORT`` print this rank's I/O counters (``rchar``: bytes through read()/pread(), page
+    cache hits included, memory-mapped reads not; ``read_bytes``: bytes this process had fetched from storage) as one
+    ``io:`` line on stderr, whatever the log level: what bench/README's per-node table sums."""
+    if not hooks().io_report:
+        return
+    import sys
+
+    import transformers.modeling_utils  # noqa: F401 - ~120 MB of rchar: imported first, so the counts are the model's
+
+    try:
+        with open("/proc/self/io") as f:
+            counters = dict(line.split(": ") for line in f.read().split("\n") if ": " in line)
+    except OSError:
+        counters = {}
+    fields = " ".join(f"{k}={counters.get(k, '?').strip()}" for k in ("rchar", "read_bytes"))
+    print(f"io: {phase}: rank={world.rank} node={world.node_name} local_rank={world.local_rank} {fields}",
+          file=sys.stderr, flush=True)

@@ -66,7 +66,7 @@ def eval_main(argv: list[str]) -> None:
     install(world.rank)
     # torch starts after rank 0's checks (run_eval, run_sweep, run_watch): a refused run costs one rank's start-up.
     rt = start(tp=opts["tp"], pp=opts["pp"], device=opts["device"], threads=opts["threads"], timeout=opts["timeout"],
-               world=world, init_torch=False, iface=opts.get("iface"))
+               world=world, init_torch=False, iface=opts.get("iface"), stage_dir=opts.get("stage_dir"))
     try:
         if cfg.demo:
             cfg = demo_config(cfg, rt)

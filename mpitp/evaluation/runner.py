@@ -108,6 +108,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
     from mpitp.evaluation.quiet import quiet_integration
     from mpitp.replica.loading import load_model
+    from mpitp.replica.staging import staged_model
 
     quiet_integration(cfg.verbosity, rt.world.rank == 0)
     t_start = time.perf_counter()
@@ -118,16 +119,19 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     out, tokenizer = agree(lambda: check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
     phases = {"checks": time.perf_counter() - t_start}
     start_torch(rt)
+    testing.report_io("before loading", rt.world)
+    source = staged_model(cfg.model, rt.stage_dir, rt.world, rt.timeout, cfg.revision, cfg.subfolder)
     if lay.pp > 1:
         from mpitp.replica.pipeline import describe_split, load_stage, num_layers
 
-        model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+        model = load_stage(source, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
                            **cfg.load_kwargs())
         if lay.is_root:
             log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
     else:
-        model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+        model = load_model(source, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
                            **cfg.load_kwargs())
+    testing.report_io("model loaded", rt.world)
     mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
     phases["load"] = time.perf_counter() - t_start - phases["checks"]
     try:

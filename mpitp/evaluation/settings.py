@@ -494,6 +494,11 @@ RUNTIME = (
         "--iface", group=LAYOUT, default=None, metavar="NAME",
         help="Network interface between nodes (gloo, NCCL, the rendezvous); sets MPITP_IFACE (default: the "
              "host name's address unless loopback, else the first physical interface).")),
+    RuntimeSetting("stage_dir", None, yaml_string, cli(
+        "--stage-dir", group=LAYOUT, default=None, metavar="DIR",
+        help="Node-local directory: one rank per node copies a local model there before loading, the node's "
+             "other ranks wait, every rank loads the copy; reused while the model is unchanged. ~, $VARS and {node} "
+             "are expanded on each node (default: MPITP_STAGE_DIR, else load in place).")),
     RuntimeSetting("device", None, yaml_string),  # on the command line: lm-eval's own --device
     RuntimeSetting("watch", None, None, cli(
         "--watch", group=SWEEPS, default=None, metavar="DIR",

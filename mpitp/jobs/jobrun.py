@@ -101,7 +101,7 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             cfg.resume = state == "running"
             rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                        timeout=spec.timeout or timeout, world=world, init_torch=False,  # torch after the checks
-                       iface=spec.iface)
+                       iface=spec.iface, stage_dir=spec.stage_dir)
             if cfg.demo:
                 from mpitp.cli.evaluate import demo_config
 

@@ -30,6 +30,7 @@ class Runtime:
     threads: int
     timeout: float
     replica_group: ReplicaGroup | None = field(default=None)
+    stage_dir: str | None = None  # --stage-dir: where each node copies a local model before loading (None: in place)
 
 
 class _RankFilter(logging.Filter):
@@ -79,7 +80,8 @@ def agree(check, comm, timeout: float, phase: str):
 
 def start(tp: int = 1, device: str | None = None, threads: int | None = None,
           timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True,
-          world: World | None = None, pp: int = 1, iface: str | None = None) -> Runtime:
+          world: World | None = None, pp: int = 1, iface: str | None = None,
+          stage_dir: str | None = None) -> Runtime:
     """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments.
 
     Pass ``world`` to reuse one (a job file runs several layouts, one after another, in the same MPI world).
@@ -87,6 +89,8 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
     imported, so rank 0 can refuse bad input before the other ranks spend seconds of a shared CPU starting torch
     (:func:`start_torch` then finishes the job). ``iface`` names the network interface between nodes: it becomes
     ``MPITP_IFACE`` (:mod:`mpitp.parallel.netaddr`), which the torch world reads when a replica spans nodes.
+    ``stage_dir`` (else ``MPITP_STAGE_DIR``) is where each node copies the model before loading
+    (:mod:`mpitp.replica.staging`).
     """
     if iface:
         os.environ["MPITP_IFACE"] = iface
@@ -96,7 +100,7 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
     except UsageError as exc:
         raise UsageError(str(exc), collective=True) from None
     rt = Runtime(world=world, layout=layout, device=device, threads=threads or world.default_threads,
-                 timeout=timeout)
+                 timeout=timeout, stage_dir=stage_dir or os.environ.get("MPITP_STAGE_DIR") or None)
     if init_torch:
         start_torch(rt)
     return rt
