@@ -78,7 +78,9 @@ def main(argv=None) -> None:
     finally:  # also when the command ends by sys.exit (mpitp run, eval)
         finished()  # a late walltime signal must not kill a rank whose work is done
         failing = sys.exc_info()[1]
-        if failing is None or isinstance(failing, SystemExit):  # a failure goes on to the excepthook's abort
+        # Only as the process's own command (the console script, python -m mpitp): a caller that passes argv
+        # (bench drivers) goes on using MPI. A failure goes on to the excepthook's abort instead.
+        if argv is None and (failing is None or isinstance(failing, SystemExit)):
             finalize_within()  # bounded: a node lost after the work was done must not hold this rank forever
     if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
         sys.exit(code)
