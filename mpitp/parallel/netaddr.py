@@ -5,7 +5,7 @@ Resolving the host name is not enough: Debian-style ``/etc/hosts`` maps it to 12
 which another node cannot reach (it waited until ``--timeout``), and gloo itself binds to what the host name resolves
 to unless ``GLOO_SOCKET_IFNAME`` names an interface. One setting names the node network: ``MPITP_IFACE`` (``--iface``
 in ``mpitp eval``/``run``, ``iface:`` in job files, written into the scripts ``mpitp submit`` generates).
-:func:`choose_address` is the pure rule (tested case by case); :func:`store_address` feeds it this host's facts.
+:func:`choose_address` is the pure rule (tested case by case); :func:`use_node_network` feeds it this host's facts.
 """
 
 from __future__ import annotations
@@ -89,10 +89,6 @@ def host_addresses() -> list[str]:
         return []
 
 
-def store_address() -> str:
-    return choose_address(interface_addresses(), host_addresses(), dict(os.environ))
-
-
 def interface_of(addr: str, interfaces: dict[str, list[str]] | None = None) -> str | None:
     """The name of this host's interface that holds ``addr`` (None when none does)."""
     interfaces = interface_addresses() if interfaces is None else interfaces
@@ -113,9 +109,9 @@ def node_network() -> tuple[str, str | None]:
 def use_node_network() -> str:
     """Point gloo (and NCCL, where ``MPITP_IFACE`` names the interface) at the node network before a torch world
     that spans nodes starts; returns the address other nodes reach this rank at. Variables already set win."""
-    addr, iface = node_network()
-    if addr == "-":
-        choose_address(interface_addresses(), host_addresses(), dict(os.environ))  # raises, naming the setting
+    interfaces = interface_addresses()
+    addr = choose_address(interfaces, host_addresses(), dict(os.environ))  # raises, naming the setting
+    iface = interface_of(addr, interfaces)
     if iface and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = iface  # else gloo binds to what the host name resolves to (127.0.1.1)
     if os.environ.get("MPITP_IFACE"):

@@ -55,14 +55,6 @@ def spans_nodes(layout: Layout) -> bool:
     return len({node[r] for r in layout.replica_ranks}) > 1
 
 
-def _store_address(layout: Layout) -> str:
-    if not spans_nodes(layout):
-        return LOOPBACK
-    from mpitp.parallel.netaddr import store_address
-
-    return store_address()  # not the host name's resolution: 127.0.1.1 on Debian-style /etc/hosts
-
-
 def init_replica_group(layout: Layout, device: str, timeout: float) -> ReplicaGroup:
     """Initialise torch.distributed for this rank's replica (no-op for one rank). Collective over the replica."""
     backend = backend_for(device)
@@ -76,12 +68,12 @@ def init_replica_group(layout: Layout, device: str, timeout: float) -> ReplicaGr
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     td = timedelta(seconds=timeout)
     comm, rank = layout.replica_comm, layout.replica_rank
+    addr = LOOPBACK  # the store's, when the whole replica is on one node (always so for pp=1)
     if spans_nodes(layout):  # every rank, before gloo binds its sockets: the node network, not the host name's
         from mpitp.parallel.netaddr import use_node_network
 
-        use_node_network()
+        addr = use_node_network()  # not the host name's resolution: 127.0.1.1 on Debian-style /etc/hosts
     if rank == 0:
-        addr = _store_address(layout)
         store = dist.TCPStore(addr, 0, world_size=size, is_master=True, timeout=td, wait_for_workers=False)
         where = (addr, store.port)
     else:
