@@ -186,3 +186,39 @@ def test_command_line_limit_refusals(value, message):
     with pytest.raises(UsageError) as info:
         _cli_config("--limit", value)
     assert str(info.value) == message
+
+
+def test_every_setting_is_described_in_help():
+    """Every setting has a one-line description, and ``mpitp eval --help`` shows it: as the help of mpitp's own
+    option or of lm-eval's flag of that name, or in the epilog for the few that no option sets by itself. A new
+    setting without one fails here (and ``setting()`` refuses to declare one without ``doc``)."""
+    from mpitp.evaluation.lmeval_args import help_text
+    from mpitp.evaluation.settings import RUNTIME, setting_docs
+
+    described = [(f.name, f.metadata["doc"]) for f in eval_settings()] + [(s.name, s.doc) for s in RUNTIME]
+    for name, doc in described:
+        assert isinstance(doc, str) and doc.strip() and "\n" not in doc and len(doc) <= 300, (name, doc)
+    assert {name for name, _ in described} == set(setting_docs())
+    squeeze = "".join  # argparse rewraps help text (and breaks lines after hyphens): compare without whitespace
+    shown = squeeze(help_text().split())
+    missing = [name for name, doc in setting_docs().items() if squeeze(doc.rstrip(".").split()) not in shown]
+    assert not missing, missing
+
+
+def test_job_file_readers_follow_the_declared_types():
+    """lm-eval-named settings are read by their real types (``bool | None`` a flag that may stay unset, ``int |
+    None`` a count, ``dict | None`` a mapping), not by matching the annotation's text."""
+    from mpitp.evaluation.setting_values import BadValue, yaml_bool, yaml_mapping, yaml_string
+    from mpitp.evaluation.settings import from_evaluator_config, lm_eval_job_fields
+
+    readers = lm_eval_job_fields()
+    assert readers["fewshot_as_multiturn"] is yaml_bool and readers["predict_only"] is yaml_bool
+    assert readers["metadata"] is yaml_mapping and readers["model_args"] is yaml_mapping
+    assert readers["verbosity"] is yaml_string and readers["output_path"] is yaml_string
+    assert readers["max_batch_size"](4) == 4
+    with pytest.raises(BadValue):
+        readers["max_batch_size"](0)
+    by_name = {f.name: f for f in lm_eval_named()}
+    assert from_evaluator_config(by_name["trust_remote_code"], 0) is False
+    assert from_evaluator_config(by_name["fewshot_as_multiturn"], None) is None
+    assert from_evaluator_config(by_name["metadata"], {}) is None

@@ -19,18 +19,21 @@ import os
 import re
 
 from mpitp.errors import UsageError
-from mpitp.evaluation.settings import (
+from mpitp.evaluation.setting_values import (
     BadValue,
     batch_size_value,
     cli_batch_size,
     cli_int_at_least,
     cli_limit,
+    limit_value,
+)
+from mpitp.evaluation.settings import (
     cli_options,
     cli_runtime_dests,
     cli_setting_dests,
     from_evaluator_config,
-    limit_value,
     lm_eval_named,
+    setting_docs,
 )
 
 HF_BACKENDS = ("hf", "hf-auto", "huggingface")
@@ -72,32 +75,29 @@ NETWORK_ONLY = {
                            "network; the files are written under --output_path, push them from a login node",
 }
 
-HELP_NOTES = {
-    "model": "Model backend: hf (also hf-auto, huggingface; the model is model_args pretrained=...), or a model path "
-             "or hub id directly. Other lm-eval backends (vllm, openai-completions, ...) are refused.",
-    "model_args": "HFLM arguments as 'key=val,key2=val2', `key=val` `key2=val2` or JSON: pretrained, revision, dtype, "
-                  "tokenizer, trust_remote_code, max_length, add_bos_token, prefix_token_id, attn_implementation, "
-                  "subfolder, truncation, logits_cache, use_fast_tokenizer, think_end_token, enable_thinking, "
-                  "chat_template_args, softmax_dtype (float32: mpitp's log-softmax is float32). Refused by name: "
-                  + ", ".join(HFLM_REFUSED) + ".",
-    "batch_size": "Batch size per DP group: an integer, 'auto' (the largest size that fits, found per task and "
-                  "request-length bucket, agreed by every rank of a TP/PP group) or 'auto:N' (re-detect N times "
-                  "over the run). Default 1.",
-    "max_batch_size": "Largest batch size --batch_size auto may pick (default 64, as lm-eval).",
-    "device": "Device kind for every rank: cpu, cuda (each rank takes its node-local GPU; cuda:N means the same "
-              "under MPI). Default: cuda when available, else cpu.",
-    "use_cache": "Reuse model responses across runs: mpitp's own HDF5 request store at <path>.h5 (resumed when it "
-                 "exists; its settings must match) instead of lm-eval's per-rank sqlite files.",
-    "output_path": "Write lm-eval's files: <path>/<model>/results_<time>.json (and samples_<task>_<time>.jsonl "
-                   "with --log_samples), or <stem>_<time>.json for a .json path; the HDF5 file goes beside them "
-                   "unless --output is given.",
-    "hf_hub_log_args": "EvaluationTracker arguments; pushes to the Hub (push_results_to_hub, push_samples_to_hub) "
-                       "need the network and are refused.",
-    "verbosity": "Log level (DEBUG, INFO, WARNING, ERROR). Default: lm-eval's and transformers' messages about "
-                 "mpitp's own integration are hidden; DEBUG shows everything.",
-    "wandb_args": "Weights & Biases init arguments key=val key2=val2: rank 0 logs through lm-eval's WandbLogger "
-                  "(WANDB_MODE=offline works without network).",
+HELP_DETAILS = {
+    "model": "Backends: hf (also hf-auto, huggingface); other lm-eval backends (vllm, openai-completions, ...) are "
+             "refused.",
+    "model_args": "Accepted: pretrained, revision, dtype, tokenizer, trust_remote_code, max_length, add_bos_token, "
+                  "prefix_token_id, attn_implementation, subfolder, truncation, logits_cache, use_fast_tokenizer, "
+                  "think_end_token, enable_thinking, chat_template_args, softmax_dtype (float32: mpitp's log-softmax "
+                  "is float32). Refused by name: " + ", ".join(HFLM_REFUSED) + ".",
+    "tasks": "Groups and tags as in lm-eval ('lm-eval ls tasks' lists them).",
+    "batch_size": "'auto' is the largest size that fits, found per task and request-length bucket, agreed by every "
+                  "rank of a TP/PP group; 'auto:N' re-detects N times over the run.",
+    "device": "Each rank takes its node-local GPU; cuda:N means the same under MPI.",
+    "use_cache": "Resumed when it exists (its settings must match), instead of lm-eval's per-rank sqlite files.",
+    "output_path": "Files: <path>/<model>/results_<time>.json (and samples_<task>_<time>.jsonl with --log_samples), "
+                   "or <stem>_<time>.json for a .json path; --output puts the HDF5 file elsewhere.",
+    "verbosity": "By default lm-eval's and transformers' messages about mpitp's own integration are hidden; DEBUG "
+                 "shows everything.",
+    "wandb_args": "As key=val key2=val2, through lm-eval's WandbLogger (WANDB_MODE=offline works without network).",
+    "seed": "Pass 'None' in a slot to leave that seed unset (e.g. --seed 0,None,8,52).",
+    "gen_kwargs": "Values are read with ast.literal_eval.",
+    "samples": "For example '{\"task1\": [0,1,2]}'; incompatible with --limit.",
 }
+"""What ``mpitp eval --help`` says after a setting's one-line description (:func:`settings.setting_docs`) for
+lm-eval's flag of that name: the details of mpitp's reading of it."""
 
 
 class _Exit(Exception):
@@ -158,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.epilog = ("examples:\n  mpirun -n 4 mpitp eval --model hf --model_args pretrained=gpt2,dtype=float32 "
                 "--tasks hellaswag --batch_size auto --output_path out/ --log_samples --tp 2\n"
                 "  mpirun -n 2 mpitp eval --model ./my-model --tasks arc_easy --num-fewshot 5 --output arc.h5")
+    docs = setting_docs()
     for action in p._actions:
-        if action.dest in HELP_NOTES:
-            action.help = HELP_NOTES[action.dest]
+        if action.dest in docs:  # lm-eval's flag for a setting: the setting's description, then mpitp's details
+            action.help = " ".join(filter(None, (docs[action.dest], HELP_DETAILS.get(action.dest))))
         if action.dest == "batch_size":
             action.type = cli_batch_size
         elif action.dest == "limit":
@@ -171,7 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
             action.type = cli_int_at_least(0)
     _add_mpitp_options(p)
     _add_dash_aliases(p)
+    p.epilog += _no_option_help(p, docs)
     return p
+
+
+def _no_option_help(p: argparse.ArgumentParser, docs: dict[str, str]) -> str:
+    """The settings no option sets by itself (taken from --model and --model_args, recorded in the results file),
+    each with its description, so that ``--help`` describes every setting."""
+    dests = {a.dest for a in p._actions}
+    rest = [name for name in docs if name not in dests]
+    head = "\n\nsettings without an option of their own (from --model/--model_args; kept in the results file):"
+    return "".join([head] + [f"\n  {name}: {docs[name]}" for name in rest]) if rest else ""
 
 
 def help_text() -> str:

@@ -5,261 +5,44 @@ job file's YAML value is read (``job=``), and which of mpitp's own command-line 
 declaration come the job-file schema (:mod:`mpitp.jobs.jobfile`: its fields, checkers, nullability and ``RunSpec``),
 a job run's :class:`EvalConfig` (:mod:`mpitp.jobs.jobrun`), mpitp's options of ``mpitp eval``
 (:mod:`mpitp.evaluation.lmeval_args`; lm-eval's own flags come from lm-eval's parser) and the resume identity
-(:meth:`EvalConfig.identity`). A new setting is one field here.
+(:meth:`EvalConfig.identity`). A new setting is one field here, with a one-line ``doc``: the help of its option in
+``mpitp eval --help`` (mpitp's own option, or lm-eval's flag of that name), or, for the few set only through
+``--model_args``, a line of the help's epilog; a test fails on a setting without one.
 
-The rules a value follows are shared by every source (:func:`limit_value` is lm-eval's reading of ``--limit``,
-:data:`DTYPES` the loader's); only the wording of a refusal differs, each in its source's style (argparse's
-``--flag: must be ...`` on the command line, ``field 'x': expected ...`` in job files). This module imports no
-heavy library: a job file is checked on a login node in well under a second.
+The rules a value follows, and their YAML and command-line readers, are in :mod:`mpitp.evaluation.setting_values`.
+This module imports no heavy library: a job file is checked on a login node in well under a second.
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import math
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mpitp.replica.loading import DTYPES
+from mpitp.evaluation.setting_values import (
+    DTYPES,
+    cli_int_at_least,
+    cli_positive_float,
+    yaml_batch_size,
+    yaml_bool,
+    yaml_dtype,
+    yaml_gen_kwargs,
+    yaml_int_at_least,
+    yaml_limit,
+    yaml_mapping,
+    yaml_output,
+    yaml_string,
+    yaml_tasks,
+    yaml_timeout,
+)
 
 ALWAYS = "always"
 """In the resume identity always (the settings older files were written with)."""
 IF_SET = "if_set"
 """In the resume identity only when set: later settings, so files written before them still resume."""
 
-
-class BadValue(ValueError):
-    """A setting's value is refused; ``str()`` is the reason (the caller names the file, run and field or flag)."""
-
-
-class FrozenDict(dict):
-    """A read-only mapping that pickles (a job's runs are broadcast to every rank; ``MappingProxyType`` cannot be)."""
-
-    def _read_only(self, *args, **kwargs):
-        raise TypeError("a job file's settings are read-only")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
-
-    def __reduce__(self):
-        return (FrozenDict, (dict(self),))
-
-
-def thaw(value):
-    """A frozen job-file value as plain mutable Python (dicts, lists), so the callee may change its copy."""
-    if isinstance(value, dict):
-        return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [thaw(v) for v in value]
-    return value
-
-
-# ------------------------------------------------------------------------------------------- shared value rules
-
-
-def limit_value(v) -> int | float:
-    """lm-eval's ``--limit``: a number < 1 is a fraction of each task's documents, one >= 1 a count of documents
-    (``lm_eval.evaluator_utils.get_sample_size``: ``ceil(n * limit) if limit < 1.0 else int(limit)``), so 1.0 is
-    one document. A whole count is kept as an int (the same meaning, and the spelling resume identities use)."""
-    given = v
-    if isinstance(v, bool):
-        raise BadValue(f"expected a number, got {v!r}")
-    if not isinstance(v, (int, float)):
-        try:
-            v = float(v)
-        except (TypeError, ValueError):
-            raise BadValue(f"expected a number, got {v!r}") from None
-    if not v > 0:
-        raise BadValue(f"must be > 0, got {given}")
-    if v == math.inf:
-        raise BadValue(f"must be a finite number, got {given}")
-    return int(v) if v >= 1 and v == int(v) else v
-
-
-def batch_size_value(value) -> int | str:
-    """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N`` (N >= 1)."""
-    text = str(value).strip()
-    if text == "auto":
-        return "auto"
-    if text.startswith("auto:"):
-        n = text[5:]
-        if n.isdigit() and int(n) >= 1:
-            return f"auto:{int(n)}"
-        raise BadValue(f"expected auto:N with N a positive integer, got {value!r}")
-    try:
-        v = int(text)
-    except ValueError:
-        raise BadValue(f"expected a positive integer, 'auto' or 'auto:N', got {value!r}") from None
-    if v < 1:
-        raise BadValue(f"must be >= 1, got {value}")
-    return value if isinstance(value, int) else text  # as typed: lm-eval records the string it was given
-
-
-# ------------------------------------------------------------------------------- reading a job file's YAML value
-
-
-def show(value: Any) -> str:
-    if value is None:
-        return "an empty value"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def suggest(word: Any, options) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def yaml_string(v: Any) -> str:
-    if isinstance(v, str) and v.strip():
-        return v.strip()
-    hint = " (quote it in YAML)" if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
-    raise BadValue(f"expected a non-empty string, got {show(v)}{hint}")
-
-
-def yaml_int_at_least(lo: int, what: str) -> Callable[[Any], int]:
-    def check(v: Any) -> int:
-        if _is_int(v) and v >= lo:
-            return v
-        raise BadValue(f"expected {what}, got {show(v)}")
-    return check
-
-
-def yaml_dtype(v: Any) -> str:
-    if v in DTYPES:
-        return v
-    choices = ", ".join(repr(d) for d in DTYPES)
-    raise BadValue(f"expected one of {choices}, got {show(v)}{suggest(v, DTYPES)}")
-
-
-def yaml_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise BadValue(f"expected true or false, got {show(v)}")
-
-
-def yaml_limit(v: Any) -> int | float:
-    """:func:`limit_value`'s rule; YAML is typed, so a quoted number or a count with a fraction (1.5) is refused as
-    the slip it most likely is."""
-    ok = (_is_int(v) or isinstance(v, float)) and not isinstance(v, bool) and 0 < v < math.inf
-    if not ok or (v > 1 and v != int(v)):
-        raise BadValue(f"expected a positive integer (examples per task) or a fraction in (0, 1), got {show(v)}")
-    return limit_value(v)
-
-
-def yaml_timeout(v: Any) -> float:
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf:
-        return float(v)
-    raise BadValue(f"expected a positive number of seconds, got {show(v)}")
-
-
-def yaml_tasks(v: Any) -> tuple[str, ...]:
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list):
-        raise BadValue(f"expected a list of task names or a comma-separated string, got {show(v)}")
-    tasks: list[str] = []
-    for i, item in enumerate(items, 1):
-        if not isinstance(item, str):
-            raise BadValue(f"item {i}: expected a task name, got {show(item)}")
-        for task in (t.strip() for t in item.split(",")):
-            if not task:
-                raise BadValue(f"empty task name in {show(item)}")
-            if task in tasks:
-                raise BadValue(f"task {task!r} is listed twice")
-            tasks.append(task)
-    if not tasks:
-        raise BadValue("expected at least one task")
-    return tuple(tasks)
-
-
-def yaml_gen_kwargs(v: Any) -> str | FrozenDict:
-    """A string (``temperature=0,top_p=1``, read by lm-eval) or a mapping, which reaches lm-eval as the dict it is:
-    ``until: ["\\n\\n"]`` stays a list of stop strings."""
-    if isinstance(v, str):
-        return v.strip()
-    if not isinstance(v, dict):
-        raise BadValue(f"expected a string like 'temperature=0,top_p=1' or a mapping, got {show(v)}")
-    out: dict[str, Any] = {}
-    for key, val in v.items():
-        if not isinstance(key, str):
-            raise BadValue(f"key {show(key)}: expected a string key")
-        scalar = (str, int, float, bool)
-        if isinstance(val, list) and all(isinstance(x, scalar) for x in val):
-            val = tuple(val)
-        elif not isinstance(val, scalar):
-            raise BadValue(f"key {key!r}: expected a number, string, boolean or list of them, got {show(val)}")
-        out[key] = val
-    return FrozenDict(out)
-
-
-def yaml_output(v: Any) -> str:
-    v = yaml_string(v)
-    if not v.endswith((".h5", ".hdf5")):
-        raise BadValue(f"expected a path ending in .h5, got {show(v)}")
-    return v
-
-
-def yaml_batch_size(v: Any) -> int | str:
-    """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N``."""
-    if _is_int(v) and v >= 1:
-        return v
-    if isinstance(v, str) and (v == "auto" or (v.startswith("auto:") and v[5:].isdigit() and int(v[5:]) >= 1)):
-        return v
-    raise BadValue(f"expected a positive integer, 'auto' or 'auto:N', got {show(v)}")
-
-
-def yaml_mapping(v: Any) -> str | FrozenDict:
-    """An lm-eval dict setting (model_args, metadata, wandb_args ...): a mapping, or lm-eval's ``k=v,k2=v2``."""
-    if isinstance(v, str):
-        return v.strip()
-    if isinstance(v, dict):
-        return FrozenDict({k: (FrozenDict(x) if isinstance(x, dict) else x) for k, x in v.items()})
-    raise BadValue(f"expected a mapping or a string like 'key=value,key2=value2', got {show(v)}")
-
-
-# -------------------------------------------------------------------------------- reading a command-line value
-
-
-def _cli(parse: Callable[[Any], Any]) -> Callable[[str], Any]:
-    """A shared rule as an argparse ``type``: its refusal becomes ``--flag: reason``."""
-    def check(value: str):
-        try:
-            return parse(value)
-        except BadValue as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    check.__name__ = getattr(parse, "__name__", "value")
-    return check
-
-
-def cli_int_at_least(lo: int) -> Callable[[str], int]:
-    def check(value: str) -> int:
-        try:
-            v = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return v
-    return check
-
-
-def cli_positive_float(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
-    return v
-
-
-cli_limit = _cli(limit_value)
-cli_batch_size = _cli(batch_size_value)
 
 RESULTS = "mpitp: HDF5 results and offline data"
 LAYOUT = "mpitp: parallel layout"
@@ -278,10 +61,11 @@ def cli(*flags: str, group: str, shorthand: bool = False, **argparse_kwargs) -> 
 # ---------------------------------------------------------------------------------------------- the declaration
 
 
-def setting(default=None, *, factory: Callable[[], Any] | None = None, identity: str | None = None,
+def setting(default=None, *, doc: str, factory: Callable[[], Any] | None = None, identity: str | None = None,
             job: Callable[[Any], Any] | None = None, lm_eval: bool = False, cli: dict | None = None):
     """A field of :class:`EvalConfig` with what the rest of mpitp derives from it.
 
+    ``doc``: one line saying what the setting means, shown in ``mpitp eval --help`` (see :func:`help_for`).
     ``identity``: :data:`ALWAYS` or :data:`IF_SET` when the setting changes results (resume compares it).
     ``job``: the job-file field of that name and its YAML reader. ``lm_eval``: an lm-eval ``EvaluatorConfig`` field of
     that name, taken over with its meaning: ``mpitp eval`` copies it from lm-eval's parsed command line, a job file
@@ -290,7 +74,7 @@ def setting(default=None, *, factory: Callable[[], Any] | None = None, identity:
     ``cli``: mpitp's own ``mpitp eval`` option for it (lm-eval's flags come from lm-eval's parser, so they are not
     declared again here).
     """
-    meta = dict(identity=identity, job=job, lm_eval=lm_eval, cli=cli)
+    meta = dict(doc=doc, identity=identity, job=job, lm_eval=lm_eval, cli=cli)
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -304,77 +88,105 @@ class EvalConfig:
     :mod:`mpitp.evaluation.lmeval_args`); their defaults are lm-eval's, so older results files still resume.
     """
 
-    model: str | None = setting(identity=ALWAYS, job=yaml_string)
-    tasks: list[str] = setting(factory=list, identity=ALWAYS, job=yaml_tasks)
+    model: str | None = setting(identity=ALWAYS, job=yaml_string, doc=(
+        "The model: a local directory or hub id (--model PATH, or --model hf --model_args pretrained=PATH); a glob "
+        "or comma list of checkpoints is a sweep."))
+    tasks: list[str] = setting(factory=list, identity=ALWAYS, job=yaml_tasks, doc=(
+        "lm-eval task or group names, space- or comma-separated (task YAMLs of your own: --include_path)."))
     tokenizer: str | None = setting(identity=ALWAYS, job=yaml_string,
-                                    cli=cli("--tokenizer", group=SHORTHANDS, shorthand=True,
-                                            help="model_args tokenizer="))
+                                    doc="Tokenizer to load (default: the model's own).",
+                                    cli=cli("--tokenizer", group=SHORTHANDS, shorthand=True))
     revision: str | None = setting(identity=ALWAYS, job=yaml_string,
-                                   cli=cli("--revision", group=SHORTHANDS, shorthand=True,
-                                           help="model_args revision="))
+                                   doc="Hub revision (branch, tag or commit) of the model.",
+                                   cli=cli("--revision", group=SHORTHANDS, shorthand=True))
     dtype: str = setting("auto", identity=ALWAYS, job=yaml_dtype,
-                         cli=cli("--dtype", group=SHORTHANDS, shorthand=True, choices=DTYPES,
-                                 help="model_args dtype="))
-    num_fewshot: int | None = setting(identity=ALWAYS, job=yaml_int_at_least(0, "a non-negative integer"))
-    limit: int | float | None = setting(identity=ALWAYS, job=yaml_limit)
-    batch_size: int | str = setting(1, job=yaml_batch_size)
+                         doc="Weights' dtype (auto: as the checkpoint says).",
+                         cli=cli("--dtype", group=SHORTHANDS, shorthand=True, choices=DTYPES))
+    num_fewshot: int | None = setting(identity=ALWAYS, job=yaml_int_at_least(0, "a non-negative integer"),
+                                      doc="Few-shot examples in each prompt (default: each task's own).")
+    limit: int | float | None = setting(identity=ALWAYS, job=yaml_limit, doc=(
+        "Documents per task: a count from 1 (1.0 is one document), a fraction of each task below 1."))
+    batch_size: int | str = setting(1, job=yaml_batch_size, doc=(
+        "Batch size per DP group: an integer, 'auto' or 'auto:N' (default 1)."))
     max_length: int | None = setting(identity=ALWAYS, job=yaml_int_at_least(1, "a positive integer"),
+                                     doc="Longest context in tokens (default: the model's).",
                                      cli=cli("--max-length", group=SHORTHANDS, shorthand=True,
-                                             type=cli_int_at_least(2), help="model_args max_length="))
-    gen_kwargs: str | dict | None = setting(identity=ALWAYS, job=yaml_gen_kwargs)
-    apply_chat_template: bool | str = setting(False, identity=ALWAYS, job=yaml_bool)
-    include_path: str | list[str] | None = setting(job=yaml_string)
-    seed: int | list | None = setting(identity=ALWAYS, job=yaml_int_at_least(0, "a non-negative integer"))
-    output: str | None = setting(job=yaml_output, cli=cli(
-        "--output", group=RESULTS,
-        help="HDF5 results file (default: beside --output_path's files, else results/<model>-<time>.h5)."))
-    resume: bool = setting(False, cli=cli("--resume", group=RESULTS, action="store_true",
-                                          help="Continue an existing --output file."))
-    overwrite: bool = setting(False, cli=cli("--overwrite", group=RESULTS, action="store_true",
-                                             help="Replace an existing --output file."))
-    data_dir: str | None = setting(identity=ALWAYS, job=yaml_string,
-                                   cli=cli("--data-dir", group=RESULTS,
-                                           help="Serve stock tasks offline from DIR/<task>/<split>.jsonl."))
-    log_samples: bool = setting(False, job=yaml_bool)
-    demo: bool = setting(False, cli=cli("--demo", group=RESULTS, action="store_true",
-                                        help="Built-in offline demo: tiny random Llama, three small tasks."))
-    bootstrap_iters: int = setting(100000, cli=cli("--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0),
-                                                   help="Bootstrap iterations for stderr (default 100000, as "
-                                                        "lm-eval)."))
-    trust_remote_code: bool = setting(False, lm_eval=True)
+                                             type=cli_int_at_least(2)))
+    gen_kwargs: str | dict | None = setting(identity=ALWAYS, job=yaml_gen_kwargs, doc=(
+        "Generation arguments for generate_until tasks, as `temperature=0,until=[...]`, `key=val` `key2=val2` or "
+        "a mapping."))
+    apply_chat_template: bool | str = setting(False, identity=ALWAYS, job=yaml_bool, doc=(
+        "Wrap prompts in the tokenizer's chat template (optionally a template name)."))
+    include_path: str | list[str] | None = setting(job=yaml_string,
+                                                   doc="Additional directory of lm-eval task YAMLs.")
+    seed: int | list | None = setting(identity=ALWAYS, job=yaml_int_at_least(0, "a non-negative integer"), doc=(
+        "Random seeds (python, numpy, torch, few-shot): one integer for all four or four values (default "
+        "0,1234,1234,1234)."))
+    output: str | None = setting(job=yaml_output, cli=cli("--output", group=RESULTS), doc=(
+        "HDF5 results file (default: beside --output_path's files, else results/<model>-<time>.h5)."))
+    resume: bool = setting(False, cli=cli("--resume", group=RESULTS, action="store_true"),
+                           doc="Continue an existing --output file.")
+    overwrite: bool = setting(False, cli=cli("--overwrite", group=RESULTS, action="store_true"),
+                              doc="Replace an existing --output file.")
+    data_dir: str | None = setting(identity=ALWAYS, job=yaml_string, cli=cli("--data-dir", group=RESULTS),
+                                   doc="Serve stock tasks offline from DIR/<task>/<split>.jsonl.")
+    log_samples: bool = setting(False, job=yaml_bool, doc=(
+        "Keep every document's prompt, model output and scores (lm-eval's samples), in the results file too."))
+    demo: bool = setting(False, cli=cli("--demo", group=RESULTS, action="store_true"),
+                         doc="Built-in offline demo: tiny random Llama, three small tasks.")
+    bootstrap_iters: int = setting(100000, cli=cli("--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0)),
+                                   doc="Bootstrap iterations for stderr (default 100000, as lm-eval).")
+    trust_remote_code: bool = setting(False, lm_eval=True, doc=(
+        "Allow remote code from the Hugging Face Hub to run (a model's own Python, a dataset's script)."))
     no_prefix_sharing: bool = setting(False, job=yaml_bool, cli=cli(  # see mpitp.replica.prefix
-        "--no-prefix-sharing", group=RESULTS, action="store_true",
-        help="Score every row on its own, even where rows share their context (by default such rows are scored as "
-             "one tree, the context read once; same log-likelihoods up to rounding)."))
+        "--no-prefix-sharing", group=RESULTS, action="store_true"), doc=(
+        "Score every row on its own, even where rows share their context (by default such rows are scored as one "
+        "tree, the context read once; same log-likelihoods up to rounding)."))
     skip_head_check: bool = setting(False, cli=cli(  # see mpitp.replica.headcheck: what it risks is said when used
-        "--skip-head-check", group=RESULTS, action="store_true",
-        help="Do not compare the vocab-parallel head with the model's own logits on a probe after loading (saves "
-             "one small forward; risks wrong log-likelihoods for a model whose forward changes its logits in a way "
-             "mpitp does not apply)."))
-    model_source: str = setting("hf")
-    model_args: dict | None = setting(lm_eval=True)
-    hflm_args: dict | None = setting(identity=IF_SET)
-    attn_implementation: str | None = setting(identity=IF_SET)
-    subfolder: str | None = setting(identity=IF_SET)
-    max_batch_size: int | None = setting(lm_eval=True)
-    device: str | None = setting()
-    output_path: str | None = setting(lm_eval=True)
-    samples: dict | None = setting(identity=IF_SET, lm_eval=True)
-    use_cache: str | None = setting(lm_eval=True)
-    cache_requests: dict | None = setting(lm_eval=True)
-    check_integrity: bool = setting(False, lm_eval=True)
-    write_out: bool = setting(False, lm_eval=True)
-    system_instruction: str | None = setting(identity=IF_SET, lm_eval=True)
-    fewshot_as_multiturn: bool | None = setting(identity=IF_SET, lm_eval=True)
-    show_config: bool = setting(False, lm_eval=True)
-    verbosity: str | None = setting(lm_eval=True)
-    wandb_args: dict | None = setting(lm_eval=True)
-    wandb_config_args: dict | None = setting(lm_eval=True)
-    hf_hub_log_args: dict | None = setting(lm_eval=True)
-    trackio_args: dict | None = setting(lm_eval=True)
-    predict_only: bool = setting(False, identity=IF_SET, lm_eval=True)
-    confirm_run_unsafe_code: bool = setting(False, lm_eval=True)
-    metadata: dict | None = setting(identity=IF_SET, lm_eval=True)
+        "--skip-head-check", group=RESULTS, action="store_true"), doc=(
+        "Do not compare the vocab-parallel head with the model's own logits on a probe after loading (saves one "
+        "small forward; risks wrong log-likelihoods for a model whose forward changes its logits in a way mpitp "
+        "does not apply)."))
+    model_source: str = setting("hf", doc=(
+        "lm-eval's name of the model backend, recorded in lm-eval's output files (hf; from --model)."))
+    model_args: dict | None = setting(lm_eval=True, doc=(
+        "HFLM arguments as 'key=val,key2=val2', `key=val` `key2=val2` or JSON (pretrained=, dtype=, ...)."))
+    hflm_args: dict | None = setting(identity=IF_SET, doc=(
+        "The --model_args keys passed on to lm-eval's HFLM as they are (tokenisation, prompts, post-processing)."))
+    attn_implementation: str | None = setting(identity=IF_SET, doc=(
+        "transformers' attention implementation to load the model with (--model_args attn_implementation=)."))
+    subfolder: str | None = setting(identity=IF_SET, doc=(
+        "Subfolder of the model repository or directory holding the checkpoint (--model_args subfolder=)."))
+    max_batch_size: int | None = setting(lm_eval=True,
+                                         doc="Largest batch size --batch_size auto may pick (default 64, as lm-eval).")
+    device: str | None = setting(doc="Device kind for every rank: cpu or cuda (default: cuda when available).")
+    output_path: str | None = setting(lm_eval=True, doc=(
+        "Write lm-eval's own results (and samples) files under this path, the HDF5 file beside them."))
+    samples: dict | None = setting(identity=IF_SET, lm_eval=True, doc=(
+        "Documents to evaluate per task, as JSON mapping task names to document indices (instead of --limit)."))
+    use_cache: str | None = setting(lm_eval=True, doc=(
+        "Reuse model responses across runs: mpitp's own HDF5 request store at <path>.h5."))
+    cache_requests: dict | None = setting(lm_eval=True, doc=(
+        "lm-eval's cache of built requests: true, refresh or delete."))
+    check_integrity: bool = setting(False, lm_eval=True, doc="Run each task's own test suite first.")
+    write_out: bool = setting(False, lm_eval=True, doc="Print the prompts of the first few documents.")
+    system_instruction: str | None = setting(identity=IF_SET, lm_eval=True,
+                                             doc="System instruction put before every prompt.")
+    fewshot_as_multiturn: bool | None = setting(identity=IF_SET, lm_eval=True, doc=(
+        "Few-shot examples as a multi-turn conversation (on by default with --apply_chat_template)."))
+    show_config: bool = setting(False, lm_eval=True, doc="Print every task's full configuration at the end.")
+    verbosity: str | None = setting(lm_eval=True, doc="Log level: DEBUG, INFO, WARNING or ERROR.")
+    wandb_args: dict | None = setting(lm_eval=True, doc="Weights & Biases init arguments (rank 0 logs the run).")
+    wandb_config_args: dict | None = setting(lm_eval=True, doc="Weights & Biases config arguments.")
+    hf_hub_log_args: dict | None = setting(lm_eval=True, doc=(
+        "lm-eval's EvaluationTracker arguments (pushes to the Hub are refused: they need the network)."))
+    trackio_args: dict | None = setting(lm_eval=True, doc="Trackio init arguments (needs trackio installed).")
+    predict_only: bool = setting(False, identity=IF_SET, lm_eval=True, doc=(
+        "Keep the model's outputs only, without computing metrics (implies --log_samples)."))
+    confirm_run_unsafe_code: bool = setting(False, lm_eval=True, doc=(
+        "Confirm that tasks which execute generated code may run it."))
+    metadata: dict | None = setting(identity=IF_SET, lm_eval=True, doc=(
+        "Task metadata as `key=val` pairs or JSON, merged with model_args (some tasks need it, e.g. RULER)."))
 
     def identity(self) -> dict:
         """The settings that determine results: a resumed run must match them exactly."""
@@ -473,39 +285,44 @@ class RuntimeSetting:
     default: Any = None
     job: Callable[[Any], Any] | None = None
     cli: dict | None = None
+    doc: str = ""
+    """One line, shown in ``mpitp eval --help`` (a test fails on a setting without one)."""
 
 
 RUNTIME = (
     RuntimeSetting("tp", 1, yaml_int_at_least(1, "a positive integer"), cli(
-        "--tp", group=LAYOUT, type=cli_int_at_least(1), default=1,
-        help="Tensor-parallel degree; dp = world size / (tp x pp).")),
+        "--tp", group=LAYOUT, type=cli_int_at_least(1), default=1),
+        doc="Tensor-parallel degree; dp = world size / (tp x pp)."),
     RuntimeSetting("pp", 1, yaml_int_at_least(1, "a positive integer"), cli(
-        "--pp", group=LAYOUT, type=cli_int_at_least(1), default=1,
-        help="Pipeline stages per model replica (TP inside each stage).")),
+        "--pp", group=LAYOUT, type=cli_int_at_least(1), default=1),
+        doc="Pipeline stages per model replica (TP inside each stage)."),
     RuntimeSetting("threads", None, None, cli(
-        "--threads", group=LAYOUT, type=cli_int_at_least(1), default=None,
-        help="Torch threads per rank (default: cores per node / ranks per node).")),
+        "--threads", group=LAYOUT, type=cli_int_at_least(1), default=None),
+        doc="Torch threads per rank (default: cores per node / ranks per node)."),
     RuntimeSetting("timeout", None, yaml_timeout, cli(
         "--timeout", group=LAYOUT, type=cli_positive_float, default=lambda: float(_default_timeout()),
-        help=lambda: f"Seconds any rank waits for its peers (default {_default_timeout()}).")),
+        help=lambda: f"Seconds any rank waits for its peers while work is handed out (default "
+                     f"{_default_timeout()})."),
+        doc="Seconds any rank waits for its peers while work is handed out."),
     RuntimeSetting("log_all_ranks", False, None, cli(
-        "--log-all-ranks", group=LAYOUT, action="store_true", help="Log from every rank, each line with its rank.")),
+        "--log-all-ranks", group=LAYOUT, action="store_true"), doc="Log from every rank, each line with its rank."),
     RuntimeSetting("iface", None, yaml_string, cli(
-        "--iface", group=LAYOUT, default=None, metavar="NAME",
-        help="Network interface between nodes (gloo, NCCL, the rendezvous); sets MPITP_IFACE (default: the "
-             "host name's address unless loopback, else the first physical interface).")),
+        "--iface", group=LAYOUT, default=None, metavar="NAME"), doc=(
+        "Network interface between nodes (gloo, NCCL, the rendezvous); sets MPITP_IFACE (default: the host name's "
+        "address unless loopback, else the first physical interface).")),
     RuntimeSetting("stage_dir", None, yaml_string, cli(
-        "--stage-dir", group=LAYOUT, default=None, metavar="DIR",
-        help="Node-local directory: one rank per node copies a local model there before loading, the node's "
-             "other ranks wait, every rank loads the copy; reused while the model is unchanged. ~, $VARS and {node} "
-             "are expanded on each node (default: MPITP_STAGE_DIR, else load in place).")),
-    RuntimeSetting("device", None, yaml_string),  # on the command line: lm-eval's own --device
+        "--stage-dir", group=LAYOUT, default=None, metavar="DIR"), doc=(
+        "Node-local directory: one rank per node copies a local model there before loading, the node's other ranks "
+        "wait, every rank loads the copy; reused while the model is unchanged. ~, $VARS and {node} are expanded on "
+        "each node (default: MPITP_STAGE_DIR, else load in place).")),
+    RuntimeSetting("device", None, yaml_string,  # on the command line: lm-eval's own --device
+                   doc="Device kind for every rank: cpu or cuda (default: cuda when available)."),
     RuntimeSetting("watch", None, None, cli(
-        "--watch", group=SWEEPS, default=None, metavar="DIR",
-        help="Evaluate checkpoints (subdirectories of DIR) as they appear; resumable.")),
+        "--watch", group=SWEEPS, default=None, metavar="DIR"),
+        doc="Evaluate checkpoints (subdirectories of DIR) as they appear; resumable."),
     RuntimeSetting("watch_idle", 600.0, None, cli(
-        "--watch-idle", group=SWEEPS, type=cli_positive_float, default=600.0,
-        help="With --watch: stop after this many seconds without a new complete checkpoint (default 600).")),
+        "--watch-idle", group=SWEEPS, type=cli_positive_float, default=600.0),
+        doc="With --watch: stop after this many seconds without a new complete checkpoint (default 600)."),
 )
 
 
@@ -534,36 +351,62 @@ def lm_eval_named():
     return [f for f in eval_settings() if f.metadata.get("lm_eval")]
 
 
+def _hint(f):
+    """Setting ``f``'s annotation as a real type (``typing.get_type_hints``: this module's annotations are strings)."""
+    return typing.get_type_hints(EvalConfig)[f.name]
+
+
+def _types(f) -> tuple[type, ...]:
+    """The types setting ``f`` may hold, in declared order, None left out (``int | float | None`` -> ``(int,
+    float)``; ``list[str]`` -> ``(list,)``), from the real annotation: matching the annotation's text would take
+    ``FrozenDict`` for ``dict`` and depend on how a union happens to be spelt."""
+    hint = _hint(f)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return tuple(typing.get_origin(t) or t for t in (typing.get_args(hint) if union else (hint,))
+                 if t is not type(None))
+
+
 def from_evaluator_config(f, value):
     """``EvaluatorConfig``'s value for setting ``f`` in mpitp's spelling: a flag as a bool, an empty mapping as None."""
-    kind = str(f.type)
-    if kind == "bool":
+    if _hint(f) is bool:  # a plain flag; ``bool | None`` keeps None (lm-eval's "not given")
         return bool(value)
-    if "dict" in kind:
+    if dict in _types(f):
         return value or None
     return value
 
 
 def lm_eval_job_fields() -> dict[str, Callable[[Any], Any]]:
     """Job-file fields named as lm-eval's ``EvaluatorConfig`` fields, read with their meaning on the command line;
-    the YAML reader follows the field's type."""
+    the YAML reader follows the field's type (its first declared one, or a mapping where a dict is allowed)."""
     out = {}
     for f in lm_eval_named():
-        kind = str(f.type)
-        if "dict" in kind:
+        kinds = _types(f)
+        if dict in kinds:
             out[f.name] = yaml_mapping
-        elif kind.startswith("bool"):
+        elif kinds[0] is bool:
             out[f.name] = yaml_bool
-        elif kind.startswith("int"):
+        elif kinds[0] is int:
             out[f.name] = yaml_int_at_least(1, "a positive integer")
         else:
             out[f.name] = yaml_string
     return out
 
 
+def setting_docs() -> dict[str, str]:
+    """Every setting's one-line description by name (:class:`EvalConfig`'s fields, then :data:`RUNTIME`'s): the help
+    of the option of that name in ``mpitp eval --help``, mpitp's own or lm-eval's (``device`` is both a field and a
+    runtime setting, with one meaning)."""
+    out = {f.name: f.metadata["doc"] for f in eval_settings()}
+    for s in RUNTIME:
+        out.setdefault(s.name, s.doc)
+    return out
+
+
 def cli_options() -> list[tuple[str, dict]]:
-    """``(dest, cli(...))`` for each of mpitp's own ``mpitp eval`` options, in help-group order (a default or help
-    given as a function is computed now)."""
+    """``(dest, cli(...))`` for each of mpitp's own ``mpitp eval`` options, in help-group order. The help is the
+    setting's ``doc`` (a shorthand's says which model_args key it sets) unless the option gives its own; a default
+    or help given as a function is computed now."""
+    docs = setting_docs()
     found = [(s.name, s.cli) for s in RUNTIME if s.cli]
     for f in eval_settings():
         if f.metadata.get("cli"):  # a shorthand's absence must differ from its default: it is merged into model_args
@@ -573,6 +416,8 @@ def cli_options() -> list[tuple[str, dict]]:
     out = []
     for dest, spec in sorted(found, key=lambda item: CLI_GROUPS.index(item[1]["group"])):
         kwargs = {k: (v() if k in ("default", "help") and callable(v) else v) for k, v in spec["kwargs"].items()}
+        if "help" not in kwargs:
+            kwargs["help"] = docs[dest].rstrip(".") + (f" (model_args {dest}=)." if spec["shorthand"] else ".")
         out.append((dest, {**spec, "kwargs": kwargs}))
     return out
 

@@ -37,7 +37,16 @@ from typing import Any
 import yaml
 
 from mpitp.evaluation import settings
-from mpitp.evaluation.settings import DTYPES, BadValue, FrozenDict, show, suggest, thaw, yaml_string, yaml_tasks
+from mpitp.evaluation.setting_values import (
+    DTYPES,
+    BadValue,
+    FrozenDict,
+    show,
+    suggest,
+    thaw,
+    yaml_string,
+    yaml_tasks,
+)
 
 __all__ = ["DEMO_MODEL", "DTYPES", "Job", "JobFileError", "RunSpec", "load_job"]
 

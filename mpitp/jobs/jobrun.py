@@ -14,7 +14,8 @@ import time
 
 from mpitp.errors import UsageError
 from mpitp.evaluation.runner import run_eval
-from mpitp.evaluation.settings import EvalConfig, eval_settings, thaw
+from mpitp.evaluation.setting_values import thaw
+from mpitp.evaluation.settings import EvalConfig, eval_settings
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
