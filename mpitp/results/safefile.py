@@ -53,7 +53,7 @@ def new_mode(target: str | None = None) -> int:
         except OSError:
             st = None
         if st is not None and stat.S_ISREG(st.st_mode):
-            return stat.S_IMODE(st.st_mode)
+            return stat.S_IMODE(st.st_mode) & 0o777  # permissions only: no set-id or sticky bit carried over
     return 0o666 & ~umask()
 
 
