@@ -40,7 +40,7 @@ def frame(obj) -> bytes:
 
 
 class Journal:
-    """The writing side: one open file descriptor in append mode; :meth:`sync` makes what was written durable."""
+    """The writing side: one open file descriptor, written at its end (one writer); :meth:`sync` makes it durable."""
 
     def __init__(self, path: str, header: dict, mode: int | None = None):
         self.path = path
