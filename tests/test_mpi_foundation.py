@@ -59,11 +59,13 @@ def test_deadline_barrier_and_idle_cpu():
 
 
 def test_tp_all_reduce_stays_inside_each_group():
-    """runtime.start(tp=2) on 4 ranks: two independent gloo worlds; each all_reduce sums its own ranks only."""
+    """runtime.start(tp=2) on 4 ranks: two independent gloo worlds; each all_reduce sums its own ranks only; each
+    world's rendezvous store listens on loopback only."""
     proc = run_mpi_script(4, SCRIPTS / "tp_allreduce.py", ["2"], timeout=LAUNCH_TIMEOUT)
     _ok(proc, "tp_allreduce")
     # Values are 10**rank: group 0 (ranks 0, 1) sums to 11, group 1 (ranks 2, 3) to 1100, the world would be 1111.
     assert "group sums: [(0, 11), (1, 1100)], world sum 1111" in proc.stdout, explain(proc)
+    assert "store listens on ['127.0.0.1'] port " in proc.stdout, explain(proc)  # not *:port (issue 27)
 
 
 # --------------------------------------------------------------------------- failure containment

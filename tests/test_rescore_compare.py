@@ -99,7 +99,10 @@ def test_diff_paired_statistics(demo_run, tmp_path):
 
 def test_rescore_equals_original_metrics(demo_run, tmp_path):
     out = tmp_path / "rescored.h5"
-    proc = mpitp("rescore", demo_run["out"], "--output", out, cwd=tmp_path)
+    proc = mpitp("rescore", demo_run["out"], "--output", out, cwd=tmp_path)  # the run's task folder, not given
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        f"pass --include-path {demo_run['tasks']} (or other folders)"), explain(proc)
+    proc = mpitp("rescore", demo_run["out"], "--include-path", demo_run["tasks"], "--output", out, cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert "metrics: identical to the stored ones" in proc.stdout
     with h5py.File(demo_run["out"]) as f:

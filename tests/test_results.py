@@ -345,7 +345,7 @@ def test_existing_output_refused_then_overwritten(schema_run, tmp_path):
         for task in DEMO_TASKS:
             assert int(f[f"tasks/{task}"].attrs["n_docs"]) == 2
             assert "samples" not in f[f"tasks/{task}"]  # replaced, not merged with the old file
-    assert not list(tmp_path.glob("existing.h5.tmp*"))
+    assert not list(tmp_path.glob("existing.h5.tmp*")) + list(tmp_path.glob(".existing.h5.*.tmp"))
 
 
 # ---------------------------------------------------------------------------------------------- file locking

@@ -15,14 +15,17 @@ from mpitp.errors import UsageError
 @click.argument("file", metavar="FILE.h5")
 @click.option("--output", default=None, help="Write the rescored results to a new file (a copy with new metrics).")
 @click.option("--in-place", is_flag=True, help="Replace FILE's metrics with the rescored ones (atomically).")
-@click.option("--include-path", default=None, help="Task YAMLs to use instead of the run's include path.")
-@click.option("--data-dir", default=None, help="Offline data directory instead of the run's.")
+@click.option("--include-path", default=None,
+              help="The task YAML folder (code: required when the file names one; never taken from the file).")
+@click.option("--data-dir", default=None,
+              help="The offline data directory (required when the file names one; never taken from the file).")
 @click.option("--bootstrap-iters", type=click.IntRange(min=0), default=None,
               help="lm-eval's stderr bootstrap iterations (default: the run's).")
 def rescore_command(file, output, in_place, include_path, data_dir, bootstrap_iters):
     """Recompute lm-eval's metrics of FILE from its stored request results, without loading a model.
 
-    Refused (exit 2) when the task's requests changed: only filters and metrics may differ from the run.
+    Refused (exit 2) when the task's requests changed: only filters and metrics may differ from the run, and when
+    the file names task folders or data (--include-path, --data-dir) the user did not pass: they are code.
     """
     from lm_eval.utils import make_table
 

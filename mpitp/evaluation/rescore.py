@@ -7,6 +7,10 @@ change that
 alters the requests themselves (prompt template, few-shot, limit) finds requests missing and is refused, one line,
 exit 2: rerun those with ``mpitp eval --resume``.
 
+A results file is data, shared between people; a task folder is code (lm-eval imports the Python a YAML's
+``!function`` names). So the task folders (``--include-path``) and the offline data (``--data-dir``) come from the user
+only, never from the file: a file that recorded them is refused, one line naming them, until the user passes them.
+
 Without ``--output``/``--in-place`` it prints the new table and how the metrics moved; ``--output NEW.h5`` writes a
 copy of the file with the new metrics, per-document scores and lm-eval results; ``--in-place`` replaces the file
 (atomically: a temporary, then ``os.replace``).
@@ -94,14 +98,26 @@ def _config(path: str, include_path, data_dir):
         raise UsageError(f"cannot rescore {path}: not an mpitp results file (no config_json)", collective=True)
     saved = json.loads(attrs.get("eval_config_json") or attrs["config_json"])
     cfg = EvalConfig.from_saved(saved)
-    if include_path:
-        cfg.include_path = include_path
-    if data_dir:
-        cfg.data_dir = data_dir
+    unasked = [f"{flag} {_shown(value)}" for flag, value, given in (
+        ("--include-path", cfg.include_path, include_path), ("--data-dir", cfg.data_dir, data_dir))
+        if value and not given]
+    if unasked:
+        raise UsageError(f"cannot rescore {path}: the file names the task folders or data its run used "
+                         f"({'; '.join(unasked)}); task folders are code (a YAML's !function imports their Python), "
+                         f"so rescore takes them only from you: pass {' and '.join(unasked)} (or other folders)",
+                         collective=True)
+    cfg.include_path, cfg.data_dir = include_path or None, data_dir or None  # only what the user passed
     if cfg.apply_chat_template:
         raise UsageError(f"cannot rescore {path}: it was made with --apply-chat-template, which needs the "
                          "tokenizer's chat template to rebuild the requests (not supported yet)", collective=True)
     return cfg, attrs
+
+
+def _shown(value) -> str:
+    """A recorded path (or list of them) as the user would pass it back, quoted where a shell needs it."""
+    import shlex
+
+    return ",".join(shlex.quote(str(v)) for v in ([value] if isinstance(value, str) else value))
 
 
 def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | None = None):
@@ -147,12 +163,17 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
     import numpy as np
 
     from mpitp.results.docscores import write as write_scores
+    from mpitp.results.safefile import fsync_dir, new_mode, temp_beside
     from mpitp.results.schema import STR, h5_attr, open_h5
 
-    tmp = f"{dst}.tmp{os.getpid()}"
-    shutil.copyfile(src, tmp)
+    mode = new_mode(dst)  # in place: the file's own mode (a chmod 600 survives); a new --output: the umask's
+    fd, tmp = temp_beside(dst, 0o600)  # a new random name, never a link planted in a shared directory
     try:
+        with open(src, "rb") as inp, os.fdopen(os.dup(fd), "wb") as out:
+            shutil.copyfileobj(inp, out)
         with open_h5(tmp, "r+") as f:
+            if os.fstat(f.id.get_vfd_handle()).st_ino != os.fstat(fd).st_ino:
+                raise UsageError(f"cannot write {dst}: its temporary {tmp} was replaced while being written")
             for task, cfgd in res.get("configs", {}).items():
                 g = f.require_group(f"tasks/{task}")
                 n = res.get("n-samples", {}).get(task, {})
@@ -177,11 +198,16 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
             f.attrs["results_json"] = json.dumps(keep, default=str)
             f.attrs["status"] = "complete"
             f.attrs["rescored_from"] = os.path.abspath(src)
+        os.fsync(fd)
+        os.fchmod(fd, mode)
         os.replace(tmp, dst)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
         raise
+    finally:
+        os.close(fd)
+    fsync_dir(dst)
 
 
 def metric_changes(path: str, res: dict) -> list[str]:

@@ -26,6 +26,7 @@ import jinja2
 
 from mpitp.jobs.jobfile import Job, load_job
 from mpitp.parallel.walltime import STOP_EXIT
+from mpitp.results.safefile import script_mode, write_replace
 
 __all__ = ["SCHEDULERS", "SubmitError", "SubmitUsageError", "render_script", "script_path",
            "submit"]
@@ -111,6 +112,23 @@ def _mpitp_bin() -> str | None:
         return str(here)
     found = shutil.which("mpitp")
     return os.path.dirname(found) if found else None
+
+
+def _quoted_bin() -> str | None:
+    """The shell-quoted folder for the script's PATH, or None: ``shlex.quote`` turns a missing one into ``''``, and
+    ``PATH='':"$PATH"`` puts an empty entry, the job's working directory, first on PATH."""
+    folder = _mpitp_bin()
+    return shlex.quote(folder) if folder else None
+
+
+def _check_job_path(path: Path) -> None:
+    """The job file's path goes into the script's comment and command lines: a newline (any control character) in it
+    would end the comment and run the rest as a command, before the last ``#SBATCH``/``#PBS`` line."""
+    bad = sorted({c for c in str(path) if ord(c) < 32 or ord(c) == 127})
+    if bad:
+        raise SubmitUsageError(f"job file {str(path)!r}: its path contains control characters "
+                               f"({', '.join(repr(c) for c in bad)}), which a batch script cannot carry safely; "
+                               f"move or rename it")
 
 
 def linked_mpi() -> str | None:
@@ -240,6 +258,7 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
     }
 
     job = load_job(job_path)
+    _check_job_path(job.path)
     per_node = f"gpus-per-node {ranks_per_node}" if ranks_per_node == gpus_per_node else \
         f"ranks-per-node {ranks_per_node}"
     unit = "GPUs" if ranks_per_node == gpus_per_node else "ranks"
@@ -260,7 +279,7 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
         cpus_per_task=cpus_per_task, omp_threads=cpus_per_task or 1,
         ncpus=ranks_per_node * (cpus_per_task or 1),
         env_setup=(env_setup or "").strip("\n").rstrip() or None,
-        mpitp_bin=shlex.quote(_mpitp_bin()),
+        mpitp_bin=_quoted_bin(),
         launcher=launcher, srun_mpi=srun_mpi, srun_mpi_reason=srun_mpi_reason,
         requeue=bool(requeue), signal_grace=signal_grace, stop_exit=STOP_EXIT,
         run_args="".join(" " + shlex.quote(str(a)) for a in extra_args),
@@ -288,6 +307,16 @@ def script_path(job: Job, scheduler: str, script_dir: str | os.PathLike[str] | N
     """Where :func:`submit` writes the script: next to the outputs unless ``script_dir``."""
     folder = Path(script_dir).absolute() if script_dir else _log_dir(job)
     return folder / f"mpitp-{job.name}.{scheduler}.sh"
+
+
+def write_script(path: Path, text: str) -> None:
+    """Write the batch script as a new file (:mod:`mpitp.results.safefile`) with mode ``0o700 & ~umask``, replacing
+    a previous script atomically. Something else at ``path`` (a link, a folder) is refused: the script folder may be
+    shared, and a link planted there must not get the script written through it nor its target made executable."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):
+        raise SubmitError(f"{path} exists and is not a plain file (a link or folder); refusing to write the batch "
+                          f"script there: remove it or choose --script-dir")
+    write_replace(str(path), text.encode("utf-8"), mode=script_mode())
 
 
 def _parse_job_id(scheduler: str, output: str) -> str | None:
@@ -319,8 +348,7 @@ def submit(scheduler: str, job_path: str | os.PathLike[str], *,
     _log_dir(job).mkdir(parents=True, exist_ok=True)
     path = script_path(job, scheduler, script_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    path.chmod(0o755)
+    write_script(path, text)
     try:
         done = subprocess.run([executable, str(path)], cwd=job.path.parent, capture_output=True,
                               text=True, timeout=300, check=False)

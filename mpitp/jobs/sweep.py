@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from mpitp.errors import UsageError
+from mpitp.results.safefile import write_replace
 
 # mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
 # ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
@@ -411,10 +412,7 @@ def write_summary(path: str, rows: list[Row], wall_s: float) -> None:
     doc = dict(wall_time_s=wall_s, checkpoints=[dataclasses.asdict(r) for r in rows],
                comparisons=_comparisons(rows))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2, default=str)
-    os.replace(tmp, path)
+    write_replace(path, json.dumps(doc, indent=2, default=str).encode())  # never through a planted link
 
 
 def render_summary(rows: list[Row], path: str) -> str:

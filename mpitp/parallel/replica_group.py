@@ -4,7 +4,8 @@ torch.distributed carries only the replica's tensor traffic: TP collectives and,
 between pipeline stages. Each DP group is its *own* default torch world (rank = rank in the replica, world size =
 pp * tp) because transformers' distributed loading (``DistributedConfig(tp_size, pp_size)``) builds its device mesh
 (pp, ..., tp) from the default world and silently ignores a DP x TP mesh. The replica leader opens a TCPStore on an
-ephemeral port and broadcasts the port over the replica's MPI communicator, so users never set
+ephemeral port (bound to that one address, never all interfaces: :func:`master_store`) and broadcasts the port
+over the replica's MPI communicator, so users never set
 ``MASTER_ADDR``/``MASTER_PORT`` and concurrent replicas never collide. The store listens on the loopback interface
 when the whole replica is on one node (always so for pp=1: a TP group never spans nodes); when pipeline stages sit on
 other nodes, on an address of the leader other nodes can reach (:mod:`mpitp.parallel.netaddr`: ``MPITP_STORE_ADDR``, the
@@ -55,6 +56,36 @@ def spans_nodes(layout: Layout) -> bool:
     return len({node[r] for r in layout.replica_ranks}) > 1
 
 
+def master_store(addr: str, size: int, timeout: timedelta):
+    """The replica leader's TCPStore, listening on ``addr`` only (loopback, or the node address peers use).
+
+    Why a socket of our own: TCPStore given a host and port 0 binds every interface (``*:port``), so anybody who can
+    reach the node could connect to the unauthenticated store and rewrite the rendezvous. Bound here and handed over
+    (``master_listen_fd``), it listens where the replica's ranks connect and nowhere else. It stays up with the world:
+    NCCL and gloo exchange their connection details through it for every later group and point-to-point pair.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here
+    try:
+        return dist.TCPStore(addr, port, world_size=size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def init_replica_group(layout: Layout, device: str, timeout: float) -> ReplicaGroup:
     """Initialise torch.distributed for this rank's replica (no-op for one rank). Collective over the replica."""
     backend = backend_for(device)
@@ -74,7 +105,7 @@ def init_replica_group(layout: Layout, device: str, timeout: float) -> ReplicaGr
 
         addr = use_node_network()  # not the host name's resolution: 127.0.1.1 on Debian-style /etc/hosts
     if rank == 0:
-        store = dist.TCPStore(addr, 0, world_size=size, is_master=True, timeout=td, wait_for_workers=False)
+        store = master_store(addr, size, td)
         where = (addr, store.port)
     else:
         where = None

@@ -5,6 +5,10 @@ write it: the later atomic snapshot would silently replace the earlier one's row
 ``flock`` on ``.<name>.claim`` beside the output. The kernel drops a lock when its process dies, however it dies, so a
 claim left by a killed run is stale by construction and is simply taken over. The claim file holds the owner's host
 and pid, for the refusal message only.
+
+The claim's name is predictable and its directory may be shared, so it is opened as :mod:`mpitp.results.safefile`
+says: created with ``O_EXCL | O_NOFOLLOW``, or, left by a killed run, reopened with ``O_NOFOLLOW`` and taken only when
+it is a plain file with no other name (a planted symbolic or hard link to a user's file is refused, never written).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 
 from mpitp.errors import UsageError
+from mpitp.results.safefile import CLOEXEC, NOFOLLOW, create_new, new_mode
 
 
 def claim_path(output: str) -> str:
@@ -32,7 +38,9 @@ class OutputClaim:
     def acquire(self) -> OutputClaim:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
+            if fd is None:
+                continue  # the stale claim went away between our two opens
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -47,7 +55,7 @@ class OutputClaim:
             # The previous owner may have unlinked the file between our open and our lock: then we hold a lock on a
             # name nobody else sees. Only a lock on the inode the path names right now counts.
             try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -57,6 +65,28 @@ class OutputClaim:
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
         self.fd = fd
         return self
+
+    def _open(self) -> int | None:
+        """A descriptor on the claim file: a new one, or the existing plain file (None: it vanished meanwhile)."""
+        try:
+            return create_new(self.path, 0o644 & new_mode(), os.O_RDWR)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(self.path, os.O_RDWR | NOFOLLOW | CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP: a symbolic link; EACCES: someone else's file
+            raise UsageError(f"cannot claim output {self.output}: {self.path} exists and cannot be opened as a plain "
+                             f"file ({exc.strerror or exc}); something other than mpitp put it there: remove it or "
+                             f"choose another --output") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a file with {st.st_nlink} names"
+            raise UsageError(f"cannot claim output {self.output}: {self.path} is {what}, not a claim mpitp left; "
+                             f"remove it or choose another --output")
+        return fd
 
     def release(self) -> None:
         if self.fd is None:

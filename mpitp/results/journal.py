@@ -22,6 +22,10 @@ import os
 import struct
 import zlib
 
+from mpitp.results.safefile import fsync_dir, temp_beside
+
+__all__ = ["MAGIC", "Journal", "frame", "fsync_dir", "journal_path", "read_journal"]
+
 MAGIC = b"MPITPJ1\n"
 _FRAME = struct.Struct("<II")
 
@@ -30,39 +34,34 @@ def journal_path(results_path: str) -> str:
     return f"{results_path}.journal"
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename or unlink in ``path``'s directory durable (a no-op where directories cannot be opened)."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def frame(obj) -> bytes:
     payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 class Journal:
-    """The writing side: one open file descriptor in append mode; :meth:`sync` makes what was written durable."""
+    """The writing side: one open file descriptor, written at its end (one writer); :meth:`sync` makes it durable."""
 
-    def __init__(self, path: str, header: dict):
+    def __init__(self, path: str, header: dict, mode: int | None = None):
         self.path = path
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + frame(header))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # A new file with a random name (O_EXCL, never through a link planted in a shared directory), renamed into
+        # place; the descriptor stays open for the appends: the renamed inode, not whatever the name points to later.
+        fd, tmp = temp_beside(path, mode)
+        try:
+            data = memoryview(MAGIC + frame(header))
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
         fsync_dir(path)
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self.fd = fd  # at the end of the header: every write appends (one writer)
         self.bytes = 0
 
     def append(self, obj) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import queue
@@ -16,6 +15,7 @@ import numpy as np
 
 from mpitp.results.journal import Journal, fsync_dir, journal_path
 from mpitp.results.rows import load_rows
+from mpitp.results.safefile import NOFOLLOW, new_mode, remove_own_temps, temp_name
 from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, h5_attr, open_h5, py_value
 
 
@@ -36,8 +36,10 @@ class ResultWriter:
         self.path = path
         self.snapshot_interval_s = snapshot_interval_s
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        for stale in glob.glob(glob.escape(path) + ".tmp*") + glob.glob(glob.escape(journal_path(path)) + ".tmp*"):
-            os.remove(stale)  # a snapshot or journal a killed run did not finish writing
+        # A snapshot or journal a killed run did not finish writing: only our own (name pattern, owner, not a link);
+        # rank 0 holds the output's claim by now, so no live writer of ours is using one.
+        remove_own_temps(path)
+        remove_own_temps(journal_path(path))
         self.attrs: dict = {}
         self.tasks: dict[str, dict] = {}
         self.stats: list[dict] | None = None
@@ -100,7 +102,8 @@ class ResultWriter:
         self._write_snapshot()
         if self._journal is not None:
             self._journal.close()
-        self._journal = Journal(journal_path(self.path), {"run_id": self.attrs["run_id"], "base_seq": self.seq})
+        self._journal = Journal(journal_path(self.path), {"run_id": self.attrs["run_id"], "base_seq": self.seq},
+                                mode=new_mode(self.path))  # the rows are the results file's: its mode
         self._snap_rows, self._snap_time = self._n_rows(), time.monotonic()
 
     def _maybe_snapshot(self) -> None:
@@ -232,42 +235,55 @@ class ResultWriter:
 
     def _write_snapshot(self) -> None:
         t0 = time.perf_counter()
-        tmp = f"{self.path}.tmp{os.getpid()}"
+        # A random name HDF5 creates exclusively ("x": O_CREAT | O_EXCL, so never through a planted link), with the
+        # mode of the file it replaces (a user's chmod 600 survives), set on HDF5's own descriptor.
+        tmp, mode = temp_name(self.path), new_mode(self.path)
         self.attrs["journal_seq"] = int(self.seq)
-        with open_h5(tmp, "w") as f:
-            for k, v in self.attrs.items():
-                f.attrs[k] = v
-            tasks = f.create_group("tasks")
-            for name, t in self.tasks.items():
-                g = tasks.create_group(name)
-                for k, v in t["attrs"].items():
-                    g.attrs[k] = v
-                m = g.create_group("metrics")
-                for k, v in t["metrics"].items():
-                    m.attrs[k] = v
-                req = g.create_group("requests")
-                n = len(t["rows"]["doc_id"])
-                for col, dt in REQUEST_FIELDS.items():
-                    data = np.asarray(t["rows"][col], dtype=object if dt == STR else dt).reshape(n)
-                    req.create_dataset(col, data=data, dtype=dt, maxshape=(None,), chunks=(max(1, min(n, 4096)),),
-                                       compression="gzip", compression_opts=4)
-                if t["samples"] is not None:
-                    g.create_dataset("samples", data=np.asarray(t["samples"], dtype=object), dtype=STR)
-                if t.get("doc_scores") is not None:
-                    from mpitp.results.docscores import write as write_doc_scores
-
-                    write_doc_scores(g, t["doc_scores"])
-            if self.stats is not None:
-                st = f.create_group("stats")
-                st.create_dataset("dp_rank", data=np.arange(len(self.stats), dtype=np.int32))
-                for col in STATS_FIELDS:
-                    st.create_dataset(col, data=np.asarray([s.get(col, 0) for s in self.stats], dtype=np.float64))
-        fd = os.open(tmp, os.O_RDONLY)
+        f = open_h5(tmp, "x")  # raises (FileExistsError) before anything of ours exists
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+            with f:
+                os.fchmod(f.id.get_vfd_handle(), mode)
+                self._write_h5(f)
+            fd = os.open(tmp, os.O_RDONLY | NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.remove(tmp)  # ours: created above, and a failed snapshot must not pile up
+            raise
         fsync_dir(self.path)
         self.snapshots += 1
         self.snapshot_s = getattr(self, "snapshot_s", 0.0) + time.perf_counter() - t0
+
+    def _write_h5(self, f) -> None:
+        """The snapshot's content, from memory, into the new file ``f``."""
+        for k, v in self.attrs.items():
+            f.attrs[k] = v
+        tasks = f.create_group("tasks")
+        for name, t in self.tasks.items():
+            g = tasks.create_group(name)
+            for k, v in t["attrs"].items():
+                g.attrs[k] = v
+            m = g.create_group("metrics")
+            for k, v in t["metrics"].items():
+                m.attrs[k] = v
+            req = g.create_group("requests")
+            n = len(t["rows"]["doc_id"])
+            for col, dt in REQUEST_FIELDS.items():
+                data = np.asarray(t["rows"][col], dtype=object if dt == STR else dt).reshape(n)
+                req.create_dataset(col, data=data, dtype=dt, maxshape=(None,), chunks=(max(1, min(n, 4096)),),
+                                   compression="gzip", compression_opts=4)
+            if t["samples"] is not None:
+                g.create_dataset("samples", data=np.asarray(t["samples"], dtype=object), dtype=STR)
+            if t.get("doc_scores") is not None:
+                from mpitp.results.docscores import write as write_doc_scores
+
+                write_doc_scores(g, t["doc_scores"])
+        if self.stats is not None:
+            st = f.create_group("stats")
+            st.create_dataset("dp_rank", data=np.arange(len(self.stats), dtype=np.int32))
+            for col in STATS_FIELDS:
+                st.create_dataset(col, data=np.asarray([s.get(col, 0) for s in self.stats], dtype=np.float64))

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+import psutil  # accelerate's dependency: always installed beside mpitp
 import torch
 import torch.distributed as dist
 
@@ -67,6 +68,15 @@ def main():
     b = torch.tensor([rank])
     dist.broadcast(b, src=tp - 1)
     check(int(b) == members[-1], f"broadcast from tp_rank {tp - 1}: {int(b)}")
+
+    # The rendezvous store (held by tp_rank 0) listens on MASTER_ADDR only, never on every interface (issue 27).
+    if lay.tp_rank == 0:
+        port = int(os.environ["MASTER_PORT"])
+        bound = sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                        if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+        check(bound == [os.environ["MASTER_ADDR"]], f"store port {port} listens on {bound}, not only on "
+                                                     f"MASTER_ADDR {os.environ['MASTER_ADDR']}")
+        say(f"  store listens on {bound} port {port}")
 
     # Across the world (over MPI): each group saw its own sum and used its own rendezvous port.
     rows = mc.gather_obj((lay.dp_rank, lay.tp_rank, int(t[0]), os.environ["MASTER_PORT"]), world.comm,

@@ -1,0 +1,165 @@
+"""Creating files in a directory other people may write to (a group's project space, a shared job folder).
+
+Why: a name mpitp writes to that others can predict (``.NAME.claim``, ``NAME.tmp<pid>``, the batch script) is a name
+they can plant first, as a symbolic link to a file of the user's; a plain ``open(..., "w")`` then truncates and
+overwrites that file, and a ``chmod`` after it changes that file's mode. So every file mpitp creates is new by
+construction: ``O_CREAT | O_EXCL | O_NOFOLLOW`` (``mkstemp`` for a temporary, with a random name beside the target),
+its mode set with ``fchmod`` on the open descriptor (never on a path), and a replaced target takes the temporary's
+place by ``os.replace``, which swaps the directory entry (a link planted at the target is replaced, not followed).
+
+A replacement keeps the mode of the file it replaces (a user's ``chmod 600`` on a results file survives a resume or
+a snapshot); a file without a predecessor gets ``0o666`` (``0o700`` for a script, see :func:`script_mode`) less the
+umask, as ``open`` would give it.
+
+No mpitp imports: the results writer, the job tools and rescoring all use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+import tempfile
+
+#: O_NOFOLLOW/O_CLOEXEC are POSIX; 0 where a platform lacks them (then O_EXCL alone still refuses a planted link).
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_SUFFIX = ".tmp"
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``os.umask`` sets it, racing threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def new_mode(target: str | None = None) -> int:
+    """The mode for a file that replaces ``target``: the existing regular file's own mode, else ``0o666 & ~umask``.
+
+    A link at ``target`` does not count (``lstat``): its target's mode is not ours to copy.
+    """
+    if target is not None:
+        try:
+            st = os.lstat(target)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode) & 0o777  # permissions only: no set-id or sticky bit carried over
+    return 0o666 & ~umask()
+
+
+def script_mode() -> int:
+    """``0o700 & ~umask`` for a batch script: executable by its owner only.
+
+    sbatch and qsub read the script as the submitting user and keep their own copy, so nobody else needs to read it,
+    and ``--env-setup`` often carries tokens (``export HF_TOKEN=...``); the umask may narrow it further, never widen.
+    """
+    return 0o700 & ~umask()
+
+
+def create_new(path: str, mode: int, flags: int = os.O_WRONLY) -> int:
+    """Create ``path``, which must not exist (a link there, even a dangling one, counts as existing), and return its
+    open descriptor with ``mode`` set on it. Raises :class:`FileExistsError` for anything already at ``path``."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _prefix(target: str) -> tuple[str, str]:
+    folder, name = os.path.split(os.path.abspath(target))
+    return folder, f".{name}."
+
+
+def temp_beside(target: str, mode: int | None = None) -> tuple[int, str]:
+    """(descriptor, path) of a new temporary in ``target``'s directory, named ``.NAME.XXXXXXXX.tmp`` (random), with
+    ``mode`` (default: :func:`new_mode` of ``target``) set on the descriptor, open for reading and writing."""
+    folder, prefix = _prefix(target)
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=_SUFFIX, dir=folder)  # O_EXCL | O_NOFOLLOW, mode 0600
+    try:
+        os.fchmod(fd, new_mode(target) if mode is None else mode)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd, path
+
+
+def temp_name(target: str) -> str:
+    """A fresh random temporary name beside ``target`` (same pattern as :func:`temp_beside`), not created: for a
+    writer that creates the file itself exclusively (HDF5's ``"x"`` mode: ``O_CREAT | O_EXCL``)."""
+    folder, prefix = _prefix(target)
+    return os.path.join(folder, f"{prefix}{secrets.token_hex(6)}{_SUFFIX}")
+
+
+def remove_own_temps(target: str) -> list[str]:
+    """Remove the temporaries a killed writer of ``target`` left: only names of :func:`temp_beside`'s pattern that are
+    regular files (not links) owned by this user. Call it holding the output's claim (no live writer of ours).
+
+    Anything else beside ``target`` (``NAME.tmpl``, another user's file, a link) is not provably ours and stays.
+    """
+    folder, prefix = _prefix(target)
+    pattern = re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{6,12}" + re.escape(_SUFFIX))
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or unlink in ``path``'s directory durable (a no-op where directories cannot be opened)."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_replace(target: str, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``target`` atomically: a new temporary beside it (:func:`temp_beside`), fsync'd, then
+    ``os.replace`` and the directory fsync'd. ``mode`` defaults to the replaced file's (or the umask's)."""
+    fd, tmp = temp_beside(target, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(target)
