@@ -214,6 +214,8 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
     from mpitp.tasks import index
     from mpitp.tasks.layout import expand, resolve_all
 
+    if not spec.tasks:
+        return
     include = list(spec.include_path)
     broken: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="mpitp-check-") as out:
