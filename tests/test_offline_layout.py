@@ -80,7 +80,7 @@ def test_needed_splits_missing_are_named(data, tmp_path):
     d = small_tasks_dir(tmp_path / "d")
     (d / "aps/super_glue/boolq/train.jsonl").unlink()
     assert resolve_all(["boolq"], d).missing == []
-    assert resolve_all(["boolq"], d, num_fewshot=2).missing == [
+    assert list(map(str, resolve_all(["boolq"], d, num_fewshot=2).missing)) == [
         f"task boolq needs its train split: {d}/aps/super_glue/boolq/train.jsonl (or .parquet) is missing"]
     (d / "aps/super_glue/copa/validation.jsonl").unlink()
     with pytest.raises(DataDirError, match=r"task copa needs its validation split: .*/aps/super_glue/copa/"
@@ -110,5 +110,26 @@ def test_mmlu_group_expands_to_57_subjects_jsonl_and_parquet(tmp_path):
 
     shutil.rmtree(d / "cais/mmlu/virology")
     res = resolve_all(["mmlu"], d)
-    assert res.missing == [f"task mmlu_virology needs its test split: {d}/cais/mmlu/virology/test.jsonl (or .parquet) "
-                           "is missing"]
+    assert list(map(str, res.missing)) == [
+        f"task mmlu_virology needs its test split: {d}/cais/mmlu/virology/test.jsonl (or .parquet) is missing"]
+
+
+def test_tasks_command_lists_any_task_in_the_layout(data):
+    from click.testing import CliRunner
+
+    from mpitp.cli.tasks import tasks_command
+
+    out = CliRunner().invoke(tasks_command, ["--data-dir", str(data), "--tasks", "ai2_arc,boolq,copa,sciq,gsm8k",
+                                             "--num_fewshot", "1"])
+    assert out.exit_code == 0, out.output
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in out.output.splitlines()}
+    assert rows == {
+        "arc_challenge": "missing allenai/ai2_arc/ARC-Challenge/train.jsonl",  # 1 shot: from train
+        "arc_easy": "missing allenai/ai2_arc/ARC-Easy/train.jsonl",
+        "boolq": "runnable  [train=aps/super_glue/boolq/train.jsonl validation=aps/super_glue/boolq/validation.jsonl]",
+        "copa": "missing aps/super_glue/copa/train.jsonl",
+        "sciq": "not in DIR (expected allenai/sciq/<split>.<jsonl|parquet>; `mpitp prefetch` fetches it)",
+        "gsm8k": "missing gsm8k/train.jsonl, gsm8k/test.jsonl",  # the six: their own folder's message
+    }, out.output
+    bad = CliRunner().invoke(tasks_command, ["--data-dir", str(data), "--tasks", "no_such_task"])
+    assert bad.exit_code == 2 and "no task, group or tag named no_such_task" in bad.output

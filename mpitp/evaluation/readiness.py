@@ -224,10 +224,9 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
                 report.problems.append(Problem(f"--data-dir {spec.data_dir}: no such directory"))
                 return
             res = resolve_all(spec.tasks, spec.data_dir, include or None, spec.num_fewshot)
-            for line in res.missing:
-                task = line.split()[1]
-                broken.add(task)
-                report.problems.append(Problem(f"dataset: {line}", prefetch_command(spec, tasks=[task])))
+            for gap in res.missing:
+                broken.add(gap.task)
+                report.problems.append(Problem(f"dataset: {gap}", prefetch_command(spec, tasks=[gap.task])))
             _write(res.configs, out)
             include.append(out)
         tm = index.task_manager(include or None)

@@ -71,13 +71,29 @@ class LeafTask:
         return tuple(dict.fromkeys(out))
 
 
+@dataclass(frozen=True)
+class MissingSplit:
+    """A split ``task`` needs that DATA lacks: ``file`` is where it should be (``.jsonl``; ``.parquet`` does as
+    well), None when the reason is another (one of the six tasks' own folders: ``reason`` says it)."""
+
+    task: str
+    split: str | None
+    file: Path | None
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.file is None:
+            return f"task {self.task} {self.reason}"
+        return f"task {self.task} needs its {self.split} split: {self.file} (or .parquet) is missing"
+
+
 @dataclass
 class Resolution:
     """The outcome of :func:`resolve`: the override configs to write, what is missing, and what was left alone."""
 
     configs: dict[str, dict] = field(default_factory=dict)
-    missing: list[str] = field(default_factory=list)
-    """One line per needed split absent from DATA, naming the file."""
+    missing: list[MissingSplit] = field(default_factory=list)
+    """Every needed split absent from DATA."""
     untouched: list[LeafTask] = field(default_factory=list)
     """Leaf tasks not served from DATA (no folder there, or not reading a Hub dataset)."""
     leaves: list[LeafTask] = field(default_factory=list)
@@ -164,8 +180,7 @@ def resolve(names, data_dir: str | Path, index: dict, num_fewshot: int | None = 
         found = {s: f for s in dict.fromkeys(s for _, s in leaf.splits) if (f := split_file(folder, s)) is not None}
         absent = [s for s in leaf.needed(num_fewshot) if s not in found]
         if absent:
-            res.missing += [f"task {leaf.name} needs its {s} split: {folder / s}.jsonl (or .parquet) is missing"
-                            for s in absent]
+            res.missing += [MissingSplit(leaf.name, s, folder / f"{s}.jsonl") for s in absent]
             continue
         if len({f.suffix for f in found.values()}) > 1:  # one loader per task: keep the format of the needed splits
             keep = split_file(folder, leaf.needed(num_fewshot)[0]).suffix
@@ -178,7 +193,7 @@ def require(res: Resolution, data_dir) -> None:
     """Raise :class:`DataDirError` listing every missing split (the run's check: all of them, not the first)."""
     if res.missing:
         more = f" (and {len(res.missing) - 3} more)" if len(res.missing) > 3 else ""
-        raise DataDirError(f"--data-dir {data_dir}: " + "; ".join(res.missing[:3]) + more)
+        raise DataDirError(f"--data-dir {data_dir}: " + "; ".join(map(str, res.missing[:3])) + more)
 
 
 def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = None) -> Resolution:
@@ -189,7 +204,7 @@ def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = No
 
     res = resolve(names, data_dir, task_index.merged_index(include_path), num_fewshot)
     for t in [n for n in dict.fromkeys(names) if n in STOCK_TASKS and n not in res.configs]:
-        generic_missing = [m for m in res.missing if m.startswith(f"task {t} ")]
+        generic_missing = [m for m in res.missing if m.task == t]
         try:
             if not split_files(data_dir, t) and generic_missing:
                 continue  # its generic folder is there, its own is not: the generic layout's message stands
@@ -197,7 +212,7 @@ def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = No
             # are served from their own folders or refused (never left to the Hub)
             res.configs[t] = task_config(t, data_dir)
         except DataDirError as exc:
-            res.missing.append(str(exc).split(": ", 1)[-1])
+            res.missing.append(MissingSplit(t, None, None, str(exc).split(f"task {t} ", 1)[-1]))
         res.missing = [m for m in res.missing if m not in generic_missing]
         res.untouched = [leaf for leaf in res.untouched if leaf.name != t]
     return res
