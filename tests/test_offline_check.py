@@ -107,3 +107,11 @@ def test_submit_refuses_a_job_that_cannot_run_offline(gap_data, tmp_path, monkey
     queued = CliRunner().invoke(submit_command, [*args, "--no-check"])
     assert queued.exit_code == 0 and (tmp_path / "queued").exists(), queued.output
     assert "--no-check: not checked whether the job runs offline" in queued.output
+
+
+def test_check_names_a_metric_module_missing_from_the_cache():
+    """humaneval scores with the `evaluate` module code_eval, which `evaluate.load` would download at run time."""
+    report = check(CheckSpec(tasks=("humaneval",)))
+    assert [p.line() for p in report.problems if "humaneval" in p.what] == [
+        "task humaneval: the evaluate metric module code_eval is not in the HF cache; fetch it: python -c 'import "
+        "evaluate; evaluate.load(\"code_eval\")' (with network, same HF_HOME)"]

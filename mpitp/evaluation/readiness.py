@@ -21,6 +21,7 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import shlex
 import socket
 import tempfile
@@ -174,6 +175,7 @@ def check_model(spec: CheckSpec, report: Report) -> object | None:
         return None
 
 
+_METRIC_SCRIPT = re.compile(r"Couldn't find a module script at \S*?([\w-]+)\.py")
 _STAND_IN = {"loglikelihood": (-1.0, False), "loglikelihood_rolling": -1.0, "generate_until": "A",
              "multiple_choice": (-1.0, False)}
 
@@ -264,11 +266,17 @@ def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer) -> None:
         step = "metrics"
         score_stand_ins(task)
     except ModuleNotFoundError as exc:  # a task's own imports (ifeval: langdetect): no download fetches those
-        report.problems.append(Problem(f"task {leaf.name}: needs the Python package {exc.name} "
-                                       f"(pip install it in this environment)"))
+        report.problems.append(Problem(f"task {leaf.name}: needs the Python module {exc.name or _why(exc)} "
+                                       f"(install it in this environment)"))
         return
     except Exception as exc:  # noqa: BLE001 - whatever the run would hit is the finding
-        if step == "build" and leaf.hub:
+        metric = _METRIC_SCRIPT.search(str(exc))
+        if metric:  # evaluate.load of a metric that is not in the HF cache (code_eval, bleurt, ...)
+            name = metric.group(1)
+            report.problems.append(Problem(
+                f"task {leaf.name}: the evaluate metric module {name} is not in the HF cache",
+                f"python -c 'import evaluate; evaluate.load(\"{name}\")' (with network, same HF_HOME)"))
+        elif step == "build" and leaf.hub:
             what = f"task {leaf.name}: {where} not available offline ({_why(exc)})"
             report.problems.append(Problem(what, prefetch_command(spec, tasks=[leaf.name])))
         else:
