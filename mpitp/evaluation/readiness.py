@@ -218,6 +218,10 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
 
     if not spec.tasks:
         return
+    if spec.apply_chat_template and not spec.model:
+        report.problems.append(Problem("--apply_chat_template needs --model: the prompts are built with its "
+                                       "tokenizer's chat template"))
+        return
     include = list(spec.include_path)
     broken: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="mpitp-check-") as out:
@@ -280,7 +284,7 @@ def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer) -> None:
             what = f"task {leaf.name}: {where} not available offline ({_why(exc)})"
             report.problems.append(Problem(what, prefetch_command(spec, tasks=[leaf.name])))
         else:
-            report.problems.append(Problem(f"task {leaf.name}: {step} failed offline ({_why(exc)})"))
+            report.problems.append(Problem(f"task {leaf.name}: {step} failed ({_why(exc)})"))
         return
     report.tasks.append(leaf.name)
 
