@@ -537,7 +537,8 @@ def test_every_command_is_registered_and_a_broken_import_fails_loudly(monkeypatc
 
     group = click.Group()
     register(group)
-    assert sorted(group.commands) == ["eval", "info", "inspect", "rescore", "run", "submit", "tasks"]
+    assert sorted(group.commands) == ["check", "eval", "info", "inspect", "prefetch", "rescore", "run", "submit",
+                                      "tasks"]
     monkeypatch.setitem(sys.modules, "mpitp.cli.inspect", None)  # importing it now raises ImportError
     with pytest.raises(ImportError):
         register(click.Group())

@@ -53,18 +53,27 @@ from mpitp.jobs.submit import (
 @click.option("--run-arg", "run_args", multiple=True, help="Extra argument for `mpitp run`; repeatable.")
 @click.option("--script-dir", type=click.Path(file_okay=False), help="Where to write the script.")
 @click.option("--dry-run", is_flag=True, help="Print the script; write and submit nothing.")
+@click.option("--no-check", is_flag=True, help="Queue without `mpitp check` (whether every run works offline): "
+                                               "a missing file then fails on the compute node, after the queue.")
 def submit_command(job_file: str, scheduler: str, nodes: int, ranks_per_node: int | None, gpus_per_node: int | None,
                    walltime: str, account: str | None, partition: str | None, queue: str | None,
                    cpus_per_task: int | None, env_setup: str | None, nccl_env: tuple[str, ...], iface: str | None,
                    launcher: str | None, srun_mpi: str, signal_grace: int, no_requeue: bool, wait: bool,
-                   run_args: tuple[str, ...], script_dir: str | None, dry_run: bool) -> None:
+                   run_args: tuple[str, ...], script_dir: str | None, dry_run: bool, no_check: bool) -> None:
     """Write a SLURM/PBS batch script for JOB.yaml and submit it."""
+    from mpitp.evaluation.readiness import NO_CHECK_RISK, NotReady
+
+    if no_check and not dry_run:
+        click.echo(f"warning: {NO_CHECK_RISK}", err=True)
     try:
-        result = submit(scheduler, job_file, script_dir=script_dir, dry_run=dry_run, nodes=nodes,
+        result = submit(scheduler, job_file, script_dir=script_dir, dry_run=dry_run, check=not no_check, nodes=nodes,
                         ranks_per_node=ranks_per_node, gpus_per_node=gpus_per_node, time=walltime,
                         account=account, partition=partition, queue=queue, env_setup=env_setup, launcher=launcher,
                         srun_mpi=srun_mpi, cpus_per_task=cpus_per_task, nccl_env=nccl_env, iface=iface,
                         requeue=not no_requeue, signal_grace=signal_grace, extra_args=run_args)
+    except NotReady as exc:
+        click.echo(str(exc), err=True)
+        raise click.exceptions.Exit(2) from None
     except SubmitUsageError as exc:
         raise click.UsageError(str(exc)) from None
     except (SubmitError, JobFileError) as exc:

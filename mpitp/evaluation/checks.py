@@ -54,15 +54,21 @@ def _refuse_unknown(tasks: list[str], known: set[str]) -> None:
 
 
 def offline_include(cfg) -> list[str]:
-    """With ``--data-dir``, write override YAMLs for the stock tasks asked for and put them on the include path."""
+    """With ``--data-dir``, write override YAMLs for the tasks it serves (:mod:`mpitp.tasks.layout`: any lm-eval task,
+    groups expanded) and put them on the include path."""
     if not cfg.data_dir:
         return _paths(cfg.include_path)
     import tempfile
 
-    from mpitp.tasks.offline import STOCK_TASKS, write_task_yamls
+    from mpitp.tasks.layout import write_overrides
 
     out = tempfile.mkdtemp(prefix="mpitp-tasks-")
-    write_task_yamls(cfg.data_dir, out, [t for t in cfg.tasks if t in STOCK_TASKS])
+    try:
+        write_overrides(cfg.tasks, cfg.data_dir, out, _paths(cfg.include_path) or None,
+                        getattr(cfg, "num_fewshot", None))
+    except BaseException:
+        remove_generated([out])
+        raise
     return _paths(cfg.include_path) + [out]
 
 

@@ -328,18 +328,24 @@ def _parse_job_id(scheduler: str, output: str) -> str | None:
 
 
 def submit(scheduler: str, job_path: str | os.PathLike[str], *,
-           script_dir: str | os.PathLike[str] | None = None, dry_run: bool = False,
+           script_dir: str | os.PathLike[str] | None = None, dry_run: bool = False, check: bool = True,
            **options: Any) -> str:
     """Render, write and submit the script; return the scheduler's job id.
 
     ``options`` are :func:`render_script`'s keyword arguments.  With
     ``dry_run`` nothing is written or run and the script text is returned.
     The log directory is created first: Slurm and PBS do not create it, and a
-    missing one makes the job fail without any log at all.
+    missing one makes the job fail without any log at all. With ``check``, a job
+    that would not run offline is refused first (``mpitp check``, raises
+    :class:`mpitp.evaluation.readiness.NotReady`): nothing is queued.
     """
     text = render_script(scheduler, job_path, **options)
     if dry_run:
         return text
+    if check:
+        from mpitp.evaluation.readiness import require_ready
+
+        require_ready(job_path)
     command = _SUBMIT_CMD[scheduler]
     executable = shutil.which(command)
     if executable is None:

@@ -1,0 +1,121 @@
+"""``mpitp check``: will these tasks (or every run of a job file) run offline? (:mod:`mpitp.evaluation.readiness`)"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+def spec_options(f):
+    """The options ``mpitp check`` and ``mpitp prefetch`` share: the settings that decide what a run reads."""
+    for decl, kw in reversed([
+        (("--tasks",), {"help": "Comma-separated tasks, groups or tags."}),
+        (("--data-dir", "--data_dir", "data_dir"), {"help": "Local data: DATA/<dataset_path>/[<dataset_name>/]"
+                                                            "<split>.<jsonl|parquet> (or the six tasks' folders)."}),
+        (("--include_path", "--include-path", "include_path"), {"multiple": True, "help": "Extra task YAMLs."}),
+        (("--model",), {"help": "HF model id or path (its config and tokenizer are checked)."}),
+        (("--tokenizer",), {"help": "Tokenizer, when not the model's."}),
+        (("--revision",), {"help": "Model revision."}),
+        (("--num_fewshot", "--num-fewshot", "num_fewshot"), {"type": click.IntRange(min=0)}),
+        (("--apply_chat_template", "--apply-chat-template", "apply_chat_template"), {"is_flag": True}),
+        (("--trust_remote_code", "--trust-remote-code", "trust_remote_code"), {"is_flag": True}),
+    ]):
+        f = click.option(*decl, **kw)(f)
+    return f
+
+
+def specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
+               apply_chat_template, trust_remote_code) -> list:
+    """The :class:`CheckSpec` of the options, or one per (distinct) run of ``job_file``."""
+    from mpitp.evaluation.readiness import CheckSpec
+
+    if job_file:
+        if tasks:
+            raise click.UsageError("pass a job file or --tasks, not both")
+        from mpitp.evaluation.readiness import job_specs
+        from mpitp.jobs.jobfile import JobFileError
+
+        try:
+            return job_specs(job_file)
+        except JobFileError as exc:
+            raise click.UsageError(str(exc)) from None
+    if not tasks and not model:
+        raise click.UsageError("nothing to check: pass --tasks a,b (and/or --model M) or a job file")
+    return [CheckSpec(tasks=tuple(t for t in (tasks or "").split(",") if t), model=model, tokenizer=tokenizer,
+                      revision=revision, data_dir=data_dir, include_path=tuple(include_path), num_fewshot=num_fewshot,
+                      apply_chat_template=apply_chat_template, trust_remote_code=trust_remote_code)]
+
+
+def run_checks(specs: list) -> list:
+    """Check every spec once (runs differing only in what the check does not read share one check)."""
+    from dataclasses import replace
+
+    from mpitp.evaluation.readiness import check
+
+    problems, done = [], {}
+    for spec in specs:
+        key = replace(spec, label="")
+        if key not in done:
+            done[key] = check(key)
+        problems += [p if not spec.label else type(p)(f"run {spec.label}: {p.what}", p.fetch)
+                     for p in done[key].problems]
+    return problems
+
+
+@click.command(name="check")
+@click.argument("job_file", required=False, metavar="[JOB.yaml]", type=click.Path(dir_okay=False, exists=True))
+@spec_options
+def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, revision, num_fewshot,
+                  apply_chat_template, trust_remote_code):
+    """Will these tasks (or every run of JOB.yaml) run with no network? Exit 0 when ready, 2 listing what is
+    missing and how to fetch it."""
+    specs = specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
+                       apply_chat_template, trust_remote_code)
+    problems = run_checks(specs)
+    if problems:
+        sys.stderr.write(f"mpitp check: not ready offline: {len(problems)} problem(s)\n")
+        for p in problems:
+            sys.stderr.write(f"  {p.line()}\n")
+        raise click.exceptions.Exit(2)
+    what = ", ".join(sorted({t for s in specs for t in s.tasks})) or "no tasks"
+    models = sorted({s.model for s in specs if s.model})
+    click.echo(f"mpitp check: ready offline: {what}" + (f"; model {', '.join(models)}" if models else ""))
+
+
+@click.command(name="prefetch")
+@spec_options
+@click.option("--models-dir", type=click.Path(file_okay=False), help="Put the model in DIR/<model> (default: the "
+                                                                     "HF cache).")
+def prefetch_command(tasks, data_dir, include_path, model, tokenizer, revision, num_fewshot, apply_chat_template,
+                     trust_remote_code, models_dir):
+    """On a node with network: fetch the datasets (into --data-dir, as plain parquet files) and the model that a run
+    of these tasks needs, write a manifest, then run `mpitp check` on the result."""
+    import os
+    import subprocess
+    import sys
+
+    from mpitp.evaluation.prefetch import prefetch
+
+    if tasks and not data_dir:
+        raise click.UsageError("--tasks needs --data-dir: datasets are fetched into it as plain files")
+    if not tasks and not model:
+        raise click.UsageError("nothing to fetch: pass --tasks with --data-dir, and/or --model")
+    spec = specs_from(None, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
+                      apply_chat_template, trust_remote_code)[0]
+    try:
+        spec, _ = prefetch(spec, models_dir, echo=click.echo)
+    except Exception as exc:  # noqa: BLE001 - a download failing is reported in one line, the check still says why
+        click.echo(f"mpitp prefetch: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}", err=True)
+    argv = [sys.executable, "-m", "mpitp", "check"]
+    if spec.tasks:
+        argv += ["--tasks", ",".join(spec.tasks)]
+    for flag, value in (("--data-dir", spec.data_dir), ("--model", spec.model), ("--tokenizer", spec.tokenizer),
+                        ("--revision", spec.revision), ("--num_fewshot", spec.num_fewshot)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for path in spec.include_path:
+        argv += ["--include_path", path]
+    argv += ["--apply_chat_template"] * spec.apply_chat_template + ["--trust_remote_code"] * spec.trust_remote_code
+    env = {k: v for k, v in os.environ.items() if k != "HF_ENDPOINT"}
+    raise click.exceptions.Exit(subprocess.run(argv, env=env, check=False).returncode)

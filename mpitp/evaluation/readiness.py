@@ -1,0 +1,350 @@
+"""Will this evaluation run without network? ``mpitp check``, answered in seconds on the login node.
+
+Compute nodes usually have no network, and what an lm-eval run fetches is scattered: the task's dataset, an
+``evaluate`` metric module (rouge, bleu, ...), nltk data, tokenizer files, remote code. Each surfaces only on the
+compute node, after the queue. So the check does what the run does, as far as it can without the model's weights,
+with the network off: the offline variables set and every connection to a non-local address refused in this process
+(:func:`block_network`; the refused hosts are reported), then
+
+1. the model's config and tokenizer loaded with ``local_files_only``;
+2. every task built as the run builds it (``--data-dir`` overrides of :mod:`mpitp.tasks.layout` included, groups
+   expanded to their tasks, one task at a time so that one failure names its task), and its requests for a few docs
+   (few-shot and chat template as asked);
+3. each task's filters, ``process_results`` and aggregations run once on stand-in model outputs.
+
+Every problem is one :class:`Problem`: what is missing and the command that fetches it.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import re
+import shlex
+import socket
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from mpitp.errors import UsageError
+
+log = logging.getLogger("mpitp")
+
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+CHECK_LIMIT = 2
+"""Docs per task whose requests and metrics are built: the code paths, not the numbers, are checked."""
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """What one evaluation needs: the settings of ``mpitp eval`` that decide what it reads."""
+
+    tasks: tuple[str, ...]
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    data_dir: str | None = None
+    include_path: tuple[str, ...] = ()
+    num_fewshot: int | None = None
+    apply_chat_template: bool = False
+    trust_remote_code: bool = False
+    label: str = ""
+    """The run's name in a job file (prefixed to its problems)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing the run would miss offline, and the command that fetches it (None when none can)."""
+
+    what: str
+    fetch: str | None = None
+
+    def line(self) -> str:
+        return self.what + (f"; fetch it: {self.fetch}" if self.fetch else "")
+
+
+@dataclass
+class Report:
+    problems: list[Problem] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)
+    """The leaf tasks built and scored."""
+
+    @property
+    def ready(self) -> bool:
+        return not self.problems
+
+
+# ------------------------------------------------------------------------------------------------ the network guard
+def _local(host) -> bool:
+    if host is None:
+        return True
+    host = str(host).strip("[]")
+    if host in ("localhost", "") or host.endswith(".localhost"):
+        return True
+    try:
+        addr = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    return addr.is_loopback or addr.is_unspecified
+
+
+@contextmanager
+def block_network(tried: list[str]):
+    """Refuse connections to non-local addresses in this process, recording ``host:port`` in ``tried``.
+
+    Set in the ``mpitp check`` process only (our own process, not a library under test): the guard sits on the
+    socket layer every HTTP client goes through, name resolution included, so a host is caught even when the
+    library swallows the error (nltk's downloader does)."""
+    saved = os.environ.copy()
+    for var in (*OFFLINE_VARS, "TQDM_DISABLE"):  # TQDM_DISABLE: no progress bar per task built
+        os.environ[var] = "1"
+    real_connect, real_connect_ex, real_getaddrinfo = socket.socket.connect, socket.socket.connect_ex, \
+        socket.getaddrinfo
+
+    def refuse(host, port):
+        where = f"{host}:{port}" if port is not None else str(host)
+        if where not in tried:
+            tried.append(where)
+        raise OSError(errno.ENETUNREACH, f"mpitp check: network blocked (compute nodes have none): {where}")
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+            refuse(address[0], address[1])
+        return real_connect(sock, address)
+
+    def connect_ex(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+            refuse(address[0], address[1])
+        return real_connect_ex(sock, address)
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if not _local(host.decode() if isinstance(host, bytes) else host):
+            refuse(host, port)
+        return real_getaddrinfo(host, port, *args, **kwargs)
+
+    socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
+    try:
+        yield tried
+    finally:
+        socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = real_connect, real_connect_ex, \
+            real_getaddrinfo
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+def _why(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def prefetch_command(spec: CheckSpec, *, tasks=None, model: bool = False) -> str:
+    """The ``mpitp prefetch`` command that fetches ``tasks`` (or the model) for ``spec``."""
+    argv = ["mpitp", "prefetch"]
+    if model:
+        argv += ["--model", str(spec.model)]
+        if spec.revision:
+            argv += ["--revision", spec.revision]
+    else:
+        argv += ["--tasks", ",".join(tasks or spec.tasks)]
+        if spec.data_dir:
+            argv += ["--data-dir", spec.data_dir]
+    return shlex.join(argv)
+
+
+def check_model(spec: CheckSpec, report: Report) -> object | None:
+    """Config and tokenizer from local files only; the tokenizer, or None."""
+    if not spec.model:
+        return None
+    import transformers
+
+    kw = {"revision": spec.revision, "local_files_only": True, "trust_remote_code": spec.trust_remote_code}
+    fetch = prefetch_command(spec, model=True)
+    try:
+        transformers.AutoConfig.from_pretrained(spec.model, **kw)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the finding, spelled out
+        report.problems.append(Problem(f"model {spec.model}: config not available offline ({_why(exc)})", fetch))
+        return None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(spec.tokenizer or spec.model, **kw)
+    except Exception as exc:  # noqa: BLE001
+        report.problems.append(Problem(f"tokenizer {spec.tokenizer or spec.model}: not available offline "
+                                       f"({_why(exc)})", prefetch_command(spec, model=True)))
+        return None
+
+
+_METRIC_SCRIPT = re.compile(r"Couldn't find a module script at \S*?([\w-]+)\.py")
+_STAND_IN = {"loglikelihood": (-1.0, False), "loglikelihood_rolling": -1.0, "generate_until": "A",
+             "multiple_choice": (-1.0, False)}
+
+
+def score_stand_ins(task) -> None:
+    """Filters, ``process_results`` and every aggregation of ``task`` on stand-in outputs, as lm-eval's evaluator
+    runs them; raises what they raise."""
+    for inst in task.instances:
+        inst.resps = [_STAND_IN.get(inst.request_type, (-1.0, False))] * max(1, int(inst.repeats or 1))
+    task.apply_filters()
+    by_doc: dict = {}
+    for inst in task.instances:
+        by_doc.setdefault(inst.doc_id, []).append(inst)
+    aggregations = task.aggregation()
+    for key in task.instances[0].filtered_resps:
+        values: dict = {}
+        for insts in by_doc.values():
+            insts.sort(key=lambda i: i.idx)
+            for metric, value in task.process_results(insts[0].doc, [i.filtered_resps[key] for i in insts]).items():
+                values.setdefault(metric, []).append(value)
+        for metric, items in values.items():
+            if metric in aggregations:
+                aggregations[metric](items)
+
+
+def _chat(tokenizer):
+    if tokenizer is None:
+        return None
+
+    def apply(messages, add_generation_prompt: bool = True):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    return apply
+
+
+def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
+    """Build each task and its requests, score stand-ins (see the module docstring)."""
+    from mpitp.tasks import index
+    from mpitp.tasks.layout import expand, resolve_all
+
+    if not spec.tasks:
+        return
+    if spec.apply_chat_template and not spec.model:
+        report.problems.append(Problem("--apply_chat_template needs --model: the prompts are built with its "
+                                       "tokenizer's chat template"))
+        return
+    include = list(spec.include_path)
+    broken: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="mpitp-check-") as out:
+        if spec.data_dir:
+            if not os.path.isdir(spec.data_dir):
+                report.problems.append(Problem(f"--data-dir {spec.data_dir}: no such directory"))
+                return
+            res = resolve_all(spec.tasks, spec.data_dir, include or None, spec.num_fewshot)
+            for gap in res.missing:
+                broken.add(gap.task)
+                report.problems.append(Problem(f"dataset: {gap}", prefetch_command(spec, tasks=[gap.task])))
+            _write(res.configs, out)
+            include.append(out)
+        tm = index.task_manager(include or None)
+        known = set(tm.all_tasks)
+        for name in spec.tasks:
+            if name not in known:
+                report.problems.append(Problem(f"unknown task '{name}' (not in lm-eval's index"
+                                               f"{' nor --include_path' if spec.include_path else ''})"))
+        for leaf in expand(spec.tasks, tm.task_index):
+            if leaf.name not in broken:
+                _check_leaf(spec, report, tm, leaf, tokenizer)
+
+
+def _write(configs: dict, out: str) -> None:
+    import yaml
+
+    for task, cfg in configs.items():
+        with open(os.path.join(out, f"{task}.yaml"), "w", encoding="utf-8") as fh:
+            yaml.safe_dump(cfg, fh, sort_keys=False)
+
+
+def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer) -> None:
+    where = f"dataset {leaf.dataset_path}" + (f"/{leaf.dataset_name}" if leaf.dataset_name else "")
+    step = "build"
+    try:
+        task = tm.load([leaf.name])["tasks"][leaf.name]
+        step = "requests"
+        if spec.num_fewshot is not None:
+            task.set_config(key="num_fewshot", value=spec.num_fewshot)
+        task.build_all_requests(limit=CHECK_LIMIT, rank=0, world_size=1, apply_chat_template=spec.apply_chat_template,
+                                chat_template=_chat(tokenizer) if spec.apply_chat_template else None,
+                                tokenizer_name=spec.tokenizer or spec.model or "")
+        if not task.instances:
+            raise ValueError("no requests built (empty evaluation split?)")
+        step = "metrics"
+        score_stand_ins(task)
+    except ModuleNotFoundError as exc:  # a task's own imports (ifeval: langdetect): no download fetches those
+        report.problems.append(Problem(f"task {leaf.name}: needs the Python module {exc.name or _why(exc)} "
+                                       f"(install it in this environment)"))
+        return
+    except Exception as exc:  # noqa: BLE001 - whatever the run would hit is the finding
+        metric = _METRIC_SCRIPT.search(str(exc))
+        if metric:  # evaluate.load of a metric that is not in the HF cache (code_eval, bleurt, ...)
+            name = metric.group(1)
+            report.problems.append(Problem(
+                f"task {leaf.name}: the evaluate metric module {name} is not in the HF cache",
+                f"python -c 'import evaluate; evaluate.load(\"{name}\")' (with network, same HF_HOME)"))
+        elif step == "build" and leaf.hub:
+            what = f"task {leaf.name}: {where} not available offline ({_why(exc)})"
+            report.problems.append(Problem(what, prefetch_command(spec, tasks=[leaf.name])))
+        else:
+            report.problems.append(Problem(f"task {leaf.name}: {step} failed ({_why(exc)})"))
+        return
+    report.tasks.append(leaf.name)
+
+
+def check(spec: CheckSpec) -> Report:
+    """Whether ``spec`` runs offline: a :class:`Report` of its problems (none when ready)."""
+    report = Report()
+    tried: list[str] = []
+    quiet = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets", "evaluate", "transformers")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        with block_network(tried):
+            tokenizer = check_model(spec, report)
+            check_tasks(spec, report, tokenizer)
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+    report.problems += [Problem(f"tried to reach {host} (no network on compute nodes)") for host in tried]
+    if spec.label:
+        report.problems = [Problem(f"run {spec.label}: {p.what}", p.fetch) for p in report.problems]
+    return report
+
+
+def job_specs(job_file) -> list[CheckSpec]:
+    """One :class:`CheckSpec` per run of a job file that is not the built-in demo (offline by construction)."""
+    from mpitp.jobs.jobfile import DEMO_MODEL, load_job
+
+    out = []
+    for run in load_job(job_file).runs:
+        if getattr(run, "demo", False) or run.model == DEMO_MODEL:
+            continue
+        inc = run.include_path
+        trust = bool(getattr(run, "trust_remote_code", False) or (run.lm_eval or {}).get("trust_remote_code"))
+        out.append(CheckSpec(tasks=tuple(run.tasks), model=run.model, tokenizer=run.tokenizer, revision=run.revision,
+                             data_dir=run.data_dir, include_path=tuple([inc] if isinstance(inc, str) else inc or ()),
+                             num_fewshot=run.num_fewshot, apply_chat_template=bool(run.apply_chat_template),
+                             trust_remote_code=trust, label=run.name))
+    return out
+
+
+class NotReady(UsageError):
+    """A job file that would not run offline: ``str()`` is ``mpitp check``'s report, one line per problem."""
+
+
+NO_CHECK_RISK = ("--no-check: not checked whether the job runs offline; a missing dataset, metric module, nltk "
+                 "data or tokenizer file will fail the job on the compute node, after the queue wait")
+
+
+def require_ready(job_file) -> None:
+    """``mpitp check JOB`` in its own process (its network guard and offline variables stay there), before a job is
+    queued; raises :class:`NotReady` with its report. A job of demo runs only needs no check."""
+    import subprocess
+    import sys
+
+    if not job_specs(job_file):
+        return
+    done = subprocess.run([sys.executable, "-m", "mpitp", "check", str(job_file)], capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        report = done.stderr.strip() or done.stdout.strip() or f"mpitp check exited {done.returncode}"
+        raise NotReady(f"{report}\nnothing queued (mpitp submit --no-check queues it anyway)")

@@ -1,0 +1,117 @@
+"""``mpitp check`` and ``mpitp submit``'s check (:mod:`mpitp.evaluation.readiness`): the network blocked, every
+task built and scored on stand-ins, the model's config and tokenizer from local files; what is missing named with
+the command that fetches it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mpitp.evaluation.readiness import CheckSpec, block_network, check
+from support import OFFLINE_ENV, STORIES
+from support.offline_data import mmlu_dir, small_tasks_dir
+
+REMOVED = "virology"
+
+
+@pytest.fixture(scope="module")
+def full_data(tmp_path_factory) -> Path:
+    return small_tasks_dir(mmlu_dir(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def gap_data(full_data, tmp_path_factory) -> Path:
+    """``full_data`` less one MMLU subject and BoolQ (symlinks to the rest)."""
+    root = tmp_path_factory.mktemp("gap")
+    (root / "cais/mmlu").mkdir(parents=True)
+    for subject in (full_data / "cais/mmlu").iterdir():
+        if subject.name != REMOVED:
+            (root / "cais/mmlu" / subject.name).symlink_to(subject)
+    (root / "allenai").symlink_to(full_data / "allenai")
+    return root
+
+
+def mpitp(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpitp", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **OFFLINE_ENV})
+
+
+def test_check_ready_builds_and_scores_every_subtask(full_data):
+    report = check(CheckSpec(tasks=("mmlu", "boolq", "copa", "arc_challenge"), data_dir=str(full_data),
+                             model=str(STORIES)))
+    assert report.ready, [p.line() for p in report.problems]
+    assert len(report.tasks) == 60 and {"mmlu_virology", "boolq", "copa", "arc_challenge"} <= set(report.tasks)
+    assert socket.getaddrinfo.__module__ == "socket"  # the guard is gone after the check
+
+
+@pytest.mark.mpi  # a `python -m mpitp` process
+def test_check_refuses_a_missing_subject_and_names_the_fetch(gap_data):
+    p = mpitp("check", "--tasks", "mmlu,boolq", "--data-dir", gap_data, "--model", STORIES, "--num_fewshot", "1")
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.splitlines()
+    assert lines[0] == "mpitp check: not ready offline: 3 problem(s)", p.stderr
+    for line, split in zip(lines[1:3], ("test", "dev")):  # dev: the 1-shot examples come from it
+        assert line == (f"  dataset: task mmlu_{REMOVED} needs its {split} split: {gap_data}/cais/mmlu/{REMOVED}/"
+                        f"{split}.jsonl (or .parquet) is missing; fetch it: mpitp prefetch --tasks mmlu_{REMOVED} "
+                        f"--data-dir {gap_data}"), p.stderr
+    # BoolQ has no folder in DATA: lm-eval would go to the Hub, which the blocked network (offline mode) refuses
+    assert lines[3].startswith("  task boolq: dataset aps/super_glue/boolq not available offline ("), p.stderr
+    assert lines[3].endswith(f"; fetch it: mpitp prefetch --tasks boolq --data-dir {gap_data}"), p.stderr
+
+
+def test_network_guard_refuses_remote_hosts_only():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    accepted = threading.Thread(target=lambda: server.accept()[0].close(), daemon=True)
+    accepted.start()
+    tried: list[str] = []
+    with block_network(tried):
+        assert os.environ["HF_HUB_OFFLINE"] == "1"
+        with pytest.raises(OSError, match="network blocked"):
+            socket.create_connection(("example.org", 443), timeout=2)
+        with pytest.raises(OSError, match="network blocked"):
+            socket.socket().connect(("192.0.2.1", 80))  # an address, no name to resolve
+        socket.create_connection(server.getsockname(), timeout=5).close()  # loopback still works
+    accepted.join(timeout=10)
+    server.close()
+    assert tried == ["example.org:443", "192.0.2.1:80"]
+
+
+@pytest.mark.mpi  # submit starts `python -m mpitp check`
+def test_submit_refuses_a_job_that_cannot_run_offline(gap_data, tmp_path, monkeypatch):
+    from mpitp.cli.submit import submit_command
+
+    (tmp_path / "bin").mkdir()
+    sbatch = tmp_path / "bin/sbatch"
+    sbatch.write_text(f'#!/bin/sh\ntouch {tmp_path}/queued\necho "Submitted batch job 42"\n')
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"runs:\n  - name: gap\n    model: {STORIES}\n    tasks: [mmlu_{REMOVED}, mmlu_anatomy]\n"
+                   f"    data_dir: {gap_data}\n")
+    args = [str(job), "--scheduler", "slurm", "--nodes", "1", "--ranks-per-node", "1", "--time", "00:10:00"]
+    refused = CliRunner().invoke(submit_command, args)
+    assert refused.exit_code == 2 and not (tmp_path / "queued").exists(), refused.output
+    assert f"run gap: dataset: task mmlu_{REMOVED} needs its test split" in refused.output
+    assert "nothing queued (mpitp submit --no-check queues it anyway)" in refused.output
+    assert "anatomy" not in refused.output  # the subjects DATA has pass
+    queued = CliRunner().invoke(submit_command, [*args, "--no-check"])
+    assert queued.exit_code == 0 and (tmp_path / "queued").exists(), queued.output
+    assert "--no-check: not checked whether the job runs offline" in queued.output
+
+
+def test_check_names_a_metric_module_missing_from_the_cache():
+    """humaneval scores with the `evaluate` module code_eval, which `evaluate.load` would download at run time."""
+    report = check(CheckSpec(tasks=("humaneval",)))
+    assert [p.line() for p in report.problems if "humaneval" in p.what] == [
+        "task humaneval: the evaluate metric module code_eval is not in the HF cache; fetch it: python -c 'import "
+        "evaluate; evaluate.load(\"code_eval\")' (with network, same HF_HOME)"]

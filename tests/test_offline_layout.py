@@ -1,0 +1,135 @@
+"""The generic ``--data-dir`` layout (:mod:`mpitp.tasks.layout`): any lm-eval task from
+``DATA/<dataset_path>/<dataset_name>/<split>.<jsonl|parquet>``, derived from lm-eval's own task configs.
+
+Made-up ARC-Challenge, BoolQ, COPA and MMLU files (real field names) and the real ARC-Easy file are built by the
+installed lm-eval through the written overrides; the docs it reads must be the files' rows."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from mpitp.tasks.layout import resolve_all, write_overrides  # noqa: E402
+from mpitp.tasks.offline import DataDirError  # noqa: E402
+from support.offline_data import mmlu_dir, mmlu_rows, small_tasks_dir, write_jsonl  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = small_tasks_dir(tmp_path_factory.mktemp("data"))
+    easy = root / "allenai/ai2_arc/ARC-Easy"
+    easy.mkdir(parents=True)
+    (easy / "test.jsonl").symlink_to(SHARED / "data/arc_easy/test.jsonl")
+    return root
+
+
+@pytest.fixture(scope="module")
+def built(data, tmp_path_factory):
+    from mpitp.tasks.index import task_manager
+
+    out = tmp_path_factory.mktemp("yamls")
+    written = write_overrides(["arc_challenge", "boolq", "copa", "arc_easy"], data, out)
+    tm = task_manager(include_path=[str(out)])
+    return written, tm.load(list(written))["tasks"]
+
+
+def test_overrides_name_the_generic_files(built, data):
+    written, _ = built
+    assert sorted(written) == ["arc_challenge", "arc_easy", "boolq", "copa"]
+    boolq = yaml.safe_load(Path(written["boolq"]).read_text())
+    assert boolq["include"].endswith("super_glue/boolq/default.yaml") and boolq["tag"] is None
+    assert (boolq["dataset_path"], boolq["dataset_name"]) == ("json", None)
+    boolq_dir = data / "aps/super_glue/boolq"
+    assert boolq["dataset_kwargs"] == {"data_files": {"train": str(boolq_dir / "train.jsonl"),
+                                                      "validation": str(boolq_dir / "validation.jsonl")}}
+    arc = yaml.safe_load(Path(written["arc_challenge"]).read_text())
+    assert (arc["training_split"], arc["validation_split"], arc["test_split"]) == (None, None, "test")
+
+
+def test_lm_eval_reads_the_files_rows(built, data):
+    _, tasks = built
+    cases = {"arc_challenge": "allenai/ai2_arc/ARC-Challenge/test.jsonl",
+             "arc_easy": "allenai/ai2_arc/ARC-Easy/test.jsonl",
+             "boolq": "aps/super_glue/boolq/validation.jsonl", "copa": "aps/super_glue/copa/validation.jsonl"}
+    for name, rel in cases.items():
+        assert tasks[name].eval_docs.to_list() == rows(data / rel), name
+    assert tasks["boolq"].training_docs().to_list() == rows(data / "aps/super_glue/boolq/train.jsonl")
+    assert not tasks["copa"].has_training_docs()
+    copa = tasks["copa"]
+    assert copa.doc_to_text(copa.eval_docs[0]) == "The man dropped glass 0 because"  # the stock !function hook
+    boolq = tasks["boolq"]
+    assert boolq.doc_to_text(boolq.eval_docs[1]) == "On day 1 the sky was clear and bright.\nQuestion: is the sky " \
+                                                    "blue on day 1?\nAnswer:"
+
+
+def test_needed_splits_missing_are_named(data, tmp_path):
+    # boolq evaluates on validation; with shots its examples come from train: needed then, optional at 0 shots
+    d = small_tasks_dir(tmp_path / "d")
+    (d / "aps/super_glue/boolq/train.jsonl").unlink()
+    assert resolve_all(["boolq"], d).missing == []
+    assert list(map(str, resolve_all(["boolq"], d, num_fewshot=2).missing)) == [
+        f"task boolq needs its train split: {d}/aps/super_glue/boolq/train.jsonl (or .parquet) is missing"]
+    (d / "aps/super_glue/copa/validation.jsonl").unlink()
+    with pytest.raises(DataDirError, match=r"task copa needs its validation split: .*/aps/super_glue/copa/"
+                                           r"validation.jsonl \(or .parquet\) is missing"):
+        write_overrides(["copa"], d, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # a dataset folder absent altogether is left to lm-eval (a warm HF cache may hold it; `mpitp check` says)
+    res = resolve_all(["sciq"], d)
+    assert not res.configs and not res.missing and [leaf.name for leaf in res.untouched] == ["sciq"]
+
+
+def test_mmlu_group_expands_to_57_subjects_jsonl_and_parquet(tmp_path):
+    d = mmlu_dir(tmp_path / "d", rows=1, fmt="parquet")
+    write_jsonl(d / "cais/mmlu/anatomy/test.jsonl", mmlu_rows("anatomy", 1))  # jsonl wins over parquet
+    res = resolve_all(["mmlu"], d, num_fewshot=1)
+    assert len(res.configs) == 57 and not res.missing
+    algebra = res.configs["mmlu_abstract_algebra"]
+    assert algebra["dataset_path"] == "parquet" and algebra["fewshot_split"] == "dev"
+    folder = d / "cais/mmlu/abstract_algebra"
+    assert algebra["dataset_kwargs"]["data_files"] == {"test": str(folder / "test.parquet"),
+                                                       "dev": str(folder / "dev.parquet")}
+    anatomy = res.configs["mmlu_anatomy"]
+    assert anatomy["dataset_path"] == "json" and anatomy["dataset_kwargs"]["data_files"] == {
+        "test": str(d / "cais/mmlu/anatomy/test.jsonl")}  # one loader per task: the dev parquet is dropped ...
+    assert anatomy["fewshot_split"] is None
+    import shutil
+
+    shutil.rmtree(d / "cais/mmlu/virology")
+    res = resolve_all(["mmlu"], d)
+    assert list(map(str, res.missing)) == [
+        f"task mmlu_virology needs its test split: {d}/cais/mmlu/virology/test.jsonl (or .parquet) is missing"]
+
+
+def test_tasks_command_lists_any_task_in_the_layout(data):
+    from click.testing import CliRunner
+
+    from mpitp.cli.tasks import tasks_command
+
+    out = CliRunner().invoke(tasks_command, ["--data-dir", str(data), "--tasks", "ai2_arc,boolq,copa,sciq,gsm8k",
+                                             "--num_fewshot", "1"])
+    assert out.exit_code == 0, out.output
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in out.output.splitlines()}
+    assert rows == {
+        "arc_challenge": "missing allenai/ai2_arc/ARC-Challenge/train.jsonl",  # 1 shot: from train
+        "arc_easy": "missing allenai/ai2_arc/ARC-Easy/train.jsonl",
+        "boolq": "runnable  [train=aps/super_glue/boolq/train.jsonl validation=aps/super_glue/boolq/validation.jsonl]",
+        "copa": "missing aps/super_glue/copa/train.jsonl",
+        "sciq": "not in DIR (expected allenai/sciq/<split>.<jsonl|parquet>; `mpitp prefetch` fetches it)",
+        "gsm8k": "missing gsm8k/train.jsonl, gsm8k/test.jsonl",  # the six: their own folder's message
+    }, out.output
+    bad = CliRunner().invoke(tasks_command, ["--data-dir", str(data), "--tasks", "no_such_task"])
+    assert bad.exit_code == 2 and "no task, group or tag named no_such_task" in bad.output
