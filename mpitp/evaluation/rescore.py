@@ -20,6 +20,7 @@ import os
 import shutil
 
 from mpitp.errors import UsageError
+from mpitp.results.untrusted import BadInput, mapping, shown
 
 log = logging.getLogger("mpitp")
 
@@ -80,6 +81,31 @@ def _stored_rows(path: str) -> dict[tuple, dict]:
     return out
 
 
+_JSON_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "dict": (dict,),
+               "list": (list,), "None": (type(None),), "Any": (object,)}
+
+
+def saved_settings(text) -> dict:
+    """A file's recorded settings (``eval_config_json``), each of the type its :class:`EvalConfig` field declares:
+    the file is untrusted, and a list where a string belongs would otherwise fail deep inside lm-eval."""
+    from dataclasses import fields
+
+    from mpitp.evaluation.settings import EvalConfig
+
+    if not isinstance(text, str):
+        raise BadInput(f"a {type(text).__name__}, not JSON text")
+    saved = mapping(json.loads(text), "the recorded settings")
+    types = {f.name: str(f.type) for f in fields(EvalConfig)}
+    for k, v in saved.items():
+        if k not in types:
+            continue
+        allowed = tuple(t for part in types[k].split("|") for t in _JSON_TYPES.get(part.strip().split("[")[0], ()))
+        if not allowed or (isinstance(v, bool) and bool not in allowed and object not in allowed) \
+                or not isinstance(v, allowed):
+            raise BadInput(f"{shown(k)} is a {type(v).__name__}, not {types[k]}")
+    return saved
+
+
 def _config(path: str, include_path, data_dir):
     from mpitp.evaluation.settings import EvalConfig
     from mpitp.results.schema import open_h5
@@ -87,13 +113,18 @@ def _config(path: str, include_path, data_dir):
     try:
         with open_h5(path) as f:
             attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+    except BadInput as exc:
+        raise UsageError(f"cannot rescore {exc}", collective=True) from None
     except OSError as exc:
         raise UsageError(f"cannot rescore {path}: not an HDF5 file ({str(exc).splitlines()[0]})",
                          collective=True) from None
     if "config_json" not in attrs:
         raise UsageError(f"cannot rescore {path}: not an mpitp results file (no config_json)", collective=True)
-    saved = json.loads(attrs.get("eval_config_json") or attrs["config_json"])
-    cfg = EvalConfig.from_saved(saved)
+    try:
+        cfg = EvalConfig.from_saved(saved_settings(attrs.get("eval_config_json") or attrs["config_json"]))
+    except ValueError as exc:
+        raise UsageError(f"cannot rescore {path}: its recorded settings are not valid ({shown(exc)})",
+                         collective=True) from None
     if include_path:
         cfg.include_path = include_path
     if data_dir:
@@ -114,7 +145,11 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
     if not os.path.isfile(path):
         raise UsageError(f"cannot rescore {path}: no such file", collective=True)
     cfg, attrs = _config(path, include_path, data_dir)
-    rows = _stored_rows(path)
+    try:
+        rows = _stored_rows(path)
+    except (OSError, KeyError, ValueError) as exc:  # BadInput included: a damaged or crafted file
+        raise UsageError(f"cannot rescore {path}: {shown(' '.join(str(exc).split())[:300])}", collective=True) \
+            from None
     if not rows:
         raise UsageError(f"cannot rescore {path}: no request rows stored", collective=True)
     include = offline_include(cfg)

@@ -341,7 +341,7 @@ class EvalConfig:
     bootstrap_iters: int = setting(100000, cli=cli("--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0),
                                                    help="Bootstrap iterations for stderr (default 100000, as "
                                                         "lm-eval)."))
-    trust_remote_code: bool = setting(False, lm_eval=True)
+    trust_remote_code: bool = setting(False, identity=IF_SET, lm_eval=True)  # the model's code runs: recorded
     no_prefix_sharing: bool = setting(False, job=yaml_bool, cli=cli(  # see mpitp.replica.prefix
         "--no-prefix-sharing", group=RESULTS, action="store_true",
         help="Score every row on its own, even where rows share their context (by default such rows are scored as "

@@ -67,7 +67,18 @@ def _locking() -> bool:
 
 
 def open_h5(path: str, mode: str = "r") -> h5py.File:
-    return h5py.File(path, mode, locking=_locking())
+    """Open a results file; read-only opens are of files from anyone and are checked first
+    (:func:`mpitp.results.untrusted.check_h5`: no links, no data in other files, no declared size beyond the file's)."""
+    f = h5py.File(path, mode, locking=_locking())
+    if mode == "r":
+        from mpitp.results.untrusted import check_h5
+
+        try:
+            check_h5(f, path)
+        except BaseException:
+            f.close()
+            raise
+    return f
 
 
 def h5_attr(v):
