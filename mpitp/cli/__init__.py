@@ -61,7 +61,9 @@ def main(argv=None) -> None:
         if not exc.collective:
             report_and_abort(exc)
         if world_rank() == 0:
-            sys.stderr.write(f"mpitp: error: {exc}\n")
+            from mpitp.results.untrusted import shown  # a message may quote a file's names: escaped
+
+            sys.stderr.write(f"mpitp: error: {shown(exc)}\n")
         sys.exit(USAGE_EXIT)
     except click.exceptions.Abort:
         # click turns Ctrl-C (KeyboardInterrupt) into Abort. A plain exit would leave this rank in MPI_Finalize

@@ -11,6 +11,7 @@ becomes one :class:`BadInput` line; a TypeError or AttributeError is a bug of ou
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -217,13 +218,18 @@ def _metric_rows(task: str, metrics: dict, n: int | None) -> list[MetricRow]:
     return rows
 
 
+def _count(v) -> int | None:
+    """A document count as a file stores it: a finite number (a NaN, text or list there is no count)."""
+    x = as_number(v)
+    return int(x) if x is not None and not isinstance(v, bool) and math.isfinite(x) else None
+
+
 def task_n_docs(run: RunFile, t: TaskInfo) -> int | None:
     for v in (t.attrs.get("n_docs"), t.metrics.get("sample_len")):
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return int(v)
+        if _count(v) is not None:
+            return _count(v)
     ns = (run.results_json or {}).get("n-samples", {}).get(t.name, {})
-    v = ns.get("effective", ns.get("original")) if isinstance(ns, dict) else None
-    return int(v) if isinstance(v, (int, float)) else None
+    return _count(ns.get("effective", ns.get("original"))) if isinstance(ns, dict) else None
 
 
 def metric_rows(run: RunFile, task: str | None = None) -> list[MetricRow]:

@@ -46,47 +46,88 @@ def _limit(path: str) -> int:
 
 def check_h5(f, path: str) -> None:
     """Refuse (one-line :class:`BadInput`) an open h5py file that links to other files or objects, keeps data
-    outside itself, or declares a dataset bigger than it can hold. Walks every link once (``visititems_links``:
-    links are looked at, never followed)."""
-    import h5py
+    outside itself, or declares a dataset bigger than it can hold. Walks every link once with HDF5's own visitor
+    (links are looked at, never followed; low-level calls: a few microseconds per object, so every open can afford
+    it)."""
+    from h5py import h5d, h5l, h5o
 
+    key = _identity(f)
+    if key is not None and key in _CHECKED:
+        return
     limit = _limit(path)
     problems: list[str] = []
 
-    def visit(name: str, link) -> None:
-        if problems:
-            return
-        where = shown(f"/{name}")
-        if isinstance(link, h5py.ExternalLink):
-            problems.append(f"{where} is an external link (to {shown(link.filename)}:{shown(link.path)})")
-        elif isinstance(link, h5py.SoftLink):
-            problems.append(f"{where} is a soft link (to {shown(link.path)})")
-        elif not isinstance(link, h5py.HardLink):
-            problems.append(f"{where} is a link of an unknown kind ({type(link).__name__})")
-        else:
-            obj = f.get(name)
-            if isinstance(obj, h5py.Dataset):
-                problems.extend(_dataset_problems(obj, where, limit))
+    def look(name: bytes, info) -> None:
+        where = shown("/" + name.decode("utf-8", "replace"))
+        if info.type == h5l.TYPE_EXTERNAL:
+            target = f.id.links.get_val(name)
+            text = ":".join(t.decode("utf-8", "replace") for t in target) if isinstance(target, tuple) else target
+            problems.append(f"{where} is an external link (to {shown(text)})")
+        elif info.type == h5l.TYPE_SOFT:
+            problems.append(f"{where} is a soft link (to {shown(f.id.links.get_val(name).decode('utf-8', 'replace'))})")
+        elif info.type != h5l.TYPE_HARD:
+            problems.append(f"{where} is a link of an unknown kind ({info.type})")
+        elif h5o.get_info(f.id, name).type == h5o.TYPE_DATASET:
+            problems.extend(_dataset_problems(h5d.open(f.id, name), where, limit))
 
-    f.visititems_links(visit)
+    damaged: list[BaseException] = []
+
+    def visit(name: bytes, info) -> int | None:
+        try:
+            look(name, info)
+        except (OSError, RuntimeError, KeyError, ValueError) as exc:  # an exception must not cross HDF5's C visitor
+            damaged.append(exc)
+        return 1 if problems or damaged else None  # non-None stops the walk
+
+    try:
+        f.id.links.visit(visit, info=True)
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:  # what HDF5 says of a damaged file
+        damaged.append(exc)
+    if damaged:
+        reason = " ".join(str(damaged[0]).split())[:200] or type(damaged[0]).__name__
+        raise BadInput(f"{path}: not a readable HDF5 file ({shown(reason)})") from None
     if problems:
         raise BadInput(f"{path}: refused: {problems[0]}; a results file must not read other files or declare more "
                        f"data than it holds")
+    if key is not None and _identity(f) == key:
+        _CHECKED.add(key)
+
+
+#: Files already checked in this process, by :func:`_identity`: a reader opens one file many times (``diff``: twice
+#: per task), and a file that changed in any way has another identity (``st_ctime`` moves with every write, rename
+#: and ``utime``; a snapshot replaced by a running evaluation is a new inode).
+_CHECKED: set[tuple] = set()
+
+
+def _identity(f) -> tuple | None:
+    """The open file's device, inode, size and times (``fstat`` of HDF5's own descriptor: the file that was read,
+    whatever its path names now); None where the driver has no descriptor."""
+    try:
+        st = os.fstat(f.id.get_vfd_handle())
+    except (OSError, ValueError, TypeError, RuntimeError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _dataset_problems(d, where: str, limit: int) -> list[str]:
-    if d.external:
-        files = ", ".join(shown(str(e[0])) for e in d.external[:3])
+    """What is wrong with the dataset ``d`` (a low-level h5py DatasetID)."""
+    from h5py import h5d
+
+    plist = d.get_create_plist()
+    if plist.get_external_count():
+        files = ", ".join(shown(plist.get_external(i)[0].decode("utf-8", "replace"))
+                          for i in range(min(3, plist.get_external_count())))
         return [f"{where} keeps its data in other files ({files})"]
-    if d.is_virtual:
+    if plist.get_layout() == h5d.VIRTUAL:
         return [f"{where} is a virtual dataset (its data lives in other files)"]
+    shape = d.get_space().get_simple_extent_dims() or ()
     n = 1
-    for s in d.shape or ():
+    for s in shape:
         n *= int(s)
-    declared = n * d.dtype.itemsize
-    if declared > limit:
-        return [f"{where} declares {shown(str(d.shape))} x {d.dtype.itemsize} B = {declared} bytes, over the "
-                f"{limit} a file of this size can hold"]
+    size = d.get_type().get_size()
+    if n * size > limit:
+        return [f"{where} declares {shown(str(tuple(shape)))} x {size} B = {n * size} bytes, over the {limit} a file "
+                f"of this size can hold"]
     return []
 
 
