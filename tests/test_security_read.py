@@ -413,3 +413,28 @@ def test_run_metadata_records_hooks_and_drops_secrets(hook_env, tmp_path):
     ResultWriter(path, meta).finish(redact({"config": {"model_args": "pretrained=x,token=SECRET9"}}), 1.0)
     assert b"SECRET9" not in open(path, "rb").read()
 
+
+
+# ------------------------------------------------------------------------------ items 9-11 in one real run
+
+@pytest.mark.mpi
+def test_real_run_drops_secrets_warns_of_remote_code_and_ignores_hooks_without_opt_in(tmp_path):
+    """One real ``mpiexec`` demo run: a token given to lm-eval is nowhere in the file, trust_remote_code (from
+    model_args) warns once naming the model and is shown by inspect, and an altered-head hook without
+    ``MPITP_TESTING=1`` changes nothing (live, it would fail the head check: tests/test_head_check.py)."""
+    from support.mpi import explain, run_mpi
+
+    out = tmp_path / "run.h5"
+    proc = run_mpi(1, ["eval", "--demo", "--limit", "1", "--model_args", "trust_remote_code=True",
+                       "--hf_hub_log_args", "token=SECRET_HUB,hub_results_org=me", "--output", str(out)],
+                   env={"MPITP_TESTING": "0", "MPITP_TEST_ALTER_HEAD": "2"}, cwd=str(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    warnings = [line for line in proc.stderr.splitlines() if "trust_remote_code is on: " in line]
+    assert len(warnings) == 1 and "mpitp-demo-llama's own Python code" in warnings[0], proc.stderr
+    assert "ignoring MPITP_TEST_ALTER_HEAD: test hooks are live only with MPITP_TESTING=1" in proc.stderr
+    assert "head check: passed" in proc.stdout + proc.stderr
+    assert b"SECRET_HUB" not in out.read_bytes()
+    with h5py.File(out) as f:
+        assert "token=<redacted>" in f.attrs["command"] and "test_hooks" not in f.attrs
+    r = invoke(out)
+    assert r.exit_code == 0 and "remote code trust_remote_code" in r.output and "test hooks" not in r.output
