@@ -291,6 +291,23 @@ def test_malformed_recorded_settings_are_refused_by_resume(attr, value, tmp_path
         check_resumable(path, cfg)
 
 
+def test_job_and_sweep_readers_refuse_or_skip_malformed_outputs(tmp_path):
+    """``mpitp run``'s look at an existing output refuses a linked file (one line); a sweep's metrics of a checkpoint
+    whose results are malformed are none, not a crash."""
+    from mpitp.jobs.jobrun import output_status
+    from mpitp.jobs.sweep import _metrics_from_file
+
+    path = make_file(tmp_path / "out.h5")
+    assert _metrics_from_file(path)["syn_mc"]["acc,none"] == pytest.approx(2 / 3)
+    with h5py.File(path, "a") as f:
+        f.attrs["results_json"] = json.dumps({"results": {"syn_mc": [1]}})
+    assert _metrics_from_file(path) == {}
+    with h5py.File(path, "a") as f:
+        f["x"] = h5py.SoftLink("/tasks")
+    with pytest.raises(UsageError, match="refused: /x is a soft link"):
+        output_status(path)
+
+
 # ------------------------------------------------------------------------------ item 8: escaped output
 
 EVIL = "\x1b]0;owned\x07\x1b[2J\u202e"
