@@ -1,14 +1,16 @@
 """Fuzzing the readers of results files and journals (issue 27): a file from anyone must end as the readers' one-line
-error (:class:`~mpitp.results.untrusted.BadInput`, or the :class:`~mpitp.errors.UsageError` of ``--resume``) or be
+error (:class:`~mpitp.results.untrusted.BadInput`, or the :class:`~mpitp.errors.UsageError` of ``--resume`` and
+``rescore``) or be
 read: never a traceback, never a hang, never memory beyond a bound.
 
 A real two-task results file and a real killed run's snapshot + journal are written once by the real
 :class:`~mpitp.results.store.ResultWriter`; each case damages a copy with a fixed seed (random byte flips, an
 attribute or dataset replaced by a value of a random type, a journal record of a random shape with a valid CRC) and
-every reader path runs on it in a forked child: ``inspect``'s table, CSV, JSON, requests and samples, ``diff`` with
-its paired statistics, and ``--resume``'s check. The child runs under ``RLIMIT_AS`` (what it has plus
-:data:`MEMORY_BOUND`) and is killed after :data:`CASE_TIMEOUT_S`; HDF5's C library is exercised too, so a crash there
-shows as a signal, not as a lost pytest. Two cases also go through the ``mpitp inspect`` command as a subprocess.
+the reader paths run on it in a forked child: ``inspect``'s table, CSV and JSON, and one of: its requests and
+samples, ``diff`` with its paired statistics, ``--resume``'s check, ``rescore``'s reading. The child runs under
+``RLIMIT_AS`` (what it has plus :data:`MEMORY_BOUND`) and is killed after :data:`CASE_TIMEOUT_S`; HDF5's C library
+is exercised too, so a crash there shows as a signal, not as a lost pytest. Two cases also go through the
+``mpitp inspect`` command as a subprocess.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from mpitp.errors import UsageError  # noqa: E402
 from mpitp.evaluation.checks import check_resumable  # noqa: E402
+from mpitp.evaluation.rescore import _config as rescore_config  # noqa: E402
+from mpitp.evaluation.rescore import _stored_rows as stored_rows  # noqa: E402
 from mpitp.evaluation.settings import EvalConfig  # noqa: E402
 from mpitp.results.diff import diff_runs, render_diff, render_statistics  # noqa: E402
 from mpitp.results.journal import MAGIC, frame, journal_path  # noqa: E402
@@ -48,7 +52,8 @@ CFG = EvalConfig(model="synthetic/model", tasks=["syn_mc", "syn_gen"], limit=3)
 
 def read_everything(path: str, paths: str = "rdc") -> None:
     """The reader paths of ``inspect`` (table, CSV, JSON; ``r``: requests and samples), ``diff`` with its statistics
-    (``d``) and ``--resume``'s check (``c``) on ``path``; only their one-line errors escape."""
+    (``d``), ``--resume``'s check (``c``) and ``rescore``'s reading (``s``) on ``path``; only their one-line errors
+    escape."""
     try:
         run = load(path)
         render_summary(run, None)
@@ -66,6 +71,12 @@ def read_everything(path: str, paths: str = "rdc") -> None:
     if "c" in paths:
         try:
             check_resumable(path, CFG)
+        except UsageError:
+            pass
+    if "s" in paths:
+        try:
+            rescore_config(path, None, None)
+            stored_rows(path)
         except UsageError:
             pass
 
@@ -240,7 +251,7 @@ def test_fuzzed_files_end_as_one_line_errors(originals):
             retype(rng, complete, case)
         else:
             journal_case(rng, running, case)
-        problem = run_case(case, rng.choice(["r", "d", "c"]))  # every path on a third of the cases: seconds
+        problem = run_case(case, rng.choice(["r", "d", "c", "s"]))  # each path on a quarter of the cases: seconds
         if problem:
             failures.append(f"{kind} case {i} ({case}): {problem}")
         else:

@@ -129,6 +129,33 @@ def test_declared_size_beyond_the_file_is_refused_before_reading(tmp_path):
     assert "refused: /stats/busy_s declares (1125899906842624,) x 8 B" in line
 
 
+@pytest.mark.parametrize("planted", ["dev_zero_link", "fifo"])
+def test_planted_journal_is_refused_not_read(planted, tmp_path):
+    """A journal beside the file is in a directory others may write to: a link to /dev/zero or a FIFO there is one
+    line, not endless memory or a hang (the command as a subprocess, memory-bounded and timed: the old code did
+    both)."""
+    import resource
+    import subprocess
+    import sys
+
+    path = _running(tmp_path)
+    os.remove(journal_path(path))
+    if planted == "fifo":
+        os.mkfifo(journal_path(path))
+    else:
+        os.symlink("/dev/zero", journal_path(path))
+
+    def bounded():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    proc = subprocess.run([sys.executable, "-m", "mpitp", "inspect", path], capture_output=True, text=True,
+                          timeout=60, preexec_fn=bounded)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"mpitp: error: {journal_path(path)}: refused: the journal is "
+        + ("not a regular file" if planted == "fifo" else "a link or cannot be opened (Too many levels of symbolic "
+           "links)")], proc.stderr
+
+
 # ------------------------------------------------------------------------------ item 7: malformed files
 
 def _attr(name, value):

@@ -140,7 +140,7 @@ def check_resumable(path: str, cfg) -> None:
             on_disk = stored_fingerprint(json.loads(f.attrs["fingerprint_json"])) if "fingerprint_json" in f.attrs \
                 else None
         load_rows(path)
-    except (OSError, KeyError, ValueError, TypeError) as exc:  # TypeError: json.loads of an attribute not text
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an attribute not text
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise UsageError(f"cannot resume {path}: not an mpitp results file ({shown(reason)})") from None
     now = json.loads(json.dumps(redact(cfg.identity())))  # as recorded: secrets left out

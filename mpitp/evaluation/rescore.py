@@ -67,17 +67,22 @@ def stored_lm(rows: dict[tuple, dict]):
 
 
 def _stored_rows(path: str) -> dict[tuple, dict]:
+    """Every stored request row by its resume key; a damaged or crafted file is a one-line usage error."""
     from mpitp.results.rows import read_requests
     from mpitp.results.schema import REQUEST_FIELDS, open_h5
 
-    with open_h5(path) as f:
-        tasks = list(f.get("tasks", {}))
-    out = {}
-    for task in tasks:
-        cols = read_requests(path, task)
-        for i in range(len(cols["doc_id"])):
-            row = {k: cols[k][i] for k in REQUEST_FIELDS}
-            out[(task, int(row["doc_id"]), int(row["idx"]), str(row["args_hash"]), int(row.get("repeat", 0)))] = row
+    try:
+        with open_h5(path) as f:
+            tasks = list(f.get("tasks", {}))
+        out = {}
+        for task in tasks:
+            cols = read_requests(path, task)
+            for i in range(len(cols["doc_id"])):
+                row = {k: cols[k][i] for k in REQUEST_FIELDS}
+                out[(task, int(row["doc_id"]), int(row["idx"]), str(row["args_hash"]), int(row["repeat"]))] = row
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:  # BadInput included
+        raise UsageError(f"cannot rescore {path}: {shown(' '.join(str(exc).split())[:300])}", collective=True) \
+            from None
     return out
 
 
@@ -115,7 +120,7 @@ def _config(path: str, include_path, data_dir):
             attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
     except BadInput as exc:
         raise UsageError(f"cannot rescore {exc}", collective=True) from None
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         raise UsageError(f"cannot rescore {path}: not an HDF5 file ({str(exc).splitlines()[0]})",
                          collective=True) from None
     if "config_json" not in attrs:
@@ -145,11 +150,7 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
     if not os.path.isfile(path):
         raise UsageError(f"cannot rescore {path}: no such file", collective=True)
     cfg, attrs = _config(path, include_path, data_dir)
-    try:
-        rows = _stored_rows(path)
-    except (OSError, KeyError, ValueError) as exc:  # BadInput included: a damaged or crafted file
-        raise UsageError(f"cannot rescore {path}: {shown(' '.join(str(exc).split())[:300])}", collective=True) \
-            from None
+    rows = _stored_rows(path)
     if not rows:
         raise UsageError(f"cannot rescore {path}: no request rows stored", collective=True)
     include = offline_include(cfg)
@@ -221,7 +222,7 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
 
 def metric_changes(path: str, res: dict) -> list[str]:
     """``task metric: old -> new`` for every metric whose value moved (or appeared)."""
-    from mpitp.results.schema import open_h5
+    from mpitp.results.schema import open_h5, py_value
 
     out = []
     with open_h5(path) as f:
@@ -230,8 +231,7 @@ def metric_changes(path: str, res: dict) -> list[str]:
             for k, v in metrics.items():
                 if k == "alias":
                     continue
-                o = old.get(k)
-                o = o.item() if hasattr(o, "item") else (o.decode() if isinstance(o, bytes) else o)
+                o = py_value(old.get(k), "replace")  # an array there (a file is untrusted) as a list: comparable
                 v = v.item() if hasattr(v, "item") else v
                 if o is None or (o != v and not (isinstance(o, float) and isinstance(v, float) and o == v)):
                     out.append(f"{task} {k}: {o!r} -> {v!r}")

@@ -296,7 +296,7 @@ def _metrics_from_file(path: str) -> dict:
     try:
         with open_h5(path) as f:
             return _metrics_of(json.loads(f.attrs["results_json"]))
-    except (OSError, KeyError, ValueError, TypeError):  # TypeError: results_json not text
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError):  # TypeError: results_json not text
         return {}
 
 
