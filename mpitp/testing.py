@@ -64,7 +64,8 @@ class Hooks:
             from mpitp.errors import UsageError
 
             shown = "; ".join(f"{k}={env[k]!r}" for k in given)
-            raise UsageError(f"malformed test hook ({shown}): see mpitp/testing.py for the forms") from None
+            raise UsageError(f"malformed test hook ({shown}): see mpitp/testing.py for the forms",
+                             collective=True) from None  # every rank reads the same environment at the same point
 
     @classmethod
     def _parse(cls, env) -> Hooks:

@@ -439,6 +439,18 @@ def test_malformed_hook_is_a_usage_error(hook_env, var, value):
         testing.hooks()
 
 
+def test_malformed_hook_ends_the_command_as_one_line(tmp_path):
+    """Read by every command on every rank before any work (mpitp.cli.main): one line, status 2, whatever runs."""
+    import subprocess
+    import sys
+
+    path = make_file(tmp_path / "f.h5")
+    proc = subprocess.run([sys.executable, "-m", "mpitp", "inspect", path], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "MPITP_TESTING": "1", "MPITP_TEST_STALL": "bad"})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "mpitp: error: malformed test hook (MPITP_TEST_STALL='bad'): see mpitp/testing.py for the forms"], proc.stderr
+
+
 def test_run_metadata_records_hooks_and_drops_secrets(hook_env, tmp_path):
     """The metadata a run writes (the real function, on a real config and a stand-in runtime)."""
     from types import SimpleNamespace

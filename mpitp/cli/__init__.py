@@ -29,6 +29,7 @@ from mpitp.errors import (  # noqa: E402
     report_and_abort,
     world_rank,
 )
+from mpitp.testing import hooks  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -56,6 +57,7 @@ def main(argv=None) -> None:
     install_excepthook()
     register(cli)
     try:
+        hooks()  # MPITP_TEST_* read on every rank before any work: a malformed one is one usage error, together
         code = cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
     except UsageError as exc:
         if not exc.collective:
