@@ -97,7 +97,9 @@ def report_and_abort(exc: BaseException) -> None:
     rank = world_rank()
     if isinstance(exc, UsageError):
         # A usage error raised on a single rank (not agreed collectively) still ends the job with status 2.
-        _stderr().write(f"mpitp: error: {exc}\n")
+        from mpitp.results.untrusted import shown  # a message may quote a file's names: escaped
+
+        _stderr().write(f"mpitp: error: {shown(exc)}\n")
         abort(USAGE_EXIT)
     if isinstance(exc, DeadlineError):
         # A wait that ran out is a fault of the job, not a bug of this rank: one line naming where, no traceback.

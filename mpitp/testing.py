@@ -16,6 +16,12 @@ its variable is unset. The environment is read once per process (:func:`hooks`).
 ``MPITP_TEST_IO_REPORT=1``                       :func:`report_io`: each rank prints its ``/proc/self/io`` counters
                                                  when the model is loaded (bench/README: bytes read per node)
 ===============================================  ==================================================================
+
+The hooks are live only when ``MPITP_TESTING=1`` is set too (the test suite sets it in ``tests/conftest.py``):
+production never sets it, so an environment that happens to carry an ``MPITP_TEST_*`` variable (a copied job
+script, a shared module file) cannot alter a run; such variables are then ignored with one warning line. A run with
+hooks live records them in its results file (root attribute ``test_hooks``, shown by ``mpitp inspect``). A malformed
+value is a usage error (one line, exit status 2), not a traceback.
 """
 
 from __future__ import annotations
@@ -43,7 +49,26 @@ class Hooks:
 
     @classmethod
     def from_env(cls, env=None) -> Hooks:
+        """The hooks ``env`` sets, when it opts in with ``MPITP_TESTING=1``; else none (a warning names what was
+        ignored). A value that does not parse is a :class:`~mpitp.errors.UsageError` naming the variable."""
         env = os.environ if env is None else env
+        given = [k for k in HOOK_VARS if env.get(k)]
+        if not given:
+            return cls()
+        if env.get("MPITP_TESTING") != "1":
+            log.warning("ignoring %s: test hooks are live only with MPITP_TESTING=1", ", ".join(given))
+            return cls()
+        try:
+            return cls._parse(env)
+        except (ValueError, IndexError):
+            from mpitp.errors import UsageError
+
+            shown = "; ".join(f"{k}={env[k]!r}" for k in given)
+            raise UsageError(f"malformed test hook ({shown}): see mpitp/testing.py for the forms",
+                             collective=True) from None  # every rank reads the same environment at the same point
+
+    @classmethod
+    def _parse(cls, env) -> Hooks:
         stall = env.get("MPITP_TEST_STALL")
         raise_at = env.get("MPITP_TEST_RAISE")
         in_forward = env.get("MPITP_TEST_RAISE_IN_FORWARD")
@@ -54,6 +79,8 @@ class Hooks:
             parts = in_forward.split(":")
             forward = (int(parts[0]), int(parts[1]), parts[2:] == ["oom"])
         where, _, seconds = (stall or "").partition(":")
+        if raise_at and len(raise_at.split(":")) != 2:
+            raise ValueError(raise_at)
         return cls(stall=(where, float(seconds)) if stall else None,
                    chunk_seed=env.get("MPITP_TEST_CHUNK_SEED") or None,
                    oom_above=int(oom) if oom else None,
@@ -61,6 +88,17 @@ class Hooks:
                    raise_in_forward=forward,
                    alter_head=float(alter) if alter else None,
                    io_report=env.get("MPITP_TEST_IO_REPORT", "") not in ("", "0"))
+
+
+HOOK_VARS = ("MPITP_TEST_STALL", "MPITP_TEST_CHUNK_SEED", "MPITP_TEST_OOM_ABOVE", "MPITP_TEST_RAISE",
+             "MPITP_TEST_RAISE_IN_FORWARD", "MPITP_TEST_ALTER_HEAD", "MPITP_TEST_IO_REPORT")
+
+
+def active() -> list[str]:
+    """``NAME=value`` of each hook live in this process (what a results file records as ``test_hooks``)."""
+    if hooks() == Hooks():
+        return []
+    return [f"{k}={os.environ[k]}" for k in HOOK_VARS if os.environ.get(k)]
 
 
 @functools.cache

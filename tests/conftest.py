@@ -10,6 +10,7 @@ so this is a reminder, never a failure).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,10 @@ import pytest
 
 from support import SHARED, STORIES
 from support import mpi as _mpi
+
+# The suite steers its runs through MPITP_TEST_* hooks (mpitp.testing), live only with this opt-in; every process
+# the suite starts (mpiexec, the emulated nodes, SLURM jobs) inherits it.
+os.environ["MPITP_TESTING"] = "1"
 
 SLOW_S = 20.0
 _seconds: dict[str, float] = {}  # setup + call of each test not marked slow

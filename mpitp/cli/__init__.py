@@ -29,6 +29,7 @@ from mpitp.errors import (  # noqa: E402
     report_and_abort,
     world_rank,
 )
+from mpitp.testing import hooks  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,12 +58,15 @@ def main(argv=None) -> None:
     install_excepthook()
     register(cli)
     try:
+        hooks()  # MPITP_TEST_* read on every rank before any work: a malformed one is one usage error, together
         code = cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
     except UsageError as exc:
         if not exc.collective:
             report_and_abort(exc)
         if world_rank() == 0:
-            sys.stderr.write(f"mpitp: error: {exc}\n")
+            from mpitp.results.untrusted import shown  # a message may quote a file's names: escaped
+
+            sys.stderr.write(f"mpitp: error: {shown(exc)}\n")
         sys.exit(USAGE_EXIT)
     except click.exceptions.Abort:
         # click turns Ctrl-C (KeyboardInterrupt) into Abort. A plain exit would leave this rank in MPI_Finalize

@@ -24,6 +24,7 @@ from mpitp.results.diff import diff_runs, render_diff, render_statistics
 from mpitp.results.plot import figure_class, plot_run
 from mpitp.results.reader import BadInput, check_path, load, load_samples, one_line
 from mpitp.results.render import lm_eval_json, render_csv, render_requests, render_summary
+from mpitp.results.untrusted import shown
 
 BAD_INPUT_EXIT = 2
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -35,7 +36,7 @@ class BadInputExit(click.ClickException):
     exit_code = BAD_INPUT_EXIT
 
     def show(self, file=None) -> None:
-        click.echo(f"mpitp: error: {self.format_message()}", err=True, file=file)
+        click.echo(f"mpitp: error: {shown(self.format_message())}", err=True, file=file)
 
 
 class Negative(click.ClickException):
@@ -48,7 +49,13 @@ class Negative(click.ClickException):
     exit_code = 1
 
     def show(self, file=None) -> None:
-        click.echo(f"mpitp: {self.format_message()}", err=True, file=file)
+        click.echo(f"mpitp: {shown(self.format_message())}", err=True, file=file)
+
+
+def _echo(text: str, **kwargs) -> None:
+    """``click.echo`` of text that holds what a file says (names, generations, samples): every control character
+    but the newlines of our own layout shown escaped, so a file cannot drive the terminal (:func:`shown`)."""
+    click.echo(shown(text, keep_newlines=True), **kwargs)
 
 
 def _bad_input_exits(command):
@@ -150,38 +157,38 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
     failure = None  # the note of an exit-status-1 answer, raised after any plot is written
     if as_json:
         res, complete = lm_eval_json(run, task)
-        click.echo(json.dumps(res, indent=2, default=str))
+        _echo(json.dumps(res, indent=2, default=str))
         if not complete:
             failure = (f"{file}: status is '{run.status}': lm-eval's results are not written yet; printed what "
                        f"is known so far")
     elif as_csv:
-        click.echo(render_csv(run, task), nl=False)
+        _echo(render_csv(run, task), nl=False)
         if run.status != "complete":
-            click.echo(f"mpitp: {file}: status is '{run.status}': metrics may be missing", err=True)
+            _echo(f"mpitp: {file}: status is '{run.status}': metrics may be missing", err=True)
     elif show_requests:
-        click.echo(render_requests(file, task, limit))
+        _echo(render_requests(file, task, limit))
     elif show_samples:
         samples = load_samples(file, task)
         if not samples:
             failure = f"{file}: no samples stored for task {task} (the run did not use --log-samples)"
         else:
-            shown = samples if limit is None else samples[:limit]
-            for s in shown:
+            picked = samples if limit is None else samples[:limit]
+            for s in picked:
                 try:
-                    click.echo(json.dumps(json.loads(s), indent=2, ensure_ascii=False, default=str))
+                    _echo(json.dumps(json.loads(s), indent=2, ensure_ascii=False, default=str))
                 except ValueError:
-                    click.echo(s)
-            if len(shown) < len(samples):
-                click.echo(f"mpitp: {len(shown)} of {len(samples)} samples of {task} shown", err=True)
+                    _echo(s)
+            if len(picked) < len(samples):
+                _echo(f"mpitp: {len(picked)} of {len(samples)} samples of {task} shown", err=True)
     else:
-        click.echo(render_summary(run, task))
+        _echo(render_summary(run, task))
 
     if plot:
         try:
             plot_run(run, plot, task, Figure=Figure)
         except (OSError, ValueError) as exc:  # an unwritable path, an image format matplotlib does not know
             raise BadInputExit(f"--plot {plot}: {one_line(exc)}") from None
-        click.echo(f"mpitp: wrote {plot}", err=True)
+        _echo(f"mpitp: wrote {plot}", err=True)
     if failure:
         raise Negative(failure)
 
@@ -194,16 +201,36 @@ def _inspect_sweep(path: str, task: str | None, plot: str | None, Figure) -> Non
     check_path(path)
     try:
         with open(path) as f:
-            rows = [Row(**r) for r in json.load(f)["checkpoints"]]
+            data = json.load(f)
+        rows = [_summary_row(Row, r) for r in data["checkpoints"]]
+        comps = data.get("comparisons", [])
+        if not isinstance(comps, list) or not all(
+                isinstance(c, dict) and all(isinstance(c.get(k, ""), str) for k in ("a", "b", "sentence"))
+                and ("sentence" not in c or {"a", "b"} <= set(c)) for c in comps):
+            raise TypeError("its comparisons are not a list of {a, b, sentence} texts")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInputExit(f"{path} is not a sweep summary ({one_line(exc)})") from None
-    click.echo(render_summary(rows, path))
+    _echo(render_summary(rows, path))
     if plot:
         try:
             plot_summary(path, plot, Figure, task)
         except (OSError, ValueError) as exc:
             raise BadInputExit(f"--plot {plot}: {one_line(exc)}") from None
-        click.echo(f"mpitp: wrote {plot}", err=True)
+        _echo(f"mpitp: wrote {plot}", err=True)
+
+
+def _summary_row(Row, r):
+    """One checkpoint of a sweep summary, each field of its type (the file is untrusted): a TypeError or
+    ValueError here is a malformed summary, reported as such."""
+    row = Row(**r)
+    texts = (row.model, row.name, row.output, row.status, row.error)
+    if not all(isinstance(t, str) for t in texts) or isinstance(row.wall_s, bool) \
+            or not isinstance(row.wall_s, (int, float)) or not isinstance(row.metrics, dict):
+        raise TypeError("a checkpoint's fields are not of their types (texts, wall_s a number, metrics a mapping)")
+    for m in row.metrics.values():
+        if not isinstance(m, dict) or not all(isinstance(v, (int, float)) for v in m.values()):
+            raise TypeError("a checkpoint's metrics are not numbers per task and metric")
+    return row
 
 
 @inspect_command.command("diff", context_settings=CONTEXT)
@@ -234,8 +261,8 @@ def diff_command(a, b, atol, rtol, show, bootstrap_iters, seed):
     ra, rb = load(a), load(b)
     diffs, only = diff_runs(ra, rb, atol, rtol)
     text, differ = render_diff(ra, rb, diffs, only, atol, rtol, show)
-    click.echo(text)
+    _echo(text)
     if bootstrap_iters:
-        click.echo("\n" + render_statistics(ra, rb, [d.task for d in diffs], bootstrap_iters, seed))
+        _echo("\n" + render_statistics(ra, rb, [d.task for d in diffs], bootstrap_iters, seed))
     if differ:
         raise Negative(f"{a} and {b} differ")

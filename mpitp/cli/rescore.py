@@ -30,6 +30,7 @@ def rescore_command(file, output, in_place, include_path, data_dir, bootstrap_it
     from lm_eval.utils import make_table
 
     from mpitp.evaluation.rescore import metric_changes, rescore, write_rescored
+    from mpitp.results.untrusted import shown
 
     if output and in_place:
         raise UsageError("--output and --in-place contradict each other: pick one", collective=True)
@@ -39,9 +40,9 @@ def rescore_command(file, output, in_place, include_path, data_dir, bootstrap_it
         res, doc_scores, served, stored = rescore(file, include_path, data_dir, bootstrap_iters)
     except UsageError as exc:  # a single process: every "rank" raised it
         raise UsageError(str(exc), collective=True) from None
-    print(make_table(res))
+    print(shown(make_table(res), keep_newlines=True))  # names from the file and its tasks: escaped
     changes = metric_changes(file, res)
-    print("\n".join(["metrics changed:"] + ["  " + c for c in changes]) if changes
+    print("\n".join(["metrics changed:"] + ["  " + shown(c) for c in changes]) if changes
           else "metrics: identical to the stored ones")
     print(f"rescored from {served} stored request results ({stored} rows in the file), no model loaded")
     if output or in_place:

@@ -14,6 +14,7 @@ import os
 import time
 
 from mpitp.errors import UsageError
+from mpitp.results.untrusted import shown
 
 log = logging.getLogger("mpitp")
 
@@ -129,18 +130,26 @@ def check_output(cfg) -> str:
 
 
 def check_resumable(path: str, cfg) -> None:
-    """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings."""
-    from mpitp.evaluation.fingerprint import resume_differences
+    """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings.
+
+    The file may come from anyone: its settings, fingerprint and every stored row are read and checked here (types,
+    links, sizes: :mod:`mpitp.results.untrusted`), so that a malformed file ends as one line, not a traceback."""
+    from mpitp.evaluation.fingerprint import resume_differences, stored_fingerprint
+    from mpitp.evaluation.provenance import redact
+    from mpitp.results.rows import load_rows
     from mpitp.results.schema import open_h5
+    from mpitp.results.untrusted import mapping
 
     try:
         with open_h5(path) as f:
-            stored = json.loads(f.attrs["config_json"])
-            on_disk = json.loads(f.attrs["fingerprint_json"]) if "fingerprint_json" in f.attrs else None
-    except (OSError, KeyError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UsageError(f"cannot resume {path}: not an mpitp results file ({reason})") from None
-    now = json.loads(json.dumps(cfg.identity()))
+            stored = mapping(json.loads(f.attrs["config_json"]), "config_json")
+            on_disk = stored_fingerprint(json.loads(f.attrs["fingerprint_json"])) if "fingerprint_json" in f.attrs \
+                else None
+        load_rows(path)
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an attribute not text
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise UsageError(f"cannot resume {path}: not an mpitp results file ({shown(reason)})") from None
+    now = json.loads(json.dumps(redact(cfg.identity())))  # as recorded: secrets left out
     diffs = [f"{k} {stored.get(k)!r} in the file, {now.get(k)!r} now" for k in sorted(set(stored) | set(now))
              if stored.get(k) != now.get(k)]
     diffs += resume_differences(on_disk, stored, now, cfg)
@@ -224,6 +233,9 @@ def check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
     from mpitp.evaluation.lmeval_args import check_lm_eval_settings
 
     check_lm_eval_settings(cfg)
+    if cfg.trust_remote_code:  # from model_args or a job file's defaults: the user may not know it is on
+        log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
+                    shown(cfg.model))
     config = keep["config"] = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
     check_tp(config, tp)
     check_pp(config, pp)

@@ -138,6 +138,20 @@ def record(model: str | None, tokenizer: str | None = None, revision: str | None
     return {"identity": identity(model, tokenizer, revision, d), **d}
 
 
+def stored_fingerprint(on_disk) -> dict:
+    """A file's ``fingerprint_json`` checked for the shape :func:`resume_differences` reads (a file is untrusted):
+    a mapping whose ``identity`` is a mapping and whose file lists map names to ``size:hash`` text."""
+    from mpitp.results.untrusted import BadInput, mapping
+
+    mapping(on_disk, "fingerprint_json")
+    mapping(on_disk.get("identity", {}), "fingerprint_json's identity")
+    for group in ("model_files", "tokenizer_files"):
+        files = mapping(on_disk.get(group) or {}, f"fingerprint_json's {group}")
+        if not all(isinstance(v, str) and ":" in v for v in files.values()):
+            raise BadInput(f"fingerprint_json's {group} are not 'size:hash' texts")
+    return on_disk
+
+
 def resume_differences(on_disk: dict | None, stored: dict, now: dict, cfg) -> list[str]:
     """What changed on disk since the file was written, as ``weights 'a' in the file, 'b' now; changed on disk:
     model.safetensors content differs`` parts; none for a file written before fingerprints existed.

@@ -24,6 +24,7 @@ import os
 import shutil
 
 from mpitp.errors import UsageError
+from mpitp.results.untrusted import BadInput, mapping, shown
 
 log = logging.getLogger("mpitp")
 
@@ -70,18 +71,48 @@ def stored_lm(rows: dict[tuple, dict]):
 
 
 def _stored_rows(path: str) -> dict[tuple, dict]:
+    """Every stored request row by its resume key; a damaged or crafted file is a one-line usage error."""
     from mpitp.results.rows import read_requests
     from mpitp.results.schema import REQUEST_FIELDS, open_h5
 
-    with open_h5(path) as f:
-        tasks = list(f.get("tasks", {}))
-    out = {}
-    for task in tasks:
-        cols = read_requests(path, task)
-        for i in range(len(cols["doc_id"])):
-            row = {k: cols[k][i] for k in REQUEST_FIELDS}
-            out[(task, int(row["doc_id"]), int(row["idx"]), str(row["args_hash"]), int(row.get("repeat", 0)))] = row
+    try:
+        with open_h5(path) as f:
+            tasks = list(f.get("tasks", {}))
+        out = {}
+        for task in tasks:
+            cols = read_requests(path, task)
+            for i in range(len(cols["doc_id"])):
+                row = {k: cols[k][i] for k in REQUEST_FIELDS}
+                out[(task, int(row["doc_id"]), int(row["idx"]), str(row["args_hash"]), int(row["repeat"]))] = row
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:  # BadInput included
+        raise UsageError(f"cannot rescore {path}: {shown(' '.join(str(exc).split())[:300])}", collective=True) \
+            from None
     return out
+
+
+_JSON_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "dict": (dict,),
+               "list": (list,), "None": (type(None),), "Any": (object,)}
+
+
+def saved_settings(text) -> dict:
+    """A file's recorded settings (``eval_config_json``), each of the type its :class:`EvalConfig` field declares:
+    the file is untrusted, and a list where a string belongs would otherwise fail deep inside lm-eval."""
+    from dataclasses import fields
+
+    from mpitp.evaluation.settings import EvalConfig
+
+    if not isinstance(text, str):
+        raise BadInput(f"a {type(text).__name__}, not JSON text")
+    saved = mapping(json.loads(text), "the recorded settings")
+    types = {f.name: str(f.type) for f in fields(EvalConfig)}
+    for k, v in saved.items():
+        if k not in types:
+            continue
+        allowed = tuple(t for part in types[k].split("|") for t in _JSON_TYPES.get(part.strip().split("[")[0], ()))
+        if not allowed or (isinstance(v, bool) and bool not in allowed and object not in allowed) \
+                or not isinstance(v, allowed):
+            raise BadInput(f"{shown(k)} is a {type(v).__name__}, not {types[k]}")
+    return saved
 
 
 def _config(path: str, include_path, data_dir):
@@ -91,13 +122,18 @@ def _config(path: str, include_path, data_dir):
     try:
         with open_h5(path) as f:
             attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-    except OSError as exc:
+    except BadInput as exc:
+        raise UsageError(f"cannot rescore {exc}", collective=True) from None
+    except (OSError, RuntimeError) as exc:
         raise UsageError(f"cannot rescore {path}: not an HDF5 file ({str(exc).splitlines()[0]})",
                          collective=True) from None
     if "config_json" not in attrs:
         raise UsageError(f"cannot rescore {path}: not an mpitp results file (no config_json)", collective=True)
-    saved = json.loads(attrs.get("eval_config_json") or attrs["config_json"])
-    cfg = EvalConfig.from_saved(saved)
+    try:
+        cfg = EvalConfig.from_saved(saved_settings(attrs.get("eval_config_json") or attrs["config_json"]))
+    except ValueError as exc:
+        raise UsageError(f"cannot rescore {path}: its recorded settings are not valid ({shown(exc)})",
+                         collective=True) from None
     unasked = [f"{flag} {_shown(value)}" for flag, value, given in (
         ("--include-path", cfg.include_path, include_path), ("--data-dir", cfg.data_dir, data_dir))
         if value and not given]
@@ -212,7 +248,7 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
 
 def metric_changes(path: str, res: dict) -> list[str]:
     """``task metric: old -> new`` for every metric whose value moved (or appeared)."""
-    from mpitp.results.schema import open_h5
+    from mpitp.results.schema import open_h5, py_value
 
     out = []
     with open_h5(path) as f:
@@ -221,8 +257,7 @@ def metric_changes(path: str, res: dict) -> list[str]:
             for k, v in metrics.items():
                 if k == "alias":
                     continue
-                o = old.get(k)
-                o = o.item() if hasattr(o, "item") else (o.decode() if isinstance(o, bytes) else o)
+                o = py_value(old.get(k), "replace")  # an array there (a file is untrusted) as a list: comparable
                 v = v.item() if hasattr(v, "item") else v
                 if o is None or (o != v and not (isinstance(o, float) and isinstance(v, float) and o == v)):
                     out.append(f"{task} {k}: {o!r} -> {v!r}")

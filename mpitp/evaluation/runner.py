@@ -14,9 +14,10 @@ import math
 import sys
 import time
 
-from mpitp import __version__, testing
+from mpitp import testing
 from mpitp.evaluation.checks import check_all, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.progress import make_progress
+from mpitp.evaluation.provenance import redact, run_metadata
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import Runtime, agree, start_torch, warm_imports
@@ -25,35 +26,6 @@ log = logging.getLogger("mpitp")
 
 
 # ----------------------------------------------------------------------------------------------------- run
-
-
-def _metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
-    import lm_eval
-    import torch
-    import transformers
-
-    from mpitp.parallel.world import mpi_library_version
-
-    return dict(mpitp_version=__version__, model=cfg.model, tokenizer=tokenizer, dtype=cfg.dtype,
-                world_size=rt.world.size, tp=rt.layout.tp, dp=rt.layout.dp, pp=rt.layout.pp,
-                nodes=rt.world.nodes_text,
-                command=" ".join(sys.argv),
-                lm_eval_version=getattr(lm_eval, "__version__", "unknown"), torch_version=torch.__version__,
-                transformers_version=transformers.__version__, mpi_version=mpi_library_version(),
-                config_json=json.dumps(cfg.identity(), sort_keys=True), **_extra_metadata(cfg))
-
-
-def _extra_metadata(cfg: EvalConfig) -> dict:
-    """What is on disk (weights, tokenizer, library versions: the rest of the resume identity, see
-    :mod:`mpitp.evaluation.fingerprint`) and the whole configuration (so ``mpitp rescore`` can rebuild the tasks:
-    include
-    paths, data directory, bootstrap iterations)."""
-    from dataclasses import asdict
-
-    from mpitp.evaluation.fingerprint import record
-
-    return dict(fingerprint_json=json.dumps(record(cfg.model, cfg.tokenizer, cfg.revision), sort_keys=True),
-                eval_config_json=json.dumps(asdict(cfg), default=str, sort_keys=True))
 
 
 def _result_from_row(row: dict, kind: str):
@@ -374,7 +346,7 @@ class _RootRun:
         from mpitp.parallel.walltime import watch_writer
         from mpitp.results.store import ResultWriter
 
-        writer = ResultWriter(self.out, _metadata(self.cfg, self.rt, self.tokenizer_name), resume=self.cfg.resume)
+        writer = ResultWriter(self.out, run_metadata(self.cfg, self.rt, self.tokenizer_name), resume=self.cfg.resume)
         stored = writer.stored_rows() if self.cfg.resume else {}
         watch_writer(writer)
         return writer, stored
@@ -539,7 +511,7 @@ def _finish_root(state, all_stats, wall: float, head_check_s: float | None = Non
         phases["wall"], phases["max_group_busy"] = wall, max((s["busy_s"] for s in all_stats), default=0.0)
         writer.extra_attrs(phases_json=json.dumps({k: round(v, 4) for k, v in phases.items()}))
         t0 = time.perf_counter()
-        writer.finish(serialisable, wall)
+        writer.finish(redact(serialisable), wall)  # lm-eval's config holds model_args: no token in the file
         phases["final_snapshot"] = time.perf_counter() - t0
     if state.get("loggers"):
         from mpitp.evaluation.outputs import finish_loggers, header_line, write_lm_eval_outputs

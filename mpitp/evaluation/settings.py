@@ -136,7 +136,7 @@ class EvalConfig:
                          doc="Built-in offline demo: tiny random Llama, three small tasks.")
     bootstrap_iters: int = setting(100000, cli=cli("--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0)),
                                    doc="Bootstrap iterations for stderr (default 100000, as lm-eval).")
-    trust_remote_code: bool = setting(False, lm_eval=True, doc=(
+    trust_remote_code: bool = setting(False, identity=IF_SET, lm_eval=True, doc=(  # the model's code runs: recorded
         "Allow remote code from the Hugging Face Hub to run (a model's own Python, a dataset's script)."))
     no_prefix_sharing: bool = setting(False, job=yaml_bool, cli=cli(  # see mpitp.replica.prefix
         "--no-prefix-sharing", group=RESULTS, action="store_true"), doc=(

@@ -53,7 +53,7 @@ def output_status(path: str) -> str:
     try:
         with open_h5(path) as f:
             status = f.attrs.get("status")
-    except OSError as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # ValueError: refused (mpitp.results.untrusted)
         reason = " ".join(str(exc).split())[:200]
         raise UsageError(f"output {path} exists and is not an mpitp results file ({reason}); mpitp run does not "
                          f"overwrite it: move it away or delete it") from None

@@ -284,10 +284,11 @@ class Row:
 
 
 def _metrics_of(res: dict | None) -> dict:
-    if not res:
+    """Per task, lm-eval's metric values; a results dict of another shape (a file is untrusted) has none."""
+    if not isinstance(res, dict) or not isinstance(res.get("results"), dict):
         return {}
-    return {t: {k: v for k, v in m.items() if k != "alias" and not isinstance(v, str)}
-            for t, m in res.get("results", {}).items()}
+    return {t: {k: v for k, v in m.items() if k != "alias" and isinstance(v, (int, float))}
+            for t, m in res["results"].items() if isinstance(m, dict)}
 
 
 def _metrics_from_file(path: str) -> dict:
@@ -296,7 +297,7 @@ def _metrics_from_file(path: str) -> dict:
     try:
         with open_h5(path) as f:
             return _metrics_of(json.loads(f.attrs["results_json"]))
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError):  # TypeError: results_json not text
         return {}
 
 

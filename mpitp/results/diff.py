@@ -142,6 +142,6 @@ def render_statistics(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed
             higher.setdefault(task, h)
     try:
         comparisons = compare_files(a.path, b.path, tasks, iters=iters, seed=seed, higher=higher)
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise BadInput(f"per-document scores: {one_line(exc)}") from None
     return render(comparisons) or "no tasks to compare"

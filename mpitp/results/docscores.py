@@ -120,29 +120,46 @@ def write(group, ds: DocScores) -> None:
 
 def read(path: str, task: str) -> DocScores | None:
     """The task's per-document scores: ``doc_scores`` when stored, else rebuilt from logged samples, else None."""
+    import h5py
+
     from mpitp.results.schema import open_h5
+    from mpitp.results.untrusted import BadInput, mapping
+
+    def dataset(obj, what: str):
+        if not isinstance(obj, h5py.Dataset) or obj.ndim not in (1, 2):
+            raise BadInput(f"{what} is not a column of per-document values")
+        return obj
 
     with open_h5(path) as f:
         g = f.get(f"tasks/{task}")
-        if g is None:
+        if not isinstance(g, h5py.Group):
             return None
         if "doc_scores" in g:
             d = g["doc_scores"]
-            ds = DocScores(doc_id=np.asarray(d["doc_id"][()], dtype=np.int64))
+            if not isinstance(d, h5py.Group):
+                raise BadInput(f"/tasks/{task}/doc_scores is not a group")
+            ds = DocScores(doc_id=np.asarray(dataset(d.get("doc_id"), "doc_scores/doc_id")[()], dtype=np.int64))
             for key in d:
                 if key == "doc_id":
                     continue
-                col = d[key][()]
+                col = dataset(d[key], f"doc_scores/{key}")[()]
                 if col.dtype == object:
-                    col = np.asarray([x.decode() if isinstance(x, bytes) else x for x in col], dtype=object)
+                    col = np.asarray([x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in col],
+                                     dtype=object)
+                elif col.dtype.kind not in "biuf":
+                    raise BadInput(f"doc_scores/{key} holds {col.dtype}, not numbers or text")
+                if (col.ndim != 1 and col.dtype == object) or len(col) != len(ds.doc_id):
+                    raise BadInput(f"doc_scores/{key} has {len(col)} values for {len(ds.doc_id)} documents")
                 ds.values[key] = col
                 agg = d[key].attrs.get("aggregation", "")
-                ds.aggregation[key] = agg.decode() if isinstance(agg, bytes) else str(agg)
+                ds.aggregation[key] = agg.decode("utf-8", "replace") if isinstance(agg, bytes) else str(agg)
                 hib = d[key].attrs.get("higher_is_better", "None")
-                ds.higher_is_better[key] = None if isinstance(hib, (str, bytes)) else bool(hib)
+                ds.higher_is_better[key] = None if isinstance(hib, (str, bytes)) or np.ndim(hib) else bool(hib)
             return ds
         if "samples" in g:
-            samples = [json.loads(x.decode() if isinstance(x, bytes) else x) for x in g["samples"][()]]
+            texts = dataset(g["samples"], "samples")[()]
+            samples = [mapping(json.loads(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)),
+                               "a logged sample") for x in texts.ravel()]
             return from_samples(samples)
     return None
 
@@ -151,9 +168,12 @@ def from_samples(samples: list[dict]) -> DocScores | None:
     """Per-document scores out of lm-eval's sample records (each carries its metric values and its filter)."""
     raw: dict[tuple[str, str], dict[int, object]] = {}
     for s in samples:
-        for metric in s.get("metrics", []):
-            if metric in s:
-                raw.setdefault((metric, s.get("filter", "none")), {})[int(s["doc_id"])] = s[metric]
+        metrics, filt, doc = s.get("metrics", []), s.get("filter", "none"), s.get("doc_id")
+        if not isinstance(metrics, list) or not isinstance(filt, str) or not isinstance(doc, int):
+            continue  # a record of another shape (a file is untrusted): not a score
+        for metric in metrics:
+            if isinstance(metric, str) and metric in s:
+                raw.setdefault((metric, filt), {})[doc] = s[metric]
     if not raw:
         return None
     docs = sorted(set().union(*(set(v) for v in raw.values())))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import zlib
 
@@ -89,15 +90,34 @@ class Journal:
         fsync_dir(self.path)
 
 
+def _read_regular(path: str) -> bytes | None:
+    """The bytes of the regular file at ``path`` (None when there is none). The journal sits in a directory others
+    may write to: a link there (to ``/dev/zero``, a FIFO, another user's file) is refused as bad input, never
+    followed, and no more than the file's size at open is read."""
+    from mpitp.results.untrusted import BadInput, shown
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise BadInput(f"{shown(path)}: refused: the journal is a link or cannot be opened ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise BadInput(f"{shown(path)}: refused: the journal is not a regular file")
+        return f.read(st.st_size)
+
+
 def read_journal(path: str) -> tuple[dict | None, list[dict]]:
     """(header, records) of the journal at ``path``; (None, []) when it is missing or has no whole header.
 
     Reading stops at the first short, oversized or corrupt record: a torn tail (a kill mid-write) is ignored.
     """
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
+    data = _read_regular(path)
+    if data is None:
         return None, []
     if not data.startswith(MAGIC):
         return None, []

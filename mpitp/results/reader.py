@@ -11,9 +11,12 @@ becomes one :class:`BadInput` line; a TypeError or AttributeError is a bug of ou
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from mpitp.results.untrusted import BadInput, mapping, shown
 
 if TYPE_CHECKING:
     import numpy as np
@@ -25,9 +28,6 @@ if TYPE_CHECKING:
 NON_METRIC_KEYS = {"name", "alias", "sample_len", "samples"}
 
 
-class BadInput(Exception):
-    """The input (a file, an option) cannot be inspected: ``mpitp inspect`` prints the message as one line on stderr
-    and exits with status 2. Raised only for what is wrong with the input: a bug of ours surfaces as itself."""
 
 
 _SHOWN = "replace"  # attribute bytes that are not UTF-8 are shown with U+FFFD, never fail the print
@@ -83,10 +83,8 @@ class RunFile:
 
 def load(path: str) -> RunFile:
     """Read the summary of ``path``; any failure is a one-line :class:`BadInput`."""
-    import numpy as np
-
     from mpitp.results.rows import request_counts
-    from mpitp.results.schema import STATS_FIELDS, open_h5, py_value
+    from mpitp.results.schema import open_h5, py_value
 
     check_path(path)
     try:
@@ -103,25 +101,22 @@ def load(path: str) -> RunFile:
             tasks = {}
             for name, g in f["tasks"].items():
                 if not isinstance(g, h5py.Group) or not isinstance(g.get("requests", g), h5py.Group):
-                    raise _not_mpitp(path, f"/tasks/{name} is not a task group")
-                req = g.get("requests")
+                    raise _not_mpitp(path, f"/tasks/{shown(name)} is not a task group")
+                metrics = g.get("metrics")
                 tasks[name] = TaskInfo(
                     name=name,
                     attrs={k: py_value(v, _SHOWN) for k, v in g.attrs.items()},
-                    metrics={k: py_value(v, _SHOWN) for k, v in g["metrics"].attrs.items()} if "metrics" in g else {},
-                    n_rows=int(req["doc_id"].shape[0]) if req is not None and "doc_id" in req else 0,
+                    metrics={k: py_value(v, _SHOWN) for k, v in metrics.attrs.items()} if metrics is not None else {},
+                    n_rows=0,  # counted below, journal included
                 )
-            stats = None
-            if "stats" in f:
-                st = f["stats"]
-                stats = {k: np.asarray(st[k][()]) for k in ("dp_rank", *STATS_FIELDS) if k in st}
+            stats = _stats(f["stats"]) if "stats" in f else None
         for name, n in request_counts(path).items():  # a running or killed run's rows are partly in its journal
             if name in tasks:
                 tasks[name].n_rows = n
             else:
                 tasks[name] = TaskInfo(name=name, attrs={}, metrics={}, n_rows=n)
-    except BadInput:
-        raise
+    except BadInput as exc:
+        raise exc if str(exc).startswith(path) else _not_mpitp(path, str(exc)) from None
     except (OSError, KeyError, ValueError, RuntimeError) as exc:  # what h5py raises on a damaged or foreign file;
         raise _not_mpitp(path, one_line(exc)) from None  # a TypeError/AttributeError is a bug of ours: it surfaces
     run = RunFile(path=path, attrs=attrs, tasks=tasks, stats=stats)
@@ -129,12 +124,43 @@ def load(path: str) -> RunFile:
         try:
             if not isinstance(attrs["results_json"], str):
                 raise ValueError(f"a {type(attrs['results_json']).__name__}, not a JSON string")
-            run.results_json = json.loads(attrs["results_json"])
+            run.results_json = _results_json(json.loads(attrs["results_json"]))
         except ValueError as exc:
-            raise _not_mpitp(path, f"results_json is not valid JSON: {one_line(exc)}") from None
-        res = run.results_json.get("results", {}) if isinstance(run.results_json, dict) else {}
+            raise _not_mpitp(path, f"results_json is not valid: {one_line(exc)}") from None
+        res = run.results_json.get("results", {})
         run.extra_results = {k: v for k, v in res.items() if k not in tasks and isinstance(v, dict)}
     return run
+
+
+def _stats(st) -> dict[str, np.ndarray]:
+    """/stats: one-dimensional number columns of one length (the file is untrusted; check_h5 bounded the sizes)."""
+    import h5py
+    import numpy as np
+
+    from mpitp.results.schema import STATS_FIELDS
+
+    if not isinstance(st, h5py.Group):
+        raise BadInput("/stats is not a group")
+    out = {}
+    for k in ("dp_rank", *STATS_FIELDS):
+        if k in st:
+            d = st[k]
+            if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.dtype.kind not in "biuf":
+                raise BadInput(f"/stats/{k} is not a column of numbers")
+            out[k] = np.asarray(d[()], dtype=np.float64 if k != "dp_rank" else np.int64)
+    if len({len(v) for v in out.values()}) > 1:
+        raise BadInput("/stats columns have different lengths")
+    return out
+
+
+def _results_json(res) -> dict:
+    """lm-eval's results dict as stored: the parts mpitp reads must have their types (dicts of dicts)."""
+    mapping(res, "results_json")
+    for key in ("results", "n-samples", "higher_is_better", "configs", "n-shot", "versions"):
+        for name, v in mapping(res.get(key, {}), f"results_json['{key}']").items():
+            if key in ("results", "n-samples", "higher_is_better", "configs"):
+                mapping(v, f"results_json['{key}'][{shown(repr(name))}]")
+    return res
 
 
 def load_requests(path: str, task: str) -> dict[str, np.ndarray]:
@@ -192,13 +218,18 @@ def _metric_rows(task: str, metrics: dict, n: int | None) -> list[MetricRow]:
     return rows
 
 
+def _count(v) -> int | None:
+    """A document count as a file stores it: a finite number (a NaN, text or list there is no count)."""
+    x = as_number(v)
+    return int(x) if x is not None and not isinstance(v, bool) and math.isfinite(x) else None
+
+
 def task_n_docs(run: RunFile, t: TaskInfo) -> int | None:
     for v in (t.attrs.get("n_docs"), t.metrics.get("sample_len")):
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return int(v)
+        if _count(v) is not None:
+            return _count(v)
     ns = (run.results_json or {}).get("n-samples", {}).get(t.name, {})
-    v = ns.get("effective", ns.get("original")) if isinstance(ns, dict) else None
-    return int(v) if isinstance(v, (int, float)) else None
+    return _count(ns.get("effective", ns.get("original"))) if isinstance(ns, dict) else None
 
 
 def metric_rows(run: RunFile, task: str | None = None) -> list[MetricRow]:

@@ -41,8 +41,18 @@ def _stats_totals(run: RunFile) -> dict | None:
     return tot
 
 
+def _config(run: RunFile) -> dict:
+    """The run's recorded settings (``config_json``); {} when absent or not a JSON object."""
+    try:
+        config = json.loads(run.attrs["config_json"]) if isinstance(run.attrs.get("config_json"), str) else {}
+    except ValueError:
+        config = {}
+    return config if isinstance(config, dict) else {}
+
+
 def layout_line(attrs: dict) -> str:
-    pp = int(attrs.get("pp", 1) or 1)
+    pp = as_number(attrs.get("pp", 1))
+    pp = int(pp) if pp is not None and math.isfinite(pp) and pp >= 1 else 1
     stages = f" x pp {pp}" if pp > 1 else ""
     nodes = str(attrs.get("nodes") or "")
     where = f" on {nodes.count(',') + 1} node(s) ({nodes})" if nodes else ""
@@ -66,6 +76,10 @@ def header_lines(run: RunFile) -> list[str]:
         lines.append(f"created     {a['created']}")
     if versions:
         lines.append(f"versions    {versions}")
+    if _config(run).get("trust_remote_code") is True:
+        lines.append("remote code trust_remote_code: the model's own Python code from its repository ran")
+    if a.get("test_hooks"):
+        lines.append(f"test hooks  {a['test_hooks']} (a test run: results altered or steered on purpose)")
     wall = as_number(a.get("wall_time_s"))
     lines.append(f"wall time   {wall:.1f} s" if wall is not None else "wall time   n/a (run not finished)")
     tot = _stats_totals(run)
@@ -119,12 +133,7 @@ def lm_eval_json(run: RunFile, task: str | None) -> tuple[dict, bool]:
                     res[k] = {name: x for name, x in v.items() if name == task}
         return res, True
     names = [n for n in run.tasks if task is None or n == task]
-    config = {}
-    if isinstance(run.attrs.get("config_json"), str):
-        try:
-            config = json.loads(run.attrs["config_json"])
-        except ValueError:
-            config = {}
+    config = _config(run)
     res = {
         "results": {n: {"alias": n, **run.tasks[n].metrics} for n in names if run.tasks[n].metrics},
         "configs": {},

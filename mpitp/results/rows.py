@@ -10,6 +10,7 @@ import numpy as np
 
 from mpitp.results.journal import journal_path, read_journal
 from mpitp.results.schema import REQUEST_FIELDS, STR, open_h5, py_value
+from mpitp.results.untrusted import BadInput, int_attr, mapping, shown
 
 
 def _decode(a: np.ndarray) -> np.ndarray:
@@ -18,9 +19,34 @@ def _decode(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _column(values: list, name: str) -> np.ndarray:
+def _column(values, name: str) -> np.ndarray:
+    """A request column of its schema type (a file is untrusted: anything else there is :class:`BadInput`)."""
     dt = REQUEST_FIELDS[name]
-    return np.asarray(values, dtype=object if dt == STR else dt).reshape(len(values))
+    if not isinstance(values, (list, np.ndarray)) or np.ndim(values) != 1:
+        raise BadInput(f"request column {name} is not a list of values")
+    if dt == STR:
+        return np.asarray([v if isinstance(v, str) else str(v) for v in values], dtype=object).reshape(len(values))
+    try:
+        return np.asarray(values, dtype=dt).reshape(len(values))
+    except (TypeError, ValueError, OverflowError):
+        raise BadInput(f"request column {name} holds values that are not {np.dtype(dt).name}") from None
+
+
+def _group(obj, what: str):
+    """``obj`` when it is an HDF5 group (a file may put a dataset, or nothing usable, where a group belongs)."""
+    import h5py
+
+    if not isinstance(obj, h5py.Group):
+        raise BadInput(f"{shown(what)} is not a group")
+    return obj
+
+
+def _dataset_1d(obj, what: str):
+    import h5py
+
+    if not isinstance(obj, h5py.Dataset) or obj.ndim != 1:
+        raise BadInput(f"{shown(what)} is not a one-dimensional dataset")
+    return obj
 
 
 class _StaleSnapshot(Exception):
@@ -29,27 +55,34 @@ class _StaleSnapshot(Exception):
 
 def _journal_tail(path: str, attrs: dict, tasks: set | None) -> tuple[dict[str, dict[str, list]], int]:
     """Rows in ``path``'s journal that the snapshot (root ``attrs``) does not hold, and the last record's seq."""
-    seq0 = int(attrs.get("journal_seq", 0))
+    seq0 = int_attr(attrs, "journal_seq")
     run_id = attrs.get("run_id")
     if not run_id or attrs.get("status") == "complete":
         return {}, seq0
     header, records = read_journal(journal_path(path))
     if header is None or header.get("run_id") != run_id:
         return {}, seq0
-    if int(header.get("base_seq", 0)) > seq0:
+    if int_attr(header, "base_seq") > seq0:
         raise _StaleSnapshot
     out: dict[str, dict[str, list]] = {}
     last = seq0
-    for rec in records:
-        if int(rec.get("seq", 0)) <= seq0:
+    for i, rec in enumerate(records, 1):
+        rec = mapping(rec, f"journal record {i}")
+        seq = int_attr(rec, "seq")
+        if seq <= seq0:
             continue
-        last = max(last, int(rec["seq"]))
-        for task, cols in rec.get("tasks", {}).items():
+        last = max(last, seq)
+        for task, cols in mapping(rec.get("tasks", {}), f"journal record {i}'s tasks").items():
             if tasks is not None and task not in tasks:
                 continue
+            cols = mapping(cols, f"journal record {i}'s task {shown(task)}")
+            n = len(_column(cols.get("doc_id"), "doc_id"))
             dst = out.setdefault(task, {k: [] for k in REQUEST_FIELDS})
             for k in REQUEST_FIELDS:  # a journal from before the repeat column: no clone but the first
-                dst[k].extend(cols[k] if k in cols else [0] * len(cols["doc_id"]))
+                col = _column(cols[k], k) if k in cols else np.zeros(n, dtype=np.int32)
+                if len(col) != n:
+                    raise BadInput(f"journal record {i}: task {shown(task)}'s columns have different lengths")
+                dst[k].extend(col.tolist())
     return out, last
 
 
@@ -71,14 +104,18 @@ def _load_rows_once(path, tasks, with_task_attrs, counts_only):
         attrs = {k: py_value(v) for k, v in f.attrs.items()}
         tail, last = _journal_tail(path, attrs, tasks)
         out = {}
-        for task, g in f.get("tasks", {}).items():
+        groups = f.get("tasks")
+        for task, g in (() if groups is None else _group(groups, "/tasks").items()):
             if tasks is not None and task not in tasks:
                 continue
-            req = g.get("requests")
+            req = _group(g, f"/tasks/{task}").get("requests")
+            req = None if req is None else _group(req, f"/tasks/{task}/requests")
+            names = [name for name in REQUEST_FIELDS if req is not None and name in req]
+            data = {name: _dataset_1d(req[name], f"/tasks/{task}/requests/{name}") for name in names}
             if counts_only:
-                cols = int(req["doc_id"].shape[0]) if req is not None and "doc_id" in req else 0
+                cols = int(data["doc_id"].shape[0]) if "doc_id" in data else 0
             else:
-                cols = {name: _decode(req[name][()]) for name in REQUEST_FIELDS if req is not None and name in req}
+                cols = {name: _column(_decode(d[()]), name) for name, d in data.items()}
                 if "doc_id" in cols and "repeat" not in cols:  # a file from before the column: first clones only
                     cols["repeat"] = np.zeros(len(cols["doc_id"]), dtype=np.int32)
             out[task] = ({k: py_value(v) for k, v in g.attrs.items()}, cols)

@@ -27,7 +27,9 @@ Schema (stable; extend, don't break):
 - ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
 - root attrs ``run_id`` (names the journal that belongs to this file) and ``journal_seq`` (the last journal record
   the snapshot holds); ``phases_json`` (rank 0's seconds per phase: checks, load, building requests, tokenising,
-  dispatch, metrics, writing; written at the end).
+  dispatch, metrics, writing; written at the end); ``test_hooks`` (only in a test run: the live ``MPITP_TEST_*`` hooks,
+  :mod:`mpitp.testing`). ``command``, ``config_json``, ``eval_config_json`` and ``results_json`` hold no secrets
+  (:mod:`mpitp.evaluation.provenance`).
 - ``<file>.journal`` beside the file while a run is going (or was killed): the rows landed since the last snapshot,
   in the format of :mod:`mpitp.results.journal`. Read the file with :func:`~mpitp.results.rows.load_rows` /
   :func:`~mpitp.results.rows.read_requests` (or
@@ -67,7 +69,18 @@ def _locking() -> bool:
 
 
 def open_h5(path: str, mode: str = "r") -> h5py.File:
-    return h5py.File(path, mode, locking=_locking())
+    """Open a results file; read-only opens are of files from anyone and are checked first
+    (:func:`mpitp.results.untrusted.check_h5`: no links, no data in other files, no declared size beyond the file's)."""
+    f = h5py.File(path, mode, locking=_locking())
+    if mode == "r":
+        from mpitp.results.untrusted import check_h5
+
+        try:
+            check_h5(f, path)
+        except BaseException:
+            f.close()
+            raise
+    return f
 
 
 def h5_attr(v):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from mpitp.results.untrusted import shown
+
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], right: Collection[int] = ()) -> str:
     """Columns padded to their widest cell, a dashed rule under the headers; columns in ``right`` right-aligned
-    (numbers), trailing blanks stripped."""
-    cells = [[str(c) for c in r] for r in rows]
+    (numbers), trailing blanks stripped. Cells are shown escaped (:func:`mpitp.results.untrusted.shown`): they
+    often come from a file, and a newline or terminal control code in one must not reach the terminal."""
+    headers = [shown(h) for h in headers]
+    cells = [[shown(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(row):
