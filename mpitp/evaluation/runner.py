@@ -333,14 +333,16 @@ class _EnvInfoEarly:
 
         import torch.utils.collect_env as collect_env
 
-        self.module, self.original = collect_env, collect_env.get_pretty_env_info
+        from mpitp import compat
+
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
-        self.future = self.pool.submit(self.original)
-        collect_env.get_pretty_env_info = lambda: self.future.result()
+        self.future = self.pool.submit(collect_env.get_pretty_env_info)
+        self.patch = compat.replaced("get_pretty_env_info", lambda: self.future.result())
+        self.patch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.module.get_pretty_env_info = self.original
+        self.patch.__exit__(*exc)
         self.pool.shutdown(wait=False)
 
 
@@ -359,6 +361,7 @@ class _RootRun:
         self.cfg, self.rt, self.lm, self.out = cfg, rt, lm, out
         self.tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
         self.clock = _PhaseClock()
+        self.request_cache: str | None = None  # lm-eval's request cache folder for this run (set with its arguments)
         t0 = time.perf_counter()
         self.writer, self.stored = self._open_writer()
         self.clock.add("writing", time.perf_counter() - t0)
@@ -478,9 +481,11 @@ class _RootRun:
         cfg = self.cfg
         kwargs = dict(cfg.lm_eval_arguments(), task_manager=tm, evaluation_tracker=tracker)
         if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
-            from mpitp.evaluation.requestcache import enable
+            from mpitp.evaluation.requestcache import cache_dir
 
-            kwargs.update(enable(cfg, tm, self.tokenizer_name))
+            self.request_cache = cache_dir(cfg, tm, self.tokenizer_name)
+            if self.request_cache:
+                kwargs["cache_requests"] = True
         kwargs.update(extra)
         return kwargs
 
@@ -489,13 +494,14 @@ class _RootRun:
         import lm_eval
 
         from mpitp.evaluation.eval_docs import listed_once
+        from mpitp.evaluation.requestcache import used
         from mpitp.evaluation.templates import compiled_once
         from mpitp.results.docscores import capture
 
         env_info = _EnvInfoEarly()
         try:
             self.clock.t_eval = time.perf_counter()
-            with env_info, compiled_once(), listed_once(), capture() as doc_scores:
+            with env_info, used(self.request_cache), compiled_once(), listed_once(), capture() as doc_scores:
                 res = lm_eval.simple_evaluate(model=self.lm, tasks=self.cfg.tasks, **kwargs)
             self.clock.eval_done()
         except BaseException:

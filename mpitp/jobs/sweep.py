@@ -32,6 +32,7 @@ import re
 import threading
 import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from mpitp.errors import UsageError
@@ -112,6 +113,7 @@ class SweepState:
     prefetch: threading.Thread | None = None
     encode_caches: dict = field(default_factory=dict)  # tokenizer fingerprint -> {prompt: token ids}
     encodings_reused: int = 0  # cached token encodings available when the last checkpoint started
+    loaded_tasks: dict = field(default_factory=dict)  # TaskManager.load's results by arguments (memoize_task_loading)
 
 
 def tokenizer_key(cfg) -> str | None:
@@ -123,15 +125,16 @@ def tokenizer_key(cfg) -> str | None:
     return json.dumps(files, sort_keys=True) if files else None
 
 
-def memoize_task_loading(tm) -> None:
-    """``TaskManager.load`` (datasets, documents, prompt templates) once per task list for the whole sweep.
+def memoize_task_loading(tm, memo: dict):
+    """``TaskManager.load`` (datasets, documents, prompt templates) once per task list for the whole sweep: inside
+    this block ``tm.load`` answers from ``memo`` (kept by the sweep from one checkpoint to the next).
 
     lm-eval rebuilds each task's requests from the loaded task on every ``simple_evaluate`` (and resets its few-shot
     seed), so reusing the loaded tasks gives the same requests as a fresh load.
     """
-    if getattr(tm, "_mpitp_memo", None) is not None:
-        return
-    original, memo = tm.load, {}
+    from mpitp import compat
+
+    original = tm.load
 
     def load(tasks, *args, **kwargs):
         key = json.dumps([tasks, args, kwargs], sort_keys=True, default=str)
@@ -139,8 +142,7 @@ def memoize_task_loading(tm) -> None:
             memo[key] = original(tasks, *args, **kwargs)
         return memo[key]
 
-    tm.load = load
-    tm._mpitp_memo = memo
+    return compat.replaced("load", load, on=tm)
 
 
 def weight_files(model: str) -> list[str]:
@@ -236,8 +238,8 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     keep = state.keep
     out, tokenizer = agree(lambda: check_all(cfg, rt.layout.tp, keep, rt.layout.pp), rt.world.comm, rt.timeout,
                            f"checking {cfg.model}")
-    if rt.layout.is_root and "task_manager" in keep:
-        memoize_task_loading(keep["task_manager"])
+    tm = keep.get("task_manager")
+    memo = memoize_task_loading(tm, state.loaded_tasks) if rt.layout.is_root and tm is not None else nullcontext()
     if state.prefetch is not None:
         state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
     model = _load_everywhere(cfg, rt)
@@ -247,8 +249,9 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     cache = state.encode_caches.setdefault(key, {}) if key is not None else None
     state.encodings_reused = len(cache or {})
     try:
-        res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
-                              t_start=t_start, encode_cache=cache)
+        with memo:
+            res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=tm, t_start=t_start,
+                                  encode_cache=cache)
     finally:
         claim = keep.pop("claim", None)  # this checkpoint's output (mpitp.results.claim): the next one claims its own
         if claim is not None:

@@ -61,6 +61,8 @@ def _tp_plan_without_stubs():
     import transformers.distributed.mixin as mixin
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
+    from mpitp import compat
+
     original = mixin.apply_tensor_parallelism
 
     def apply(model, mesh, plan):
@@ -69,11 +71,8 @@ def _tp_plan_without_stubs():
                 if k in params or (k in modules and not isinstance(modules[k], PipelineIdentityLayer))}
         return original(model, mesh, kept)
 
-    mixin.apply_tensor_parallelism = apply
-    try:
+    with compat.replaced("apply_tensor_parallelism", apply):
         yield
-    finally:
-        mixin.apply_tensor_parallelism = original
 
 
 def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", revision: str | None = None,
