@@ -47,7 +47,7 @@ def request_key(cfg, task_manager, tokenizer_name: str) -> str | None:
     """A hash of everything that shapes the requests of ``cfg.tasks``, or None when they cannot be keyed."""
     import lm_eval
 
-    from mpitp import __version__
+    from mpitp.version import __version__
 
     h = hashlib.sha256()
     ident = dict(mpitp=__version__, lm_eval=getattr(lm_eval, "__version__", "?"), python=sys.version_info[:2],

@@ -14,12 +14,13 @@ import math
 import sys
 import time
 
-from mpitp import __version__, testing
+from mpitp import testing
 from mpitp.evaluation.checks import check_all, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.progress import make_progress
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import Runtime, agree, start_torch, warm_imports
+from mpitp.version import __version__
 
 log = logging.getLogger("mpitp")
 

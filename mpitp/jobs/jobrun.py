@@ -9,15 +9,16 @@ collective cannot be trusted to carry on.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from mpitp.errors import UsageError
-from mpitp.evaluation.runner import run_eval
 from mpitp.evaluation.settings import EvalConfig, eval_settings, thaw
+from mpitp.jobs.orchestrate import run_config
+from mpitp.jobs.sweep import is_sweep
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
+from mpitp.results.status import output_status
 
 log = logging.getLogger("mpitp")
 
@@ -37,32 +38,6 @@ def eval_config(spec) -> EvalConfig:
 
     apply_lm_eval_settings(cfg, thaw(spec.lm_eval or {}))
     return cfg
-
-
-def output_status(path: str) -> str:
-    """``missing``, ``complete`` or ``running`` for a run's output file.
-
-    Anything else there (a file HDF5 cannot open, an HDF5 file without mpitp's ``status``) is refused, never
-    overwritten: it may be another program's data, or results a damaged copy still holds.
-    """
-    if not os.path.exists(path):
-        return "missing"
-    from mpitp.results.schema import open_h5
-
-    try:
-        with open_h5(path) as f:
-            status = f.attrs.get("status")
-    except OSError as exc:
-        reason = " ".join(str(exc).split())[:200]
-        raise UsageError(f"output {path} exists and is not an mpitp results file ({reason}); mpitp run does not "
-                         f"overwrite it: move it away or delete it") from None
-    if isinstance(status, bytes):
-        status = status.decode("utf-8", "replace")
-    if status not in ("complete", "running"):
-        what = "no 'status' attribute" if status is None else f"status {status!r}"
-        raise UsageError(f"output {path} exists and is not an mpitp results file ({what}); mpitp run does not "
-                         f"overwrite it: move it away or delete it")
-    return str(status)
 
 
 def _load(path):
@@ -102,19 +77,11 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                        timeout=spec.timeout or timeout, world=world, init_torch=False,  # torch after the checks
                        iface=spec.iface, stage_dir=spec.stage_dir)
-            if cfg.demo:
-                from mpitp.cli.evaluate import demo_config
-
-                cfg = demo_config(cfg, rt)
-            status = "complete"
-            from mpitp.jobs.sweep import is_sweep, run_sweep
-
             if is_sweep(cfg.model):  # models: one file per checkpoint; complete ones skipped, running ones resumed
                 cfg.resume, cfg.overwrite = True, False
-                if run_sweep(cfg, rt):
-                    status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)"
-            else:
-                run_eval(cfg, rt)
+            status = "complete"
+            if run_config(cfg, rt):
+                status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)"
             summary.append((spec.name, spec.tp, status, time.perf_counter() - t0, spec.output))
         except UsageError as exc:
             if not exc.collective:
