@@ -93,3 +93,25 @@ def test_prefix_sharing_registers_its_own_attention_and_leaves_sdpa_alone():
     ids = torch.tensor([[5, 9, 17, 33, 2]])
     with torch.no_grad():  # the tree model without a tree computes exactly what plain sdpa does
         assert torch.equal(mine(input_ids=ids).logits, other(input_ids=ids).logits)
+
+
+def test_model_source_is_read_as_syntax_not_lines():
+    """The head steps come from the forward's syntax tree: a statement over several lines (which a line-by-line
+    reader saw as three unreadable pieces and no head call) is one multiplication after the head."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from mpitp.replica.logits import head_transform
+
+    class Scaled(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            outputs = self.model(input_ids=input_ids, **kwargs)
+            hidden_states = outputs.last_hidden_state
+            logits = self.lm_head(
+                hidden_states  # logits = logits * 1000 (a comment, not a step)
+            ) * self.config.logit_scale
+            return logits
+
+    cfg = AutoConfig.from_pretrained(MODEL)
+    cfg.logit_scale = 0.25
+    t = head_transform(Scaled(cfg))
+    assert t.unknown == [] and t.logits == [("mul", 0.25)] and t.hidden == [], (t.unknown, t.describe())
