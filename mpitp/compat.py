@@ -24,9 +24,10 @@ from mpitp.errors import UsageError
 #: The attention implementation name mpitp's model runs under while prefix sharing is on (see the module docstring).
 TREE_ATTENTION = "mpitp_tree"
 
+# The supported ranges: pyproject.toml's (tests/test_compat.py checks that they agree).
 LM_EVAL = ">=0.4.12,<0.5"
-TRANSFORMERS = ">=5.0,<6"
-TORCH = ">=2.6,<2.14"
+TRANSFORMERS = ">=5.16,<6"
+TORCH = ">=2.13,<2.14"
 
 
 @dataclass(frozen=True)

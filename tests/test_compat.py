@@ -115,3 +115,14 @@ def test_model_source_is_read_as_syntax_not_lines():
     cfg.logit_scale = 0.25
     t = head_transform(Scaled(cfg))
     assert t.unknown == [] and t.logits == [("mul", 0.25)] and t.hidden == [], (t.unknown, t.describe())
+
+
+def test_the_supported_ranges_are_pyprojects():
+    """The range a refusal names is the one pip enforces."""
+    import tomllib
+
+    with open(os.path.join(HERE, "..", "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    for package, supported in (("lm-eval", compat.LM_EVAL), ("transformers", compat.TRANSFORMERS),
+                               ("torch", compat.TORCH)):
+        assert f"{package}{supported}" in deps, (package, supported, deps)
