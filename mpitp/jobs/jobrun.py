@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from mpitp.errors import UsageError
 from mpitp.evaluation.settings import EvalConfig, eval_settings, thaw
@@ -21,6 +22,18 @@ from mpitp.parallel.world import world_from_comm
 from mpitp.results.status import output_status
 
 log = logging.getLogger("mpitp")
+
+
+@dataclass
+class RunOutcome:
+    """One run of the job file as the closing table shows it; ``failed`` decides the job's exit status."""
+
+    name: str
+    tp: int
+    status: str
+    wall_s: float
+    output: str
+    failed: bool = False
 
 
 def eval_config(spec) -> EvalConfig:
@@ -64,7 +77,7 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
         t0 = time.perf_counter()
         state = agree(lambda: output_status(spec.output), world.comm, timeout, "checking outputs")
         if state == "complete":
-            summary.append((spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
+            summary.append(RunOutcome(spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
             continue
         if world.rank == 0:
             log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
@@ -79,14 +92,14 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
                        iface=spec.iface, stage_dir=spec.stage_dir)
             if is_sweep(cfg.model):  # models: one file per checkpoint; complete ones skipped, running ones resumed
                 cfg.resume, cfg.overwrite = True, False
-            status = "complete"
-            if run_config(cfg, rt):
-                status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)"
-            summary.append((spec.name, spec.tp, status, time.perf_counter() - t0, spec.output))
+            failed = run_config(cfg, rt) != 0
+            status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)" if failed else "complete"
+            summary.append(RunOutcome(spec.name, spec.tp, status, time.perf_counter() - t0, spec.output, failed))
         except UsageError as exc:
             if not exc.collective:
                 raise
-            summary.append((spec.name, spec.tp, f"FAILED: {exc}", time.perf_counter() - t0, spec.output))
+            summary.append(RunOutcome(spec.name, spec.tp, f"FAILED: {exc}", time.perf_counter() - t0, spec.output,
+                                      failed=True))
             if world.rank == 0:
                 log.error("run %s failed: %s", spec.name, exc)
             if fail_fast:
@@ -97,12 +110,12 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
         mpicomm.barrier(world.comm, timeout, phase=f"end of run {spec.name}")
     if world.rank == 0:
         print_summary(job.path, summary)
-    return 1 if any(s[2].startswith("FAILED") for s in summary) else 0
+    return 1 if any(r.failed for r in summary) else 0
 
 
-def print_summary(path, summary) -> None:
+def print_summary(path, summary: list[RunOutcome]) -> None:
     from mpitp.results.texttable import format_table
 
-    rows = [dict(run=n, tp=tp, status=st, wall=f"{w:.1f}s", output=out) for n, tp, st, w, out in summary]
-    print(f"\njob {path}: {sum(1 for r in rows if not r['status'].startswith('FAILED'))}/{len(rows)} runs ok")
+    rows = [dict(run=r.name, tp=r.tp, status=r.status, wall=f"{r.wall_s:.1f}s", output=r.output) for r in summary]
+    print(f"\njob {path}: {sum(1 for r in summary if not r.failed)}/{len(rows)} runs ok")
     print(format_table(rows, ["run", "tp", "status", "wall", "output"]))
