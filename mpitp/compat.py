@@ -25,8 +25,8 @@ from mpitp.errors import UsageError
 TREE_ATTENTION = "mpitp_tree"
 
 # The supported ranges: pyproject.toml's (tests/test_compat.py checks that they agree).
-LM_EVAL = ">=0.4.12,<0.5"
-TRANSFORMERS = ">=5.16,<6"
+LM_EVAL = ">=0.4.13,<0.5"
+TRANSFORMERS = ">=5.24,<6"
 TORCH = ">=2.13,<2.14"
 
 
