@@ -102,12 +102,13 @@ def missing(targets: dict[str, Target] | None = None) -> list[str]:
     return lines
 
 
-def check() -> None:
-    """At start-up: refuse, in one line, an installation whose lm-eval, transformers or torch lacks a target."""
+def check(collective: bool = False) -> None:
+    """At start-up: refuse, in one line, an installation whose lm-eval, transformers or torch lacks a target
+    (``collective``: every rank checks, so every rank raises together)."""
     lines = missing()
     if lines:
         more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
-        raise UsageError(lines[0] + more)
+        raise UsageError(lines[0] + more, collective=collective)
 
 
 @contextlib.contextmanager
