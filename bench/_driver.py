@@ -126,21 +126,21 @@ def run_mpitp(argv: list[str]) -> None:
     from mpi4py import MPI
 
     import mpitp.cli
+    import mpitp.evaluation.finish
     import mpitp.evaluation.lm
-    import mpitp.evaluation.runner
 
     if no_cache:
         _patch_no_cache()
     _time_generate(mpitp.evaluation.lm.MPITPLM)  # outermost: includes mpitp's TP mirroring of every decode step
     captured: dict = {}
-    finish = mpitp.evaluation.runner._finish_root
+    finish = mpitp.evaluation.finish.finish_root
 
     def finish_root(state, all_stats, wall, *args, **kwargs):
         captured["stats"] = all_stats
         captured["mpitp_wall_s"] = wall
         return finish(state, all_stats, wall, *args, **kwargs)
 
-    mpitp.evaluation.runner._finish_root = finish_root
+    mpitp.evaluation.finish.finish_root = finish_root
     base = _maxrss_kb()
     c0, t0 = _cpu_s(), time.perf_counter()
     mpitp.cli.main(argv)

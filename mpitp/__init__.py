@@ -1,16 +1,20 @@
 """mpitp: lm-eval evaluation of Hugging Face models under MPI, tensor parallelism inside data-parallel groups.
 
-The package is layered; each layer only imports the ones above it in this list:
+The folders are the layers, lowest first; a module imports from its own layer and the ones below it, and
+``tests/test_import_cycles.py`` fails on any import cycle:
 
-- ``world``, ``comm``, ``errors``: the MPI process world, object collectives with deadlines, failure containment.
-- ``layout``: the explicit dp x pp x tp layout object (no global process-group state anywhere).
-- ``parallel.replica_group``: one torch.distributed world per model replica, brokered over MPI.
-- ``replica``: TP/PP-sharded loading, vocab-parallel scoring, the leader/worker protocol.
-- ``dispatch``, ``lm``: lm-eval requests sharded across DP groups.
-- ``results``, ``evaluate``, ``cli``: HDF5 results, the public entry points.
+- ``errors``, ``version``, ``testing`` (the one test seam), ``compat`` (every patch of lm-eval, transformers, torch);
+- ``parallel``: the MPI world, object collectives with deadlines, the explicit dp x pp x tp ``Layout``, one torch
+  world per model replica;
+- ``replica``: TP/PP-sharded loading, vocab-parallel scoring, prefix sharing, the leader/worker protocol;
+- ``results``: the HDF5 results file, its reader, comparisons and summaries; ``tasks``: offline tasks, the task index;
+- ``evaluation``: lm-eval's requests sharded across the DP groups, the settings, one evaluation (``runner``) and
+  ``mpitp.evaluate`` (``api``);
+- ``jobs``: ``run_config`` (``orchestrate``: one evaluation or a sweep), sweeps, watches, job files, submission;
+- ``cli``: the click commands, a thin layer over the rest.
 """
 
-__version__ = "0.1.0"
+from mpitp.version import __version__  # noqa: F401 - mpitp.__version__
 
 
 def evaluate(*args, **kwargs):

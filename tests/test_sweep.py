@@ -231,7 +231,7 @@ def test_inspect_sweep_summary_plot(tmp_path):
     from click.testing import CliRunner
 
     from mpitp.cli.inspect import inspect_command
-    from mpitp.jobs.sweep import Row, plot_summary, write_summary
+    from mpitp.results.sweepsummary import Row, plot_summary, write_summary
 
     rows = [Row(f"ck/step-{i}", f"step-{i}", str(tmp_path / f"step-{i}.h5"), "complete", wall_s=1.0,
                 metrics={"t": {"acc,none": 0.5 + 0.1 * i, "acc_stderr,none": 0.05, "sample_len": 10}})

@@ -76,6 +76,7 @@ def replica(model, monkeypatch):
     import torch.distributed as dist
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from mpitp.compat import TREE_ATTENTION
     from mpitp.replica import protocol
 
     sent, calls, layer_calls = [], [], []
@@ -88,15 +89,15 @@ def replica(model, monkeypatch):
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
-    shard = _shard(model)  # installs the tree wrapper around transformers' sdpa function
+    shard = _shard(model)  # runs the model under mpitp's own attention function (compat.TREE_ATTENTION)
     calls.clear()  # the probe's
-    inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    inner = ALL_ATTENTION_FUNCTIONS[TREE_ATTENTION]
 
     def recording_layer(module, query, key, value, attention_mask, **kwargs):  # what each layer hands attention
         layer_calls.append(dict(mask=attention_mask is not None, tree=prefix.SPEC_KW in kwargs))
         return inner(module, query, key, value, attention_mask, **kwargs)
 
-    monkeypatch.setitem(type(ALL_ATTENTION_FUNCTIONS)._global_mapping, "sdpa", recording_layer)
+    monkeypatch.setitem(type(ALL_ATTENTION_FUNCTIONS)._global_mapping, TREE_ATTENTION, recording_layer)
     leader = ReplicaLeader(shard, timeout=60.0)
     assert leader.has_workers
     return types.SimpleNamespace(leader=leader, stats=shard.stats, sent=sent, calls=calls, layer_calls=layer_calls)

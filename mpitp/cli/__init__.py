@@ -19,7 +19,6 @@ import sys  # noqa: E402
 
 import click  # noqa: E402
 
-from mpitp import __version__  # noqa: E402
 from mpitp.errors import (  # noqa: E402
     USAGE_EXIT,
     UsageError,
@@ -30,6 +29,7 @@ from mpitp.errors import (  # noqa: E402
     world_rank,
 )
 from mpitp.testing import hooks  # noqa: E402
+from mpitp.version import __version__  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,29 +9,9 @@ import sys
 
 import click
 
-from mpitp.errors import UsageError
-from mpitp.evaluation.runner import run_eval
-from mpitp.evaluation.settings import EvalConfig
+from mpitp.jobs.orchestrate import run_config
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
-
-
-def demo_config(cfg: EvalConfig, rt) -> EvalConfig:
-    """Fill in the built-in demo: rank 0 builds (or reuses) the tiny model, every rank then reads it."""
-    from mpitp.parallel import comm as mpicomm
-    from mpitp.tasks.demo import prepare_demo
-
-    paths = None
-    if rt.world.rank == 0:
-        paths = prepare_demo()
-    model_dir, include_path, tasks = mpicomm.bcast_obj(paths, rt.world.comm, timeout=rt.timeout,
-                                                       phase="demo preparation")
-    cfg.model = cfg.model or model_dir
-    cfg.include_path = [include_path, cfg.include_path] if cfg.include_path else include_path
-    cfg.tasks = cfg.tasks or list(tasks)
-    if cfg.model_args is not None:
-        cfg.model_args.setdefault("pretrained", cfg.model)
-    return cfg
 
 
 @click.command(name="eval", add_help_option=False,
@@ -68,37 +48,13 @@ def eval_main(argv: list[str]) -> None:
     rt = start(tp=opts["tp"], pp=opts["pp"], device=opts["device"], threads=opts["threads"], timeout=opts["timeout"],
                world=world, init_torch=False, iface=opts.get("iface"), stage_dir=opts.get("stage_dir"))
     try:
-        if cfg.demo:
-            cfg = demo_config(cfg, rt)
         if opts.get("watch") is not None:
+            from mpitp.jobs.orchestrate import demo_config
             from mpitp.jobs.watch import run_watch
 
-            sys.exit(run_watch(cfg, rt, opts["watch"], opts["watch_idle"]))
-        if not cfg.model:
-            raise UsageError("no model given: pass --model hf --model_args pretrained=PATH_OR_ID, --model PATH "
-                             "(or --demo)", collective=True)
-        from mpitp.jobs.sweep import is_sweep, run_sweep
-
-        if is_sweep(cfg.model):
-            sys.exit(run_sweep(cfg, rt))
-        if cfg.output is None:
-            cfg.output = default_output(cfg)
-        run_eval(cfg, rt)
+            sys.exit(run_watch(demo_config(cfg, rt) if cfg.demo else cfg, rt, opts["watch"], opts["watch_idle"]))
+        status = run_config(cfg, rt)
     finally:
         stop(rt)
-
-
-def default_output(cfg: EvalConfig) -> str | None:
-    """The HDF5 file's place: ``--use_cache PATH`` is mpitp's request store (``PATH.h5``, resumed when it exists);
-    with ``--output_path`` the file goes beside lm-eval's; otherwise the checks pick results/<model>-<time>.h5."""
-    if cfg.use_cache:
-        import os
-
-        cfg.resume = True
-        return cfg.use_cache if cfg.use_cache.endswith((".h5", ".hdf5")) else f"{cfg.use_cache}.h5" if not \
-            os.path.isdir(cfg.use_cache) else os.path.join(cfg.use_cache, "mpitp-cache.h5")
-    if cfg.output_path:
-        from mpitp.evaluation.outputs import hdf5_beside
-
-        return hdf5_beside(cfg.output_path, cfg.model_args or {}, cfg.model)
-    return None
+    if status:
+        sys.exit(status)

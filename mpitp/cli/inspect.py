@@ -196,7 +196,7 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
 def _inspect_sweep(path: str, task: str | None, plot: str | None, Figure) -> None:
     """``mpitp inspect sweep-summary.json [--plot out.png]``: the sweep's table; the plot draws metric vs checkpoint
     with lm-eval's stderr as error bars."""
-    from mpitp.jobs.sweep import Row, plot_summary, render_summary
+    from mpitp.results.sweepsummary import Row, plot_summary, render_summary
 
     check_path(path)
     try:

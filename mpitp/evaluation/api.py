@@ -132,6 +132,9 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
         from mpitp.errors import UsageError
 
         raise UsageError(f"output {output} already exists (pass overwrite=True)", collective=True)
+    from mpitp import compat
+
+    compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
     was_training = model.training
     model.eval()
     try:

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 
+from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.results.untrusted import shown
 
@@ -216,6 +217,7 @@ def check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
     from mpitp.replica.loading import check_dtype, check_tp, load_config
     from mpitp.replica.pipeline import check_pp
 
+    compat.check()  # lm-eval, transformers and torch still have every attribute mpitp replaces
     if cfg.data_dir and not os.path.isdir(cfg.data_dir):
         raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
     if str(cfg.batch_size).isdigit() and int(cfg.batch_size) < 1:

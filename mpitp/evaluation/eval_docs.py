@@ -77,6 +77,8 @@ def listed_once():
     """Inside this block each lm-eval task's ``eval_docs`` is computed once and then read from memory."""
     from lm_eval.api.task import Task
 
+    from mpitp import compat
+
     original = Task.__dict__["eval_docs"]
     listed: dict[int, tuple] = {}  # id(task) -> (task, docs): the task is held so its id is not reused meanwhile
 
@@ -87,8 +89,5 @@ def listed_once():
             hit = listed[id(task)] = (task, _Listed(source))
         return hit[1]
 
-    Task.eval_docs = property(eval_docs)
-    try:
+    with compat.replaced("eval_docs", property(eval_docs)):
         yield
-    finally:
-        Task.eval_docs = original

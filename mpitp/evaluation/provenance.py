@@ -76,9 +76,10 @@ def run_metadata(cfg, rt, tokenizer: str) -> dict:
     import torch
     import transformers
 
-    from mpitp import __version__, testing
+    from mpitp import testing
     from mpitp.evaluation.fingerprint import record
     from mpitp.parallel.world import mpi_library_version
+    from mpitp.version import __version__
 
     meta = dict(mpitp_version=__version__, model=cfg.model, tokenizer=tokenizer, dtype=cfg.dtype,
                 world_size=rt.world.size, tp=rt.layout.tp, dp=rt.layout.dp, pp=rt.layout.pp,

@@ -47,7 +47,7 @@ def request_key(cfg, task_manager, tokenizer_name: str) -> str | None:
     """A hash of everything that shapes the requests of ``cfg.tasks``, or None when they cannot be keyed."""
     import lm_eval
 
-    from mpitp import __version__
+    from mpitp.version import __version__
 
     h = hashlib.sha256()
     ident = dict(mpitp=__version__, lm_eval=getattr(lm_eval, "__version__", "?"), python=sys.version_info[:2],
@@ -73,20 +73,34 @@ def request_key(cfg, task_manager, tokenizer_name: str) -> str | None:
     return h.hexdigest()[:24]
 
 
-def enable(cfg, task_manager, tokenizer_name: str) -> dict:
-    """``simple_evaluate`` keyword arguments for the request cache (empty when it is off for this run)."""
+def cache_dir(cfg, task_manager, tokenizer_name: str) -> str | None:
+    """This run's request cache folder (None when the cache is off for it)."""
     root = cache_root()
     if root is None or cfg.limit is not None:
-        return {}
+        return None
     try:
         key = request_key(cfg, task_manager, tokenizer_name)
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be keyed is simply not used
         log.info("request cache off: %s", exc)
-        return {}
+        return None
     if key is None:
-        return {}
-    import lm_eval.caching.cache as lm_cache
+        return None
+    return os.path.join(root, key)
 
-    lm_cache.PATH = os.path.join(root, key)
-    log.info("request cache: %s", lm_cache.PATH)
-    return {"cache_requests": True}
+
+def enable(cfg, task_manager, tokenizer_name: str) -> dict:
+    """``simple_evaluate`` keyword arguments for the request cache (empty when it is off for this run); lm-eval's
+    cache directory is then set around the call by :func:`used`."""
+    return {"cache_requests": True} if cache_dir(cfg, task_manager, tokenizer_name) else {}
+
+
+def used(path: str | None):
+    """Inside this block lm-eval's request cache (``lm_eval.caching.cache.PATH``) is ``path``; put back after."""
+    import contextlib
+
+    from mpitp import compat
+
+    if path is None:
+        return contextlib.nullcontext()
+    log.info("request cache: %s", path)
+    return compat.replaced("PATH", path)

@@ -8,7 +8,6 @@ their leader's forwards.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import sys
@@ -16,8 +15,10 @@ import time
 
 from mpitp import testing
 from mpitp.evaluation.checks import check_all, check_tasks, offline_include, remove_generated
+from mpitp.evaluation.finish import RootResult
+from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.progress import make_progress
-from mpitp.evaluation.provenance import redact, run_metadata
+from mpitp.evaluation.provenance import run_metadata
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import Runtime, agree, start_torch, warm_imports
@@ -123,7 +124,8 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
     other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
     """
-    from mpitp.evaluation.dispatch import Dispatcher, serve_remote
+    from mpitp.evaluation import finish
+    from mpitp.evaluation.dispatch import serve_remote
     from mpitp.replica.batchsize import AutoBatch, agreed_budget, is_auto
     from mpitp.replica.leader import ReplicaLeader
     from mpitp.replica.shard import ReplicaShard
@@ -163,8 +165,8 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
         if lay.is_root:
             tm = task_manager or task_manager_for(cfg)
-            state = _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra_lm_eval or {})
-            state["phases"].update(phases or {})
+            state = _RootRun(cfg, rt, lm, out, stats).evaluate(tm, extra_lm_eval or {})
+            state.phases.update(phases or {})
         else:
             serve_remote(lay, lm.compute, rt.timeout, stats, idle=leader.idle)
         leader.stop()
@@ -172,11 +174,11 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
-            _finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing)
+            finish.finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing)
     # Rank 0 computes lm-eval's metrics and writes the file meanwhile: bounded work, so a deadline. Without one a node
     # whose network went away at the end held every rank here forever (the launcher kills dead ranks, not silent ones).
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")
-    return state["results"] if state else None
+    return state.results if state else None
 
 
 def _merge_stage_stats(stats, lay, timeout: float) -> None:
@@ -239,61 +241,6 @@ def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
     return results
 
 
-class _PhaseClock:
-    """Rank 0's seconds per phase. lm-eval's request methods on the LM are wrapped (instance attributes, so lm-eval
-    calls the wrappers): the time inside them minus the dispatch is tokenising (lm-eval's encoding, rolling windows),
-    before the first call lm-eval loads tasks and builds requests, after the last it computes metrics."""
-
-    ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
-
-    def __init__(self):
-        self.phases: dict[str, float] = {"writing": 0.0}
-        self.dispatch = 0.0
-        self.in_methods = 0.0
-        self.t_eval = self.first = self.last = None
-
-    def add(self, name: str, seconds: float) -> None:
-        self.phases[name] = self.phases.get(name, 0.0) + seconds
-
-    _METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
-
-    def wrap(self, lm) -> None:
-        for name in self._METHODS:
-            setattr(lm, name, self._timed(getattr(lm, name)))
-
-    def unwrap(self, lm) -> None:
-        """Remove the timed methods: each holds a bound method of ``lm`` in ``lm``'s own dict, a cycle that would
-        keep the model alive after the run (a sweep frees it before loading the next checkpoint)."""
-        for name in self._METHODS:
-            lm.__dict__.pop(name, None)
-
-    def _timed(self, method):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            self.first = self.first or t0
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.last = time.perf_counter()
-                self.in_methods += self.last - t0
-
-        return timed
-
-    def eval_done(self) -> None:
-        end = time.perf_counter()
-        first, last = self.first or end, self.last or end
-        self.phases.update(requests=first - self.t_eval, tokenising=self.in_methods - self.dispatch,
-                           dispatch=self.dispatch, metrics=end - last)
-
-    @classmethod
-    def describe(cls, phases: dict, wall: float, all_stats: list) -> str:
-        parts = [f"{k} {phases[k]:.1f} s" for k in cls.ORDER if k in phases]
-        busy = max((s["busy_s"] for s in all_stats), default=0.0)
-        return (f"rank 0 phases: {', '.join(parts)} (writing: the results thread, off the dispatch path; final "
-                f"snapshot {phases.get('final_snapshot', 0.0):.1f} s); rank 0 alone (wall - max group busy) "
-                f"{wall - busy:.1f} s")
-
-
 class _EnvInfoEarly:
     """lm-eval's ``simple_evaluate`` ends with ``add_env_info``, which runs torch's ``collect_env`` (``pip list``,
     ``lscpu`` and more as subprocesses: 1-14 s measured here) on rank 0 after the last request, while every other
@@ -305,32 +252,32 @@ class _EnvInfoEarly:
 
         import torch.utils.collect_env as collect_env
 
-        self.module, self.original = collect_env, collect_env.get_pretty_env_info
+        from mpitp import compat
+
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
-        self.future = self.pool.submit(self.original)
-        collect_env.get_pretty_env_info = lambda: self.future.result()
+        self.future = self.pool.submit(collect_env.get_pretty_env_info)
+        self.patch = compat.replaced("get_pretty_env_info", lambda: self.future.result())
+        self.patch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.module.get_pretty_env_info = self.original
+        self.patch.__exit__(*exc)
         self.pool.shutdown(wait=False)
-
-
-def _run_root(cfg, rt, lm, out, stats, Dispatcher, tm, extra: dict) -> dict:
-    """Rank 0's part of one evaluation (see :class:`_RootRun`): the state :func:`_finish_root` writes and prints."""
-    return _RootRun(cfg, rt, lm, out, stats, Dispatcher).evaluate(tm, extra)
 
 
 class _RootRun:
     """Rank 0's evaluation, step by step: open the results file (resume: read what it holds), run lm-eval's
     ``simple_evaluate`` with ``lm``, whose requests come back to :meth:`serve` (stored results first, the rest
     dispatched over the DP groups, each chunk's rows recorded as it lands), then put lm-eval's outputs where
-    ``lm_eval`` puts them. Seconds per phase go to a :class:`_PhaseClock`."""
+    ``lm_eval`` puts them. Seconds per phase go to a :class:`~mpitp.evaluation.phases.PhaseClock`."""
 
-    def __init__(self, cfg, rt: Runtime, lm, out: str | None, stats, Dispatcher):
+    def __init__(self, cfg, rt: Runtime, lm, out: str | None, stats):
+        from mpitp.evaluation.dispatch import Dispatcher
+
         self.cfg, self.rt, self.lm, self.out = cfg, rt, lm, out
         self.tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
-        self.clock = _PhaseClock()
+        self.clock = PhaseClock()
+        self.request_cache: str | None = None  # lm-eval's request cache folder for this run (set with its arguments)
         t0 = time.perf_counter()
         self.writer, self.stored = self._open_writer()
         self.clock.add("writing", time.perf_counter() - t0)
@@ -424,8 +371,9 @@ class _RootRun:
         self.progress(len(indices), sum(weights[i] for i in indices))
 
     # -------------------------------------------------------------------------------------------------- lm-eval
-    def evaluate(self, tm, extra: dict) -> dict:
-        """Run lm-eval with every request served by :meth:`serve`; lm-eval's outputs written as ``lm_eval`` does."""
+    def evaluate(self, tm, extra: dict) -> RootResult:
+        """Run lm-eval with every request served by :meth:`serve`; lm-eval's outputs written as ``lm_eval`` does.
+        What it returns is for :func:`mpitp.evaluation.finish.finish_root` to write and report."""
         from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
 
         cfg, lm = self.cfg, self.lm
@@ -441,8 +389,8 @@ class _RootRun:
         testing.stall("post_processing")
         as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, self.rt.layout), device=self.rt.device,
                        loggers=loggers)
-        return {"results": res, "writer": self.writer, "phases": self.clock.phases, "cfg": cfg, "loggers": loggers,
-                "doc_scores": doc_scores}
+        return RootResult(results=res, writer=self.writer, phases=self.clock.phases, cfg=cfg, loggers=loggers,
+                          doc_scores=doc_scores)
 
     def _lm_eval_kwargs(self, tm, extra: dict, tracker) -> dict:
         """``simple_evaluate``'s arguments: the settings, lm-eval's request cache (:mod:`mpitp.evaluation.requestcache`
@@ -450,9 +398,11 @@ class _RootRun:
         cfg = self.cfg
         kwargs = dict(cfg.lm_eval_arguments(), task_manager=tm, evaluation_tracker=tracker)
         if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
-            from mpitp.evaluation.requestcache import enable
+            from mpitp.evaluation.requestcache import cache_dir
 
-            kwargs.update(enable(cfg, tm, self.tokenizer_name))
+            self.request_cache = cache_dir(cfg, tm, self.tokenizer_name)
+            if self.request_cache:
+                kwargs["cache_requests"] = True
         kwargs.update(extra)
         return kwargs
 
@@ -461,13 +411,14 @@ class _RootRun:
         import lm_eval
 
         from mpitp.evaluation.eval_docs import listed_once
+        from mpitp.evaluation.requestcache import used
         from mpitp.evaluation.templates import compiled_once
         from mpitp.results.docscores import capture
 
         env_info = _EnvInfoEarly()
         try:
             self.clock.t_eval = time.perf_counter()
-            with env_info, compiled_once(), listed_once(), capture() as doc_scores:
+            with env_info, used(self.request_cache), compiled_once(), listed_once(), capture() as doc_scores:
                 res = lm_eval.simple_evaluate(model=self.lm, tasks=self.cfg.tasks, **kwargs)
             self.clock.eval_done()
         except BaseException:
@@ -485,65 +436,3 @@ def _rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indic
         inst = instances[todo[i]]
         by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
     return by_task
-
-
-def _finish_root(state, all_stats, wall: float, head_check_s: float | None = None,
-                 sharing: str | None = None) -> None:
-    from lm_eval.utils import make_table
-
-    res, writer, phases = state["results"], state["writer"], state["phases"]
-    if head_check_s is not None:
-        phases["head_check"] = head_check_s
-    if writer is not None:
-        for task, cfgd in res.get("configs", {}).items():
-            metrics = {k: v for k, v in res["results"].get(task, {}).items() if k != "alias"}
-            n = res.get("n-samples", {}).get(task, {})
-            writer.write_task(task, dict(output_type=cfgd.get("output_type"),
-                                         num_fewshot=res.get("n-shot", {}).get(task, 0),
-                                         n_docs=n.get("effective", n.get("original", 0))), metrics,
-                              samples=res.get("samples", {}).get(task))
-            if task in state.get("doc_scores", {}):
-                writer.write_doc_scores(task, state["doc_scores"][task])
-        writer.write_stats(all_stats)
-        serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
-                                            "n-samples", "config", "groups", "group_subtasks") if k in res}
-        phases["writing"] += writer.busy_s  # the writer thread's seconds, off the dispatch path
-        phases["wall"], phases["max_group_busy"] = wall, max((s["busy_s"] for s in all_stats), default=0.0)
-        writer.extra_attrs(phases_json=json.dumps({k: round(v, 4) for k, v in phases.items()}))
-        t0 = time.perf_counter()
-        writer.finish(redact(serialisable), wall)  # lm-eval's config holds model_args: no token in the file
-        phases["final_snapshot"] = time.perf_counter() - t0
-    if state.get("loggers"):
-        from mpitp.evaluation.outputs import finish_loggers, header_line, write_lm_eval_outputs
-
-        write_lm_eval_outputs(res, state["cfg"], state["loggers"])
-        print(header_line(state["cfg"], res))
-    print(make_table(res))
-    if "groups" in res:
-        print(make_table(res, "groups"))
-    if state.get("loggers"):
-        finish_loggers(state["loggers"])
-    total_busy = sum(s["busy_s"] for s in all_stats)
-    for g, s in enumerate(all_stats):
-        per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
-        stages = f", stage traffic {s['pp_bytes'] / 1e6:.2f} MB" if s.get("pp_bytes") else ""
-        print(f"DP group {g}: {s['requests']:.0f} requests, {s['tokens_scored']} tokens scored, "
-              f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB "
-              f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
-    where = f"; results: {writer.path}" if writer is not None else ""
-    print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")
-    if head_check_s is None:
-        print("head check: skipped (--skip-head-check): log-likelihoods not verified against the model's own logits")
-    else:
-        from mpitp.replica.headcheck import PROBE_SHAPE
-
-        rows, cols = PROBE_SHAPE
-        print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
-              f"replica)")
-    rows_in, read = sum(s.get("row_tokens", 0) for s in all_stats), sum(s.get("tokens_read", 0) for s in all_stats)
-    if sharing is None:
-        print(f"prefix sharing: on; the forwards read {read} input tokens for rows of {rows_in}"
-              + (f" ({read / rows_in:.0%})" if rows_in else ""))
-    else:
-        print(f"prefix sharing: {sharing}")
-    print(_PhaseClock.describe(phases, wall, all_stats))

@@ -19,7 +19,8 @@ def compiled_once():
     """Inside this block ``lm_eval.utils.apply_template`` reuses each template string's compiled template."""
     import lm_eval.utils as lm_utils
 
-    original = lm_utils.apply_template
+    from mpitp import compat
+
     env = lm_utils.env
     compiled: dict = {}
 
@@ -29,8 +30,5 @@ def compiled_once():
             tpl = compiled[template] = env.from_string(template)
         return tpl.render(**doc)
 
-    lm_utils.apply_template = apply_template
-    try:
+    with compat.replaced("apply_template", apply_template):
         yield
-    finally:
-        lm_utils.apply_template = original

@@ -9,18 +9,32 @@ collective cannot be trusted to carry on.
 from __future__ import annotations
 
 import logging
-import os
 import time
+from dataclasses import dataclass
 
 from mpitp.errors import UsageError
-from mpitp.evaluation.runner import run_eval
 from mpitp.evaluation.setting_values import thaw
 from mpitp.evaluation.settings import EvalConfig, eval_settings
+from mpitp.jobs.orchestrate import run_config
+from mpitp.jobs.sweep import is_sweep
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import agree, setup_logging, start, stop
 from mpitp.parallel.world import world_from_comm
+from mpitp.results.status import output_status
 
 log = logging.getLogger("mpitp")
+
+
+@dataclass
+class RunOutcome:
+    """One run of the job file as the closing table shows it; ``failed`` decides the job's exit status."""
+
+    name: str
+    tp: int
+    status: str
+    wall_s: float
+    output: str
+    failed: bool = False
 
 
 def eval_config(spec) -> EvalConfig:
@@ -38,32 +52,6 @@ def eval_config(spec) -> EvalConfig:
 
     apply_lm_eval_settings(cfg, thaw(spec.lm_eval or {}))
     return cfg
-
-
-def output_status(path: str) -> str:
-    """``missing``, ``complete`` or ``running`` for a run's output file.
-
-    Anything else there (a file HDF5 cannot open, an HDF5 file without mpitp's ``status``) is refused, never
-    overwritten: it may be another program's data, or results a damaged copy still holds.
-    """
-    if not os.path.exists(path):
-        return "missing"
-    from mpitp.results.schema import open_h5
-
-    try:
-        with open_h5(path) as f:
-            status = f.attrs.get("status")
-    except (OSError, ValueError, RuntimeError) as exc:  # ValueError: refused (mpitp.results.untrusted)
-        reason = " ".join(str(exc).split())[:200]
-        raise UsageError(f"output {path} exists and is not an mpitp results file ({reason}); mpitp run does not "
-                         f"overwrite it: move it away or delete it") from None
-    if isinstance(status, bytes):
-        status = status.decode("utf-8", "replace")
-    if status not in ("complete", "running"):
-        what = "no 'status' attribute" if status is None else f"status {status!r}"
-        raise UsageError(f"output {path} exists and is not an mpitp results file ({what}); mpitp run does not "
-                         f"overwrite it: move it away or delete it")
-    return str(status)
 
 
 def _load(path):
@@ -90,7 +78,7 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
         t0 = time.perf_counter()
         state = agree(lambda: output_status(spec.output), world.comm, timeout, "checking outputs")
         if state == "complete":
-            summary.append((spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
+            summary.append(RunOutcome(spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
             continue
         if world.rank == 0:
             log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
@@ -103,24 +91,16 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                        timeout=spec.timeout or timeout, world=world, init_torch=False,  # torch after the checks
                        iface=spec.iface, stage_dir=spec.stage_dir)
-            if cfg.demo:
-                from mpitp.cli.evaluate import demo_config
-
-                cfg = demo_config(cfg, rt)
-            status = "complete"
-            from mpitp.jobs.sweep import is_sweep, run_sweep
-
             if is_sweep(cfg.model):  # models: one file per checkpoint; complete ones skipped, running ones resumed
                 cfg.resume, cfg.overwrite = True, False
-                if run_sweep(cfg, rt):
-                    status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)"
-            else:
-                run_eval(cfg, rt)
-            summary.append((spec.name, spec.tp, status, time.perf_counter() - t0, spec.output))
+            failed = run_config(cfg, rt) != 0
+            status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)" if failed else "complete"
+            summary.append(RunOutcome(spec.name, spec.tp, status, time.perf_counter() - t0, spec.output, failed))
         except UsageError as exc:
             if not exc.collective:
                 raise
-            summary.append((spec.name, spec.tp, f"FAILED: {exc}", time.perf_counter() - t0, spec.output))
+            summary.append(RunOutcome(spec.name, spec.tp, f"FAILED: {exc}", time.perf_counter() - t0, spec.output,
+                                      failed=True))
             if world.rank == 0:
                 log.error("run %s failed: %s", spec.name, exc)
             if fail_fast:
@@ -131,12 +111,12 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
         mpicomm.barrier(world.comm, timeout, phase=f"end of run {spec.name}")
     if world.rank == 0:
         print_summary(job.path, summary)
-    return 1 if any(s[2].startswith("FAILED") for s in summary) else 0
+    return 1 if any(r.failed for r in summary) else 0
 
 
-def print_summary(path, summary) -> None:
+def print_summary(path, summary: list[RunOutcome]) -> None:
     from mpitp.results.texttable import format_table
 
-    rows = [dict(run=n, tp=tp, status=st, wall=f"{w:.1f}s", output=out) for n, tp, st, w, out in summary]
-    print(f"\njob {path}: {sum(1 for r in rows if not r['status'].startswith('FAILED'))}/{len(rows)} runs ok")
+    rows = [dict(run=r.name, tp=r.tp, status=r.status, wall=f"{r.wall_s:.1f}s", output=r.output) for r in summary]
+    print(f"\njob {path}: {sum(1 for r in summary if not r.failed)}/{len(rows)} runs ok")
     print(format_table(rows, ["run", "tp", "status", "wall", "output"]))

@@ -32,24 +32,23 @@ import re
 import threading
 import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from mpitp.errors import UsageError
-from mpitp.results.safefile import write_replace
+from mpitp.results.sweepsummary import Row, render_summary, summary_path, write_summary
 
 # mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
 # ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
 
 log = logging.getLogger("mpitp")
 
-SUMMARY_NAME = "sweep-summary.json"
-
-
 def is_sweep(model: str | None) -> bool:
     return bool(model) and ("," in model or glob.has_magic(model))
 
 
-def _natural(s: str):
+def natural_key(s: str):
+    """Sort key that orders numbers in names by value: step-2 before step-10."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
@@ -60,7 +59,7 @@ def expand_models(spec: str) -> list[str]:
         if not part:
             continue
         if glob.has_magic(part):
-            found = sorted((p for p in glob.glob(os.path.expanduser(part)) if os.path.isdir(p)), key=_natural)
+            found = sorted((p for p in glob.glob(os.path.expanduser(part)) if os.path.isdir(p)), key=natural_key)
             if not found:
                 raise UsageError(f"--model {part}: the pattern matches no directory")
             out += found
@@ -113,6 +112,7 @@ class SweepState:
     prefetch: threading.Thread | None = None
     encode_caches: dict = field(default_factory=dict)  # tokenizer fingerprint -> {prompt: token ids}
     encodings_reused: int = 0  # cached token encodings available when the last checkpoint started
+    loaded_tasks: dict = field(default_factory=dict)  # TaskManager.load's results by arguments (memoize_task_loading)
 
 
 def tokenizer_key(cfg) -> str | None:
@@ -124,15 +124,16 @@ def tokenizer_key(cfg) -> str | None:
     return json.dumps(files, sort_keys=True) if files else None
 
 
-def memoize_task_loading(tm) -> None:
-    """``TaskManager.load`` (datasets, documents, prompt templates) once per task list for the whole sweep.
+def memoize_task_loading(tm, memo: dict):
+    """``TaskManager.load`` (datasets, documents, prompt templates) once per task list for the whole sweep: inside
+    this block ``tm.load`` answers from ``memo`` (kept by the sweep from one checkpoint to the next).
 
     lm-eval rebuilds each task's requests from the loaded task on every ``simple_evaluate`` (and resets its few-shot
     seed), so reusing the loaded tasks gives the same requests as a fresh load.
     """
-    if getattr(tm, "_mpitp_memo", None) is not None:
-        return
-    original, memo = tm.load, {}
+    from mpitp import compat
+
+    original = tm.load
 
     def load(tasks, *args, **kwargs):
         key = json.dumps([tasks, args, kwargs], sort_keys=True, default=str)
@@ -140,8 +141,7 @@ def memoize_task_loading(tm) -> None:
             memo[key] = original(tasks, *args, **kwargs)
         return memo[key]
 
-    tm.load = load
-    tm._mpitp_memo = memo
+    return compat.replaced("load", load, on=tm)
 
 
 def weight_files(model: str) -> list[str]:
@@ -187,7 +187,7 @@ def _skip_complete(cfg) -> bool:
     if not (cfg.resume and cfg.output and os.path.exists(cfg.output)):
         return False
     from mpitp.evaluation.checks import check_resumable
-    from mpitp.jobs.jobrun import output_status
+    from mpitp.results.status import output_status
 
     if output_status(cfg.output) != "complete":
         return False
@@ -237,8 +237,8 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     keep = state.keep
     out, tokenizer = agree(lambda: check_all(cfg, rt.layout.tp, keep, rt.layout.pp), rt.world.comm, rt.timeout,
                            f"checking {cfg.model}")
-    if rt.layout.is_root and "task_manager" in keep:
-        memoize_task_loading(keep["task_manager"])
+    tm = keep.get("task_manager")
+    memo = memoize_task_loading(tm, state.loaded_tasks) if rt.layout.is_root and tm is not None else nullcontext()
     if state.prefetch is not None:
         state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
     model = _load_everywhere(cfg, rt)
@@ -248,8 +248,9 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     cache = state.encode_caches.setdefault(key, {}) if key is not None else None
     state.encodings_reused = len(cache or {})
     try:
-        res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
-                              t_start=t_start, encode_cache=cache)
+        with memo:
+            res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=tm, t_start=t_start,
+                                  encode_cache=cache)
     finally:
         claim = keep.pop("claim", None)  # this checkpoint's output (mpitp.results.claim): the next one claims its own
         if claim is not None:
@@ -270,17 +271,6 @@ def _empty_device_cache(device: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- sweep
-
-
-@dataclass
-class Row:
-    model: str
-    name: str
-    output: str
-    status: str  # "complete", "skipped (complete)", "failed"
-    error: str = ""
-    wall_s: float = 0.0
-    metrics: dict = field(default_factory=dict)  # task -> {metric key: value}
 
 
 def _metrics_of(res: dict | None) -> dict:
@@ -377,113 +367,3 @@ def finish(state: SweepState) -> None:
     if state.prefetch is not None:
         state.prefetch.join()
     remove_generated(state.keep.get("include"))
-
-
-# --------------------------------------------------------------------------------------------------- summary
-
-
-def summary_path(spec: str | None, outputs: list[str]) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(outputs[0])) if outputs else ".", SUMMARY_NAME)
-
-
-def _comparisons(rows: list[Row], iters: int = 2000) -> list[dict]:
-    """Paired tests of each evaluated checkpoint against the previous evaluated one."""
-    from mpitp.results.compare import compare_files
-
-    done = [r for r in rows if r.status != "failed" and os.path.exists(r.output)]
-    out = []
-    for prev, cur in zip(done, done[1:]):
-        tasks = sorted(set(prev.metrics) & set(cur.metrics))
-        try:
-            comps = compare_files(prev.output, cur.output, tasks, iters=iters)
-        except (OSError, KeyError, ValueError) as exc:
-            out.append(dict(a=prev.name, b=cur.name, error=str(exc)))
-            continue
-        for tc in comps:
-            for m in tc.metrics:
-                p = m.mcnemar.p_value if m.mcnemar else m.boot.p_value
-                out.append(dict(a=prev.name, b=cur.name, task=m.task, metric=m.key, diff=m.boot.diff,
-                                ci=[m.boot.ci_low, m.boot.ci_high], p_value=p,
-                                test=f"McNemar ({m.mcnemar.method})" if m.mcnemar else "paired bootstrap",
-                                sentence=m.sentence()))
-    return out
-
-
-def write_summary(path: str, rows: list[Row], wall_s: float) -> None:
-    doc = dict(wall_time_s=wall_s, checkpoints=[dataclasses.asdict(r) for r in rows],
-               comparisons=_comparisons(rows))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    write_replace(path, json.dumps(doc, indent=2, default=str).encode())  # never through a planted link
-
-
-def render_summary(rows: list[Row], path: str) -> str:
-    from mpitp.results.texttable import text_table
-
-    keys = []
-    for r in rows:
-        for task, m in r.metrics.items():
-            for k in m:
-                if "," in k and "_stderr" not in k and (task, k) not in keys:
-                    keys.append((task, k))
-    keys = keys[:6]  # the table stays readable; the JSON summary has them all
-    table = []
-    for r in rows:
-        vals = [f"{r.metrics.get(t, {}).get(k, float('nan')):.4f}" if r.metrics else "-" for t, k in keys]
-        table.append([r.name, r.status if r.status != "failed" else "FAILED", f"{r.wall_s:.1f}", *vals])
-    head = ["checkpoint", "status", "wall s", *[f"{t} {k.split(',')[0]}" for t, k in keys]]
-    lines = ["", f"sweep: {sum(r.status != 'failed' for r in rows)}/{len(rows)} checkpoints ok",
-             text_table(head, table, right=set(range(2, len(head))))]
-    for r in rows:
-        if r.status == "failed":
-            lines.append(f"  {r.name}: {r.error}")
-    try:
-        with open(path) as f:
-            comps = json.load(f).get("comparisons", [])
-    except (OSError, ValueError):
-        comps = []
-    if comps:
-        lines += ["", "each checkpoint against the previous one (paired tests on per-document scores):"]
-        lines += [f"  {c['b']} vs {c['a']}: {c['sentence']}" for c in comps if "sentence" in c]
-    lines.append(f"summary: {path}")
-    return "\n".join(lines)
-
-
-def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
-    """Metric vs checkpoint (one panel per task and metric, lm-eval's stderr as error bars) from a sweep summary.
-    Returns the number of panels drawn."""
-    import math
-
-    with open(path) as f:
-        rows = [r for r in json.load(f)["checkpoints"] if r.get("metrics")]
-    keys: list[tuple[str, str]] = []
-    for r in rows:
-        for t, m in r["metrics"].items():
-            for k in m:
-                if "," in k and "_stderr" not in k and (t, k) not in keys and (task is None or t == task):
-                    keys.append((t, k))
-    if not keys:
-        raise ValueError(f"{path}: no metrics of evaluated checkpoints to plot")
-    ncols = min(3, len(keys))
-    nrows = math.ceil(len(keys) / ncols)
-    fig = Figure(figsize=(5 * ncols, 3.6 * nrows), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax, (t, k) in zip(axes, keys):
-        metric, _, filt = k.partition(",")
-        xs, ys, es, names = [], [], [], []
-        for i, r in enumerate(rows):
-            v = r["metrics"].get(t, {}).get(k)
-            if isinstance(v, (int, float)):
-                e = r["metrics"][t].get(f"{metric}_stderr,{filt}")
-                xs.append(i)
-                ys.append(float(v))
-                es.append(float(e) if isinstance(e, (int, float)) else float("nan"))
-                names.append(r["name"])
-        ax.errorbar(xs, ys, yerr=[0.0 if math.isnan(e) else e for e in es], marker="o", capsize=4)
-        ax.set_xticks(xs, names, rotation=45 if len(xs) > 4 else 0, ha="right" if len(xs) > 4 else "center",
-                      fontsize=8)
-        ax.set_title(f"{t}: {metric}" + ("" if filt == "none" else f" [{filt}]"), fontsize=9)
-    for extra in axes[len(keys):]:
-        extra.set_axis_off()
-    fig.suptitle(f"sweep: {os.path.dirname(os.path.abspath(path))}")
-    fig.savefig(out, dpi=120)
-    return len(keys)

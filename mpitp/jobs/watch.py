@@ -60,10 +60,10 @@ class Scanner:
         self.previous: dict[str, tuple] = {}
 
     def stable(self) -> list[str]:
-        from mpitp.jobs.sweep import _natural
+        from mpitp.jobs.sweep import natural_key
 
         now: dict[str, tuple] = {}
-        for entry in sorted(os.listdir(self.directory), key=_natural):
+        for entry in sorted(os.listdir(self.directory), key=natural_key):
             path = os.path.join(self.directory, entry)
             if entry.startswith(".") or not os.path.isdir(path):
                 continue
@@ -82,8 +82,9 @@ def default_watch_dir(directory: str) -> str:
 
 def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) -> int:
     """Every rank calls it. Exit status 1 when a checkpoint failed, else 0."""
-    from mpitp.jobs.sweep import SweepState, finish, render_summary, summary_path, write_summary
+    from mpitp.jobs.sweep import SweepState, finish
     from mpitp.parallel.runtime import agree, start_torch
+    from mpitp.results.sweepsummary import render_summary, summary_path, write_summary
 
     def check():
         if not os.path.isdir(directory):

@@ -129,6 +129,8 @@ def strided_shards_with_pread():
     """
     import transformers.modeling_utils as mu
 
+    from mpitp import compat
+
     original = getattr(mu, "safe_open", None)
     if original is None:
         yield
@@ -144,11 +146,8 @@ def strided_shards_with_pread():
             return mapped
         return _ShardReads(mapped, pread)
 
-    mu.safe_open = safe_open_shards
-    try:
+    with compat.replaced("safe_open", safe_open_shards):
         yield
-    finally:
-        mu.safe_open = original
 
 
 def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: str | None = None,

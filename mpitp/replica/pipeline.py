@@ -61,6 +61,8 @@ def _tp_plan_without_stubs():
     import transformers.distributed.mixin as mixin
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
+    from mpitp import compat
+
     original = mixin.apply_tensor_parallelism
 
     def apply(model, mesh, plan):
@@ -69,11 +71,8 @@ def _tp_plan_without_stubs():
                 if k in params or (k in modules and not isinstance(modules[k], PipelineIdentityLayer))}
         return original(model, mesh, kept)
 
-    mixin.apply_tensor_parallelism = apply
-    try:
+    with compat.replaced("apply_tensor_parallelism", apply):
         yield
-    finally:
-        mixin.apply_tensor_parallelism = original
 
 
 def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", revision: str | None = None,
@@ -130,19 +129,35 @@ def _embedding_steps_off(base) -> None:
     """On a stage after the first, ``inputs_embeds`` are the previous stage's activations, not embeddings: undo the
     scaling the decoder's forward applies to them (Granite and HyperCLOVAX: ``inputs_embeds = inputs_embeds *
     self.embedding_multiplier``), read from the forward's source, or every later stage would scale them again."""
-    import inspect
-    import re
-
-    try:
-        src = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        return
-    for attr in re.findall(r"inputs_embeds = inputs_embeds [*/] self\.([A-Za-z_][A-Za-z_0-9]*)\s*$", src, re.M):
+    for attr in _embedding_scales(type(base).forward):
         value = getattr(base, attr, None)
         if isinstance(value, (int, float)):
             setattr(base, attr, type(value)(1))
         elif torch.is_tensor(value):
             setattr(base, attr, torch.ones_like(value))
+
+
+def _embedding_scales(forward) -> list[str]:
+    """The ``attr`` of every ``inputs_embeds = inputs_embeds * self.attr`` (or ``/``) in ``forward``, read with ast."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "inputs_embeds" and isinstance(node.value, ast.BinOp)):
+            continue
+        v = node.value
+        if isinstance(v.op, (ast.Mult, ast.Div)) and isinstance(v.left, ast.Name) and v.left.id == "inputs_embeds" \
+                and isinstance(v.right, ast.Attribute) and isinstance(v.right.value, ast.Name) \
+                and v.right.value.id == "self":
+            out.append(v.right.attr)
+    return out
 
 
 class StageLink:

@@ -8,13 +8,15 @@ attends causally to itself and each continuation to the context and causally to 
 continuation: exactly the attention each row has alone, so the log-probs are the same up to rounding. The context's
 last position predicts every row's first target; the rest are predicted inside each continuation.
 
-The attention runs in :func:`tree_attention`, which wraps transformers' ``sdpa`` attention function and acts only when
-a forward carries a :class:`TreeSpec` (keyword ``mpitp_tree``, handed down to every attention call as transformers
-hands down its attention keyword arguments). Whether a model's forward really honours it -- position ids used, the
-keyword reaching every layer, nothing carried along the sequence outside attention (state-space layers), no sliding
-window or soft-cap -- is decided from numbers, not from a list of model types: :func:`check_sharing` scores a probe
-both ways once after loading, and a model that differs, raises, or calls the attention fewer times than it has
-layers scores plain rows. With pipeline stages (the stages' forwards take no such keyword) rows stay plain too.
+The attention runs in :func:`tree_attention`, under an attention function of its own (:func:`sdpa_or_tree`, registered
+with transformers as ``mpitp_tree`` and set on mpitp's model only: ``"sdpa"`` itself is never replaced) that runs
+``sdpa`` unchanged unless a forward carries a :class:`TreeSpec` (keyword ``mpitp_tree``, handed down to every
+attention call as transformers hands down its attention keyword arguments). Whether a model's forward really
+honours it -- position ids used, the keyword reaching every layer, nothing carried along the sequence outside
+attention (state-space layers), no sliding window or soft-cap -- is decided from numbers, not from a list of model
+types: :func:`check_sharing` scores a probe both ways once after loading, and a model that differs, raises, or calls
+the attention fewer times than it has layers scores plain rows. With pipeline stages (the stages' forwards take no
+such keyword) rows stay plain too.
 
 Whether rows that may share are packed as trees is decided per set of rows by :func:`plan`, from what each plan sends
 and computes (:class:`Cost`): a tree pads its batch to its whole length and masks its continuations' attention, which
@@ -322,28 +324,37 @@ def tree_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     return out, None
 
 
-def install() -> bool:
-    """Wrap transformers' ``sdpa`` attention function (once per process): with a :class:`TreeSpec` in its keyword
-    arguments it runs :func:`tree_attention`, else exactly the original. False where transformers has none."""
-    try:
+def sdpa_or_tree(module, query, key, value, attention_mask, **kwargs):
+    """The attention function :data:`mpitp.compat.TREE_ATTENTION`: with a :class:`TreeSpec` in its keyword arguments
+    :func:`tree_attention`, else exactly transformers' ``sdpa`` function."""
+    spec = kwargs.pop(SPEC_KW, None)
+    if spec is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    return tree_attention(module, query, key, value, spec, **kwargs)
+
+
+def install(model) -> bool:
+    """Run ``model`` (an ``sdpa`` model) under :func:`sdpa_or_tree`, registered as transformers' attention function
+    :data:`mpitp.compat.TREE_ATTENTION`: this model only; transformers' ``"sdpa"`` and other models are untouched.
+    False where transformers has no attention interface to register it with."""
+    from mpitp import compat
+
+    try:
+        compat.register_tree_attention(sdpa_or_tree)
     except ImportError:  # pragma: no cover
         return False
-    orig = ALL_ATTENTION_FUNCTIONS.get("sdpa")
-    if orig is None:
-        return False
-    if getattr(orig, "_mpitp_tree", False):
-        return True
-
-    def sdpa_or_tree(module, query, key, value, attention_mask, **kwargs):
-        spec = kwargs.pop(SPEC_KW, None)
-        if spec is None:
-            return orig(module, query, key, value, attention_mask, **kwargs)
-        return tree_attention(module, query, key, value, spec, **kwargs)
-
-    sdpa_or_tree._mpitp_tree = True
-    ALL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_or_tree)
+    model.set_attn_implementation(compat.TREE_ATTENTION)
     return True
+
+
+def uninstall(model) -> None:
+    """Back to plain ``sdpa`` (the probe found that this model's forward does not honour trees)."""
+    from mpitp import compat
+
+    if getattr(model.config, "_attn_implementation", None) == compat.TREE_ATTENTION:
+        model.set_attn_implementation("sdpa")
 
 
 def attention_layers(shard) -> int:
@@ -387,8 +398,6 @@ def check_sharing(shard, enabled: bool = True) -> str | None:
     probe's rows scored one per sequence, then as trees; the run shares prefixes only when the log-probs agree within
     the head check's tolerance and the attention saw the tree in every layer.
     """
-    from mpitp.replica.headcheck import tolerance
-
     if not enabled:
         return "off (--no-prefix-sharing)"
     if shard.pipeline:
@@ -396,11 +405,23 @@ def check_sharing(shard, enabled: bool = True) -> str | None:
     why = _attention_kind(shard.model.config.get_text_config())
     if why:
         return f"off: {why}"
+    from mpitp.compat import TREE_ATTENTION
+
     impl = getattr(shard.model.config, "_attn_implementation", None)
-    if impl != "sdpa":
+    if impl not in ("sdpa", TREE_ATTENTION):  # TREE_ATTENTION: this model was probed before (and runs sdpa inside)
         return f"off: attention implementation {impl!r} (sharing runs on 'sdpa')"
-    if not install():
-        return "off: transformers has no 'sdpa' attention function"
+    if not install(shard.model):
+        return "off: transformers has no attention interface to register tree attention with"
+    why = _check_probe(shard)
+    if why:
+        uninstall(shard.model)
+    return why
+
+
+def _check_probe(shard) -> str | None:
+    """Why the probe's tree and plain scores disagree (None when they agree and the tree reached every layer)."""
+    from mpitp.replica.headcheck import tolerance
+
     groups = _probe_groups(int(shard.head.vocab_size))
     plain = [a for g in groups for a in g.alone()]
     try:

@@ -54,6 +54,8 @@ def capture():
     """Inside this block, every ``simple_evaluate`` leaves ``{task: DocScores}`` in the yielded dict."""
     import lm_eval.evaluator as ev
 
+    from mpitp import compat
+
     out: dict[str, DocScores] = {}
     original = ev._process_results
 
@@ -65,11 +67,8 @@ def capture():
                 continue
         return original(eval_results_acc, *args, **kwargs)
 
-    ev._process_results = recording
-    try:
+    with compat.replaced("_process_results", recording):
         yield out
-    finally:
-        ev._process_results = original
 
 
 def from_raw(raw_metrics: dict, aggregation: dict, higher: dict) -> DocScores:

@@ -141,18 +141,16 @@ def head_statements(arch: Arch) -> tuple[str, ...]:
     differ between classes: the key that groups architectures by what they do around their head."""
     import transformers
 
-    from mpitp.replica import logits as L
-    from mpitp.replica.logits import _statements
+    from mpitp.replica.logits import statements
     try:
-        stmts = [s for _, s in _statements(getattr(transformers, arch.class_name).forward)]
+        stmts = statements(getattr(transformers, arch.class_name).forward)
     except (OSError, TypeError, AttributeError):
         return ("<no source>",)
     key = []
     for s in stmts:  # what is the same for every model (slicing, the bare head call) is left out of the key
-        if any(p.match(s) for p in L._NEUTRAL):
+        if s.kind == ("neutral",):
             continue
-        m = L._HEAD.match(s)
-        key.append("HEAD" if m and not m.group(2) else s)
+        key.append("HEAD" if s.kind and s.kind[0] == "head" and not s.kind[2] else s.text)
     return tuple(key)
 
 

@@ -1,0 +1,111 @@
+"""Rank 0's tail of one evaluation, after every group has reported its stats: write the results, then report them.
+
+Writing and reporting are separate steps because they fail differently and are wanted separately: the HDF5 file and
+lm-eval's own output files are the run's record (a caller of :func:`mpitp.evaluate` may never look at the console),
+while the report is lm-eval's tables plus mpitp's lines on the DP groups, the head check, prefix sharing and the
+phases, for the person watching the log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from mpitp.evaluation.phases import PhaseClock
+from mpitp.evaluation.provenance import redact
+
+
+@dataclass
+class RootResult:
+    """What rank 0's evaluation (:class:`mpitp.evaluation.runner._RootRun`) hands to the tail: lm-eval's results,
+    the results file's writer (None without a file), rank 0's seconds per phase, the settings, lm-eval's loggers
+    (None when ``--output_path`` and the trackers are off) and the per-document scores captured on the way."""
+
+    results: dict
+    writer: object | None
+    phases: dict
+    cfg: object
+    loggers: dict | None = None
+    doc_scores: dict = field(default_factory=dict)
+
+
+def finish_root(result: RootResult, all_stats: list, wall: float, head_check_s: float | None = None,
+                sharing: str | None = None) -> None:
+    """Write the results (:func:`write_results`), then report them (:func:`report`)."""
+    if head_check_s is not None:
+        result.phases["head_check"] = head_check_s
+    write_results(result, all_stats, wall)
+    report(result, all_stats, wall, head_check_s, sharing)
+
+
+def write_results(result: RootResult, all_stats: list, wall: float) -> None:
+    """The HDF5 file's tasks, per-document scores, stats and final snapshot, then lm-eval's output files."""
+    res, writer, phases = result.results, result.writer, result.phases
+    if writer is not None:
+        for task, cfgd in res.get("configs", {}).items():
+            metrics = {k: v for k, v in res["results"].get(task, {}).items() if k != "alias"}
+            n = res.get("n-samples", {}).get(task, {})
+            writer.write_task(task, dict(output_type=cfgd.get("output_type"),
+                                         num_fewshot=res.get("n-shot", {}).get(task, 0),
+                                         n_docs=n.get("effective", n.get("original", 0))), metrics,
+                              samples=res.get("samples", {}).get(task))
+            if task in result.doc_scores:
+                writer.write_doc_scores(task, result.doc_scores[task])
+        writer.write_stats(all_stats)
+        serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
+                                            "n-samples", "config", "groups", "group_subtasks") if k in res}
+        phases["writing"] += writer.busy_s  # the writer thread's seconds, off the dispatch path
+        phases["wall"], phases["max_group_busy"] = wall, max((s["busy_s"] for s in all_stats), default=0.0)
+        writer.extra_attrs(phases_json=json.dumps({k: round(v, 4) for k, v in phases.items()}))
+        t0 = time.perf_counter()
+        writer.finish(redact(serialisable), wall)  # lm-eval's config holds model_args: no token in the file
+        phases["final_snapshot"] = time.perf_counter() - t0
+    if result.loggers:
+        from mpitp.evaluation.outputs import write_lm_eval_outputs
+
+        write_lm_eval_outputs(res, result.cfg, result.loggers)
+
+
+def report(result: RootResult, all_stats: list, wall: float, head_check_s: float | None = None,
+           sharing: str | None = None) -> None:
+    """The console report: lm-eval's header and tables (its loggers end after them, as under ``lm_eval``), one line
+    per DP group, the totals, the head check, prefix sharing and rank 0's phases."""
+    from lm_eval.utils import make_table
+
+    res, writer = result.results, result.writer
+    if result.loggers:
+        from mpitp.evaluation.outputs import header_line
+
+        print(header_line(result.cfg, res))
+    print(make_table(res))
+    if "groups" in res:
+        print(make_table(res, "groups"))
+    if result.loggers:
+        from mpitp.evaluation.outputs import finish_loggers
+
+        finish_loggers(result.loggers)
+    total_busy = sum(s["busy_s"] for s in all_stats)
+    for g, s in enumerate(all_stats):
+        per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
+        stages = f", stage traffic {s['pp_bytes'] / 1e6:.2f} MB" if s.get("pp_bytes") else ""
+        print(f"DP group {g}: {s['requests']:.0f} requests, {s['tokens_scored']} tokens scored, "
+              f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB "
+              f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
+    where = f"; results: {writer.path}" if writer is not None else ""
+    print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")
+    if head_check_s is None:
+        print("head check: skipped (--skip-head-check): log-likelihoods not verified against the model's own logits")
+    else:
+        from mpitp.replica.headcheck import PROBE_SHAPE
+
+        rows, cols = PROBE_SHAPE
+        print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
+              f"replica)")
+    rows_in, read = sum(s.get("row_tokens", 0) for s in all_stats), sum(s.get("tokens_read", 0) for s in all_stats)
+    if sharing is None:
+        print(f"prefix sharing: on; the forwards read {read} input tokens for rows of {rows_in}"
+              + (f" ({read / rows_in:.0%})" if rows_in else ""))
+    else:
+        print(f"prefix sharing: {sharing}")
+    print(PhaseClock.describe(result.phases, wall, all_stats))

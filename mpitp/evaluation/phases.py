@@ -1,0 +1,62 @@
+"""Rank 0's seconds per phase of one evaluation (checks, load, requests, tokenising, dispatch, metrics, writing), for
+the HDF5 file's ``phases_json`` and the run's closing line."""
+
+from __future__ import annotations
+
+import time
+
+
+class PhaseClock:
+    """Rank 0's seconds per phase. lm-eval's request methods on the LM are wrapped (instance attributes, so lm-eval
+    calls the wrappers): the time inside them minus the dispatch is tokenising (lm-eval's encoding, rolling windows),
+    before the first call lm-eval loads tasks and builds requests, after the last it computes metrics."""
+
+    ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
+
+    def __init__(self):
+        self.phases: dict[str, float] = {"writing": 0.0}
+        self.dispatch = 0.0
+        self.in_methods = 0.0
+        self.t_eval = self.first = self.last = None
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    _METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+    def wrap(self, lm) -> None:
+        for name in self._METHODS:
+            setattr(lm, name, self._timed(getattr(lm, name)))
+
+    def unwrap(self, lm) -> None:
+        """Remove the timed methods: each holds a bound method of ``lm`` in ``lm``'s own dict, a cycle that would
+        keep the model alive after the run (a sweep frees it before loading the next checkpoint)."""
+        for name in self._METHODS:
+            lm.__dict__.pop(name, None)
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            self.first = self.first or t0
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.last = time.perf_counter()
+                self.in_methods += self.last - t0
+
+        return timed
+
+    def eval_done(self) -> None:
+        end = time.perf_counter()
+        first, last = self.first or end, self.last or end
+        self.phases.update(requests=first - self.t_eval, tokenising=self.in_methods - self.dispatch,
+                           dispatch=self.dispatch, metrics=end - last)
+
+    @classmethod
+    def describe(cls, phases: dict, wall: float, all_stats: list) -> str:
+        """The run's closing line: seconds per phase and what rank 0 spent alone."""
+        parts = [f"{k} {phases[k]:.1f} s" for k in cls.ORDER if k in phases]
+        busy = max((s["busy_s"] for s in all_stats), default=0.0)
+        return (f"rank 0 phases: {', '.join(parts)} (writing: the results thread, off the dispatch path; final "
+                f"snapshot {phases.get('final_snapshot', 0.0):.1f} s); rank 0 alone (wall - max group busy) "
+                f"{wall - busy:.1f} s")

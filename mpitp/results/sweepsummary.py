@@ -1,0 +1,135 @@
+"""A sweep's summary: one :class:`Row` per checkpoint, written as ``sweep-summary.json`` beside the results files
+with a paired test of each checkpoint against the previous one, printed as a table, plotted as metric vs checkpoint.
+
+Written by a sweep or a watch (:mod:`mpitp.jobs.sweep`) and read again by ``mpitp inspect``: rendering lives with the
+results, so the inspecting side does not import the running side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from mpitp.results.safefile import write_replace
+
+SUMMARY_NAME = "sweep-summary.json"
+
+
+@dataclass
+class Row:
+    model: str
+    name: str
+    output: str
+    status: str  # "complete", "skipped (complete)", "failed"
+    error: str = ""
+    wall_s: float = 0.0
+    metrics: dict = field(default_factory=dict)  # task -> {metric key: value}
+
+
+def summary_path(spec: str | None, outputs: list[str]) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(outputs[0])) if outputs else ".", SUMMARY_NAME)
+
+
+def _comparisons(rows: list[Row], iters: int = 2000) -> list[dict]:
+    """Paired tests of each evaluated checkpoint against the previous evaluated one."""
+    from mpitp.results.compare import compare_files
+
+    done = [r for r in rows if r.status != "failed" and os.path.exists(r.output)]
+    out = []
+    for prev, cur in zip(done, done[1:]):
+        tasks = sorted(set(prev.metrics) & set(cur.metrics))
+        try:
+            comps = compare_files(prev.output, cur.output, tasks, iters=iters)
+        except (OSError, KeyError, ValueError) as exc:
+            out.append(dict(a=prev.name, b=cur.name, error=str(exc)))
+            continue
+        for tc in comps:
+            for m in tc.metrics:
+                p = m.mcnemar.p_value if m.mcnemar else m.boot.p_value
+                out.append(dict(a=prev.name, b=cur.name, task=m.task, metric=m.key, diff=m.boot.diff,
+                                ci=[m.boot.ci_low, m.boot.ci_high], p_value=p,
+                                test=f"McNemar ({m.mcnemar.method})" if m.mcnemar else "paired bootstrap",
+                                sentence=m.sentence()))
+    return out
+
+
+def write_summary(path: str, rows: list[Row], wall_s: float) -> None:
+    doc = dict(wall_time_s=wall_s, checkpoints=[dataclasses.asdict(r) for r in rows],
+               comparisons=_comparisons(rows))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    write_replace(path, json.dumps(doc, indent=2, default=str).encode())  # never through a planted link
+
+
+def render_summary(rows: list[Row], path: str) -> str:
+    from mpitp.results.texttable import text_table
+
+    keys = []
+    for r in rows:
+        for task, m in r.metrics.items():
+            for k in m:
+                if "," in k and "_stderr" not in k and (task, k) not in keys:
+                    keys.append((task, k))
+    keys = keys[:6]  # the table stays readable; the JSON summary has them all
+    table = []
+    for r in rows:
+        vals = [f"{r.metrics.get(t, {}).get(k, float('nan')):.4f}" if r.metrics else "-" for t, k in keys]
+        table.append([r.name, r.status if r.status != "failed" else "FAILED", f"{r.wall_s:.1f}", *vals])
+    head = ["checkpoint", "status", "wall s", *[f"{t} {k.split(',')[0]}" for t, k in keys]]
+    lines = ["", f"sweep: {sum(r.status != 'failed' for r in rows)}/{len(rows)} checkpoints ok",
+             text_table(head, table, right=set(range(2, len(head))))]
+    for r in rows:
+        if r.status == "failed":
+            lines.append(f"  {r.name}: {r.error}")
+    try:
+        with open(path) as f:
+            comps = json.load(f).get("comparisons", [])
+    except (OSError, ValueError):
+        comps = []
+    if comps:
+        lines += ["", "each checkpoint against the previous one (paired tests on per-document scores):"]
+        lines += [f"  {c['b']} vs {c['a']}: {c['sentence']}" for c in comps if "sentence" in c]
+    lines.append(f"summary: {path}")
+    return "\n".join(lines)
+
+
+def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
+    """Metric vs checkpoint (one panel per task and metric, lm-eval's stderr as error bars) from a sweep summary.
+    Returns the number of panels drawn."""
+    import math
+
+    with open(path) as f:
+        rows = [r for r in json.load(f)["checkpoints"] if r.get("metrics")]
+    keys: list[tuple[str, str]] = []
+    for r in rows:
+        for t, m in r["metrics"].items():
+            for k in m:
+                if "," in k and "_stderr" not in k and (t, k) not in keys and (task is None or t == task):
+                    keys.append((t, k))
+    if not keys:
+        raise ValueError(f"{path}: no metrics of evaluated checkpoints to plot")
+    ncols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig = Figure(figsize=(5 * ncols, 3.6 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, (t, k) in zip(axes, keys):
+        metric, _, filt = k.partition(",")
+        xs, ys, es, names = [], [], [], []
+        for i, r in enumerate(rows):
+            v = r["metrics"].get(t, {}).get(k)
+            if isinstance(v, (int, float)):
+                e = r["metrics"][t].get(f"{metric}_stderr,{filt}")
+                xs.append(i)
+                ys.append(float(v))
+                es.append(float(e) if isinstance(e, (int, float)) else float("nan"))
+                names.append(r["name"])
+        ax.errorbar(xs, ys, yerr=[0.0 if math.isnan(e) else e for e in es], marker="o", capsize=4)
+        ax.set_xticks(xs, names, rotation=45 if len(xs) > 4 else 0, ha="right" if len(xs) > 4 else "center",
+                      fontsize=8)
+        ax.set_title(f"{t}: {metric}" + ("" if filt == "none" else f" [{filt}]"), fontsize=9)
+    for extra in axes[len(keys):]:
+        extra.set_axis_off()
+    fig.suptitle(f"sweep: {os.path.dirname(os.path.abspath(path))}")
+    fig.savefig(out, dpi=120)
+    return len(keys)

@@ -1,0 +1,128 @@
+"""mpitp's reach into lm-eval, transformers and torch (mpitp.compat): every target exists in the installed versions,
+every patch is undone after use, and prefix sharing leaves transformers' global ``"sdpa"`` attention alone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+
+import torch
+
+from mpitp import compat
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = os.path.join(HERE, "..", "..", "shared", "models", "stories260K")
+
+
+def _originals() -> dict:
+    """Each target's current object, read as :func:`compat.replaced` reads it (a property stays a property)."""
+    out = {}
+    for key, t in compat.TARGETS.items():
+        owner, last = t.owner()
+        out[key] = vars(owner)[last] if last in vars(owner) else getattr(owner, last)
+    return out
+
+
+def test_every_target_exists_in_the_installed_versions():
+    """A release that renames one of them is refused at start-up instead of silently running unpatched."""
+    assert compat.missing() == []
+    for t in compat.TARGETS.values():
+        owner, last = t.owner()
+        assert hasattr(owner, last), t.name
+    compat.check()
+
+
+def test_a_missing_target_is_one_line_naming_the_supported_range():
+    gone = compat.Target("lm-eval", "lm_eval.evaluator", "_no_such_function", compat.LM_EVAL, "mpitp.x")
+    optional = compat.Target("lm-eval", "lm_eval.evaluator", "_nor_this", compat.LM_EVAL, "mpitp.y", optional=True)
+    lines = compat.missing({"a": gone, "b": optional})
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "lm_eval.evaluator._no_such_function" in lines[0] and f"lm-eval{compat.LM_EVAL}" in lines[0], lines[0]
+
+
+def test_every_patch_is_undone_after_use_even_on_error():
+    """Each of mpitp's context managers replaces its target inside the block and puts the very same object back."""
+    from lm_eval.tasks import TaskManager
+
+    from mpitp.evaluation.eval_docs import listed_once
+    from mpitp.evaluation.requestcache import used
+    from mpitp.evaluation.runner import _EnvInfoEarly
+    from mpitp.evaluation.templates import compiled_once
+    from mpitp.jobs.sweep import memoize_task_loading
+    from mpitp.replica.loading import strided_shards_with_pread
+    from mpitp.replica.pipeline import _tp_plan_without_stubs
+    from mpitp.results.docscores import capture
+
+    before = _originals()
+    tm = TaskManager.__new__(TaskManager)  # the memo patches one instance: no task index needed to check that
+    blocks = {"eval_docs": listed_once, "apply_template": compiled_once, "_process_results": capture,
+              "PATH": lambda: used("/tmp/mpitp-test-cache"), "get_pretty_env_info": _EnvInfoEarly,
+              "safe_open": strided_shards_with_pread, "apply_tensor_parallelism": _tp_plan_without_stubs,
+              "load": lambda: memoize_task_loading(tm, {})}
+    for key, block in blocks.items():
+        with contextlib.suppress(KeyError), block():
+            inside = _originals()
+            if key == "load":
+                assert "load" in vars(tm)
+            else:
+                assert inside[key] is not before[key], key
+            raise KeyError(key)  # leaving by an exception restores too
+        assert _originals() == before, key
+        assert "load" not in vars(tm)
+
+
+def test_prefix_sharing_registers_its_own_attention_and_leaves_sdpa_alone():
+    """Tree attention runs under its own name on mpitp's model; transformers' "sdpa" stays the original for every
+    other model in the process (a training job calling mpitp.evaluate keeps its attention)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from mpitp.replica import prefix
+    from mpitp.replica.shard import ReplicaShard
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    mine = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    other = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    layout = types.SimpleNamespace(tp=1, pp=1, last_stage=True, first_stage=True, rank=0)
+    shard = ReplicaShard(mine, layout, "cpu")
+    assert prefix.check_sharing(shard) is None and shard.share
+    assert mine.config._attn_implementation == compat.TREE_ATTENTION
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
+    assert other.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    with torch.no_grad():  # the tree model without a tree computes exactly what plain sdpa does
+        assert torch.equal(mine(input_ids=ids).logits, other(input_ids=ids).logits)
+
+
+def test_model_source_is_read_as_syntax_not_lines():
+    """The head steps come from the forward's syntax tree: a statement over several lines (which a line-by-line
+    reader saw as three unreadable pieces and no head call) is one multiplication after the head."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from mpitp.replica.logits import head_transform
+
+    class Scaled(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            outputs = self.model(input_ids=input_ids, **kwargs)
+            hidden_states = outputs.last_hidden_state
+            logits = self.lm_head(
+                hidden_states  # logits = logits * 1000 (a comment, not a step)
+            ) * self.config.logit_scale
+            return logits
+
+    cfg = AutoConfig.from_pretrained(MODEL)
+    cfg.logit_scale = 0.25
+    t = head_transform(Scaled(cfg))
+    assert t.unknown == [] and t.logits == [("mul", 0.25)] and t.hidden == [], (t.unknown, t.describe())
+
+
+def test_the_supported_ranges_are_pyprojects():
+    """The range a refusal names is the one pip enforces."""
+    import tomllib
+
+    with open(os.path.join(HERE, "..", "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    for package, supported in (("lm-eval", compat.LM_EVAL), ("transformers", compat.TRANSFORMERS),
+                               ("torch", compat.TORCH)):
+        assert f"{package}{supported}" in deps, (package, supported, deps)
