@@ -236,6 +236,7 @@ def originals(tmp_path_factory):
     return d, complete, running
 
 
+@pytest.mark.slow  # 250 forked cases: ~20-25 s on 2 cores
 def test_fuzzed_files_end_as_one_line_errors(originals):
     d, complete, running = originals
     rng = random.Random(SEED)
