@@ -30,8 +30,8 @@ def test_mmlu_from_data_dir_at_tp2_matches_lm_eval(tmp_path):
     small = ["arc_challenge", "boolq", "copa"]
     out = tmp_path / "mmlu.h5"
     proc = run_mpi(2, ["eval", "--model", str(STORIES), "--tasks", "mmlu," + ",".join(small), "--data-dir", str(data),
-                       "--tp", "2", "--num_fewshot", "1", "--dtype", "float32", "--bootstrap-iters", "0", "--output", str(out)],
-                   timeout=900, cwd=str(tmp_path))
+                       "--tp", "2", "--num_fewshot", "1", "--dtype", "float32", "--bootstrap-iters", "0",
+                       "--output", str(out)], timeout=900, cwd=str(tmp_path))
     assert proc.returncode == 0, explain(proc)
 
     yamls = write_overrides(["mmlu", *small], data, tmp_path / "yamls", num_fewshot=1)
