@@ -44,13 +44,14 @@ def register(group: click.Group) -> None:
     from mpitp.cli.evaluate import eval_command
     from mpitp.cli.info import info_command
     from mpitp.cli.inspect import inspect_command
+    from mpitp.cli.report import report_command
     from mpitp.cli.rescore import rescore_command
     from mpitp.cli.run import run_command
     from mpitp.cli.submit import submit_command
     from mpitp.cli.tasks import tasks_command
 
     for command in (check_command, prefetch_command, eval_command, info_command, run_command, tasks_command,
-                    submit_command, rescore_command, inspect_command):
+                    submit_command, rescore_command, inspect_command, report_command):
         group.add_command(command)
 
 

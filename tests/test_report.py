@@ -1,0 +1,191 @@
+"""``mpitp report``: the HTML page, opened from disk in a real headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, driven by Selenium).
+
+Why a browser: the page's promises are about what a browser does with it (no request to any host, no console error,
+numbers shown equal to ``mpitp inspect``'s, filters that change the rows shown, text from files shown as text and
+never run). Files are synthetic, written through the real :class:`mpitp.results.store.ResultWriter` (fast, every
+value known). Screenshots of each view land in the test's tmp folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from mpitp.cli.inspect import inspect_command
+from mpitp.cli.report import report_command
+from mpitp.results.report import script_json
+from mpitp.results.store import ResultWriter
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+HOSTILE = "</script><script>window.pwned=1</script><img src=http://example.invalid/x.png>"
+
+
+def make_run(path, model: str, correct: list[int], n_sample_docs: int | None = None) -> str:
+    """One finished run of one multiple-choice task; ``correct[d]`` is document d's acc. Document 0's text and the
+    model name carry markup that must show as text."""
+    n = len(correct)
+    w = ResultWriter(str(path), dict(mpitp_version="0.1.0", model=model, tokenizer=model, dtype="float32",
+                                     world_size=2, tp=2, dp=1, lm_eval_version="0.4.13", created="2026-12-02T09:00:00",
+                                     fingerprint_json=json.dumps({"model": model})))
+    w.append("syn_mc", [dict(doc_id=d, idx=i, kind="loglikelihood", loglikelihood=-1.0 - d % 7 - 0.5 * i,
+                             is_greedy=i == 0, generation="", n_tokens=3, args_hash=f"{d}-{i}")
+                        for d in range(n) for i in range(2)])
+    acc = sum(correct) / n
+    metrics = {"name": "syn_mc", "sample_len": n, "acc,none": acc, "acc_stderr,none": 0.125}
+    samples = [{"doc_id": d, "doc": HOSTILE if d == 0 else f"question {d}", "target": f"answer {d % 3}",
+                "metrics": ["acc"], "filter": "none", "acc": float(c)} for d, c in enumerate(correct)]
+    w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=n), metrics, samples=samples)
+    w.finish({"results": {"syn_mc": {"alias": "syn_mc", **metrics}}, "higher_is_better": {"syn_mc": {"acc": True}},
+              "n-samples": {"syn_mc": {"original": n, "effective": n}}}, wall_time_s=1.0)
+    w.close()
+    return str(path)
+
+
+def sweep_summary(path, values: list[float]) -> None:
+    rows = [dict(model=f"m/step-{i}", name=f"step-{i}", output=f"step-{i}.h5", status="complete",
+                 metrics={"syn_mc": {"acc,none": v, "acc_stderr,none": 0.05}}) for i, v in enumerate(values)]
+    path.write_text(json.dumps({"wall_time_s": 1.0, "checkpoints": rows}))
+
+
+def render(*inputs, out) -> str:
+    res = CliRunner().invoke(report_command, [*map(str, inputs), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    return out.read_text()
+
+
+def test_script_json_cannot_end_its_script():
+    text = script_json({"a": "</script><!-- & >"})
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text) == {"a": "</script><!-- & >"}
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    (tmp_path / "x.h5").write_text("not hdf5")
+    res = CliRunner().invoke(report_command, [str(tmp_path / "x.h5"), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "not an mpitp results file" in res.output and not (tmp_path / "r.html").exists()
+
+
+@pytest.fixture
+def browser():
+    if not (CHROMIUM and DRIVER):
+        why = "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}; .ci/run installs them")
+        pytest.skip(f"headless browser test: {why}")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e .[dev])")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=Service(DRIVER))
+    yield driver
+    driver.quit()
+
+
+def _requests(driver) -> list[str]:
+    """Every URL the page asked for (Chromium's DevTools Network events)."""
+    urls = []
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    return urls
+
+
+def _inspect_values(path) -> dict[str, tuple[str, str]]:
+    """metric -> (value, stderr) as ``mpitp inspect`` prints them."""
+    res = CliRunner().invoke(inspect_command, [str(path)])
+    assert res.exit_code == 0, res.output
+    found = {}
+    for line in res.output.splitlines():
+        m = re.match(r"\s*syn_mc\s+(\S+)\s+\S+\s+([-\d.]+)\s+±\s+([-\d.]+)", line)
+        if m:
+            found[m.group(1)] = (m.group(2), m.group(3))
+    assert found, res.output
+    return found
+
+
+def test_report_in_browser(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    a = make_run(runs / "a.h5", HOSTILE, [1, 1, 0, 1, 0, 1, 1, 0] * 30)  # 240 documents: three pages of 100
+    b = make_run(runs / "b.h5", "model/b", [1, 0, 0, 1, 1, 1, 1, 1] * 30)  # disagrees with a on 3 of every 8
+    sweep_summary(runs / "sweep-summary.json", [0.25, 0.5, 0.625])
+    html = render(runs, out=tmp_path / "report.html")
+    assert "window.pwned=1</script>" not in html  # neither in markup nor in the JSON block
+
+    browser.get((tmp_path / "report.html").as_uri())
+    shot = tmp_path / "screens"
+    shot.mkdir()
+    browser.save_screenshot(str(shot / "leaderboard.png"))
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == [], errors
+    urls = _requests(browser)
+    assert urls and all(u.startswith("file://") for u in urls), urls
+    assert browser.execute_script("return window.pwned === undefined")
+    runs_text = browser.find_element(By.ID, "runs-table").text
+    assert HOSTILE in runs_text and "complete" in runs_text
+
+    # The leaderboard shows what `mpitp inspect` prints, the best value of the row marked.
+    cells = browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table tbody tr td.num")
+    for cell, path in zip(cells, (a, b)):
+        value, stderr = _inspect_values(path)["acc"]
+        assert cell.find_element(By.CLASS_NAME, "value").text == value
+        assert cell.find_element(By.CLASS_NAME, "err").text == f"± {stderr}"
+    assert [("best" in c.get_attribute("class")) for c in cells] == [False, True]  # 0.625 < 0.75
+    header = browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table th.sortable")
+    assert len(header) == 5
+
+    # A sweep plot has one point per checkpoint.
+    assert len(browser.find_elements(By.CSS_SELECTOR, "figure.sweep circle.point")) == 3
+    browser.save_screenshot(str(shot / "sweep.png"))
+
+    # Samples: paged, filtered by disagreement and by text, markup shown as text.
+    def shown():
+        return browser.find_elements(By.CSS_SELECTOR, "#samples-table tr.sample")
+
+    assert len(shown()) == 100 and browser.find_element(By.ID, "count").text == "240 of 240 documents"
+    browser.find_element(By.ID, "disagree").click()
+    assert len(shown()) == 90 and browser.find_element(By.ID, "count").text == "90 of 240 documents"
+    first = shown()[0].find_elements(By.TAG_NAME, "td")
+    assert first[0].text == "1" and first[3].text != first[5].text  # doc 1: right in a, wrong in b
+    browser.save_screenshot(str(shot / "samples-disagree.png"))
+    browser.find_element(By.ID, "disagree").click()
+    browser.find_element(By.ID, "search").send_keys("window.pwned")
+    rows = shown()
+    assert len(rows) == 1 and rows[0].find_elements(By.TAG_NAME, "td")[1].text == HOSTILE
+    browser.save_screenshot(str(shot / "samples-search.png"))
+    assert browser.execute_script("return window.pwned === undefined")
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    assert all(u.startswith("file://") for u in _requests(browser))
+
+
+@pytest.mark.slow
+def test_report_of_many_samples_opens_fast(tmp_path, browser):
+    """10^5 documents: the file's size and the time until the first page of samples shows (printed; bound loose,
+    the CI machine is shared)."""
+    n = 100_000
+    make_run(tmp_path / "a.h5", "model/a", [d % 2 for d in range(n)])
+    make_run(tmp_path / "b.h5", "model/b", [d % 3 == 0 for d in range(n)])
+    out = tmp_path / "big.html"
+    render(tmp_path / "a.h5", tmp_path / "b.h5", out=out)
+    start = time.monotonic()
+    browser.get(out.as_uri())
+    rows = browser.find_elements("css selector", "#samples-table tr.sample")
+    opened = time.monotonic() - start
+    print(f"report of {n} samples x 2 runs: {os.path.getsize(out) / 1e6:.1f} MB, opened in {opened:.2f} s")
+    assert len(rows) == 100 and opened < 20, opened
