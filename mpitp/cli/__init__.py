@@ -1,9 +1,9 @@
 """The ``mpitp`` command line. Every subcommand works under ``mpiexec``/``srun`` and as a singleton.
 
 One module per command (``check``: check and prefetch, ``evaluate``: eval, ``run``, ``submit``, ``inspect``,
-``info``, ``tasks``, ``rescore``), each a thin click layer over library code that imports the heavy libraries (torch,
-lm-eval, h5py) only when it runs, so that ``mpitp --help`` stays fast. :func:`register` adds them to the group; an
-import error there is a bug and surfaces as one, not as a missing command.
+``info``, ``tasks``, ``rescore``, ``report``), each a thin click layer over library code that imports the heavy
+libraries (torch, lm-eval, h5py) only when it runs, so that ``mpitp --help`` stays fast. :func:`register` adds them
+to the group; an import error there is a bug and surfaces as one, not as a missing command.
 
 ``main`` is the failure boundary: a :class:`UsageError` becomes one line on rank 0 and exit status 2 on every rank;
 any other exception on any rank is printed once with its rank and aborts the whole MPI job.

@@ -21,6 +21,8 @@ from mpitp.results.reader import BadInput, RunFile, as_number, load, load_reques
 from mpitp.results.render import layout_line
 
 SAMPLE_CAP = 200_000  # sample rows embedded per report; past it a task's rows are left out (and the page says so)
+TEXT_BUDGET = 40_000_000  # characters of document and target text per report; past it rows keep scores, not text
+DOC_CHARS, TARGET_CHARS = 2000, 500  # one document's text and target are cut there
 SUMMARY_NAME = "sweep-summary.json"
 CORRECTNESS = ("acc", "exact_match")  # the per-document score shown in Samples when the task has one of these
 
@@ -154,8 +156,8 @@ def _doc_texts(path: str, task: str) -> dict[int, tuple[str, str]]:
             continue
         if isinstance(s, dict) and isinstance(s.get("doc_id"), int):
             doc = s.get("doc")
-            out[s["doc_id"]] = (doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)[:2000],
-                                str(s.get("target", ""))[:500])
+            out[s["doc_id"]] = ((doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False))[:DOC_CHARS],
+                                str(s.get("target", ""))[:TARGET_CHARS])
     return out
 
 
@@ -180,8 +182,12 @@ def _lls(path: str, task: str) -> dict[int, float]:
     return out
 
 
-def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP) -> tuple[dict, list[str]]:
-    out, left_out, total = {}, [], 0
+def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP,
+            text_budget: int = TEXT_BUDGET) -> tuple[dict, list[str]]:
+    """Per task, one row per document: its text and target (from the first run that logged samples) and each run's
+    score and log-likelihood. The page's size is bounded: at most ``cap`` rows and ``text_budget`` characters of
+    text in all; what is left out past either is listed (shown on the page)."""
+    out, left_out, total, chars = {}, [], 0, 0
     tasks = sorted({t for run in runs for t in run.tasks})
     for task in tasks:
         have = [(label, run) for label, run in zip(labels, runs) if task in run.tasks]
@@ -196,6 +202,13 @@ def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP) -> tu
             left_out.append(f"{task}: {len(docs)} documents left out (the report embeds at most {cap} sample rows)")
             continue
         total += len(docs)
+        size = sum(len(a) + len(b) for a, b in texts.values())
+        if chars + size > text_budget:
+            left_out.append(f"{task}: document texts left out ({size} characters; the report embeds at most "
+                            f"{text_budget} in all), scores kept")
+            texts = {}
+        else:
+            chars += size
         out[task] = {"runs": [label for label, _ in have],
                      "rows": [[d, *texts.get(d, ("", "")), [s.get(d) for s in scores], [ll.get(d) for ll in lls]]
                               for d in docs]}
@@ -235,11 +248,11 @@ def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPa
     return list(panels.values())
 
 
-def build(inputs: list[str], cap: int = SAMPLE_CAP) -> Report:
+def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET) -> Report:
     files, summaries = expand(inputs)
     runs = [load(p) for p in files]
     labels = [f"R{i + 1}" for i in range(len(runs))]
-    sample_data, left_out = samples(runs, labels, cap)
+    sample_data, left_out = samples(runs, labels, cap, text_budget)
     return Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
                   leaderboard=leaderboard(runs, _higher(runs)), samples=sample_data, left_out=left_out,
                   sweeps=[p for s in summaries for p in sweep_panels(s)])
