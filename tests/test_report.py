@@ -38,7 +38,8 @@ def make_run(path, model: str, correct: list[int], n_sample_docs: int | None = N
                              is_greedy=i == 0, generation="", n_tokens=3, args_hash=f"{d}-{i}")
                         for d in range(n) for i in range(2)])
     acc = sum(correct) / n
-    metrics = {"name": "syn_mc", "sample_len": n, "acc,none": acc, "acc_stderr,none": 0.125}
+    metrics = {"name": "syn_mc", "sample_len": n, "acc,none": acc, "acc_stderr,none": 0.125,
+               "acc_norm,none": 1 - acc, "acc_norm_stderr,none": 0.0625}
     samples = [{"doc_id": d, "doc": HOSTILE if d == 0 else f"question {d}", "target": f"answer {d % 3}",
                 "metrics": ["acc"], "filter": "none", "acc": float(c)} for d, c in enumerate(correct)]
     w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=n), metrics, samples=samples)
@@ -131,6 +132,7 @@ def _inspect_values(path) -> dict[str, tuple[str, str]]:
 
 def test_report_in_browser(tmp_path, browser):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -158,14 +160,28 @@ def test_report_in_browser(tmp_path, browser):
     assert HOSTILE in runs_text and "complete" in runs_text
 
     # The leaderboard shows what `mpitp inspect` prints, the best value of the row marked.
-    cells = browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table tbody tr td.num")
-    for cell, path in zip(cells, (a, b)):
-        value, stderr = _inspect_values(path)["acc"]
-        assert cell.find_element(By.CLASS_NAME, "value").text == value
-        assert cell.find_element(By.CLASS_NAME, "err").text == f"± {stderr}"
-    assert [("best" in c.get_attribute("class")) for c in cells] == [False, True]  # 0.625 < 0.75
+    printed = [_inspect_values(a), _inspect_values(b)]
+    best = {"acc": [False, True], "acc_norm": [True, False]}  # acc 0.625 < 0.75, acc_norm 0.375 > 0.25
+
+    def board() -> list[tuple[str, list]]:
+        rows = []
+        for tr in browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table tbody tr"):
+            cells = tr.find_elements(By.CSS_SELECTOR, "td.num")
+            rows.append((tr.find_elements(By.TAG_NAME, "td")[1].text, cells))
+        return rows
+
+    assert [metric for metric, _ in board()] == ["acc", "acc_norm"]
+    for metric, cells in board():
+        for cell, values in zip(cells, printed):
+            assert cell.find_element(By.CLASS_NAME, "value").text == values[metric][0]
+            assert cell.find_element(By.CLASS_NAME, "err").text == f"± {values[metric][1]}"
+        assert [("best" in c.get_attribute("class")) for c in cells] == best[metric], metric
     header = browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table th.sortable")
-    assert len(header) == 5
+    assert [h.text for h in header] == ["task", "metric", "filter", "R1", "R2"]
+    header[3].click()  # by R1, ascending: acc_norm (0.375) first
+    assert [metric for metric, _ in board()] == ["acc_norm", "acc"]
+    header[3].click()
+    assert [metric for metric, _ in board()] == ["acc", "acc_norm"]
 
     # A sweep plot has one point per checkpoint.
     assert len(browser.find_elements(By.CSS_SELECTOR, "figure.sweep circle.point")) == 3
@@ -182,6 +198,11 @@ def test_report_in_browser(tmp_path, browser):
     assert first[0].text == "1" and first[3].text != first[5].text  # doc 1: right in a, wrong in b
     screenshot("samples", "samples-disagree.png")
     browser.find_element(By.ID, "disagree").click()
+    Select(browser.find_element(By.ID, "wrong-only")).select_by_visible_text("R2")  # wrong in b, right in a: 1 of 8
+    assert len(shown()) == 30 and all(r.find_element(By.TAG_NAME, "td").text in {str(8 * k + 1) for k in range(30)}
+                                      for r in shown())
+    Select(browser.find_element(By.ID, "wrong-only")).select_by_visible_text("any run")
+    assert len(shown()) == 100
     browser.find_element(By.ID, "search").send_keys("window.pwned")
     rows = shown()
     assert len(rows) == 1 and rows[0].find_elements(By.TAG_NAME, "td")[1].text == HOSTILE
