@@ -183,6 +183,12 @@ def test_report_in_browser(tmp_path, browser):
     header[3].click()
     assert [metric for metric, _ in board()] == ["acc", "acc_norm"]
 
+    # The paired tests are those `mpitp inspect diff a b` prints.
+    res = CliRunner().invoke(inspect_command, ["diff", a, b])
+    shown_diff = browser.find_element(By.CSS_SELECTOR, "pre.diff").text
+    assert res.exit_code == 1 and "McNemar" in shown_diff and shown_diff in res.output, (shown_diff, res.output)
+    screenshot("diff", "diff.png")
+
     # A sweep plot has one point per checkpoint.
     assert len(browser.find_elements(By.CSS_SELECTOR, "figure.sweep circle.point")) == 3
     screenshot("sweeps", "sweep.png")

@@ -22,6 +22,7 @@ from mpitp.results.render import layout_line
 
 SAMPLE_CAP = 200_000  # sample rows embedded per report; past it a task's rows are left out (and the page says so)
 TEXT_BUDGET = 40_000_000  # characters of document and target text per report; past it rows keep scores, not text
+DIFF_ITERS = 10000  # bootstrap resamples of the paired tests, as ``mpitp inspect diff``'s default
 DOC_CHARS, TARGET_CHARS = 2000, 500  # one document's text and target are cut there
 SUMMARY_NAME = "sweep-summary.json"
 CORRECTNESS = ("acc", "exact_match")  # the per-document score shown in Samples when the task has one of these
@@ -66,12 +67,22 @@ class SweepPanel:
 
 
 @dataclass
+class DiffView:
+    """The paired tests of run ``b`` against run ``a`` per task, the text ``mpitp inspect diff A B`` prints."""
+
+    a: str
+    b: str
+    text: str
+
+
+@dataclass
 class Report:
     runs: list[RunView]
     leaderboard: list[LeaderRow]
     samples: dict  # task -> {"runs": [labels], "rows": [[doc_id, text, target, [score|None...], [ll|None...]]]}
     left_out: list[str]
     sweeps: list[SweepPanel]
+    diffs: list[DiffView] = field(default_factory=list)
 
 
 def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
@@ -248,6 +259,18 @@ def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPa
     return list(panels.values())
 
 
+def diffs(runs: list[RunFile], labels: list[str], iters: int = DIFF_ITERS, seed: int = 1234) -> list[DiffView]:
+    """Each run against the one before it (a sweep's neighbours), with ``inspect diff``'s defaults."""
+    from mpitp.results.diff import render_statistics
+
+    out = []
+    for i in range(1, len(runs)):
+        a, b = runs[i - 1], runs[i]
+        tasks = [t for t in a.tasks if t in b.tasks]
+        out.append(DiffView(labels[i - 1], labels[i], render_statistics(a, b, tasks, iters, seed)))
+    return out
+
+
 def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET) -> Report:
     files, summaries = expand(inputs)
     runs = [load(p) for p in files]
@@ -255,7 +278,7 @@ def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDG
     sample_data, left_out = samples(runs, labels, cap, text_budget)
     return Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
                   leaderboard=leaderboard(runs, _higher(runs)), samples=sample_data, left_out=left_out,
-                  sweeps=[p for s in summaries for p in sweep_panels(s)])
+                  sweeps=[p for s in summaries for p in sweep_panels(s)], diffs=diffs(runs, labels))
 
 
 def script_json(data) -> str:
