@@ -27,7 +27,7 @@ CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 HOSTILE = "</script><script>window.pwned=1</script><img src=http://example.invalid/x.png>"
 
 
-def make_run(path, model: str, correct: list[int], n_sample_docs: int | None = None) -> str:
+def make_run(path, model: str, correct: list[int], group: dict | None = None) -> str:
     """One finished run of one multiple-choice task; ``correct[d]`` is document d's acc. Document 0's text and the
     model name carry markup that must show as text."""
     n = len(correct)
@@ -43,8 +43,12 @@ def make_run(path, model: str, correct: list[int], n_sample_docs: int | None = N
     samples = [{"doc_id": d, "doc": HOSTILE if d == 0 else f"question {d}", "target": f"answer {d % 3}",
                 "metrics": ["acc"], "filter": "none", "acc": float(c)} for d, c in enumerate(correct)]
     w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=n), metrics, samples=samples)
-    w.finish({"results": {"syn_mc": {"alias": "syn_mc", **metrics}}, "higher_is_better": {"syn_mc": {"acc": True}},
-              "n-samples": {"syn_mc": {"original": n, "effective": n}}}, wall_time_s=1.0)
+    results = {"syn_mc": {"alias": "syn_mc", **metrics}}
+    if group:  # lm-eval's shape: the group's aggregate beside its subtasks, and group_subtasks
+        results.update(group["results"])
+    w.finish({"results": results, "higher_is_better": {"syn_mc": {"acc": True}},
+              "n-samples": {"syn_mc": {"original": n, "effective": n}},
+              "group_subtasks": group["group_subtasks"] if group else {}}, wall_time_s=1.0)
     w.close()
     return str(path)
 
@@ -216,6 +220,38 @@ def test_report_in_browser(tmp_path, browser):
     assert browser.execute_script("return window.pwned === undefined")
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
     assert all(u.startswith("file://") for u in _requests(browser))
+
+
+def test_groups_fold_in_browser(tmp_path, browser):
+    """A group's subtasks are folded under its row; unfolding shows them, sorting keeps them under their group."""
+    from selenium.webdriver.common.by import By
+
+    nested = {"results": {"outer": {"alias": "outer", "acc,none": 0.5, "acc_stderr,none": 0.1},
+                          "inner": {"alias": " - inner", "acc,none": 0.25, "acc_stderr,none": 0.1},
+                          "solo": {"alias": "solo", "acc,none": 0.9, "acc_stderr,none": 0.1}},
+              "group_subtasks": {"outer": ["inner"], "inner": ["syn_mc"], "solo": []}}
+    a = make_run(tmp_path / "a.h5", "model/a", [1, 0, 1, 1], group=nested)
+    render_cli(a, out=tmp_path / "r.html")
+    browser.get((tmp_path / "r.html").as_uri())
+
+    def visible():
+        return [(tr.get_attribute("data-task"), tr.find_elements(By.TAG_NAME, "td")[1].text)
+                for tr in browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table tbody tr") if tr.is_displayed()]
+
+    assert visible() == [("outer", "acc"), ("solo", "acc")]
+    browser.find_element(By.CSS_SELECTOR, "tr[data-task=outer] button.fold").click()
+    assert visible() == [("outer", "acc"), ("inner", "acc"), ("solo", "acc")]
+    browser.find_element(By.CSS_SELECTOR, "tr[data-task=inner] button.fold").click()
+    assert visible() == [("outer", "acc"), ("inner", "acc"), ("syn_mc", "acc"), ("syn_mc", "acc_norm"),
+                         ("solo", "acc")]
+    browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table th.sortable")[3].click()  # by R1: solo 0.9 last
+    browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table th.sortable")[3].click()  # descending: solo first
+    assert visible() == [("solo", "acc"), ("outer", "acc"), ("inner", "acc"), ("syn_mc", "acc"),
+                         ("syn_mc", "acc_norm")]
+    browser.find_element(By.CSS_SELECTOR, "tr[data-task=outer] button.fold").click()  # folds inner's rows too
+    assert visible() == [("solo", "acc"), ("outer", "acc")]
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    browser.save_screenshot(str(tmp_path / "groups.png"))
 
 
 @pytest.mark.parametrize("n", [10**3, pytest.param(10**5, marks=pytest.mark.slow)])

@@ -55,6 +55,9 @@ class LeaderRow:
     metric: str
     filter: str
     cells: list[Cell]
+    parent: str = ""  # the lm-eval group this task belongs to (its row is folded under the group's)
+    depth: int = 0
+    has_children: bool = False
 
 
 @dataclass
@@ -129,8 +132,48 @@ def run_view(label: str, run: RunFile) -> RunView:
                    status=run.status, versions=versions)
 
 
+def _parents(runs: list[RunFile]) -> dict[str, str]:
+    """subtask -> its lm-eval group, from ``group_subtasks`` of the runs' results (the first run that says wins)."""
+    out: dict[str, str] = {}
+    for run in runs:
+        groups = (run.results_json or {}).get("group_subtasks")
+        for group, subtasks in (groups.items() if isinstance(groups, dict) else ()):
+            for sub in subtasks if isinstance(subtasks, list) else ():
+                if isinstance(sub, str) and sub != group:
+                    out.setdefault(sub, str(group))
+    return out
+
+
+def _tree_order(rows: list[LeaderRow], parents: dict[str, str]) -> list[LeaderRow]:
+    """Each group's row followed by its subtasks' rows (depth first); a cycle in a damaged file is cut."""
+    tasks = {r.task for r in rows}
+    by_parent: dict[str, list[LeaderRow]] = {}
+    for r in rows:
+        parent = parents.get(r.task, "")
+        r.parent = parent if parent in tasks else ""
+        by_parent.setdefault(r.parent, []).append(r)
+    out: list[LeaderRow] = []
+    seen: set[str] = set()
+
+    def add(parent: str, depth: int) -> None:
+        for r in by_parent.get(parent, []):
+            r.depth, r.has_children = depth, r.task in by_parent
+            out.append(r)
+            if r.task not in seen:
+                seen.add(r.task)
+                add(r.task, depth + 1)
+
+    add("", 0)
+    if len(out) != len(rows):  # a cycle (a damaged file): no folding rather than rows that never show
+        for r in rows:
+            r.parent, r.depth, r.has_children = "", 0, False
+        return rows
+    return out
+
+
 def leaderboard(runs: list[RunFile], higher: dict[str, bool]) -> list[LeaderRow]:
-    """Tasks x runs; the best value of a row (by lm-eval's higher_is_better, else higher) is marked."""
+    """Tasks x runs; the best value of a row (by lm-eval's higher_is_better, else higher) is marked; a group's
+    subtasks follow its row (folded on the page)."""
     table: dict[tuple[str, str, str], list[Cell]] = {}
     for i, run in enumerate(runs):
         for r in metric_rows(run):
@@ -144,7 +187,7 @@ def leaderboard(runs: list[RunFile], higher: dict[str, bool]) -> list[LeaderRow]
             for c in cells:
                 c.best = c.value == best
         rows.append(LeaderRow(task, metric, filt, cells))
-    return rows
+    return _tree_order(rows, _parents(runs))
 
 
 def _higher(runs: list[RunFile]) -> dict[str, bool]:
