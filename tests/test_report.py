@@ -40,7 +40,9 @@ def make_run(path, model: str, correct: list[int], group: dict | None = None) ->
     acc = sum(correct) / n
     metrics = {"name": "syn_mc", "sample_len": n, "acc,none": acc, "acc_stderr,none": 0.125,
                "acc_norm,none": 1 - acc, "acc_norm_stderr,none": 0.0625}
-    samples = [{"doc_id": d, "doc": HOSTILE if d == 0 else f"question {d}", "target": f"answer {d % 3}",
+    samples = [{"doc_id": d, "doc": {"id": d}, "arguments": [[HOSTILE if d == 0 else f"question {d}", " yes"],
+                                                              [HOSTILE if d == 0 else f"question {d}", " no"]],
+                "target": f"answer {d % 3}", "filtered_resps": [[-1.0, True], [-2.0, False]][::1 if c else -1],
                 "metrics": ["acc"], "filter": "none", "acc": float(c)} for d, c in enumerate(correct)]
     w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=n), metrics, samples=samples)
     results = {"syn_mc": {"alias": "syn_mc", **metrics}}
@@ -69,6 +71,18 @@ def test_script_json_cannot_end_its_script():
     text = script_json({"a": "</script><!-- & >"})
     assert "<" not in text and ">" not in text and "&" not in text
     assert json.loads(text) == {"a": "</script><!-- & >"}
+
+
+def test_prompt_and_answer_from_lm_eval_sample_shapes():
+    """lm-eval logs arguments as a list of tuples or as gen_args_i dicts, answers as generations or (ll, greedy)."""
+    from mpitp.results.report import _answer, _prompt
+
+    assert _prompt({"arguments": [["ctx", " a"], ["ctx", " b"]]}) == "ctx"
+    assert _prompt({"arguments": {"gen_args_0": {"arg_0": "What?", "arg_1": {}}}}) == "What?"
+    assert _prompt({"arguments": [], "doc": {"q": 1}}) == '{"q": 1}'
+    assert _answer({"filtered_resps": [[-3.0, False], [-1.5, True], [-2.0, False]]}) == "choice 1"
+    assert _answer({"filtered_resps": [["4"]]}) == "4" and _answer({"filtered_resps": ["x y"]}) == "x y"
+    assert _answer({"filtered_resps": "not a list"}) == "" and _answer({}) == ""
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path):
@@ -205,7 +219,7 @@ def test_report_in_browser(tmp_path, browser):
     browser.find_element(By.ID, "disagree").click()
     assert len(shown()) == 90 and browser.find_element(By.ID, "count").text == "90 of 240 documents"
     first = shown()[0].find_elements(By.TAG_NAME, "td")
-    assert first[0].text == "1" and first[3].text != first[5].text  # doc 1: right in a, wrong in b
+    assert [first[i].text for i in (0, 3, 4, 6, 7)] == ["1", "choice 0", "1", "choice 1", "0"]  # a right, b wrong
     screenshot("samples", "samples-disagree.png")
     browser.find_element(By.ID, "disagree").click()
     Select(browser.find_element(By.ID, "wrong-only")).select_by_visible_text("R2")  # wrong in b, right in a: 1 of 8

@@ -82,7 +82,7 @@ class DiffView:
 class Report:
     runs: list[RunView]
     leaderboard: list[LeaderRow]
-    samples: dict  # task -> {"runs": [labels], "rows": [[doc_id, text, target, [score|None...], [ll|None...]]]}
+    samples: dict  # task -> {"runs": [labels], "rows": [[doc_id, prompt, target, [score], [ll], [answer]]]}
     left_out: list[str]
     sweeps: list[SweepPanel]
     diffs: list[DiffView] = field(default_factory=list)
@@ -200,8 +200,35 @@ def _higher(runs: list[RunFile]) -> dict[str, bool]:
     return out
 
 
-def _doc_texts(path: str, task: str) -> dict[int, tuple[str, str]]:
-    """doc_id -> (document, target) from logged samples; {} when none were logged."""
+def _prompt(s: dict) -> str:
+    """The first request's context, as lm-eval logs ``arguments`` (a list of argument tuples, or a dict of
+    ``gen_args_i`` holding ``arg_0``...); the document itself when there is none."""
+    args = s.get("arguments")
+    first = next(iter(args.values()), None) if isinstance(args, dict) else args[0] if isinstance(args, list) and args \
+        else None
+    ctx = first.get("arg_0") if isinstance(first, dict) else first[0] if isinstance(first, list) and first else None
+    if isinstance(ctx, str):
+        return ctx
+    doc = s.get("doc")
+    return doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)
+
+
+def _answer(s: dict) -> str:
+    """The run's answer: the generated text, or for a choice among continuations the index of the likeliest."""
+    resps = s.get("filtered_resps")
+    if not isinstance(resps, list) or not resps:
+        return ""
+    while isinstance(resps, list) and len(resps) == 1 and isinstance(resps[0], list) and \
+            not (len(resps[0]) == 2 and isinstance(resps[0][0], (int, float))):
+        resps = resps[0]  # [["4"]] -> ["4"]
+    if all(isinstance(r, list) and r and isinstance(r[0], (int, float)) for r in resps):
+        lls = [float(r[0]) for r in resps]
+        return f"choice {lls.index(max(lls))}"
+    return str(resps[0]) if isinstance(resps[0], str) else json.dumps(resps[0])
+
+
+def _doc_texts(path: str, task: str) -> dict[int, tuple[str, str, str]]:
+    """doc_id -> (prompt, target, answer) from logged samples; {} when none were logged."""
     out = {}
     for text in load_samples(path, task) or []:
         try:
@@ -209,9 +236,8 @@ def _doc_texts(path: str, task: str) -> dict[int, tuple[str, str]]:
         except ValueError:
             continue
         if isinstance(s, dict) and isinstance(s.get("doc_id"), int):
-            doc = s.get("doc")
-            out[s["doc_id"]] = ((doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False))[:DOC_CHARS],
-                                str(s.get("target", ""))[:TARGET_CHARS])
+            out[s["doc_id"]] = (_prompt(s)[:DOC_CHARS], str(s.get("target", ""))[:TARGET_CHARS],
+                                _answer(s)[:TARGET_CHARS])
     return out
 
 
@@ -245,10 +271,12 @@ def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP,
     tasks = sorted({t for run in runs for t in run.tasks})
     for task in tasks:
         have = [(label, run) for label, run in zip(labels, runs) if task in run.tasks]
-        texts, scores, lls = {}, [], []
+        texts, answers, scores, lls = {}, [], [], []
         for _, run in have:
-            if run.tasks[task].attrs:  # written by write_task, with the samples; a journal-only task has neither
-                texts = texts or _doc_texts(run.path, task)
+            # samples are written by write_task, with the task's attrs: a journal-only task has neither
+            logged = _doc_texts(run.path, task) if run.tasks[task].attrs else {}
+            texts = texts or {d: t[:2] for d, t in logged.items()}
+            answers.append({d: t[2] for d, t in logged.items()})
             scores.append(_scores(run.path, task))
             lls.append(_lls(run.path, task))
         docs = sorted(set(texts).union(*scores, *lls))
@@ -256,15 +284,16 @@ def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP,
             left_out.append(f"{task}: {len(docs)} documents left out (the report embeds at most {cap} sample rows)")
             continue
         total += len(docs)
-        size = sum(len(a) + len(b) for a, b in texts.values())
+        size = sum(len(a) + len(b) for a, b in texts.values()) + sum(len(x) for a in answers for x in a.values())
         if chars + size > text_budget:
             left_out.append(f"{task}: document texts left out ({size} characters; the report embeds at most "
                             f"{text_budget} in all), scores kept")
-            texts = {}
+            texts, answers = {}, [{} for _ in answers]
         else:
             chars += size
         out[task] = {"runs": [label for label, _ in have],
-                     "rows": [[d, *texts.get(d, ("", "")), [s.get(d) for s in scores], [ll.get(d) for ll in lls]]
+                     "rows": [[d, *texts.get(d, ("", "")), [s.get(d) for s in scores], [ll.get(d) for ll in lls],
+                               [a.get(d, "") for a in answers]]
                               for d in docs]}
     return out, left_out
 
