@@ -58,7 +58,10 @@ def make_run(path, model: str, correct: list[int], group: dict | None = None) ->
 def sweep_summary(path, values: list[float]) -> None:
     rows = [dict(model=f"m/step-{i}", name=f"step-{i}", output=f"step-{i}.h5", status="complete",
                  metrics={"syn_mc": {"acc,none": v, "acc_stderr,none": 0.05}}) for i, v in enumerate(values)]
-    path.write_text(json.dumps({"wall_time_s": 1.0, "checkpoints": rows}))
+    tests = [dict(a="step-0", b="step-1", task="syn_mc", metric="acc,none", diff=0.25, ci=[0.1, 0.4], p_value=0.01,
+                  test="paired bootstrap", sentence="syn_mc acc: B is better than A by +0.25"),
+             dict(a="step-1", b="step-2", error="<b>unreadable</b>")]
+    path.write_text(json.dumps({"wall_time_s": 1.0, "checkpoints": rows, "comparisons": tests}))
 
 
 def render_cli(*inputs, out) -> str:
@@ -90,6 +93,12 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     res = CliRunner().invoke(report_command, [str(tmp_path / "x.h5"), "-o", str(tmp_path / "r.html")])
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert "not an mpitp results file" in res.output and not (tmp_path / "r.html").exists()
+    (tmp_path / "sweep-summary.json").write_text("[1, 2")
+    res = CliRunner().invoke(report_command, [str(tmp_path / "sweep-summary.json"), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "sweep-summary.json: not a sweep summary" in res.output
+    res = CliRunner().invoke(report_command, [str(tmp_path / "empty"), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and "no such file" in res.output, res.output
 
 
 def test_size_bounds_are_stated_on_the_page(tmp_path):
@@ -209,6 +218,9 @@ def test_report_in_browser(tmp_path, browser):
 
     # A sweep plot has one point per checkpoint.
     assert len(browser.find_elements(By.CSS_SELECTOR, "figure.sweep circle.point")) == 3
+    assert [li.text for li in browser.find_elements(By.CSS_SELECTOR, "ul.sweep-tests li")] == [
+        "step-1 vs step-0: syn_mc acc: B is better than A by +0.25",
+        "step-2 vs step-1: step-2 against step-1: <b>unreadable</b>"]
     screenshot("sweeps", "sweep.png")
 
     # Samples: paged, filtered by disagreement and by text, markup shown as text.

@@ -67,6 +67,7 @@ class SweepPanel:
     title: str
     points: list[tuple[str, float, float]]
     svg_points: list[dict] = field(default_factory=list)
+    y_labels: list[dict] = field(default_factory=list)  # the axis' lowest and highest value, where they are drawn
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Report:
     samples: dict  # task -> {"runs": [labels], "rows": [[doc_id, prompt, target, [score], [ll], [answer]]]}
     left_out: list[str]
     sweeps: list[SweepPanel]
+    sweep_tests: list[str] = field(default_factory=list)  # the summary's paired tests between neighbours
     diffs: list[DiffView] = field(default_factory=list)
 
 
@@ -298,6 +300,19 @@ def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP,
     return out, left_out
 
 
+def sweep_tests(path: str) -> list[str]:
+    """The paired tests between neighbouring checkpoints that the sweep wrote into its summary, one line each."""
+    with open(path) as f:
+        comparisons = json.load(f).get("comparisons", [])
+    out = []
+    for c in comparisons if isinstance(comparisons, list) else []:
+        if isinstance(c, dict):
+            line = c.get("sentence") or (f"{c.get('b')} against {c.get('a')}: {c['error']}" if "error" in c else "")
+            if line:
+                out.append(f"{c.get('b', '?')} vs {c.get('a', '?')}: {line}")
+    return out
+
+
 def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPanel]:
     """One panel per (task, metric) of a sweep summary, points scaled into an SVG box (one point per checkpoint)."""
     try:
@@ -328,6 +343,7 @@ def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPa
 
             p.svg_points.append(dict(x=round(x, 1), y=round(y(v), 1), y0=round(y(v - e), 1), y1=round(y(v + e), 1),
                                      name=name, value=_fmt(v), stderr=_fmt(e)))
+        p.y_labels = [dict(y=round(height - 30, 1), text=_fmt(lo)), dict(y=20.0, text=_fmt(hi))]
     return list(panels.values())
 
 
@@ -350,7 +366,8 @@ def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDG
     sample_data, left_out = samples(runs, labels, cap, text_budget)
     return Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
                   leaderboard=leaderboard(runs, _higher(runs)), samples=sample_data, left_out=left_out,
-                  sweeps=[p for s in summaries for p in sweep_panels(s)], diffs=diffs(runs, labels))
+                  sweeps=[p for s in summaries for p in sweep_panels(s)], diffs=diffs(runs, labels),
+                  sweep_tests=[t for s in summaries for t in sweep_tests(s)])
 
 
 def script_json(data) -> str:
