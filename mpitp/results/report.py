@@ -336,7 +336,7 @@ def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPa
         span = (hi - lo) or 1.0
         n = len(p.points)
         for i, (name, v, e) in enumerate(p.points):
-            x = 40 + (width - 60) * (i / (n - 1) if n > 1 else 0.5)
+            x = 50 + (width - 100) * (i / (n - 1) if n > 1 else 0.5)  # room for the names under the first/last
 
             def y(val):
                 return height - 30 - (height - 50) * (val - lo) / span
