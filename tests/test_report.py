@@ -113,6 +113,21 @@ def test_size_bounds_are_stated_on_the_page(tmp_path):
     assert "question 1" in render(build([a]))
 
 
+def test_unfinished_run_is_marked(tmp_path):
+    """A run still writing (rows only in its journal, no metrics) is listed as such, its samples still shown."""
+    from mpitp.results.report import build, render
+
+    w = ResultWriter(str(tmp_path / "running.h5"), dict(mpitp_version="0.1.0", model="model/r", world_size=1, tp=1,
+                                                         dp=1))
+    w.append("syn_mc", [dict(doc_id=d, idx=0, kind="loglikelihood", loglikelihood=-1.5, is_greedy=True,
+                             generation="", n_tokens=3, args_hash=str(d)) for d in range(4)])
+    w.close()
+    report = build([str(tmp_path / "running.h5")])
+    assert report.runs[0].status == "running" and report.runs[0].wall_time == ""
+    assert [row[0] for row in report.samples["syn_mc"]["rows"]] == [0, 1, 2, 3]
+    assert "running (incomplete)" in " ".join(render(report).split())
+
+
 @pytest.fixture
 def browser():
     if not (CHROMIUM and DRIVER):
