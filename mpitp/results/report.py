@@ -359,14 +359,15 @@ def diffs(runs: list[RunFile], labels: list[str], iters: int = DIFF_ITERS, seed:
     return out
 
 
-def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET) -> Report:
+def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET,
+          diff_iters: int = DIFF_ITERS) -> Report:
     files, summaries = expand(inputs)
     runs = [load(p) for p in files]
     labels = [f"R{i + 1}" for i in range(len(runs))]
     sample_data, left_out = samples(runs, labels, cap, text_budget)
     return Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
                   leaderboard=leaderboard(runs, _higher(runs)), samples=sample_data, left_out=left_out,
-                  sweeps=[p for s in summaries for p in sweep_panels(s)], diffs=diffs(runs, labels),
+                  sweeps=[p for s in summaries for p in sweep_panels(s)], diffs=diffs(runs, labels, diff_iters),
                   sweep_tests=[t for s in summaries for t in sweep_tests(s)])
 
 
@@ -388,10 +389,10 @@ def render(report: Report) -> str:
         report=report, board=[asdict(r) for r in report.leaderboard], samples=report.samples)
 
 
-def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP) -> int:
+def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS) -> int:
     """Write the page to ``out``; returns its size in bytes."""
     from mpitp.results.safefile import write_replace
 
-    data = render(build(inputs, cap)).encode()
+    data = render(build(inputs, cap, diff_iters=diff_iters)).encode()
     write_replace(out, data)
     return len(data)
