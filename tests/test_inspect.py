@@ -527,7 +527,7 @@ def test_plot_with_matplotlib(syn, demo_file, tmp_path):
 
 
 def test_every_command_is_registered_and_a_broken_import_fails_loudly(monkeypatch):
-    """``mpitp.cli.register`` adds the seven commands; a command module that cannot be imported is an ImportError at
+    """``mpitp.cli.register`` adds every command; a command module that cannot be imported is an ImportError at
     start-up, not a command that silently vanishes from ``mpitp --help`` (as ``inspect`` used to)."""
     import sys
 
@@ -537,8 +537,8 @@ def test_every_command_is_registered_and_a_broken_import_fails_loudly(monkeypatc
 
     group = click.Group()
     register(group)
-    assert sorted(group.commands) == ["check", "eval", "info", "inspect", "prefetch", "rescore", "run", "submit",
-                                      "tasks"]
+    assert sorted(group.commands) == ["check", "eval", "info", "inspect", "prefetch", "report", "rescore", "run",
+                                      "submit", "tasks"]
     monkeypatch.setitem(sys.modules, "mpitp.cli.inspect", None)  # importing it now raises ImportError
     with pytest.raises(ImportError):
         register(click.Group())

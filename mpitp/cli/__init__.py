@@ -1,9 +1,9 @@
 """The ``mpitp`` command line. Every subcommand works under ``mpiexec``/``srun`` and as a singleton.
 
 One module per command (``check``: check and prefetch, ``evaluate``: eval, ``run``, ``submit``, ``inspect``,
-``info``, ``tasks``, ``rescore``), each a thin click layer over library code that imports the heavy libraries (torch,
-lm-eval, h5py) only when it runs, so that ``mpitp --help`` stays fast. :func:`register` adds them to the group; an
-import error there is a bug and surfaces as one, not as a missing command.
+``info``, ``tasks``, ``rescore``, ``report``), each a thin click layer over library code that imports the heavy
+libraries (torch, lm-eval, h5py) only when it runs, so that ``mpitp --help`` stays fast. :func:`register` adds them
+to the group; an import error there is a bug and surfaces as one, not as a missing command.
 
 ``main`` is the failure boundary: a :class:`UsageError` becomes one line on rank 0 and exit status 2 on every rank;
 any other exception on any rank is printed once with its rank and aborts the whole MPI job.
@@ -44,13 +44,14 @@ def register(group: click.Group) -> None:
     from mpitp.cli.evaluate import eval_command
     from mpitp.cli.info import info_command
     from mpitp.cli.inspect import inspect_command
+    from mpitp.cli.report import report_command
     from mpitp.cli.rescore import rescore_command
     from mpitp.cli.run import run_command
     from mpitp.cli.submit import submit_command
     from mpitp.cli.tasks import tasks_command
 
     for command in (check_command, prefetch_command, eval_command, info_command, run_command, tasks_command,
-                    submit_command, rescore_command, inspect_command):
+                    submit_command, rescore_command, inspect_command, report_command):
         group.add_command(command)
 
 

@@ -1,0 +1,398 @@
+"""``mpitp report``: one self-contained HTML page (runs, leaderboard, samples, sweep plot) for files on disk.
+
+Why one file with everything inline: an HPC user has results on a cluster and a laptop with a browser, often with no
+server they may run; the page must open from disk and ask no host for anything (no CDN, no font, no image URL).
+
+Every file is read through :func:`mpitp.results.reader.load` (which checks untrusted files) and everything a file
+says reaches the page either through jinja2's autoescape (HTML text) or through :func:`script_json` (data for the
+page's script), never by string concatenation into markup.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from mpitp.results.reader import BadInput, RunFile, as_number, load, load_requests, load_samples, metric_rows
+from mpitp.results.render import layout_line
+
+SAMPLE_CAP = 200_000  # sample rows embedded per report; past it a task's rows are left out (and the page says so)
+TEXT_BUDGET = 40_000_000  # characters of document and target text per report; past it rows keep scores, not text
+DIFF_ITERS = 10000  # bootstrap resamples of the paired tests, as ``mpitp inspect diff``'s default
+DOC_CHARS, TARGET_CHARS = 2000, 500  # one document's text and target are cut there
+SUMMARY_NAME = "sweep-summary.json"
+CORRECTNESS = ("acc", "exact_match")  # the per-document score shown in Samples when the task has one of these
+
+
+@dataclass
+class RunView:
+    label: str
+    path: str
+    model: str
+    fingerprint: str
+    layout: str
+    created: str
+    wall_time: str  # the run's wall time; empty while it has not finished
+    status: str
+    versions: str
+
+
+@dataclass
+class Cell:
+    value: float | None
+    stderr: float | None
+    text: str
+    best: bool = False
+
+
+@dataclass
+class LeaderRow:
+    task: str
+    metric: str
+    filter: str
+    cells: list[Cell]
+    parent: str = ""  # the lm-eval group this task belongs to (its row is folded under the group's)
+    depth: int = 0
+    has_children: bool = False
+
+
+@dataclass
+class SweepPanel:
+    """One metric against checkpoint: (name, value, stderr) per checkpoint, as inline SVG."""
+
+    title: str
+    points: list[tuple[str, float, float]]
+    svg_points: list[dict] = field(default_factory=list)
+    y_labels: list[dict] = field(default_factory=list)  # the axis' lowest and highest value, where they are drawn
+
+
+@dataclass
+class DiffView:
+    """The paired tests of run ``b`` against run ``a`` per task, the text ``mpitp inspect diff A B`` prints."""
+
+    a: str
+    b: str
+    text: str
+
+
+@dataclass
+class Report:
+    runs: list[RunView]
+    leaderboard: list[LeaderRow]
+    samples: dict  # task -> {"runs": [labels], "rows": [[doc_id, prompt, target, [score], [ll], [answer]]]}
+    left_out: list[str]
+    sweeps: list[SweepPanel]
+    sweep_tests: list[str] = field(default_factory=list)  # the summary's paired tests between neighbours
+    diffs: list[DiffView] = field(default_factory=list)
+
+
+def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
+    """Result files and sweep summaries named by ``inputs`` (a directory contributes its ``*.h5`` and summary)."""
+    files, summaries = [], []
+    for p in inputs:
+        if os.path.isdir(p):
+            files += sorted(glob.glob(os.path.join(p, "*.h5")))
+            if os.path.isfile(os.path.join(p, SUMMARY_NAME)):
+                summaries.append(os.path.join(p, SUMMARY_NAME))
+        elif p.endswith(".json"):
+            summaries.append(p)
+        else:
+            files.append(p)
+    if not files and not summaries:
+        raise BadInput(f"no results files in {', '.join(inputs)}")
+    return files, summaries
+
+
+def _num(v) -> float | None:
+    x = as_number(v)
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _fmt(v) -> str:
+    x = as_number(v)
+    if x is None:
+        return "" if v is None else str(v)
+    return f"{x:.4f}" if math.isfinite(x) else str(x)
+
+
+def _wall(v) -> str:
+    x = _num(v)
+    return f"{x:.1f} s" if x is not None else ""
+
+
+def run_view(label: str, run: RunFile) -> RunView:
+    a = run.attrs
+    fp = a.get("fingerprint_json")
+    versions = "  ".join(f"{k.replace('_version', '')} {a[k]}" for k in ("mpitp_version", "lm_eval_version") if k in a)
+    return RunView(label=label, path=run.path, model=str(a.get("model", "?")),
+                   fingerprint=hashlib.sha256(fp.encode()).hexdigest()[:12] if isinstance(fp, str) else "",
+                   layout=layout_line(a), created=str(a.get("created", "")), wall_time=_wall(a.get("wall_time_s")),
+                   status=run.status, versions=versions)
+
+
+def _parents(runs: list[RunFile]) -> dict[str, str]:
+    """subtask -> its lm-eval group, from ``group_subtasks`` of the runs' results (the first run that says wins)."""
+    out: dict[str, str] = {}
+    for run in runs:
+        groups = (run.results_json or {}).get("group_subtasks")
+        for group, subtasks in (groups.items() if isinstance(groups, dict) else ()):
+            for sub in subtasks if isinstance(subtasks, list) else ():
+                if isinstance(sub, str) and sub != group:
+                    out.setdefault(sub, str(group))
+    return out
+
+
+def _tree_order(rows: list[LeaderRow], parents: dict[str, str]) -> list[LeaderRow]:
+    """Each group's row followed by its subtasks' rows (depth first); a cycle in a damaged file is cut."""
+    tasks = {r.task for r in rows}
+    by_parent: dict[str, list[LeaderRow]] = {}
+    for r in rows:
+        parent = parents.get(r.task, "")
+        r.parent = parent if parent in tasks else ""
+        by_parent.setdefault(r.parent, []).append(r)
+    out: list[LeaderRow] = []
+    seen: set[str] = set()
+
+    def add(parent: str, depth: int) -> None:
+        for r in by_parent.get(parent, []):
+            r.depth, r.has_children = depth, r.task in by_parent
+            out.append(r)
+            if r.task not in seen:
+                seen.add(r.task)
+                add(r.task, depth + 1)
+
+    add("", 0)
+    if len(out) != len(rows):  # a cycle (a damaged file): no folding rather than rows that never show
+        for r in rows:
+            r.parent, r.depth, r.has_children = "", 0, False
+        return rows
+    return out
+
+
+def leaderboard(runs: list[RunFile], higher: dict[str, bool]) -> list[LeaderRow]:
+    """Tasks x runs; the best value of a row (by lm-eval's higher_is_better, else higher) is marked; a group's
+    subtasks follow its row (folded on the page)."""
+    table: dict[tuple[str, str, str], list[Cell]] = {}
+    for i, run in enumerate(runs):
+        for r in metric_rows(run):
+            cells = table.setdefault((r.task, r.metric, r.filter), [Cell(None, None, "") for _ in runs])
+            cells[i] = Cell(_num(r.value), _num(r.stderr), _fmt(r.value))
+    rows = []
+    for (task, metric, filt), cells in table.items():
+        vals = [c.value for c in cells if c.value is not None]
+        if len(vals) > 1:
+            best = (max if higher.get(f"{task}/{metric}", True) else min)(vals)
+            for c in cells:
+                c.best = c.value == best
+        rows.append(LeaderRow(task, metric, filt, cells))
+    return _tree_order(rows, _parents(runs))
+
+
+def _higher(runs: list[RunFile]) -> dict[str, bool]:
+    out = {}
+    for run in runs:
+        for task, m in ((run.results_json or {}).get("higher_is_better") or {}).items():
+            for metric, hib in m.items():
+                if isinstance(hib, bool):
+                    out[f"{task}/{metric}"] = hib
+    return out
+
+
+def _prompt(s: dict) -> str:
+    """The first request's context, as lm-eval logs ``arguments`` (a list of argument tuples, or a dict of
+    ``gen_args_i`` holding ``arg_0``...); the document itself when there is none."""
+    args = s.get("arguments")
+    first = next(iter(args.values()), None) if isinstance(args, dict) else args[0] if isinstance(args, list) and args \
+        else None
+    ctx = first.get("arg_0") if isinstance(first, dict) else first[0] if isinstance(first, list) and first else None
+    if isinstance(ctx, str):
+        return ctx
+    doc = s.get("doc")
+    return doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)
+
+
+def _answer(s: dict) -> str:
+    """The run's answer: the generated text, or for a choice among continuations the index of the likeliest."""
+    resps = s.get("filtered_resps")
+    if not isinstance(resps, list) or not resps:
+        return ""
+    while isinstance(resps, list) and len(resps) == 1 and isinstance(resps[0], list) and \
+            not (len(resps[0]) == 2 and isinstance(resps[0][0], (int, float))):
+        resps = resps[0]  # [["4"]] -> ["4"]
+    if all(isinstance(r, list) and r and isinstance(r[0], (int, float)) for r in resps):
+        lls = [float(r[0]) for r in resps]
+        return f"choice {lls.index(max(lls))}"
+    return str(resps[0]) if isinstance(resps[0], str) else json.dumps(resps[0])
+
+
+def _doc_texts(path: str, task: str) -> dict[int, tuple[str, str, str]]:
+    """doc_id -> (prompt, target, answer) from logged samples; {} when none were logged."""
+    out = {}
+    for text in load_samples(path, task) or []:
+        try:
+            s = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(s, dict) and isinstance(s.get("doc_id"), int):
+            out[s["doc_id"]] = (_prompt(s)[:DOC_CHARS], str(s.get("target", ""))[:TARGET_CHARS],
+                                _answer(s)[:TARGET_CHARS])
+    return out
+
+
+def _scores(path: str, task: str) -> dict[int, float]:
+    """doc_id -> the task's first per-document metric (correctness for accuracy-like tasks)."""
+    from mpitp.results import docscores
+
+    ds = docscores.read(path, task)
+    if ds is None:
+        return {}
+    numeric = [k for k, col in ds.values.items() if col.dtype != object and col.ndim == 1]
+    preferred = [k for k in numeric if k.split(",")[0] in CORRECTNESS] + numeric
+    return {int(d): _num(v) for d, v in zip(ds.doc_id, ds.values[preferred[0]])} if preferred else {}
+
+
+def _lls(path: str, task: str) -> dict[int, float]:
+    """doc_id -> the log-likelihood of the document's first request (its first choice or its continuation)."""
+    cols = load_requests(path, task)
+    out: dict[int, float] = {}
+    for d, ll in zip(cols.get("doc_id", []), cols.get("loglikelihood", [])):
+        out.setdefault(int(d), _num(ll))
+    return out
+
+
+def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP,
+            text_budget: int = TEXT_BUDGET) -> tuple[dict, list[str]]:
+    """Per task, one row per document: its text and target (from the first run that logged samples) and each run's
+    score and log-likelihood. The page's size is bounded: at most ``cap`` rows and ``text_budget`` characters of
+    text in all; what is left out past either is listed (shown on the page)."""
+    out, left_out, total, chars = {}, [], 0, 0
+    tasks = sorted({t for run in runs for t in run.tasks})
+    for task in tasks:
+        have = [(label, run) for label, run in zip(labels, runs) if task in run.tasks]
+        texts, answers, scores, lls = {}, [], [], []
+        for _, run in have:
+            # samples are written by write_task, with the task's attrs: a journal-only task has neither
+            logged = _doc_texts(run.path, task) if run.tasks[task].attrs else {}
+            texts = texts or {d: t[:2] for d, t in logged.items()}
+            answers.append({d: t[2] for d, t in logged.items()})
+            scores.append(_scores(run.path, task))
+            lls.append(_lls(run.path, task))
+        docs = sorted(set(texts).union(*scores, *lls))
+        if total + len(docs) > cap:
+            left_out.append(f"{task}: {len(docs)} documents left out (the report embeds at most {cap} sample rows)")
+            continue
+        total += len(docs)
+        size = sum(len(a) + len(b) for a, b in texts.values()) + sum(len(x) for a in answers for x in a.values())
+        if chars + size > text_budget:
+            left_out.append(f"{task}: document texts left out ({size} characters; the report embeds at most "
+                            f"{text_budget} in all), scores kept")
+            texts, answers = {}, [{} for _ in answers]
+        else:
+            chars += size
+        out[task] = {"runs": [label for label, _ in have],
+                     "rows": [[d, *texts.get(d, ("", "")), [s.get(d) for s in scores], [ll.get(d) for ll in lls],
+                               [a.get(d, "") for a in answers]]
+                              for d in docs]}
+    return out, left_out
+
+
+def sweep_tests(path: str) -> list[str]:
+    """The paired tests between neighbouring checkpoints that the sweep wrote into its summary, one line each."""
+    with open(path) as f:
+        comparisons = json.load(f).get("comparisons", [])
+    out = []
+    for c in comparisons if isinstance(comparisons, list) else []:
+        if isinstance(c, dict):
+            line = c.get("sentence") or (f"{c.get('b')} against {c.get('a')}: {c['error']}" if "error" in c else "")
+            if line:
+                out.append(f"{c.get('b', '?')} vs {c.get('a', '?')}: {line}")
+    return out
+
+
+def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPanel]:
+    """One panel per (task, metric) of a sweep summary, points scaled into an SVG box (one point per checkpoint)."""
+    try:
+        with open(path) as f:
+            rows = [r for r in json.load(f)["checkpoints"] if isinstance(r, dict) and r.get("metrics")]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"{path}: not a sweep summary ({exc})") from None
+    panels: dict[tuple[str, str], SweepPanel] = {}
+    for r in rows:
+        for task, m in r["metrics"].items():
+            for key, v in m.items():
+                metric, _, filt = key.partition(",")
+                if "_stderr" in metric or _num(v) is None:
+                    continue
+                err = _num(m.get(f"{metric}_stderr,{filt}")) or 0.0
+                panels.setdefault((task, key), SweepPanel(f"{task}: {key}", [])).points.append(
+                    (str(r.get("name", "?")), float(v), err))
+    for p in panels.values():
+        lo = min(v - e for _, v, e in p.points)
+        hi = max(v + e for _, v, e in p.points)
+        span = (hi - lo) or 1.0
+        n = len(p.points)
+        for i, (name, v, e) in enumerate(p.points):
+            x = 50 + (width - 100) * (i / (n - 1) if n > 1 else 0.5)  # room for the names under the first/last
+
+            def y(val):
+                return height - 30 - (height - 50) * (val - lo) / span
+
+            p.svg_points.append(dict(x=round(x, 1), y=round(y(v), 1), y0=round(y(v - e), 1), y1=round(y(v + e), 1),
+                                     name=name, value=_fmt(v), stderr=_fmt(e)))
+        p.y_labels = [dict(y=round(height - 30, 1), text=_fmt(lo)), dict(y=20.0, text=_fmt(hi))]
+    return list(panels.values())
+
+
+def diffs(runs: list[RunFile], labels: list[str], iters: int = DIFF_ITERS, seed: int = 1234) -> list[DiffView]:
+    """Each run against the one before it (a sweep's neighbours), with ``inspect diff``'s defaults."""
+    from mpitp.results.diff import render_statistics
+
+    out = []
+    for i in range(1, len(runs)):
+        a, b = runs[i - 1], runs[i]
+        tasks = [t for t in a.tasks if t in b.tasks]
+        out.append(DiffView(labels[i - 1], labels[i], render_statistics(a, b, tasks, iters, seed)))
+    return out
+
+
+def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET,
+          diff_iters: int = DIFF_ITERS) -> Report:
+    files, summaries = expand(inputs)
+    runs = [load(p) for p in files]
+    labels = [f"R{i + 1}" for i in range(len(runs))]
+    sample_data, left_out = samples(runs, labels, cap, text_budget)
+    return Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
+                  leaderboard=leaderboard(runs, _higher(runs)), samples=sample_data, left_out=left_out,
+                  sweeps=[p for s in summaries for p in sweep_panels(s)], diffs=diffs(runs, labels, diff_iters),
+                  sweep_tests=[t for s in summaries for t in sweep_tests(s)])
+
+
+def script_json(data) -> str:
+    """JSON safe inside ``<script type="application/json">``: no ``<``, ``>`` or ``&`` (so no ``</script>`` and no
+    ``<!--``), and no NaN (not JSON)."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def render(report: Report) -> str:
+    import jinja2
+    from markupsafe import Markup
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates")),
+                             autoescape=True, undefined=jinja2.StrictUndefined)
+    env.filters["script_json"] = lambda d: Markup(script_json(d))
+    return env.get_template("report.html.j2").render(
+        report=report, board=[asdict(r) for r in report.leaderboard], samples=report.samples)
+
+
+def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS) -> int:
+    """Write the page to ``out``; returns its size in bytes."""
+    from mpitp.results.safefile import write_replace
+
+    data = render(build(inputs, cap, diff_iters=diff_iters)).encode()
+    write_replace(out, data)
+    return len(data)

@@ -1,0 +1,318 @@
+"""``mpitp report``: the HTML page, opened from disk in a real headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, driven by Selenium).
+
+Why a browser: the page's promises are about what a browser does with it (no request to any host, no console error,
+numbers shown equal to ``mpitp inspect``'s, filters that change the rows shown, text from files shown as text and
+never run). Files are synthetic, written through the real :class:`mpitp.results.store.ResultWriter` (fast, every
+value known). Screenshots of each view land in the test's tmp folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from mpitp.cli.inspect import inspect_command
+from mpitp.cli.report import report_command
+from mpitp.results.report import script_json
+from mpitp.results.store import ResultWriter
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+HOSTILE = "</script><script>window.pwned=1</script><img src=http://example.invalid/x.png>"
+
+
+def make_run(path, model: str, correct: list[int], group: dict | None = None) -> str:
+    """One finished run of one multiple-choice task; ``correct[d]`` is document d's acc. Document 0's text and the
+    model name carry markup that must show as text."""
+    n = len(correct)
+    w = ResultWriter(str(path), dict(mpitp_version="0.1.0", model=model, tokenizer=model, dtype="float32",
+                                     world_size=2, tp=2, dp=1, lm_eval_version="0.4.13", created="2026-12-02T09:00:00",
+                                     fingerprint_json=json.dumps({"model": model})))
+    w.append("syn_mc", [dict(doc_id=d, idx=i, kind="loglikelihood", loglikelihood=-1.0 - d % 7 - 0.5 * i,
+                             is_greedy=i == 0, generation="", n_tokens=3, args_hash=f"{d}-{i}")
+                        for d in range(n) for i in range(2)])
+    acc = sum(correct) / n
+    metrics = {"name": "syn_mc", "sample_len": n, "acc,none": acc, "acc_stderr,none": 0.125,
+               "acc_norm,none": 1 - acc, "acc_norm_stderr,none": 0.0625}
+    samples = [{"doc_id": d, "doc": {"id": d}, "arguments": [[HOSTILE if d == 0 else f"question {d}", " yes"],
+                                                              [HOSTILE if d == 0 else f"question {d}", " no"]],
+                "target": f"answer {d % 3}", "filtered_resps": [[-1.0, True], [-2.0, False]][::1 if c else -1],
+                "metrics": ["acc"], "filter": "none", "acc": float(c)} for d, c in enumerate(correct)]
+    w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=n), metrics, samples=samples)
+    results = {"syn_mc": {"alias": "syn_mc", **metrics}}
+    if group:  # lm-eval's shape: the group's aggregate beside its subtasks, and group_subtasks
+        results.update(group["results"])
+    w.finish({"results": results, "higher_is_better": {"syn_mc": {"acc": True}},
+              "n-samples": {"syn_mc": {"original": n, "effective": n}},
+              "group_subtasks": group["group_subtasks"] if group else {}}, wall_time_s=1.0)
+    w.close()
+    return str(path)
+
+
+def sweep_summary(path, values: list[float]) -> None:
+    rows = [dict(model=f"m/step-{i}", name=f"step-{i}", output=f"step-{i}.h5", status="complete",
+                 metrics={"syn_mc": {"acc,none": v, "acc_stderr,none": 0.05}}) for i, v in enumerate(values)]
+    tests = [dict(a="step-0", b="step-1", task="syn_mc", metric="acc,none", diff=0.25, ci=[0.1, 0.4], p_value=0.01,
+                  test="paired bootstrap", sentence="syn_mc acc: B is better than A by +0.25"),
+             dict(a="step-1", b="step-2", error="<b>unreadable</b>")]
+    path.write_text(json.dumps({"wall_time_s": 1.0, "checkpoints": rows, "comparisons": tests}))
+
+
+def render_cli(*inputs, out, iters: int = 10000) -> str:
+    res = CliRunner().invoke(report_command, [*map(str, inputs), "-o", str(out), "--bootstrap-iters", str(iters)])
+    assert res.exit_code == 0, res.output
+    return out.read_text()
+
+
+def test_script_json_cannot_end_its_script():
+    text = script_json({"a": "</script><!-- & >"})
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text) == {"a": "</script><!-- & >"}
+
+
+def test_prompt_and_answer_from_lm_eval_sample_shapes():
+    """lm-eval logs arguments as a list of tuples or as gen_args_i dicts, answers as generations or (ll, greedy)."""
+    from mpitp.results.report import _answer, _prompt
+
+    assert _prompt({"arguments": [["ctx", " a"], ["ctx", " b"]]}) == "ctx"
+    assert _prompt({"arguments": {"gen_args_0": {"arg_0": "What?", "arg_1": {}}}}) == "What?"
+    assert _prompt({"arguments": [], "doc": {"q": 1}}) == '{"q": 1}'
+    assert _answer({"filtered_resps": [[-3.0, False], [-1.5, True], [-2.0, False]]}) == "choice 1"
+    assert _answer({"filtered_resps": [["4"]]}) == "4" and _answer({"filtered_resps": ["x y"]}) == "x y"
+    assert _answer({"filtered_resps": "not a list"}) == "" and _answer({}) == ""
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    (tmp_path / "x.h5").write_text("not hdf5")
+    res = CliRunner().invoke(report_command, [str(tmp_path / "x.h5"), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "not an mpitp results file" in res.output and not (tmp_path / "r.html").exists()
+    (tmp_path / "sweep-summary.json").write_text("[1, 2")
+    res = CliRunner().invoke(report_command, [str(tmp_path / "sweep-summary.json"), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "sweep-summary.json: not a sweep summary" in res.output
+    res = CliRunner().invoke(report_command, [str(tmp_path / "empty"), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and "no such file" in res.output, res.output
+
+
+def test_size_bounds_are_stated_on_the_page(tmp_path):
+    """Past the row cap a task's samples are left out, past the text budget its texts: the page says which."""
+    from mpitp.results.report import build, render
+
+    a = make_run(tmp_path / "a.h5", "model/a", [1, 0, 1])
+    page = render(build([a], cap=2))
+    assert "syn_mc: 3 documents left out (the report embeds at most 2 sample rows)" in page
+    page = render(build([a], text_budget=10))
+    assert "syn_mc: document texts left out (" in page and "question 1" not in page
+    assert "question 1" in render(build([a]))
+
+
+def test_unfinished_run_is_marked(tmp_path):
+    """A run still writing (rows only in its journal, no metrics) is listed as such, its samples still shown."""
+    from mpitp.results.report import build, render
+
+    w = ResultWriter(str(tmp_path / "running.h5"), dict(mpitp_version="0.1.0", model="model/r", world_size=1, tp=1,
+                                                         dp=1))
+    w.append("syn_mc", [dict(doc_id=d, idx=0, kind="loglikelihood", loglikelihood=-1.5, is_greedy=True,
+                             generation="", n_tokens=3, args_hash=str(d)) for d in range(4)])
+    w.close()
+    report = build([str(tmp_path / "running.h5")])
+    assert report.runs[0].status == "running" and report.runs[0].wall_time == ""
+    assert [row[0] for row in report.samples["syn_mc"]["rows"]] == [0, 1, 2, 3]
+    assert "running (incomplete)" in " ".join(render(report).split())
+
+
+@pytest.fixture
+def browser():
+    if not (CHROMIUM and DRIVER):
+        why = "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}; .ci/run installs them")
+        pytest.skip(f"headless browser test: {why}")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e .[dev])")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=Service(DRIVER))
+    yield driver
+    driver.quit()
+
+
+def _requests(driver) -> list[str]:
+    """Every URL the page asked for (Chromium's DevTools Network events)."""
+    urls = []
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    return urls
+
+
+def _inspect_values(path) -> dict[str, tuple[str, str]]:
+    """metric -> (value, stderr) as ``mpitp inspect`` prints them."""
+    res = CliRunner().invoke(inspect_command, [str(path)])
+    assert res.exit_code == 0, res.output
+    found = {}
+    for line in res.output.splitlines():
+        m = re.match(r"\s*syn_mc\s+(\S+)\s+\S+\s+([-\d.]+)\s+±\s+([-\d.]+)", line)
+        if m:
+            found[m.group(1)] = (m.group(2), m.group(3))
+    assert found, res.output
+    return found
+
+
+def test_report_in_browser(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    a = make_run(runs / "a.h5", HOSTILE, [1, 1, 0, 1, 0, 1, 1, 0] * 30)  # 240 documents: three pages of 100
+    b = make_run(runs / "b.h5", "model/b", [1, 0, 0, 1, 1, 1, 1, 1] * 30)  # disagrees with a on 3 of every 8
+    sweep_summary(runs / "sweep-summary.json", [0.25, 0.5, 0.625])
+    html = render_cli(runs, out=tmp_path / "report.html")
+    assert "window.pwned=1</script>" not in html  # neither in markup nor in the JSON block
+
+    browser.get((tmp_path / "report.html").as_uri())
+    shot = tmp_path / "screens"
+    shot.mkdir()
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == [], errors
+    urls = _requests(browser)
+    assert urls and all(u.startswith("file://") for u in urls), urls
+    assert browser.execute_script("return window.pwned === undefined")
+    def screenshot(anchor: str, name: str) -> None:
+        browser.execute_script(f"document.getElementById('{anchor}').scrollIntoView()")
+        browser.save_screenshot(str(shot / name))
+
+    screenshot("runs", "runs.png")
+    screenshot("leaderboard", "leaderboard.png")
+    runs_text = browser.find_element(By.ID, "runs-table").text
+    assert HOSTILE in runs_text and "complete" in runs_text
+
+    # The leaderboard shows what `mpitp inspect` prints, the best value of the row marked.
+    printed = [_inspect_values(a), _inspect_values(b)]
+    best = {"acc": [False, True], "acc_norm": [True, False]}  # acc 0.625 < 0.75, acc_norm 0.375 > 0.25
+
+    def board() -> list[tuple[str, list]]:
+        rows = []
+        for tr in browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table tbody tr"):
+            cells = tr.find_elements(By.CSS_SELECTOR, "td.num")
+            rows.append((tr.find_elements(By.TAG_NAME, "td")[1].text, cells))
+        return rows
+
+    assert [metric for metric, _ in board()] == ["acc", "acc_norm"]
+    for metric, cells in board():
+        for cell, values in zip(cells, printed):
+            assert cell.find_element(By.CLASS_NAME, "value").text == values[metric][0]
+            assert cell.find_element(By.CLASS_NAME, "err").text == f"± {values[metric][1]}"
+        assert [("best" in c.get_attribute("class")) for c in cells] == best[metric], metric
+    header = browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table th.sortable")
+    assert [h.text for h in header] == ["task", "metric", "filter", "R1", "R2"]
+    header[3].click()  # by R1, ascending: acc_norm (0.375) first
+    assert [metric for metric, _ in board()] == ["acc_norm", "acc"]
+    header[3].click()
+    assert [metric for metric, _ in board()] == ["acc", "acc_norm"]
+
+    # The paired tests are those `mpitp inspect diff a b` prints.
+    res = CliRunner().invoke(inspect_command, ["diff", a, b])
+    shown_diff = browser.find_element(By.CSS_SELECTOR, "pre.diff").text
+    assert res.exit_code == 1 and "McNemar" in shown_diff and shown_diff in res.output, (shown_diff, res.output)
+    screenshot("diff", "diff.png")
+
+    # A sweep plot has one point per checkpoint.
+    assert len(browser.find_elements(By.CSS_SELECTOR, "figure.sweep circle.point")) == 3
+    assert [li.text for li in browser.find_elements(By.CSS_SELECTOR, "ul.sweep-tests li")] == [
+        "step-1 vs step-0: syn_mc acc: B is better than A by +0.25",
+        "step-2 vs step-1: step-2 against step-1: <b>unreadable</b>"]
+    screenshot("sweeps", "sweep.png")
+
+    # Samples: paged, filtered by disagreement and by text, markup shown as text.
+    def shown():
+        return browser.find_elements(By.CSS_SELECTOR, "#samples-table tr.sample")
+
+    assert len(shown()) == 100 and browser.find_element(By.ID, "count").text == "240 of 240 documents"
+    browser.find_element(By.ID, "disagree").click()
+    assert len(shown()) == 90 and browser.find_element(By.ID, "count").text == "90 of 240 documents"
+    first = shown()[0].find_elements(By.TAG_NAME, "td")
+    assert [first[i].text for i in (0, 3, 4, 6, 7)] == ["1", "choice 0", "1", "choice 1", "0"]  # a right, b wrong
+    screenshot("samples", "samples-disagree.png")
+    browser.find_element(By.ID, "disagree").click()
+    Select(browser.find_element(By.ID, "wrong-only")).select_by_visible_text("R2")  # wrong in b, right in a: 1 of 8
+    assert len(shown()) == 30 and all(r.find_element(By.TAG_NAME, "td").text in {str(8 * k + 1) for k in range(30)}
+                                      for r in shown())
+    Select(browser.find_element(By.ID, "wrong-only")).select_by_visible_text("any run")
+    assert len(shown()) == 100
+    browser.find_element(By.ID, "search").send_keys("window.pwned")
+    rows = shown()
+    assert len(rows) == 1 and rows[0].find_elements(By.TAG_NAME, "td")[1].text == HOSTILE
+    screenshot("samples", "samples-search.png")
+    assert browser.execute_script("return window.pwned === undefined")
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    assert all(u.startswith("file://") for u in _requests(browser))
+
+
+def test_groups_fold_in_browser(tmp_path, browser):
+    """A group's subtasks are folded under its row; unfolding shows them, sorting keeps them under their group."""
+    from selenium.webdriver.common.by import By
+
+    nested = {"results": {"outer": {"alias": "outer", "acc,none": 0.5, "acc_stderr,none": 0.1},
+                          "inner": {"alias": " - inner", "acc,none": 0.25, "acc_stderr,none": 0.1},
+                          "solo": {"alias": "solo", "acc,none": 0.9, "acc_stderr,none": 0.1}},
+              "group_subtasks": {"outer": ["inner"], "inner": ["syn_mc"], "solo": []}}
+    a = make_run(tmp_path / "a.h5", "model/a", [1, 0, 1, 1], group=nested)
+    render_cli(a, out=tmp_path / "r.html")
+    browser.get((tmp_path / "r.html").as_uri())
+
+    def visible():
+        return [(tr.get_attribute("data-task"), tr.find_elements(By.TAG_NAME, "td")[1].text)
+                for tr in browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table tbody tr") if tr.is_displayed()]
+
+    assert visible() == [("outer", "acc"), ("solo", "acc")]
+    browser.find_element(By.CSS_SELECTOR, "tr[data-task=outer] button.fold").click()
+    assert visible() == [("outer", "acc"), ("inner", "acc"), ("solo", "acc")]
+    browser.find_element(By.CSS_SELECTOR, "tr[data-task=inner] button.fold").click()
+    assert visible() == [("outer", "acc"), ("inner", "acc"), ("syn_mc", "acc"), ("syn_mc", "acc_norm"),
+                         ("solo", "acc")]
+    browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table th.sortable")[3].click()  # by R1: solo 0.9 last
+    browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table th.sortable")[3].click()  # descending: solo first
+    assert visible() == [("solo", "acc"), ("outer", "acc"), ("inner", "acc"), ("syn_mc", "acc"),
+                         ("syn_mc", "acc_norm")]
+    browser.find_element(By.CSS_SELECTOR, "tr[data-task=outer] button.fold").click()  # folds inner's rows too
+    assert visible() == [("solo", "acc"), ("outer", "acc")]
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    browser.save_screenshot(str(tmp_path / "groups.png"))
+
+
+@pytest.mark.parametrize("n", [10**3, pytest.param(10**5, marks=pytest.mark.slow)])
+def test_report_of_many_samples_opens_fast(tmp_path, browser, n):
+    """10^3 and 10^5 documents: the file's size, the time until the first page of samples shows and the time a
+    filter over all of them takes (printed; bounds loose, the CI machine is shared)."""
+    make_run(tmp_path / "a.h5", "model/a", [d % 2 for d in range(n)])
+    make_run(tmp_path / "b.h5", "model/b", [d % 3 == 0 for d in range(n)])
+    out = tmp_path / "big.html"
+    render_cli(tmp_path / "a.h5", tmp_path / "b.h5", out=out, iters=100)  # the paired tests are not timed here
+    start = time.monotonic()
+    browser.get(out.as_uri())
+    rows = browser.find_elements("css selector", "#samples-table tr.sample")
+    opened = time.monotonic() - start
+    start = time.monotonic()
+    browser.find_element("id", "disagree").click()
+    count = browser.find_element("id", "count").text
+    filtered = time.monotonic() - start
+    print(f"report of {n} samples x 2 runs: {os.path.getsize(out) / 1e6:.2f} MB, opened in {opened:.2f} s, "
+          f"'runs disagree' filter in {filtered:.2f} s")
+    disagree = sum((d % 2) != (d % 3 == 0) for d in range(n))
+    assert len(rows) == 100 and count == f"{disagree} of {n} documents"
+    assert opened < 20 and filtered < 10, (opened, filtered)
