@@ -5,6 +5,7 @@ user's next run, must be able to claim the file)."""
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import pytest
 
@@ -16,7 +17,7 @@ from mpitp.results.claim import claim_output, claim_path
 @pytest.mark.parametrize("fails", [False, True], ids=["ends", "raises"])
 def test_checked_gives_back_its_claim(tmp_path, fails):
     out = str(tmp_path / "run.h5")
-    with pytest.raises(RuntimeError) if fails else _nothing():
+    with pytest.raises(RuntimeError) if fails else nullcontext():
         with Checked(out, "tok", claim=claim_output(out)) as checked:
             with pytest.raises(UsageError, match="is being written by another mpitp process"):
                 claim_output(out)  # held while the run lasts
@@ -26,10 +27,3 @@ def test_checked_gives_back_its_claim(tmp_path, fails):
     claim_output(out).release()  # free for the next run
     checked.release()  # idempotent
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
