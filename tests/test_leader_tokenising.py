@@ -31,7 +31,7 @@ def both():
     ref = Capturing(pretrained=str(STORIES), device="cpu", dtype="float32", max_length=256)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(STORIES), dtype="float32")
     tok = transformers.AutoTokenizer.from_pretrained(str(STORIES))
-    lm = MPITPLM(model, tok, engine=None, max_length=256)
+    lm = MPITPLM(model, tok, leader=None, max_length=256)
     return ref, lm
 
 

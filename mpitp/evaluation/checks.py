@@ -12,10 +12,15 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.results.untrusted import shown
+
+if TYPE_CHECKING:
+    from mpitp.results.claim import OutputClaim
 
 log = logging.getLogger("mpitp")
 
@@ -210,10 +215,56 @@ def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> None:
     refuse_unsupported_generation(parsed, None, "--gen-kwargs", f"tp={tp} pp={pp}")
 
 
-def check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
-    """Every check of one evaluation, on rank 0 before any rank loads the model: (output path, tokenizer). ``keep``
-    receives what later steps reuse: the include paths written for offline tasks, lm-eval's TaskManager, the model's
-    config and the claim on the output file."""
+@dataclass
+class CheckedTasks:
+    """The tasks, checked: the include path (with the YAMLs :func:`offline_include` wrote) and lm-eval's TaskManager.
+    A sweep checks them once and passes them to every checkpoint's :func:`check_all`."""
+
+    include: list[str]
+    task_manager: object
+
+
+@dataclass
+class Checked:
+    """What :func:`check_all` found, for the steps after it. Rank 0's owns the claim on the output (released by
+    :meth:`release` or on leaving a ``with`` block); on the other ranks only ``output`` and ``tokenizer`` are set."""
+
+    output: str
+    tokenizer: str
+    config: object = None  # the model's transformers config (rank 0)
+    tasks: CheckedTasks | None = None
+    claim: OutputClaim | None = None
+
+    @property
+    def task_manager(self):
+        return self.tasks.task_manager if self.tasks is not None else None
+
+    def release(self) -> None:
+        """Give back the claim on the output (a sweep's next checkpoint claims its own); idempotent."""
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
+
+    def __enter__(self) -> Checked:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_tasks_once(cfg) -> CheckedTasks:
+    """Write the offline task YAMLs (``--data-dir``) and check every task name: lm-eval's TaskManager."""
+    include = offline_include(cfg)
+    try:
+        return CheckedTasks(include, check_tasks(cfg.tasks, include, getattr(cfg, "metadata", None)))
+    except BaseException:
+        remove_generated(include)
+        raise
+
+
+def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> Checked:
+    """Every check of one evaluation, on rank 0 before any rank loads the model; the last one claims the output.
+    ``tasks`` skips checking the tasks again (a sweep checks them once for every checkpoint)."""
     from mpitp.replica.loading import check_dtype, check_tp, load_config
     from mpitp.replica.pipeline import check_pp
 
@@ -229,20 +280,40 @@ def check_all(cfg, tp: int, keep: dict, pp: int = 1) -> tuple[str, str]:
         raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
                          "KV cache (it passes use_cache=True itself)")
     _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
-    if "task_manager" not in keep:  # a sweep checks its tasks once for every checkpoint (mpitp.jobs.sweep)
-        keep["include"] = offline_include(cfg)
-        keep["task_manager"] = check_tasks(cfg.tasks, keep["include"], getattr(cfg, "metadata", None))
-    from mpitp.evaluation.lmeval_args import check_lm_eval_settings
+    own = tasks is None  # YAMLs written here are removed here if a later check refuses
+    tasks = tasks or check_tasks_once(cfg)
+    try:
+        from mpitp.evaluation.lmeval_args import check_lm_eval_settings
 
-    check_lm_eval_settings(cfg)
-    if cfg.trust_remote_code:  # from model_args or a job file's defaults: the user may not know it is on
-        log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
-                    shown(cfg.model))
-    config = keep["config"] = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
-    check_tp(config, tp)
-    check_pp(config, pp)
-    out = check_output(cfg)
-    from mpitp.results.claim import claim_output
+        check_lm_eval_settings(cfg)
+        if cfg.trust_remote_code:  # from model_args or a job file's defaults: the user may not know it is on
+            log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
+                        shown(cfg.model))
+        config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
+        check_tp(config, tp)
+        check_pp(config, pp)
+        out = check_output(cfg)
+        from mpitp.results.claim import claim_output
 
-    keep["claim"] = claim_output(out)  # last: a refused check must not leave a claim behind
-    return out, cfg.tokenizer or cfg.model
+        claim = claim_output(out)  # last: a refused check must not leave a claim behind
+    except BaseException:
+        if own:
+            remove_generated(tasks.include)
+        raise
+    return Checked(out, cfg.tokenizer or cfg.model, config, tasks, claim)
+
+
+def check_on_root(cfg, rt, timeout: float | None, phase: str, tasks: CheckedTasks | None = None) -> Checked:
+    """:func:`check_all` on rank 0, its verdict shared with every rank (:func:`mpitp.parallel.runtime.agree`).
+    Rank 0 gets the whole :class:`Checked`; the other ranks its output path and tokenizer, the rest stays with rank 0
+    (a TaskManager and a file lock do not travel)."""
+    from mpitp.parallel.runtime import agree
+
+    found: list[Checked] = []
+
+    def check() -> tuple[str, str]:
+        found.append(check_all(cfg, rt.layout.tp, rt.layout.pp, tasks))
+        return found[0].output, found[0].tokenizer
+
+    out, tokenizer = agree(check, rt.world.comm, timeout, phase)
+    return found[0] if found else Checked(out, tokenizer)

@@ -16,9 +16,11 @@ tokens (few, long documents, so this is little of rank 0's time).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lm_eval import utils as lm_utils
@@ -90,18 +92,39 @@ def sample_seed(base: int, key: tuple) -> int:
     return int(hashlib.sha1(repr((base,) + tuple(key)).encode()).hexdigest()[:8], 16)
 
 
+def _timed(method):
+    """One of lm-eval's request methods, timed by the clock of the run being served (:meth:`MPITPLM.serving`). A
+    method of the class, not a wrapper in the instance's dict (which would hold the instance: a cycle)."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        if self.clock is None:
+            return method(self, *args, **kwargs)
+        with self.clock.timing():
+            return method(self, *args, **kwargs)
+
+    return timed
+
+
 class MPITPLM(HFLM):
     """``HFLM`` whose forwards run on TP-sharded replicas in DP groups. Built on every DP leader."""
 
-    def __init__(self, model, tokenizer, engine, *, batch_size: int = 1, max_length: int | None = None,
-                 **hflm_kwargs):
+    def __init__(self, model, tokenizer, leader, *, batch_size: int = 1, max_length: int | None = None,
+                 auto=None, encode_cache: dict | None = None, seed: int | None = None, **hflm_kwargs):
+        """``leader``: this DP group's :class:`~mpitp.replica.leader.ReplicaLeader` (it runs the forwards); ``auto``:
+        a :class:`~mpitp.replica.batchsize.AutoBatch` with ``--batch_size auto``; ``encode_cache``: token ids a
+        sweep shares among checkpoints with the same tokenizer; ``seed``: base of the per-request sampling seeds."""
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                          **hflm_kwargs)
-        self.engine = engine
-        self.runner = None  # set on rank 0: a callable (kind, items, weights, instances) -> results
-        self.seed = 1234  # base of the per-request sampling seeds (lm-eval's default torch seed; --seed sets it)
-        self.auto = None  # a mpitp.replica.batchsize.AutoBatch with --batch_size auto
-        self.encode_cache: dict | None = None  # a sweep shares one among checkpoints with the same tokenizer
+        self.leader = leader
+        # rank 0, while lm-eval runs: a callable (kind, items, weights, instances) -> results (mpitp.evaluation.runner)
+        self.serve_requests = None
+        self.clock = None  # rank 0, while lm-eval runs: the run's PhaseClock (mpitp.evaluation.phases)
+        self.seed = 1234 if seed is None else seed  # lm-eval's default torch seed unless --seed
+        self.auto = auto
+        if auto is not None:
+            self.batch_sizes = auto.chosen  # recorded as lm-eval's batch_sizes
+        self.encode_cache = encode_cache
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
@@ -118,12 +141,25 @@ class MPITPLM(HFLM):
         return list(hit)
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
+    @contextmanager
+    def serving(self, serve_requests, clock):
+        """While lm-eval runs on rank 0: its requests go to ``serve_requests`` and are timed by ``clock``. Both are
+        dropped on leaving, whatever happens: ``serve_requests`` leads back to :meth:`compute` (through the
+        dispatcher), a cycle that would otherwise keep the model alive after the run (a sweep frees it before
+        loading the next checkpoint)."""
+        self.serve_requests, self.clock = serve_requests, clock
+        try:
+            yield self
+        finally:
+            self.serve_requests = self.clock = None
+
+    @_timed
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         """Items are the requests' ``(context, continuation)`` texts, weighed by characters; the DP leader that gets
         a chunk tokenises it (:meth:`score_rows_of`)."""
         pairs = [tuple(req.args) for req in requests]
         weights = shared_context_weights(pairs)
-        out = self.runner(KIND_SCORE, pairs, weights, requests)
+        out = self.serve_requests(KIND_SCORE, pairs, weights, requests)
         refuse_nonfinite([ll for ll, _, _ in out], requests)
         answers = [(ll, greedy) for ll, greedy, _ in out]
         for pair, ans in zip(pairs, answers):
@@ -163,23 +199,25 @@ class MPITPLM(HFLM):
             max_seq_len=self.max_length, context_len=1))
         return [((ctx + cont)[-(self.max_length + 1):], len(cont)) for ctx, cont in windows]
 
+    @_timed
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         items = [self.rolling_rows(req.args[0]) for req in requests]
         weights = [sum(len(r[0]) for r in rows) for rows in items]
-        out = self.runner(KIND_ROLLING, items, weights, requests)
+        out = self.serve_requests(KIND_ROLLING, items, weights, requests)
         refuse_nonfinite([ll for ll, _, _ in out], requests)
         lls = [ll for ll, _, _ in out]
         for req, ll in zip(requests, lls):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
         return lls
 
+    @_timed
     def generate_until(self, requests, disable_tqdm: bool = False):
         keys = request_keys(requests)
         items = [(*req.args, sample_seed(self.seed, key)) for req, key in zip(requests, keys)]
         # Weighed by characters (~4 per token, a balance proxy only) plus the tokens to generate: the DP leader that
         # gets a request tokenises it (``HFLM.generate_until``), rank 0 does not.
         weights = [len(ctx) // 4 + 1 + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw, _ in items]
-        out = self.runner(KIND_GENERATE, items, weights, requests)
+        out = self.serve_requests(KIND_GENERATE, items, weights, requests)
         return [text for text, _ in out]
 
     # ------------------------------------------------------------------ every DP leader: compute a chunk
@@ -189,8 +227,8 @@ class MPITPLM(HFLM):
         try:
             return self._compute(kind, items, tick)
         finally:
-            self.engine.stats.busy_s += time.perf_counter() - t0
-            self.engine.stats.requests += math.fsum(s for _, s in items) if kind == KIND_WINDOW else len(items)
+            self.leader.stats.busy_s += time.perf_counter() - t0
+            self.leader.stats.requests += math.fsum(s for _, s in items) if kind == KIND_WINDOW else len(items)
 
     def _compute(self, kind: str, items: list, tick) -> list:
         if kind == KIND_SCORE:
@@ -240,35 +278,35 @@ class MPITPLM(HFLM):
     def _score_rows(self, rows: list, tick) -> list:
         """Score rows at the fixed batch size, or with ``--batch_size auto`` bucket by bucket at each one's size."""
         if self.auto is None:
-            return self.engine.score_rows(rows, self.batch_size, tick)
+            return self.leader.score_rows(rows, self.batch_size, tick)
         out: list = [None] * len(rows)
         for size, idx in self.auto.groups([len(r[0]) for r in rows]):
-            for i, r in zip(idx, self.engine.score_rows([rows[i] for i in idx], size, tick)):
+            for i, r in zip(idx, self.leader.score_rows([rows[i] for i in idx], size, tick)):
                 out[i] = r
         return out
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        if self.engine.has_workers:  # a task YAML's generation_kwargs get here without passing the checks
+        if self.leader.has_workers:  # a task YAML's generation_kwargs get here without passing the checks
             from mpitp.evaluation.checks import refuse_unsupported_generation
 
-            lay = self.engine.layout
+            lay = self.leader.layout
             refuse_unsupported_generation(generation_kwargs, getattr(self.model, "generation_config", None),
                                           "generation_kwargs", f"tp={lay.tp} pp={lay.pp}")
-        self.engine.nonfinite_steps = 0
+        self.leader.nonfinite_steps = 0
         try:
-            with self.engine.generating(greedy=plain_greedy(self.model, generation_kwargs)):
+            with self.leader.generating(greedy=plain_greedy(self.model, generation_kwargs)):
                 out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         except RuntimeError as exc:  # torch.multinomial on a NaN/inf distribution (sampling)
             if "inf, nan" not in str(exc):
                 raise
-            self.engine.nonfinite_steps += 1
-        if self.engine.nonfinite_steps:
+            self.leader.nonfinite_steps += 1
+        if self.leader.nonfinite_steps:
             from mpitp.errors import UsageError
 
             start = self.tok_decode(context[0].tolist())[-60:]
             raise UsageError(f"non-finite logits (NaN/inf) while generating for the request whose context ends "
                              f"{start!r}; in float16 this is usually an overflow: try --dtype bfloat16 or float32")
-        self.engine.stats.tokens_generated += int((out.shape[1] - context.shape[1]) * out.shape[0])
+        self.leader.stats.tokens_generated += int((out.shape[1] - context.shape[1]) * out.shape[0])
         if getattr(self, "_tick", None):
             self._tick()
         return out

@@ -4,11 +4,12 @@ the HDF5 file's ``phases_json`` and the run's closing line."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 
 class PhaseClock:
-    """Rank 0's seconds per phase. lm-eval's request methods on the LM are wrapped (instance attributes, so lm-eval
-    calls the wrappers): the time inside them minus the dispatch is tokenising (lm-eval's encoding, rolling windows),
+    """Rank 0's seconds per phase. lm-eval's request methods on the LM run inside :meth:`timing`: the time inside
+    them minus the dispatch is tokenising (lm-eval's encoding, rolling windows),
     before the first call lm-eval loads tasks and builds requests, after the last it computes metrics."""
 
     ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
@@ -22,29 +23,16 @@ class PhaseClock:
     def add(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
 
-    _METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
-
-    def wrap(self, lm) -> None:
-        for name in self._METHODS:
-            setattr(lm, name, self._timed(getattr(lm, name)))
-
-    def unwrap(self, lm) -> None:
-        """Remove the timed methods: each holds a bound method of ``lm`` in ``lm``'s own dict, a cycle that would
-        keep the model alive after the run (a sweep frees it before loading the next checkpoint)."""
-        for name in self._METHODS:
-            lm.__dict__.pop(name, None)
-
-    def _timed(self, method):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            self.first = self.first or t0
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.last = time.perf_counter()
-                self.in_methods += self.last - t0
-
-        return timed
+    @contextmanager
+    def timing(self):
+        """Around one of lm-eval's request methods on the LM (:meth:`mpitp.evaluation.lm.MPITPLM.serving`)."""
+        t0 = time.perf_counter()
+        self.first = self.first or t0
+        try:
+            yield
+        finally:
+            self.last = time.perf_counter()
+            self.in_methods += self.last - t0
 
     def eval_done(self) -> None:
         end = time.perf_counter()

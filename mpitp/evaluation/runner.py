@@ -14,14 +14,14 @@ import sys
 import time
 
 from mpitp import testing
-from mpitp.evaluation.checks import check_all, check_tasks, offline_include, remove_generated
+from mpitp.evaluation.checks import check_on_root, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.finish import RootResult
 from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.progress import make_progress
 from mpitp.evaluation.provenance import run_metadata
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import Runtime, agree, start_torch, warm_imports
+from mpitp.parallel.runtime import Runtime, start_torch, warm_imports
 
 log = logging.getLogger("mpitp")
 
@@ -80,40 +80,48 @@ class _Progress:
 def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
     from mpitp.evaluation.quiet import quiet_integration
-    from mpitp.replica.loading import load_model
     from mpitp.replica.staging import staged_model
 
     quiet_integration(cfg.verbosity, rt.world.rank == 0)
     t_start = time.perf_counter()
-    keep: dict = {}  # rank 0's TaskManager: built once while checking, used by lm-eval
     lay = rt.layout
     # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
     warm_imports(rt.world)
-    out, tokenizer = agree(lambda: check_all(cfg, lay.tp, keep, lay.pp), rt.world.comm, None, "checking input")
+    checked = check_on_root(cfg, rt, None, "checking input")
     phases = {"checks": time.perf_counter() - t_start}
     start_torch(rt)
     testing.report_io("before loading", rt.world)
-    source = staged_model(cfg.model, rt.stage_dir, rt.world, rt.timeout, cfg.revision, cfg.subfolder)
-    if lay.pp > 1:
-        from mpitp.replica.pipeline import describe_split, load_stage, num_layers
-
-        model = load_stage(source, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                           **cfg.load_kwargs())
-        if lay.is_root:
-            log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
-    else:
-        model = load_model(source, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                           **cfg.load_kwargs())
-    testing.report_io("model loaded", rt.world)
-    mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
-    phases["load"] = time.perf_counter() - t_start - phases["checks"]
     try:
-        return evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=keep.get("task_manager"),
-                               t_start=t_start, phases=phases)
+        with checked:  # rank 0's claim on the output, given back however the run ends
+            source = staged_model(cfg.model, rt.stage_dir, rt.world, rt.timeout, cfg.revision, cfg.subfolder)
+            model = load_for_layout(source, cfg, rt)
+            if lay.pp > 1 and lay.is_root:
+                from mpitp.replica.pipeline import describe_split, num_layers
+
+                log.info("pipeline: %s", describe_split(num_layers(checked.config), lay.pp))
+            testing.report_io("model loaded", rt.world)
+            mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
+            phases["load"] = time.perf_counter() - t_start - phases["checks"]
+            return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output,
+                                   task_manager=checked.task_manager, t_start=t_start, phases=phases)
     finally:
-        remove_generated(keep.get("include"))
-        if keep.get("claim") is not None:
-            keep["claim"].release()
+        if checked.tasks is not None:
+            remove_generated(checked.tasks.include)
+
+
+def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
+    """This rank's part of the model in ``source``: its pipeline stage's layers TP-sharded, or (pp=1) the whole model
+    TP-sharded. The one loading path of ``mpitp eval`` and sweeps (:mod:`mpitp.jobs.sweep`)."""
+    lay = rt.layout
+    if lay.pp > 1:
+        from mpitp.replica.pipeline import load_stage
+
+        return load_stage(source, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                          **cfg.load_kwargs())
+    from mpitp.replica.loading import load_model
+
+    return load_model(source, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
+                      **cfg.load_kwargs())
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
@@ -154,13 +162,13 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         from mpitp.evaluation.lm import MPITPLM
 
         leader = ReplicaLeader(shard, rt.timeout)
-        lm = MPITPLM(model, tokenizer, leader, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
-                     trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
+        auto = None
         if budget is not None:
-            lm.auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
-                                cfg.max_batch_size)
-            lm.batch_sizes = lm.auto.chosen
-        lm.encode_cache = encode_cache  # token ids shared by a sweep's checkpoints with one tokenizer
+            auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
+                             cfg.max_batch_size)
+        lm = MPITPLM(model, tokenizer, leader, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
+                     auto=auto, encode_cache=encode_cache, seed=cfg.seed,
+                     trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
         # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
         if lay.is_root:
@@ -283,7 +291,7 @@ class _RootRun:
         self.clock.add("writing", time.perf_counter() - t0)
         self.progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
         self.dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
-                                     idle=lm.engine.idle)
+                                     idle=lm.leader.idle)
 
     # ------------------------------------------------------------------------------------------ the results file
     def _open_writer(self):
@@ -314,8 +322,8 @@ class _RootRun:
 
     # ---------------------------------------------------------------------------------------- lm-eval's requests
     def serve(self, kind: str, items: list, weights: list, instances: list) -> list:
-        """``lm.runner``: reuse stored results (resume), compute the rest across DP groups, record each chunk as it
-        lands. The seconds spent here are the dispatch phase."""
+        """``lm.serve_requests``: reuse stored results (resume), compute the rest across DP groups, record each chunk
+        as it lands. The seconds spent here are the dispatch phase."""
         t_run = time.perf_counter()
         try:
             return self._serve(kind, items, weights, instances)
@@ -377,15 +385,10 @@ class _RootRun:
         from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
 
         cfg, lm = self.cfg, self.lm
-        lm.runner = self.serve
-        if cfg.seed is not None:
-            lm.seed = cfg.seed
-        self.clock.wrap(lm)
         loggers = start_loggers(cfg)
-        res, doc_scores = self._simple_evaluate(self._lm_eval_kwargs(tm, extra, loggers["tracker"]))
+        with lm.serving(self.serve, self.clock):
+            res, doc_scores = self._simple_evaluate(self._lm_eval_kwargs(tm, extra, loggers["tracker"]))
         self.dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
-        lm.runner = None  # runner -> dispatcher -> lm.compute -> lm: a cycle that would keep the model alive
-        self.clock.unwrap(lm)
         testing.stall("post_processing")
         as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, self.rt.layout), device=self.rt.device,
                        loggers=loggers)

@@ -34,9 +34,13 @@ import time
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
 from mpitp.results.sweepsummary import Row, render_summary, summary_path, write_summary
+
+if TYPE_CHECKING:
+    from mpitp.evaluation.checks import CheckedTasks
 
 # mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
 # ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
@@ -108,7 +112,7 @@ def default_sweep_dir() -> str:
 class SweepState:
     """What one checkpoint's run leaves for the next (rank 0's task manager; memoised task loading)."""
 
-    keep: dict = field(default_factory=dict)
+    tasks: CheckedTasks | None = None  # rank 0: checked by the first checkpoint, reused by the others
     prefetch: threading.Thread | None = None
     encode_caches: dict = field(default_factory=dict)  # tokenizer fingerprint -> {prompt: token ids}
     encodings_reused: int = 0  # cached token encodings available when the last checkpoint started
@@ -197,20 +201,12 @@ def _skip_complete(cfg) -> bool:
 
 def _load_everywhere(cfg, rt):
     """Load on every rank; if any rank fails, every rank raises :class:`LoadFailed` with the first error."""
+    from mpitp.evaluation.runner import load_for_layout
     from mpitp.parallel import comm as mpicomm
-    from mpitp.replica.loading import load_model
 
-    lay = rt.layout
     model, err = None, None
     try:
-        if lay.pp > 1:
-            from mpitp.replica.pipeline import load_stage
-
-            model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision,
-                               cfg.trust_remote_code, **cfg.load_kwargs())
-        else:
-            model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                               **cfg.load_kwargs())
+        model = load_for_layout(cfg.model, cfg, rt)
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint is the sweep's business, not a crash
         text = " ".join(str(exc).split()) or type(exc).__name__
         err = f"{type(exc).__name__}: {text[:300]}"
@@ -228,33 +224,27 @@ def _load_everywhere(cfg, rt):
 
 def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
-    from mpitp.evaluation.checks import check_all
+    from mpitp.evaluation.checks import check_on_root
     from mpitp.evaluation.runner import evaluate_loaded
     from mpitp.parallel import comm as mpicomm
-    from mpitp.parallel.runtime import agree
 
     t_start = time.perf_counter()
-    keep = state.keep
-    out, tokenizer = agree(lambda: check_all(cfg, rt.layout.tp, keep, rt.layout.pp), rt.world.comm, rt.timeout,
-                           f"checking {cfg.model}")
-    tm = keep.get("task_manager")
+    checked = check_on_root(cfg, rt, rt.timeout, f"checking {cfg.model}", state.tasks)
+    state.tasks = checked.tasks or state.tasks
+    tm = checked.task_manager
     memo = memoize_task_loading(tm, state.loaded_tasks) if rt.layout.is_root and tm is not None else nullcontext()
-    if state.prefetch is not None:
-        state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
-    model = _load_everywhere(cfg, rt)
-    mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
-    state.prefetch = start_prefetch(next_model, rt)
-    key = tokenizer_key(cfg)
-    cache = state.encode_caches.setdefault(key, {}) if key is not None else None
-    state.encodings_reused = len(cache or {})
-    try:
+    with checked:  # the claim on this checkpoint's output (mpitp.results.claim): the next one claims its own
+        if state.prefetch is not None:
+            state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
+        model = _load_everywhere(cfg, rt)
+        mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
+        state.prefetch = start_prefetch(next_model, rt)
+        key = tokenizer_key(cfg)
+        cache = state.encode_caches.setdefault(key, {}) if key is not None else None
+        state.encodings_reused = len(cache or {})
         with memo:
-            res = evaluate_loaded(model, tokenizer, cfg, rt, out=out, task_manager=tm, t_start=t_start,
-                                  encode_cache=cache)
-    finally:
-        claim = keep.pop("claim", None)  # this checkpoint's output (mpitp.results.claim): the next one claims its own
-        if claim is not None:
-            claim.release()
+            res = evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=tm,
+                                  t_start=t_start, encode_cache=cache)
     ref = weakref.ref(model)
     del model
     released = ref() is None  # freed by reference counting alone: nothing of the run still holds it
@@ -366,4 +356,5 @@ def finish(state: SweepState) -> None:
 
     if state.prefetch is not None:
         state.prefetch.join()
-    remove_generated(state.keep.get("include"))
+    if state.tasks is not None:
+        remove_generated(state.tasks.include)
