@@ -98,12 +98,12 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
         from mpitp.replica.pipeline import describe_split, load_stage, num_layers
 
         model = load_stage(source, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                           **cfg.load_kwargs())
+                           peft=cfg.peft, **cfg.load_kwargs())
         if lay.is_root:
             log.info("pipeline: %s", describe_split(num_layers(keep["config"]), lay.pp))
     else:
         model = load_model(source, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                           **cfg.load_kwargs())
+                           peft=cfg.peft, **cfg.load_kwargs())
     testing.report_io("model loaded", rt.world)
     mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
     phases["load"] = time.perf_counter() - t_start - phases["checks"]

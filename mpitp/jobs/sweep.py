@@ -207,10 +207,11 @@ def _load_everywhere(cfg, rt):
             from mpitp.replica.pipeline import load_stage
 
             model = load_stage(cfg.model, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision,
-                               cfg.trust_remote_code, **cfg.load_kwargs())
+                               cfg.trust_remote_code, peft=cfg.peft,
+                               **cfg.load_kwargs())
         else:
             model = load_model(cfg.model, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                               **cfg.load_kwargs())
+                               peft=cfg.peft, **cfg.load_kwargs())
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint is the sweep's business, not a crash
         text = " ".join(str(exc).split()) or type(exc).__name__
         err = f"{type(exc).__name__}: {text[:300]}"
