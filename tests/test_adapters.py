@@ -195,3 +195,28 @@ def test_adapter_parity_with_lm_eval(n, tp, pp, stories_adapter, test_tasks, tmp
     assert not problems, "\n".join(problems[:20])
     print(f"adapter tp={tp} pp={pp}: max relative |d ll| vs lm-eval+peft {worst:.2e}; adapter moves lm-eval's "
           f"scores by up to {moved:.2e}")
+
+
+def test_resume_with_another_adapter_is_refused(tmp_path):
+    """The same adapter path rewritten (another training step saved over it): the fingerprint names the change."""
+    from mpitp.evaluation.fingerprint import record, resume_differences
+    from mpitp.evaluation.settings import EvalConfig
+
+    a = _save_adapter(_tiny_llama(), tmp_path / "a", r=2, lora_alpha=4, target_modules=["q_proj"])
+    cfg = EvalConfig(model=str(STORIES), tasks=["t"], peft=a)
+    on_disk = record(cfg.model, None, None, a)
+    settings = {"model": cfg.model, "peft": a}
+    assert resume_differences(on_disk, settings, settings, cfg) == []
+    _save_adapter(_tiny_llama(), tmp_path / "a", r=2, lora_alpha=4, target_modules=["v_proj"])
+    diffs = resume_differences(on_disk, settings, settings, cfg)
+    assert any(d.startswith("adapter ") for d in diffs), diffs
+
+
+def test_peft_option_and_model_args_agree_or_are_refused():
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+
+    cfg = parse_eval_args(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "t", "--peft", "ad"])[1]
+    assert cfg.peft == "ad" and cfg.model_args["peft"] == "ad"
+    with pytest.raises(UsageError, match="--peft ad and --model_args peft=other disagree"):
+        parse_eval_args(["--model", "hf", "--model_args", "pretrained=x,peft=other", "--tasks", "t", "--peft", "ad"])
