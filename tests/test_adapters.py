@@ -175,15 +175,22 @@ def _lm_eval(test_tasks, model_args):
     return reference_requests(res["samples"])
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-@pytest.mark.parametrize("n,tp,pp", [(2, 2, 1), (2, 1, 2)], ids=["tp2", "pp2"])
-def test_adapter_parity_with_lm_eval(n, tp, pp, stories_adapter, test_tasks, tmp_path):
-    """mpitp with the adapter matches lm-eval with the same adapter, and not the base model: an adapter ignored
-    (or applied to the wrong shard) fails here."""
+@pytest.fixture(scope="module")
+def adapter_reference(stories_adapter, test_tasks):
+    """lm-eval's requests with the adapter, and how far the adapter moves them from the base model's."""
     ref = _lm_eval(test_tasks, f"pretrained={STORIES},dtype=float32,peft={stories_adapter}")
     base = _lm_eval(test_tasks, f"pretrained={STORIES},dtype=float32")
     moved, _ = compare_requests(base, ref)
+    return ref, moved
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("n,tp,pp", [(2, 2, 1), (2, 1, 2)], ids=["tp2", "pp2"])
+def test_adapter_parity_with_lm_eval(n, tp, pp, stories_adapter, adapter_reference, test_tasks, tmp_path):
+    """mpitp with the adapter matches lm-eval with the same adapter, and not the base model: an adapter ignored
+    (or applied to the wrong shard) fails here, since the adapter moves lm-eval's scores far beyond the tolerance."""
+    ref, moved = adapter_reference
     assert moved > 1e-3, f"the adapter hardly changes lm-eval's scores (max relative |d ll| {moved:.2e})"
     out = tmp_path / "out.h5"
     proc = run_mpi(n, ["eval", "--model", str(STORIES), "--model_args", f"peft={stories_adapter}",
