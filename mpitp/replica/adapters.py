@@ -158,7 +158,7 @@ def fingerprint(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _local_slice(param, full):
+def _local_slice(param, full, name: str = "", path: str = ""):
     """The part of ``full`` (a global-shape tensor) that this rank's ``param`` holds, and ``param``'s local data.
 
     A DTensor says where its local shard sits (``compute_local_shape_and_global_offset`` of its placements: colwise
@@ -169,7 +169,13 @@ def _local_slice(param, full):
         DTensor = ()  # type: ignore
     data = param.data
     if isinstance(data, DTensor):
+        from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        odd = [pl for pl in data.placements if type(pl) not in (Shard, Replicate)]
+        if odd:  # packed (strided) shards: a rank's part of the weight is not one slice of it
+            raise _one_line(path, f"{name} is sharded as {odd[0]} under TP: adapters on packed/strided shards are "
+                                  "not supported (use --tp 1)")
 
         shape, offset = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
         local = data.to_local()
@@ -221,7 +227,7 @@ def apply(model, adapter: Adapter, stubbed: bool = False) -> int:
             if tuple(delta.shape) != tuple(p.shape):
                 raise _one_line(adapter.path, f"{pair.module}: B @ A is {tuple(delta.shape)} but the weight is "
                                               f"{tuple(p.shape)}")
-            local, part = _local_slice(p, delta.to(p.device))
+            local, part = _local_slice(p, delta.to(p.device), pair.module, adapter.path)
             local.copy_((local.to(torch.float32) + part).to(local.dtype))
             changed += 1
         for name, full in adapter.saved.items():
@@ -231,7 +237,7 @@ def apply(model, adapter: Adapter, stubbed: bool = False) -> int:
             if tuple(full.shape) != tuple(p.shape):
                 raise _one_line(adapter.path, f"saved {name} is {tuple(full.shape)} but the model's is "
                                               f"{tuple(p.shape)}")
-            local, part = _local_slice(p, full.to(p.device))
+            local, part = _local_slice(p, full.to(p.device), name, adapter.path)
             local.copy_(part.to(local.dtype))
             changed += 1
     return changed
