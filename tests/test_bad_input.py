@@ -49,6 +49,8 @@ ROWS = [
         _err("model path ./no-such-model does not exist")),
     Row("not-a-model", "directory that is not a HF model", 2, ("eval", "--demo", "--model", "./not-a-model"),
         _err("model path ./not-a-model is not a Hugging Face model directory (no config.json)")),
+    Row("peft-not-lora", "adapter that is not LoRA (`--peft`)", 2, ("eval", "--demo", "--peft", "./ia3-adapter"),
+        _err("--model_args peft=./ia3-adapter: peft_type IA3 is not supported (LoRA adapters only)")),
     Row("tp-world", "`--tp` does not divide the world size", 2, ("eval", "--demo", "--tp", "4"),
         _err("tp=4 does not divide world size 2")),
     Row("tp-heads", "`--tp` does not divide the attention / KV heads", 4,
@@ -142,6 +144,9 @@ def scratch(tmp_path_factory):
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=48, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6, head_dim=8, vocab_size=512,
         max_position_embeddings=256)))
+    (d / "ia3-adapter").mkdir()  # the config is refused before the weights are read: a placeholder will do
+    (d / "ia3-adapter" / "adapter_config.json").write_text(json.dumps(dict(peft_type="IA3")))
+    (d / "ia3-adapter" / "adapter_model.safetensors").write_bytes(b"placeholder")
     (d / "notes.txt").write_text("a regular file, not a directory\n")
     (d / "corrupt.h5").write_bytes(b"this is not an HDF5 file\n" * 10)
     (d / "demo.yaml").write_text((REPO / "jobs" / "demo.yaml").read_text())

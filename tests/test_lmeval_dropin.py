@@ -160,7 +160,7 @@ def test_dash_and_underscore_spellings_agree(test_tasks):
                                                          "only"),
     ("--model hf --model_args pretrained=x,parallelize=True --tasks t", "--model_args parallelize: mpitp places"),
     ("--model hf --model_args pretrained=x,device_map=auto --tasks t", "--model_args device_map: mpitp places"),
-    ("--model hf --model_args pretrained=x,peft=adapter --tasks t", "--model_args peft: PEFT adapters"),
+    ("--model hf --model_args pretrained=x,delta=d --tasks t", "--model_args delta: delta weights"),
     ("--model hf --model_args pretrained=x,softmax_dtype=bfloat16 --tasks t", "softmax_dtype=bfloat16"),
     ("--model hf --model_args pretrained=x,no_such_arg=1 --tasks t", "--model_args no_such_arg: not an HFLM"),
     ("--model hf --model_args pretrained=x --tasks t --hf_hub_log_args push_results_to_hub=True",

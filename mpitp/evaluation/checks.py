@@ -290,6 +290,10 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
             log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
                         shown(cfg.model))
         config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
+        if getattr(cfg, "peft", None):
+            from mpitp.replica.adapters import check_config
+
+            check_config(cfg.peft)
         check_tp(config, tp)
         check_pp(config, pp)
         out = check_output(cfg)

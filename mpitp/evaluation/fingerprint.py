@@ -24,7 +24,7 @@ SMALL_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt", "chat_template.jinja",
                    "chat_template.json")
-IDENTITY_KEYS = ("weights", "tokenizer_files", "transformers_version", "lm_eval_version")
+IDENTITY_KEYS = ("weights", "tokenizer_files", "transformers_version", "lm_eval_version", "adapter")
 MIB = 1 << 20
 
 
@@ -120,22 +120,29 @@ def detail(model: str | None, tokenizer: str | None = None, revision: str | None
 
 
 def identity(model: str | None, tokenizer: str | None = None, revision: str | None = None,
-             d: dict | None = None) -> dict:
-    """What resume compares besides the settings (keys :data:`IDENTITY_KEYS`); ``d``: :func:`detail` if known."""
+             d: dict | None = None, adapter: str | None = None) -> dict:
+    """What resume compares besides the settings (keys :data:`IDENTITY_KEYS`); ``d``: :func:`detail` if known.
+    ``adapter``: a LoRA adapter folder (``peft=``), known by the hash of its config and weights."""
     import lm_eval
     import transformers
 
     d = d if d is not None else detail(model, tokenizer, revision)
-    return {"weights": _digest(d["model_files"]) if d["model_files"] is not None else "not local",
+    extra = {}
+    if adapter:
+        from mpitp.replica.adapters import fingerprint
+
+        extra["adapter"] = fingerprint(adapter)
+    return {**extra, "weights": _digest(d["model_files"]) if d["model_files"] is not None else "not local",
             "tokenizer_files": _digest(d["tokenizer_files"]) if d["tokenizer_files"] is not None else "not local",
             "transformers_version": transformers.__version__,
             "lm_eval_version": getattr(lm_eval, "__version__", "unknown")}
 
 
-def record(model: str | None, tokenizer: str | None = None, revision: str | None = None) -> dict:
+def record(model: str | None, tokenizer: str | None = None, revision: str | None = None,
+           adapter: str | None = None) -> dict:
     """The root attr ``fingerprint_json``: the identity entries and the per-file detail behind them."""
     d = detail(model, tokenizer, revision)
-    return {"identity": identity(model, tokenizer, revision, d), **d}
+    return {"identity": identity(model, tokenizer, revision, d, adapter), **d}
 
 
 def stored_fingerprint(on_disk) -> dict:
@@ -162,10 +169,13 @@ def resume_differences(on_disk: dict | None, stored: dict, now: dict, cfg) -> li
     if not on_disk or "identity" not in on_disk:
         return []
     d = detail(cfg.model, cfg.tokenizer, cfg.revision)
-    before, after = on_disk["identity"], identity(cfg.model, cfg.tokenizer, cfg.revision, d)
+    before, after = on_disk["identity"], identity(cfg.model, cfg.tokenizer, cfg.revision, d,
+                                                  getattr(cfg, "peft", None))
     skip = set()
     if stored.get("model") != now.get("model") or stored.get("revision") != now.get("revision"):
         skip.add("weights")
+    if stored.get("peft") != now.get("peft"):
+        skip.add("adapter")
     if (stored.get("tokenizer") or stored.get("model")) != (now.get("tokenizer") or now.get("model")):
         skip.add("tokenizer_files")
     out = [f"{k} {before.get(k)!r} in the file, {after.get(k)!r} now" for k in IDENTITY_KEYS

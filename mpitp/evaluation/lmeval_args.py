@@ -40,7 +40,7 @@ HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 """lm-eval's names for ``HFLM`` (``lm_eval.models.MODEL_MAPPING``): the one backend mpitp runs."""
 
 HFLM_LOADING = ("pretrained", "revision", "dtype", "trust_remote_code", "tokenizer", "attn_implementation",
-                "subfolder")
+                "subfolder", "peft")
 """``--model_args`` keys that say which model and tokenizer are loaded, and how (mpitp's loader honours them)."""
 
 HFLM_RUNTIME = ("max_length", "add_bos_token", "prefix_token_id", "truncation", "logits_cache", "use_fast_tokenizer",
@@ -55,8 +55,6 @@ HFLM_REFUSED = {
     "max_cpu_memory": "mpitp places the model itself: use --tp/--pp instead of max_cpu_memory",
     "offload_folder": "mpitp places the model itself and never offloads to disk",
     "tp_plan": "mpitp applies transformers' TP plan itself: use --tp N",
-    "peft": "PEFT adapters are not loaded under TP yet: merge the adapter first (peft's merge_and_unload, "
-            "save_pretrained) and pass the merged directory as pretrained",
     "delta": "delta weights are not applied under TP yet: add them to the base weights first and pass that "
              "directory as pretrained",
     "autogptq": "GPTQ-quantised loading is not supported under TP",
@@ -79,7 +77,8 @@ HELP_DETAILS = {
     "model": "Backends: hf (also hf-auto, huggingface); other lm-eval backends (vllm, openai-completions, ...) are "
              "refused.",
     "model_args": "Accepted: pretrained, revision, dtype, tokenizer, trust_remote_code, max_length, add_bos_token, "
-                  "prefix_token_id, attn_implementation, subfolder, truncation, logits_cache, use_fast_tokenizer, "
+                  "prefix_token_id, attn_implementation, subfolder, peft (a local LoRA adapter folder), truncation, "
+                  "logits_cache, use_fast_tokenizer, "
                   "think_end_token, enable_thinking, chat_template_args, softmax_dtype (float32: mpitp's log-softmax "
                   "is float32). Refused by name: " + ", ".join(HFLM_REFUSED) + ".",
     "tasks": "Groups and tags as in lm-eval ('lm-eval ls tasks' lists them).",
@@ -366,7 +365,7 @@ def to_eval_config(ec, mine: dict):
         **{k: mine[k] for k in cli_setting_dests(shorthand=False) if k in mine},
         model_source=source, model_args=model_args, hflm_args=hflm,
         attn_implementation=_opt_str(loading.get("attn_implementation")),
-        subfolder=_opt_str(loading.get("subfolder")), device=ec.device,
+        subfolder=_opt_str(loading.get("subfolder")), peft=_opt_str(loading.get("peft")), device=ec.device,
         **{f.name: from_evaluator_config(f, getattr(ec, f.name)) for f in lm_eval_named()
            if f.name not in ("model_args", "trust_remote_code")})
 
@@ -449,6 +448,7 @@ def apply_lm_eval_settings(cfg, settings: dict) -> None:
     cfg.model_args, cfg.hflm_args = model_args, hflm
     cfg.attn_implementation = _opt_str(loading.get("attn_implementation"))
     cfg.subfolder = _opt_str(loading.get("subfolder"))
+    cfg.peft = _opt_str(loading.get("peft"))
     if "cache_requests" in settings:
         from lm_eval._cli.utils import request_caching_arg_to_dict
 

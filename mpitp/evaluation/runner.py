@@ -117,11 +117,11 @@ def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
         from mpitp.replica.pipeline import load_stage
 
         return load_stage(source, lay.tp, lay.pp, lay.pp_rank, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                          **cfg.load_kwargs())
+                          peft=cfg.peft, **cfg.load_kwargs())
     from mpitp.replica.loading import load_model
 
     return load_model(source, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                      **cfg.load_kwargs())
+                      peft=cfg.peft, **cfg.load_kwargs())
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,

@@ -155,6 +155,9 @@ class EvalConfig:
         "The --model_args keys passed on to lm-eval's HFLM as they are (tokenisation, prompts, post-processing)."))
     attn_implementation: str | None = setting(identity=IF_SET, doc=(
         "transformers' attention implementation to load the model with (--model_args attn_implementation=)."))
+    peft: str | None = setting(identity=IF_SET, job=yaml_string, doc=(
+        "A local LoRA adapter folder (adapter_config.json, adapter_model.safetensors) merged into the base "
+        "weights, each rank into its own shard."), cli=cli("--peft", group=SHORTHANDS, shorthand=True))
     subfolder: str | None = setting(identity=IF_SET, doc=(
         "Subfolder of the model repository or directory holding the checkpoint (--model_args subfolder=)."))
     max_batch_size: int | None = setting(lm_eval=True,

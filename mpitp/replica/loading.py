@@ -151,10 +151,11 @@ def strided_shards_with_pread():
 
 
 def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False, **load_kwargs):
+               trust_remote_code: bool = False, peft: str | None = None, **load_kwargs):
     """Load ``model`` for this rank: whole for tp=1, sharded by transformers' TP plan for tp > 1.
 
-    ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``).
+    ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``);
+    ``peft``: a LoRA adapter folder merged into this rank's shards (:mod:`mpitp.replica.adapters`).
 
     With tp > 1 each rank reads its strided (dim >= 1) shards with ``pread`` (:func:`strided_shards_with_pread`):
     only its shards' bytes, rather than faulting whole tensors of the memory-mapped checkpoint into its RSS.
@@ -172,5 +173,9 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
                                                      **kwargs)
     else:
         m = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device)
+    if peft:
+        from mpitp.replica import adapters
+
+        adapters.apply(m, adapters.read(peft))
     m.eval()
     return m

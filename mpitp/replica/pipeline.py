@@ -76,10 +76,12 @@ def _tp_plan_without_stubs():
 
 
 def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False, **load_kwargs):
+               trust_remote_code: bool = False, peft: str | None = None, **load_kwargs):
     """Load this rank's stage: its layers only, TP-sharded over its stage's ranks. Collective over the replica.
 
-    ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``)."""
+    ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``);
+    ``peft``: a LoRA adapter merged into the stage's own layers before they are renumbered (so the adapter's layer
+    indices still name them)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -91,6 +93,10 @@ def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", 
         m = AutoModelForCausalLM.from_pretrained(model, distributed_config=DistributedConfig(tp_size=tp, pp_size=pp),
                                                  dtype=torch_dtype, revision=revision,
                                                  trust_remote_code=trust_remote_code, **load_kwargs)
+    if peft:
+        from mpitp.replica import adapters
+
+        adapters.apply(m, adapters.read(peft), stubbed=True)
     start, end = split_layers(num_layers(m.config), pp)[pp_rank]
     compact(m, start, end)
     m.eval()

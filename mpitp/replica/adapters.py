@@ -1,0 +1,243 @@
+"""LoRA adapters (``--model_args peft=ADAPTER``), merged into each rank's own shard of the base weights.
+
+Why merged, and why here: transformers' TP plan shards the base model's ``nn.Linear`` weights as DTensors (colwise:
+rows, ``Shard(0)``; rowwise: columns, ``Shard(-1)``) and knows nothing of LoRA-wrapped layers, so peft's wrappers
+under TP are exactly where adapters get silently ignored or mis-sharded. Merging ``W += scale * B @ A`` in float32
+into the slice of ``W`` this rank holds (the slice's offsets come from the DTensor's own placements) gives the weights
+peft's ``merge_and_unload`` gives, sharded the way the model already is, with no change to mpitp's forward. With
+pp > 1 each stage merges only the layers it loaded (:func:`apply` runs before the stage is renumbered).
+
+``modules_to_save`` (and ``bias='all'|'lora_only'``) are saved as whole parameters: each rank copies in its slice.
+Everything this module does not apply exactly is refused by :func:`read`, with one line naming it: non-LoRA peft
+types, DoRA, ``lora_bias``, embedding or convolution LoRA, ``target_parameters``, trainable tokens, layer
+replication, aLoRA, and saved copies of a tied parameter (the tie would carry the change to its twin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+
+from mpitp.errors import UsageError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+REFUSED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "lora_bias",
+    "use_qalora": "QALoRA (use_qalora)",
+    "use_bdlora": "use_bdlora",
+    "target_parameters": "target_parameters (LoRA on raw parameters)",
+    "trainable_token_indices": "trainable_token_indices",
+    "layer_replication": "layer_replication",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
+    "megatron_config": "megatron_config",
+    "arrow_config": "arrow_config",
+}
+"""Adapter config keys that change what LoRA computes beyond ``W + scale * B @ A``: refused when set."""
+
+
+@dataclasses.dataclass
+class LoraPair:
+    """One targeted module's low-rank update: ``delta = scale * B @ A`` (transposed with ``fan_in_fan_out``)."""
+    module: str
+    a: object
+    b: object
+    scale: float
+    transpose: bool
+
+    def delta(self):
+        import torch
+
+        d = (self.b.to(torch.float32) @ self.a.to(torch.float32)) * self.scale
+        return d.T if self.transpose else d
+
+
+@dataclasses.dataclass
+class Adapter:
+    """A LoRA adapter read from its folder: the low-rank pairs and the whole parameters it saves."""
+    path: str
+    config: dict
+    pairs: list[LoraPair]
+    saved: dict  # parameter name in the base model -> full tensor (modules_to_save, biases)
+
+
+def _one_line(path: str, what: str) -> UsageError:
+    return UsageError(f"--model_args peft={path}: {what}")
+
+
+def _load_config(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise _one_line(path, "no such adapter directory")
+    cfg_path, weights = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
+    if not os.path.isfile(cfg_path) or not os.path.isfile(weights):
+        raise _one_line(path, f"not a PEFT adapter folder (needs {CONFIG} and {WEIGHTS})")
+    try:
+        with open(cfg_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise _one_line(path, f"{CONFIG} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise _one_line(path, f"{CONFIG} is not a JSON object")
+    return config
+
+
+def check_config(path: str) -> dict:
+    """The adapter's config if mpitp applies it exactly, else a one-line :class:`UsageError` naming what is not."""
+    config = _load_config(path)
+    kind = config.get("peft_type")
+    if kind != "LORA":
+        raise _one_line(path, f"peft_type {kind} is not supported (LoRA adapters only)")
+    for key, name in REFUSED_OPTIONS.items():
+        if config.get(key) not in (None, False, {}, [], 0, ""):
+            raise _one_line(path, f"{name} is not supported: only plain LoRA (W + scale * B @ A) is applied")
+    if config.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise _one_line(path, f"bias={config.get('bias')!r} is not a LoRA bias setting")
+    return config
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """peft's rule (``get_pattern_key``): the first pattern that matches the end of the module name."""
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def read(path: str) -> Adapter:
+    """Read and check the adapter at ``path``: every tensor is either a LoRA ``A``/``B`` or a saved parameter."""
+    from safetensors.torch import load_file
+
+    config = check_config(path)
+    tensors = load_file(os.path.join(path, WEIGHTS))
+    groups: dict[str, dict] = {}
+    saved = {}
+    for key, t in tensors.items():
+        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        m = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
+        if m:
+            groups.setdefault(m.group(1), {})[m.group(2)] = t
+        elif re.search(r"\.lora_[a-zA-Z_]+", name):
+            raise _one_line(path, f"tensor {key} is not a LoRA A/B weight of a linear layer (embedding or other "
+                                  "LoRA variants are not supported)")
+        else:  # peft names a LoRA-wrapped layer's own parameters (bias='lora_only'|'all') under base_layer
+            saved[name.replace(".base_layer.", ".")] = t
+    pairs = []
+    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
+    for module, ab in sorted(groups.items()):
+        if set(ab) != {"A", "B"}:
+            raise _one_line(path, f"{module} has lora_{'A' if 'A' in ab else 'B'} without its partner")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise _one_line(path, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not a "
+                                  "linear layer's low-rank pair (convolution LoRA is not supported)")
+        r = _pattern_value(config.get("rank_pattern"), module, r_default)
+        alpha = _pattern_value(config.get("alpha_pattern"), module, alpha_default)
+        if r != a.shape[0]:
+            raise _one_line(path, f"{module}: rank {r} in {CONFIG} but lora_A has {a.shape[0]} rows")
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        pairs.append(LoraPair(module, a, b, scale, bool(config.get("fan_in_fan_out"))))
+    return Adapter(path, config, pairs, saved)
+
+
+def fingerprint(path: str) -> str:
+    """SHA-256 of the adapter's config and weights, hashed whole (adapters are small): part of the resume
+    identity, so a rewritten adapter at the same path is not mixed with the old one's rows."""
+    h = hashlib.sha256()
+    for name in (CONFIG, WEIGHTS):
+        with open(os.path.join(path, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _local_slice(param, full, name: str = "", path: str = ""):
+    """The part of ``full`` (a global-shape tensor) that this rank's ``param`` holds, and ``param``'s local data.
+
+    A DTensor says where its local shard sits (``compute_local_shape_and_global_offset`` of its placements: colwise
+    ``Shard(0)`` rows, rowwise ``Shard(-1)`` columns, replicated whole); a plain tensor holds the whole of it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()  # type: ignore
+    data = param.data
+    if isinstance(data, DTensor):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        odd = [pl for pl in data.placements if type(pl) not in (Shard, Replicate)]
+        if odd:  # packed (strided) shards: a rank's part of the weight is not one slice of it
+            raise _one_line(path, f"{name} is sharded as {odd[0]} under TP: adapters on packed/strided shards are "
+                                  "not supported (use --tp 1)")
+
+        shape, offset = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
+        local = data.to_local()
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        return local, full[index]
+    return data, full
+
+
+def _param_owners(model) -> dict[int, list[str]]:
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    return owners
+
+
+def apply(model, adapter: Adapter, stubbed: bool = False) -> int:
+    """Merge ``adapter`` into ``model``'s (local shards of its) weights in place; returns how many it changed.
+
+    ``stubbed``: a pipeline stage, whose other stages' layers are stubs here: their updates are skipped (the stage
+    holding them applies them). Otherwise every targeted module must exist, or the adapter is for another model."""
+    import torch
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    owners = _param_owners(model)
+
+    def target(name: str, what: str):
+        p = params.get(name)
+        if p is None:
+            if stubbed:
+                return None
+            raise _one_line(adapter.path, f"{what} {name} is not in the base model (adapter for another model?)")
+        twins = [n for n in owners[id(p)] if n != name]
+        if twins:
+            raise _one_line(adapter.path, f"{what} {name} is tied to {twins[0]}: changing it would change both; "
+                                          "adapters of tied parameters are not supported")
+        return p
+
+    changed = 0
+    with torch.no_grad():
+        for pair in adapter.pairs:
+            mod = modules.get(pair.module)
+            if mod is not None and not hasattr(mod, "weight"):
+                raise _one_line(adapter.path, f"{pair.module} ({type(mod).__name__}) has no weight to merge into")
+            p = target(f"{pair.module}.weight", "LoRA target")
+            if p is None:
+                continue
+            delta = pair.delta()
+            if tuple(delta.shape) != tuple(p.shape):
+                raise _one_line(adapter.path, f"{pair.module}: B @ A is {tuple(delta.shape)} but the weight is "
+                                              f"{tuple(p.shape)}")
+            local, part = _local_slice(p, delta.to(p.device), pair.module, adapter.path)
+            local.copy_((local.to(torch.float32) + part).to(local.dtype))
+            changed += 1
+        for name, full in adapter.saved.items():
+            p = target(name, "saved parameter")
+            if p is None:
+                continue
+            if tuple(full.shape) != tuple(p.shape):
+                raise _one_line(adapter.path, f"saved {name} is {tuple(full.shape)} but the model's is "
+                                              f"{tuple(p.shape)}")
+            local, part = _local_slice(p, full.to(p.device), name, adapter.path)
+            local.copy_(part.to(local.dtype))
+            changed += 1
+    return changed

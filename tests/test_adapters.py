@@ -1,0 +1,229 @@
+"""LoRA adapters (``--model_args peft=``): the merge against peft's own ``merge_and_unload``, the refusals, and
+parity of tp=2 / pp=2 with single-process ``lm_eval --model hf --model_args pretrained=BASE,peft=ADAPTER``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support import STORIES
+from support.mpi import explain, run_mpi
+from support.parity import compare_requests, mpitp_requests, reference_requests
+
+peft = pytest.importorskip("peft")
+
+
+def _tiny_llama(tied: bool = False):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attention_bias=True, tie_word_embeddings=tied)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def _perturb(model, names) -> None:
+    """Give saved copies (modules_to_save, biases) new values, so applying them is visible."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(n in name for n in names) and p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def _save_adapter(base, path, perturb=(), **lora):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
+    _perturb(model, perturb)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def _merged_by_peft(base_factory, path):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_factory(), path).merge_and_unload().state_dict()
+
+
+def _merged_by_mpitp(base_factory, path):
+    from mpitp.replica import adapters
+
+    m = base_factory()
+    changed = adapters.apply(m, adapters.read(path))
+    assert changed > 0
+    return m.state_dict()
+
+
+def _assert_same(ours: dict, theirs: dict, base: dict) -> None:
+    import torch
+
+    assert set(ours) == set(theirs)
+    moved = [k for k in ours if not torch.equal(ours[k], base[k])]
+    assert moved, "the adapter changed nothing"
+    for k in ours:
+        assert torch.allclose(ours[k], theirs[k], rtol=0, atol=1e-6), f"{k}: max |d| " \
+            f"{(ours[k] - theirs[k]).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("lora", [
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"]),
+    dict(r=4, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+         rank_pattern={"down_proj": 2}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3}),
+    dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], bias="lora_only"),
+], ids=["attn_mlp", "rslora_patterns", "modules_to_save_bias"])
+def test_merge_matches_peft_merge_and_unload(tmp_path, lora):
+    """Our merge of each LoRA option gives the weights peft's own merge gives (float32, to 1e-6)."""
+    path = _save_adapter(_tiny_llama(), tmp_path / "a", perturb=("lm_head", "bias"), **lora)
+    _assert_same(_merged_by_mpitp(_tiny_llama, path), _merged_by_peft(_tiny_llama, path),
+                 _tiny_llama().state_dict())
+
+
+def test_fan_in_fan_out_matches_peft(tmp_path):
+    """GPT-2's Conv1D keeps weights as (in, out): ``fan_in_fan_out`` transposes ``B @ A``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def gpt2():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)).eval()
+
+    path = _save_adapter(gpt2(), tmp_path / "g", r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                         fan_in_fan_out=True)
+    _assert_same(_merged_by_mpitp(gpt2, path), _merged_by_peft(gpt2, path), gpt2().state_dict())
+
+
+def _edit_config(path, **changes) -> None:
+    cfg_path = f"{path}/adapter_config.json"
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("changes,named", [
+    (dict(use_dora=True), "DoRA (use_dora)"),
+    (dict(peft_type="IA3"), "peft_type IA3"),
+    (dict(lora_bias=True), "lora_bias"),
+    (dict(target_parameters=["mlp.experts.gate_up_proj"]), "target_parameters"),
+])
+def test_unsupported_adapter_refused_by_name(tmp_path, changes, named):
+    from mpitp.errors import UsageError
+    from mpitp.replica import adapters
+
+    path = _save_adapter(_tiny_llama(), tmp_path / "a", r=2, lora_alpha=4, target_modules=["q_proj"])
+    _edit_config(path, **changes)
+    with pytest.raises(UsageError) as err:
+        adapters.read(path)
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_saved_copy_of_tied_parameter_refused(tmp_path):
+    from mpitp.errors import UsageError
+    from mpitp.replica import adapters
+
+    path = _save_adapter(_tiny_llama(tied=True), tmp_path / "t", r=2, lora_alpha=4, target_modules=["q_proj"],
+                         modules_to_save=["lm_head"])
+    with pytest.raises(UsageError, match="tied to"):
+        adapters.apply(_tiny_llama(tied=True), adapters.read(path))
+
+
+def test_fingerprint_follows_weights(tmp_path):
+    from mpitp.replica.adapters import fingerprint
+
+    a = _save_adapter(_tiny_llama(), tmp_path / "a", r=2, lora_alpha=4, target_modules=["q_proj"])
+    before = fingerprint(a)
+    _edit_config(a, lora_alpha=5)
+    assert fingerprint(a) != before
+
+
+# --- parity under MPI -----------------------------------------------------------------------------------------------
+
+TASKS = ["arc_easy_local", "lambada_openai_local"]
+LIMIT = 3
+
+
+@pytest.fixture(scope="module")
+def stories_adapter(tmp_path_factory):
+    """LoRA on every attention and MLP projection of stories260K (random non-zero B), plus a perturbed saved copy
+    of the final norm (``modules_to_save``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(STORIES), dtype=torch.float32)
+    return _save_adapter(base, tmp_path_factory.mktemp("adapter") / "lora", perturb=("model.norm",), r=4,
+                         lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"], modules_to_save=["model.norm"])
+
+
+def _lm_eval(test_tasks, model_args):
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    torch.set_num_threads(2)
+    res = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=TASKS, limit=LIMIT, batch_size=4,
+                                  device="cpu", log_samples=True, bootstrap_iters=0,
+                                  task_manager=TaskManager(include_path=test_tasks))
+    return reference_requests(res["samples"])
+
+
+@pytest.fixture(scope="module")
+def adapter_reference(stories_adapter, test_tasks):
+    """lm-eval's requests with the adapter, and how far the adapter moves them from the base model's."""
+    ref = _lm_eval(test_tasks, f"pretrained={STORIES},dtype=float32,peft={stories_adapter}")
+    base = _lm_eval(test_tasks, f"pretrained={STORIES},dtype=float32")
+    moved, _ = compare_requests(base, ref)
+    return ref, moved
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("n,tp,pp", [(2, 2, 1), (2, 1, 2)], ids=["tp2", "pp2"])
+def test_adapter_parity_with_lm_eval(n, tp, pp, stories_adapter, adapter_reference, test_tasks, tmp_path):
+    """mpitp with the adapter matches lm-eval with the same adapter, and not the base model: an adapter ignored
+    (or applied to the wrong shard) fails here, since the adapter moves lm-eval's scores far beyond the tolerance."""
+    ref, moved = adapter_reference
+    assert moved > 1e-3, f"the adapter hardly changes lm-eval's scores (max relative |d ll| {moved:.2e})"
+    out = tmp_path / "out.h5"
+    proc = run_mpi(n, ["eval", "--model", str(STORIES), "--model_args", f"peft={stories_adapter}",
+                       "--tasks", ",".join(TASKS), "--include-path", test_tasks, "--limit", str(LIMIT),
+                       "--batch-size", "4", "--bootstrap-iters", "0", "--dtype", "float32", "--tp", str(tp),
+                       "--pp", str(pp), "--output", str(out)])
+    assert proc.returncode == 0, explain(proc)
+    worst, problems = compare_requests(ref, mpitp_requests(str(out), TASKS))
+    assert not problems, "\n".join(problems[:20])
+    print(f"adapter tp={tp} pp={pp}: max relative |d ll| vs lm-eval+peft {worst:.2e}; adapter moves lm-eval's "
+          f"scores by up to {moved:.2e}")
+
+
+def test_resume_with_another_adapter_is_refused(tmp_path):
+    """The same adapter path rewritten (another training step saved over it): the fingerprint names the change."""
+    from mpitp.evaluation.fingerprint import record, resume_differences
+    from mpitp.evaluation.settings import EvalConfig
+
+    a = _save_adapter(_tiny_llama(), tmp_path / "a", r=2, lora_alpha=4, target_modules=["q_proj"])
+    cfg = EvalConfig(model=str(STORIES), tasks=["t"], peft=a)
+    on_disk = record(cfg.model, None, None, a)
+    settings = {"model": cfg.model, "peft": a}
+    assert resume_differences(on_disk, settings, settings, cfg) == []
+    _save_adapter(_tiny_llama(), tmp_path / "a", r=2, lora_alpha=4, target_modules=["v_proj"])
+    diffs = resume_differences(on_disk, settings, settings, cfg)
+    assert any(d.startswith("adapter ") for d in diffs), diffs
+
+
+def test_peft_option_and_model_args_agree_or_are_refused():
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+
+    cfg = parse_eval_args(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "t", "--peft", "ad"])[1]
+    assert cfg.peft == "ad" and cfg.model_args["peft"] == "ad"
+    with pytest.raises(UsageError, match="--peft ad and --model_args peft=other disagree"):
+        parse_eval_args(["--model", "hf", "--model_args", "pretrained=x,peft=other", "--tasks", "t", "--peft", "ad"])
