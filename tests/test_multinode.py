@@ -156,7 +156,10 @@ def test_node_lost_then_resume(two_by_two, test_tasks, tmp_path):
         took = job.gone_within(t_strike, 30.0)
         assert job.proc.returncode != 0, job.explain()
     # The launcher names the node that failed (Hydra on stdout, Open MPI's prterun in its framed notice on stderr).
-    assert "nodeb" in job.stdout + job.stderr, job.explain()
+    # prterun reports whichever it sees first: the lost node, or a survivor on nodea aborting because its TCP socket to
+    # a killed peer closed (seen once in 3 CI passes); either way every rank is gone (above) and the rows are kept.
+    told = job.stdout + job.stderr
+    assert "nodeb" in told or (mpi_family() == "openmpi" and "Socket closed" in told), job.explain()
     assert "Traceback" not in mpitp_stderr(job.stderr), job.explain()
     status, kept = file_rows(out)
     assert status == "running" and kept >= seen, (status, kept, seen)

@@ -172,6 +172,7 @@ def _inspect_values(path) -> dict[str, tuple[str, str]]:
     return found
 
 
+@pytest.mark.slow  # ~28 s on CI's 2 cores (every view, filters, screenshots)
 def test_report_in_browser(tmp_path, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select

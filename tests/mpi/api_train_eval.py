@@ -33,9 +33,11 @@ def step() -> float:
 
 
 losses = [step()]
+attention = model.config._attn_implementation
 first = mpitp.evaluate(model, model_dir, TASKS, include_path=include_path, limit=6, batch_size=2,
                        output=f"{out_dir}/eval1.h5", bootstrap_iters=0, gen_kwargs="max_gen_toks=12")
 assert model.training, "evaluate must restore training mode"
+assert model.config._attn_implementation == attention, "evaluate must give the model back its attention function"
 losses += [step(), step()]
 second = mpitp.evaluate(model, model_dir, TASKS, include_path=include_path, limit=6, batch_size=2,
                         output=f"{out_dir}/eval2.h5", bootstrap_iters=0, gen_kwargs="max_gen_toks=12")
