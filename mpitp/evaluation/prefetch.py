@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mpitp.results.safefile import temp_beside, write_replace
+
 PARQUET_REVISION = "refs/convert/parquet"
 MANIFEST = "mpitp-manifest.json"
 
@@ -74,17 +76,20 @@ def fetch_dataset(leaf, data_dir: Path, cache: str) -> list[ManifestEntry]:
         local = [hf_hub_download(leaf.dataset_path, f, repo_type="dataset", revision=PARQUET_REVISION,
                                  cache_dir=cache) for f in sorted(files)]
         target = folder / f"{split}.parquet"
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        if len(local) == 1:
-            shutil.copyfile(local[0], tmp)
-        else:  # one file per split: the layout's
-            import pyarrow.parquet as pq
+        fd, tmp = temp_beside(str(target))  # a new file of a random name: a data dir may be shared (never via a link)
+        os.close(fd)
+        try:
+            if len(local) == 1:
+                shutil.copyfile(local[0], tmp)
+            else:  # one file per split: the layout's
+                import pyarrow as pa
+                import pyarrow.parquet as pq
 
-            tables = [pq.read_table(p) for p in local]
-            import pyarrow as pa
-
-            pq.write_table(pa.concat_tables(tables), tmp)
-        os.replace(tmp, target)
+                pq.write_table(pa.concat_tables([pq.read_table(p) for p in local]), tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         src = f"hf://datasets/{leaf.dataset_path}@{PARQUET_REVISION}/" + ("+".join(sorted(files)))
         out.append(_entry(f"dataset {leaf.dataset_path}/{config} {split}", src, _commit_of(local[0]), target))
     for split in missing:
@@ -119,9 +124,8 @@ def write_manifest(path: Path, entries: list[ManifestEntry]) -> None:
             old = []
     merged = {e["path"]: e for e in old if isinstance(e, dict) and "path" in e}
     merged.update({e.path: asdict(e) for e in entries})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": 1, "files": sorted(merged.values(), key=lambda e: e["path"])}, indent=1))
-    os.replace(tmp, path)
+    write_replace(str(path), json.dumps({"format": 1, "files": sorted(merged.values(), key=lambda e: e["path"])},
+                                        indent=1).encode())
 
 
 def prefetch(spec, models_dir: str | None = None, echo=print) -> tuple[object, list[ManifestEntry]]:
