@@ -342,14 +342,14 @@ def submit(scheduler: str, job_path: str | os.PathLike[str], *,
     text = render_script(scheduler, job_path, **options)
     if dry_run:
         return text
+    command = _SUBMIT_CMD[scheduler]
+    executable = shutil.which(command)  # before the readiness check: a missing sbatch is known in a millisecond
+    if executable is None:
+        raise SubmitError(f"{command} not found on PATH; use --dry-run to print the script")
     if check:
         from mpitp.evaluation.readiness import require_ready
 
         require_ready(job_path)
-    command = _SUBMIT_CMD[scheduler]
-    executable = shutil.which(command)
-    if executable is None:
-        raise SubmitError(f"{command} not found on PATH; use --dry-run to print the script")
     job = load_job(job_path)
     _log_dir(job).mkdir(parents=True, exist_ok=True)
     path = script_path(job, scheduler, script_dir)
