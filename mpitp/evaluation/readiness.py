@@ -109,15 +109,14 @@ def block_network(tried: list[str]):
             tried.append(where)
         raise OSError(errno.ENETUNREACH, f"mpitp check: network blocked (compute nodes have none): {where}")
 
-    def connect(sock, address):
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
-            refuse(address[0], address[1])
-        return real_connect(sock, address)
+    def guarded(real):  # socket.connect and connect_ex: the same test before the real call
+        def connect(sock, address):
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+                refuse(address[0], address[1])
+            return real(sock, address)
+        return connect
 
-    def connect_ex(sock, address):
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
-            refuse(address[0], address[1])
-        return real_connect_ex(sock, address)
+    connect, connect_ex = guarded(real_connect), guarded(real_connect_ex)
 
     def getaddrinfo(host, port, *args, **kwargs):
         if not _local(host.decode() if isinstance(host, bytes) else host):
