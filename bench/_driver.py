@@ -3,7 +3,8 @@
     mpiexec -n N python bench/_driver.py mpitp [--no-cache] -- eval --model M --tasks T ...   (mpitp's own CLI)
     [torchrun --nproc-per-node N] python bench/_driver.py lmeval '<json spec>'                (lm-eval's HFLM)
 
-Both modes import the heavy libraries (torch, transformers, lm_eval and its HF model, and mpi4py/mpitp for mpitp)
+Both modes import the heavy libraries (torch, transformers with its model-loading code ``transformers.modeling_utils``,
+lm_eval and its HF model, and mpi4py/mpitp for mpitp)
 *before* the clock starts, then time exactly one call: ``mpitp.cli.main(argv)`` (checks, TP world, sharded model
 load, lm-eval on rank 0 with dispatch, HDF5 file) or ``TaskManager(...)`` + ``lm_eval.simple_evaluate(model="hf",
 ...)`` (model load, the same tasks, lm-eval's own batching). Each rank then prints one line::
@@ -123,6 +124,7 @@ def run_mpitp(argv: list[str]) -> None:
     import lm_eval.tasks  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401 - 1.7-2.2 s; both modes need it to load a model
     from mpi4py import MPI
 
     import mpitp.cli
@@ -154,6 +156,7 @@ def run_lmeval(spec: dict) -> None:
     import lm_eval.models.huggingface  # noqa: F401
     import torch
     import transformers  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401 - as in run_mpitp
     from lm_eval.tasks import TaskManager
 
     torch.set_num_threads(int(spec.get("threads", 1)))
