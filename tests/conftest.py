@@ -79,3 +79,16 @@ def test_tasks(tmp_path_factory, shared_dir) -> str:
 
     return materialize_test_tasks(tmp_path_factory.mktemp("tasks"))
 
+
+
+@pytest.fixture(scope="session")
+def demo_file(tmp_path_factory) -> str:
+    """One real ``mpiexec -n 2 mpitp eval --demo`` run (dp 2 x tp 1, samples logged), read-only, shared by every test
+    of the session that needs a real results file (``mpitp inspect``'s, ``mpitp report``'s): one launch for all."""
+    d = tmp_path_factory.mktemp("inspect_demo")
+    out = d / "demo.h5"
+    proc = _mpi.run_mpi(2, ["eval", "--demo", "--tp", "1", "--limit", "5", "--log-samples", "--output", str(out),
+                            "--overwrite"], timeout=600, cwd=str(d))
+    assert proc.returncode == 0 and out.exists(), _mpi.explain(proc)
+    os.chmod(out, 0o444)  # tests modify copies only
+    return str(out)

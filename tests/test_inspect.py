@@ -27,7 +27,6 @@ from mpitp.results.plot import plot_run  # noqa: E402
 from mpitp.results.reader import load  # noqa: E402
 from mpitp.results.schema import open_h5  # noqa: E402
 from mpitp.results.store import ResultWriter  # noqa: E402
-from support.mpi import explain, run_mpi  # noqa: E402
 
 DEMO_TASKS = ("mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen")
 LM_EVAL_KEYS = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples", "config")
@@ -96,18 +95,7 @@ def syn_running(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- the real run
-
-
-@pytest.fixture(scope="session")
-def demo_file(tmp_path_factory):
-    """One real ``mpiexec -n 2 mpitp eval --demo`` run (dp 2 x tp 1, samples logged), shared by all tests."""
-    d = tmp_path_factory.mktemp("inspect_demo")
-    out = d / "demo.h5"
-    proc = run_mpi(2, ["eval", "--demo", "--tp", "1", "--limit", "5", "--log-samples", "--output", str(out),
-                       "--overwrite"], timeout=600, cwd=str(d))
-    assert proc.returncode == 0 and out.exists(), explain(proc)
-    os.chmod(out, 0o444)  # tests modify copies only
-    return str(out)
+# demo_file (tests/conftest.py): one real mpiexec demo evaluation, shared with test_report.py
 
 
 def _copy(src, tmp_path, name="copy.h5"):

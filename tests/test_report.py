@@ -4,7 +4,9 @@
 Why a browser: the page's promises are about what a browser does with it (no request to any host, no console error,
 numbers shown equal to ``mpitp inspect``'s, filters that change the rows shown, text from files shown as text and
 never run). Files are synthetic, written through the real :class:`mpitp.results.store.ResultWriter` (fast, every
-value known). Screenshots of each view land in the test's tmp folder.
+value known), and one real `mpiexec` run shared with test_inspect.py (tests/conftest.py's ``demo_file``). One
+Chromium serves the module (start-ups are seconds on CI's 2 cores). Screenshots of each view land in the test's tmp
+folder.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 HOSTILE = "</script><script>window.pwned=1</script><img src=http://example.invalid/x.png>"
 
 
-def make_run(path, model: str, correct: list[int], group: dict | None = None) -> str:
+def make_run(path, model: str, correct: list[int], group: dict | None = None, revision: str | None = None) -> str:
     """One finished run of one multiple-choice task; ``correct[d]`` is document d's acc. Document 0's text and the
-    model name carry markup that must show as text."""
+    model name carry markup that must show as text. ``revision``: the run's --revision (in ``config_json``)."""
     n = len(correct)
     w = ResultWriter(str(path), dict(mpitp_version="0.1.0", model=model, tokenizer=model, dtype="float32",
                                      world_size=2, tp=2, dp=1, lm_eval_version="0.4.13", created="2026-12-02T09:00:00",
-                                     fingerprint_json=json.dumps({"model": model})))
+                                     fingerprint_json=json.dumps({"model": model}),
+                                     config_json=json.dumps({"model": model, "revision": revision})))
     w.append("syn_mc", [dict(doc_id=d, idx=i, kind="loglikelihood", loglikelihood=-1.0 - d % 7 - 0.5 * i,
                              is_greedy=i == 0, generation="", n_tokens=3, args_hash=f"{d}-{i}")
                         for d in range(n) for i in range(2)])
@@ -128,8 +131,9 @@ def test_unfinished_run_is_marked(tmp_path):
     assert "running (incomplete)" in " ".join(render(report).split())
 
 
-@pytest.fixture
-def browser():
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless Chromium for the module (a start-up costs seconds on CI's 2 cores); each test drains its logs."""
     if not (CHROMIUM and DRIVER):
         why = "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
         if os.environ.get("CI"):
@@ -147,6 +151,16 @@ def browser():
     driver = webdriver.Chrome(options=opts, service=Service(DRIVER))
     yield driver
     driver.quit()
+
+
+@pytest.fixture
+def browser(chromium):
+    """The module's browser on a blank page, the console and network logs of earlier tests read away (each call of
+    ``get_log`` returns what came since the last)."""
+    chromium.get("about:blank")
+    chromium.get_log("browser")
+    chromium.get_log("performance")
+    return chromium
 
 
 def _requests(driver) -> list[str]:
@@ -317,3 +331,168 @@ def test_report_of_many_samples_opens_fast(tmp_path, browser, n):
     disagree = sum((d % 2) != (d % 3 == 0) for d in range(n))
     assert len(rows) == 100 and count == f"{disagree} of {n} documents"
     assert opened < 20 and filtered < 10, (opened, filtered)
+
+
+def _profiled_build(files: list[str], iters: int) -> dict[tuple[str, str], int]:
+    """Calls per (last two parts of the file, function) while the page of ``files`` is built and rendered (cProfile
+    counts calls exactly; timings on a shared machine would say little)."""
+    import cProfile
+    import pstats
+
+    from mpitp.results.report import build, render
+
+    prof = cProfile.Profile()
+    prof.enable()
+    render(build(files, diff_iters=iters))
+    prof.disable()
+    calls: dict[tuple[str, str], int] = {}
+    for (filename, _, name), (_, ncalls, *_) in pstats.Stats(prof).stats.items():
+        key = ("/".join(filename.replace(os.sep, "/").split("/")[-2:]), name)
+        calls[key] = calls.get(key, 0) + ncalls
+    return calls
+
+
+def test_report_writing_is_linear_and_reads_each_file_once(tmp_path):
+    """Each logged sample's JSON is parsed once and each task's per-document scores are read once per file, however
+    many pairs the Diff view compares (3 runs: 3 pairs); one paired bootstrap per pair and metric, none per sample.
+    Counted twice, at n and 2n documents: the JSON parses grow by exactly 3n (one per sample of each run)."""
+    def files(n: int) -> list[str]:
+        d = tmp_path / str(n)
+        d.mkdir()
+        return [make_run(d / f"{k}.h5", f"model/{k}", [int((doc * (k + 2)) % 5 < 3) for doc in range(n)])
+                for k in range(3)]
+
+    n = 1000
+    small, large = _profiled_build(files(n), 50), _profiled_build(files(2 * n), 50)
+    for calls in (small, large):
+        assert calls[("results/docscores.py", "read")] == 3, calls[("results/docscores.py", "read")]
+        assert calls[("results/docscores.py", "parse_samples")] == 3
+        assert calls[("results/reader.py", "load_samples")] == 3
+        # the samples carry one metric (acc): 3 pairs x 1 metric, McNemar beside each bootstrap
+        assert calls[("results/stats.py", "paired_bootstrap")] == 3
+        assert calls[("results/stats.py", "mcnemar")] == 3
+    loads = ("json/__init__.py", "loads")
+    assert large[loads] - small[loads] == 3 * n, (small[loads], large[loads])
+    assert large[("results/report.py", "_prompt")] == 3 * 2 * n
+
+
+def test_files_of_one_model_family_are_a_sweep(tmp_path):
+    """Checkpoint-like last path parts (step-30, step-200, step-1000) or revisions of one model make a sweep, ordered
+    naturally; other runs stay where they were. The neighbours' paired tests are those `inspect diff` prints."""
+    from mpitp.results.report import PAIR_BOUND, build, family, pairs
+
+    given = [("ckpts/run/step-200", None), ("ckpts/run/step-30", None), ("other/model", None),
+             ("ckpts/run/step-1000", None), ("org/m", "v10"), ("org/m", "v2")]
+    paths = [make_run(tmp_path / f"{i}.h5", model, [int((d * (i + 2)) % 5 < 2) for d in range(16)], revision=rev)
+             for i, (model, rev) in enumerate(given)]
+    report = build(paths, diff_iters=200)
+    assert [(r.model, os.path.basename(r.path)) for r in report.runs] == [
+        ("ckpts/run/step-30", "1.h5"), ("ckpts/run/step-200", "0.h5"), ("ckpts/run/step-1000", "3.h5"),
+        ("other/model", "2.h5"), ("org/m", "5.h5"), ("org/m", "4.h5")]
+    assert [(p.title, [name for name, _, _ in p.points]) for p in report.sweeps] == [
+        ("ckpts/run: syn_mc: acc,none", ["step-30", "step-200", "step-1000"]),
+        ("ckpts/run: syn_mc: acc_norm,none", ["step-30", "step-200", "step-1000"]),
+        ("org/m: syn_mc: acc,none", ["v2", "v10"]), ("org/m: syn_mc: acc_norm,none", ["v2", "v10"])]
+    assert len(report.diffs) == 15  # every pair of 6 runs
+    expected = []
+    for a, b, name_a, name_b in ((1, 0, "step-30", "step-200"), (0, 3, "step-200", "step-1000"), (5, 4, "v2", "v10")):
+        res = CliRunner().invoke(inspect_command, ["diff", paths[a], paths[b], "--bootstrap-iters", "200"])
+        sentence = next(line.strip() for line in res.output.splitlines() if "[McNemar" in line)
+        expected.append(f"{name_b} vs {name_a}: {sentence}")
+    assert report.sweep_tests == expected
+    from mpitp.results.reader import load
+
+    assert family(load(paths[2])) is None  # "model" is no checkpoint name, and no revision
+    assert len(pairs(PAIR_BOUND)) == PAIR_BOUND * (PAIR_BOUND - 1) // 2 and len(pairs(PAIR_BOUND + 1)) == PAIR_BOUND
+
+
+def _statistics(a: str, b: str) -> str:
+    res = CliRunner().invoke(inspect_command, ["diff", a, b, "--bootstrap-iters", "1000"])
+    assert res.exit_code in (0, 1) and "paired tests" in res.output, res.output
+    return res.output
+
+
+def test_diff_of_any_two_runs_and_family_sweep_in_browser(tmp_path, browser):
+    """Diff: any two runs picked show what `inspect diff A B` prints and the documents scored differently; the
+    family's sweep plot has one point per checkpoint in checkpoint order, bars of 95% CIs (value ± 1.96 stderr)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    n = 200  # 125 documents change between R1 and R3: past the 100 the page lists
+    correct = {"step-200": [int(d % 4 != 0) for d in range(n)], "step-30": [int(d % 2 == 0) for d in range(n)],
+               "step-1000": [int(d % 8 != 0) for d in range(n)]}
+    paths = {name: make_run(tmp_path / f"{name}.h5", f"ckpts/run/{name}", c) for name, c in correct.items()}
+    render_cli(*paths.values(), out=tmp_path / "family.html", iters=1000)
+    browser.get((tmp_path / "family.html").as_uri())
+    order = ["step-30", "step-200", "step-1000"]  # R1, R2, R3
+    assert [tr.find_elements(By.TAG_NAME, "td")[1].text for tr in
+            browser.find_elements(By.CSS_SELECTOR, "#runs-table tr")[1:]] == [f"ckpts/run/{o}" for o in order]
+
+    def pick(a: str, b: str) -> tuple[str, str, str, list[str]]:
+        Select(browser.find_element(By.ID, "diff-a")).select_by_visible_text(a)
+        Select(browser.find_element(By.ID, "diff-b")).select_by_visible_text(b)
+        return (browser.find_element(By.ID, "diff-text").text, browser.find_element(By.ID, "diff-note").text,
+                browser.find_element(By.ID, "diff-count").text,
+                [tr.find_elements(By.TAG_NAME, "td")[1].text for tr in
+                 browser.find_elements(By.CSS_SELECTOR, "#diff-docs tr.changed")])
+
+    assert browser.find_element(By.ID, "diff-text").text in _statistics(paths["step-30"], paths["step-200"])
+    text, note, count, docs = pick("R1", "R3")
+    changed = [str(d) for d in range(n) if correct["step-30"][d] != correct["step-1000"][d]]
+    assert text and text in _statistics(paths["step-30"], paths["step-1000"]) and note == ""
+    assert count == f"{len(changed)} documents scored differently by R1 and R3 (the first 100 shown; the Samples " \
+                    "view's filters show all)" and docs == changed[:100], (count, docs[:5])
+    browser.execute_script("document.getElementById('diff').scrollIntoView()")
+    browser.save_screenshot(str(tmp_path / "diff.png"))
+    swapped = pick("R3", "R1")
+    assert swapped[0] == text and swapped[1].startswith("R1 against R3 is shown") and swapped[3] == changed[:100]
+    assert pick("R2", "R2") == ("", "Pick two different runs.", "", [])
+
+    figures = browser.find_elements(By.CSS_SELECTOR, "figure.sweep")
+    assert [f.find_element(By.TAG_NAME, "figcaption").text for f in figures] == [
+        "ckpts/run: syn_mc: acc,none", "ckpts/run: syn_mc: acc_norm,none"]
+    assert [t.text for t in figures[0].find_elements(By.CSS_SELECTOR, "text.checkpoint")] == order
+    acc = sum(correct["step-30"]) / n
+    first = figures[0].find_element(By.CSS_SELECTOR, "circle.point title").get_attribute("textContent")
+    assert first == f"step-30: {acc:.4f}, 95% CI [{acc - 0.245:.4f}, {acc + 0.245:.4f}]"  # 1.96 x stderr 0.125
+    assert "95% confidence interval, value ± 1.96 · stderr" in browser.find_element(By.CSS_SELECTOR, "p.legend").text
+    tests = [li.text for li in browser.find_elements(By.CSS_SELECTOR, "ul.sweep-tests li")]
+    assert [t.split(": ")[0] for t in tests] == ["step-200 vs step-30", "step-1000 vs step-200"]
+    assert tests[0].partition(": ")[2] in _statistics(paths["step-30"], paths["step-200"])
+    browser.execute_script("document.getElementById('sweeps').scrollIntoView()")
+    browser.save_screenshot(str(tmp_path / "sweep.png"))
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+@pytest.mark.mpi
+def test_report_of_a_real_mpiexec_run_in_browser(demo_file, tmp_path, browser):
+    """The session's real `mpiexec -n 2 mpitp eval --demo` file (tests/conftest.py): the leaderboard shows exactly
+    the rows `mpitp inspect` prints, every task's samples are there, no console error, no request."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    printed = {}
+    res = CliRunner().invoke(inspect_command, [demo_file])
+    for line in res.output.splitlines():
+        t = line.split()
+        if t and t[0].startswith("mpitp_demo_"):
+            printed[tuple(t[:3])] = (t[3], t[5] if len(t) > 5 and t[4] == "±" else "", t[-1])
+    assert len(printed) >= 3, res.output
+    render_cli(demo_file, out=tmp_path / "real.html")
+    browser.get((tmp_path / "real.html").as_uri())
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    assert all(u.startswith("file://") for u in _requests(browser))
+    shown = {}
+    for tr in browser.find_elements(By.CSS_SELECTOR, "#leaderboard-table tbody tr"):
+        tds = tr.find_elements(By.TAG_NAME, "td")
+        errs = tds[3].find_elements(By.CLASS_NAME, "err")
+        shown[(tds[0].text, tds[1].text, tds[2].text)] = (
+            tds[3].find_element(By.CLASS_NAME, "value").text, errs[0].text.removeprefix("± ") if errs else "")
+    assert shown == {k: v[:2] for k, v in printed.items()}, (shown, printed)
+    tasks = sorted({k[0] for k in printed})
+    for task in tasks:
+        Select(browser.find_element(By.ID, "task")).select_by_visible_text(task)
+        n = next(v[2] for k, v in printed.items() if k[0] == task)
+        assert browser.find_element(By.ID, "count").text == f"{n} of {n} documents", task
+    browser.save_screenshot(str(tmp_path / "real-samples.png"))
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []

@@ -12,7 +12,8 @@ from mpitp.cli.inspect import CONTEXT, _bad_input_exits
 @click.argument("inputs", nargs=-1, required=True, metavar="FILE_OR_DIR...")
 @click.option("-o", "--output", required=True, help="The HTML file to write.")
 @click.option("--bootstrap-iters", type=click.IntRange(min=0), default=10000, show_default=True,
-              help="Bootstrap resamples of the Diff section's paired tests (as mpitp inspect diff).")
+              help="Bootstrap resamples of the Diff section's paired tests (as mpitp inspect diff; every pair of up to "
+                   "12 runs, neighbours past that; 0: none).")
 @_bad_input_exits
 def report_command(inputs: tuple[str, ...], output: str, bootstrap_iters: int) -> None:
     """Write one HTML page (runs, leaderboard, samples, sweep plot) that opens from disk with no server."""

@@ -7,6 +7,7 @@ task with neither is reported as such, never guessed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,11 +85,14 @@ def compare_scores(task: str, sa: DocScores, sb: DocScores, iters: int = 10000, 
 
 
 def compare_files(path_a: str, path_b: str, tasks: list[str], iters: int = 10000, seed: int = 1234,
-                  higher: dict | None = None) -> list[TaskComparison]:
-    """One :class:`TaskComparison` per task of ``tasks`` (present in both files)."""
+                  higher: dict | None = None,
+                  scores: Callable[[str, str], DocScores | None] = read) -> list[TaskComparison]:
+    """One :class:`TaskComparison` per task of ``tasks`` (present in both files). ``scores(path, task)`` reads a
+    task's per-document scores; ``mpitp report`` passes the ones it already read (one read per file and task, however
+    many pairs it compares)."""
     out = []
     for task in tasks:
-        sa, sb = read(path_a, task), read(path_b, task)
+        sa, sb = scores(path_a, task), scores(path_b, task)
         if sa is None or sb is None:
             which = " and ".join(x for x, s in (("A", sa), ("B", sb)) if s is None)
             out.append(TaskComparison(task, [], f"no per-document scores in {which} (file written before "

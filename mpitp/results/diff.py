@@ -132,16 +132,30 @@ def render_diff(a: RunFile, b: RunFile, diffs: list[TaskDiff], only: list[tuple[
     return "\n".join(lines), differ
 
 
-def render_statistics(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed: int) -> str:
-    """Paired tests of B against A per task and metric (:mod:`mpitp.results.compare`)."""
-    from mpitp.results.compare import compare_files, render
+def paired_comparisons(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed: int, scores=None) -> list:
+    """Paired tests of B against A per task and metric (:mod:`mpitp.results.compare`), lm-eval's higher_is_better
+    of either file naming the better direction. ``scores``: see :func:`~mpitp.results.compare.compare_files`
+    (``mpitp report`` compares every pair of its runs from one read of each file)."""
+    from mpitp.results.compare import compare_files
+    from mpitp.results.docscores import read
 
     higher = {}
     for run in (a, b):
         for task, h in ((run.results_json or {}).get("higher_is_better") or {}).items():
             higher.setdefault(task, h)
     try:
-        comparisons = compare_files(a.path, b.path, tasks, iters=iters, seed=seed, higher=higher)
+        return compare_files(a.path, b.path, tasks, iters=iters, seed=seed, higher=higher, scores=scores or read)
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise BadInput(f"per-document scores: {one_line(exc)}") from None
+
+
+def statistics_text(comparisons: list) -> str:
+    """What ``mpitp inspect diff`` prints of :func:`paired_comparisons` (and ``mpitp report`` shows, the same text)."""
+    from mpitp.results.compare import render
+
     return render(comparisons) or "no tasks to compare"
+
+
+def render_statistics(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed: int) -> str:
+    """Paired tests of B against A per task and metric, as text."""
+    return statistics_text(paired_comparisons(a, b, tasks, iters, seed))

@@ -117,12 +117,15 @@ def write(group, ds: DocScores) -> None:
         d.attrs["higher_is_better"] = "None" if hib is None else bool(hib)
 
 
-def read(path: str, task: str) -> DocScores | None:
-    """The task's per-document scores: ``doc_scores`` when stored, else rebuilt from logged samples, else None."""
+def read(path: str, task: str, samples: list[dict] | None = None) -> DocScores | None:
+    """The task's per-document scores: ``doc_scores`` when stored, else rebuilt from logged samples, else None.
+
+    ``samples``: the task's logged samples when the caller has already parsed them (:func:`parse_samples`;
+    ``mpitp report`` shows their texts too), so they are not read and parsed a second time."""
     import h5py
 
     from mpitp.results.schema import open_h5
-    from mpitp.results.untrusted import BadInput, mapping
+    from mpitp.results.untrusted import BadInput
 
     def dataset(obj, what: str):
         if not isinstance(obj, h5py.Dataset) or obj.ndim not in (1, 2):
@@ -155,12 +158,26 @@ def read(path: str, task: str) -> DocScores | None:
                 hib = d[key].attrs.get("higher_is_better", "None")
                 ds.higher_is_better[key] = None if isinstance(hib, (str, bytes)) or np.ndim(hib) else bool(hib)
             return ds
-        if "samples" in g:
-            texts = dataset(g["samples"], "samples")[()]
-            samples = [mapping(json.loads(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)),
-                               "a logged sample") for x in texts.ravel()]
+        if samples is not None:
             return from_samples(samples)
+        if "samples" in g:
+            return from_samples(parse_samples(dataset(g["samples"], "samples")[()].ravel()))
     return None
+
+
+def parse_samples(texts) -> list[dict]:
+    """lm-eval's logged sample records (JSON text, one per document, as stored) as dicts; a record that is not a JSON
+    object is bad input (a file is untrusted)."""
+    from mpitp.results.untrusted import BadInput, mapping
+
+    out = []
+    for x in texts:
+        try:
+            s = json.loads(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x))
+        except ValueError as exc:
+            raise BadInput(f"a logged sample is not JSON ({exc})") from None
+        out.append(mapping(s, "a logged sample"))
+    return out
 
 
 def from_samples(samples: list[dict]) -> DocScores | None:

@@ -6,6 +6,10 @@ server they may run; the page must open from disk and ask no host for anything (
 Every file is read through :func:`mpitp.results.reader.load` (which checks untrusted files) and everything a file
 says reaches the page either through jinja2's autoescape (HTML text) or through :func:`script_json` (data for the
 page's script), never by string concatenation into markup.
+
+Each file is read once: a task's logged samples are parsed once and its per-document scores read once, for the
+Samples view and for every pair the Diff view compares (:func:`read_task`, :func:`paired`); writing is linear in the
+documents (plus one paired bootstrap per pair, task and metric, as ``inspect diff``).
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
+from mpitp.results import docscores
+from mpitp.results.diff import paired_comparisons, statistics_text
+from mpitp.results.docscores import DocScores
 from mpitp.results.reader import BadInput, RunFile, as_number, load, load_requests, load_samples, metric_rows
-from mpitp.results.render import layout_line
+from mpitp.results.render import _fmt_value, layout_line
 
 SAMPLE_CAP = 200_000  # sample rows embedded per report; past it a task's rows are left out (and the page says so)
 TEXT_BUDGET = 40_000_000  # characters of document and target text per report; past it rows keep scores, not text
@@ -26,6 +34,10 @@ DIFF_ITERS = 10000  # bootstrap resamples of the paired tests, as ``mpitp inspec
 DOC_CHARS, TARGET_CHARS = 2000, 500  # one document's text and target are cut there
 SUMMARY_NAME = "sweep-summary.json"
 CORRECTNESS = ("acc", "exact_match")  # the per-document score shown in Samples when the task has one of these
+PAIR_BOUND = 12  # runs: up to this many every pair's paired tests are on the page (66 pairs), past it neighbours'
+Z95 = 1.96  # the sweep plot's bars: value ± 1.96 · stderr, a 95% confidence interval under the normal approximation
+# a model path's last part that names a checkpoint (see family()): step-100, checkpoint_2000, global_step5, 300
+CHECKPOINT = re.compile(r"(?i)^(?:(?:checkpoint|ckpt|step|global_step|iter|iteration|epoch)[-_]?)?\d+$")
 
 
 @dataclass
@@ -47,6 +59,7 @@ class Cell:
     stderr: float | None
     text: str
     best: bool = False
+    err_text: str = ""  # the stderr as inspect prints it
 
 
 @dataclass
@@ -72,7 +85,8 @@ class SweepPanel:
 
 @dataclass
 class DiffView:
-    """The paired tests of run ``b`` against run ``a`` per task, the text ``mpitp inspect diff A B`` prints."""
+    """The paired tests of run ``b`` against run ``a`` per task, the text ``mpitp inspect diff A B`` prints (the page
+    holds each pair once, ``a`` the earlier run)."""
 
     a: str
     b: str
@@ -87,7 +101,9 @@ class Report:
     left_out: list[str]
     sweeps: list[SweepPanel]
     sweep_tests: list[str] = field(default_factory=list)  # the summary's paired tests between neighbours
-    diffs: list[DiffView] = field(default_factory=list)
+    diffs: list[DiffView] = field(default_factory=list)  # every pair (a first) up to diff_bound runs, else neighbours
+    diff_bound: int = PAIR_BOUND
+    diff_iters: int = DIFF_ITERS  # 0: no paired tests (as inspect diff)
 
 
 def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
@@ -113,10 +129,8 @@ def _num(v) -> float | None:
 
 
 def _fmt(v) -> str:
-    x = as_number(v)
-    if x is None:
-        return "" if v is None else str(v)
-    return f"{x:.4f}" if math.isfinite(x) else str(x)
+    """A value as ``mpitp inspect`` prints it (the leaderboard must show the same text)."""
+    return _fmt_value(v)
 
 
 def _wall(v) -> str:
@@ -180,7 +194,7 @@ def leaderboard(runs: list[RunFile], higher: dict[str, bool]) -> list[LeaderRow]
     for i, run in enumerate(runs):
         for r in metric_rows(run):
             cells = table.setdefault((r.task, r.metric, r.filter), [Cell(None, None, "") for _ in runs])
-            cells[i] = Cell(_num(r.value), _num(r.stderr), _fmt(r.value))
+            cells[i] = Cell(_num(r.value), _num(r.stderr), _fmt(r.value), err_text=_fmt(r.stderr))
     rows = []
     for (task, metric, filt), cells in table.items():
         vals = [c.value for c in cells if c.value is not None]
@@ -229,25 +243,35 @@ def _answer(s: dict) -> str:
     return str(resps[0]) if isinstance(resps[0], str) else json.dumps(resps[0])
 
 
-def _doc_texts(path: str, task: str) -> dict[int, tuple[str, str, str]]:
-    """doc_id -> (prompt, target, answer) from logged samples; {} when none were logged."""
-    out = {}
-    for text in load_samples(path, task) or []:
-        try:
-            s = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(s, dict) and isinstance(s.get("doc_id"), int):
-            out[s["doc_id"]] = (_prompt(s)[:DOC_CHARS], str(s.get("target", ""))[:TARGET_CHARS],
-                                _answer(s)[:TARGET_CHARS])
-    return out
+@dataclass
+class TaskData:
+    """One run's one task as the page needs it, read once (the samples' JSON parsed once, the per-document scores
+    read once), whatever number of views and pairs use it."""
+
+    texts: dict[int, tuple[str, str]]  # doc_id -> (prompt, target), from logged samples
+    answers: dict[int, str]  # doc_id -> the run's answer
+    scores: DocScores | None  # per-document metric values (doc_scores, else the logged samples')
+    lls: dict[int, float | None]  # doc_id -> log-likelihood of the first request
 
 
-def _scores(path: str, task: str) -> dict[int, float]:
+def read_task(run: RunFile, task: str) -> TaskData:
+    """Everything the page shows of ``task`` in ``run``. The samples (written by write_task with the task's attrs:
+    a journal-only task has neither) are parsed once here and handed to :func:`docscores.read`, which would otherwise
+    parse them again for files without ``doc_scores``."""
+    logged = None
+    if run.tasks[task].attrs:
+        stored = load_samples(run.path, task)
+        logged = None if stored is None else docscores.parse_samples(stored)
+    texts, answers = {}, {}
+    for s in logged or []:
+        if isinstance(s.get("doc_id"), int):
+            texts[s["doc_id"]] = (_prompt(s)[:DOC_CHARS], str(s.get("target", ""))[:TARGET_CHARS])
+            answers[s["doc_id"]] = _answer(s)[:TARGET_CHARS]
+    return TaskData(texts, answers, docscores.read(run.path, task, samples=logged), _lls(run.path, task))
+
+
+def _scores(ds: DocScores | None) -> dict[int, float | None]:
     """doc_id -> the task's first per-document metric (correctness for accuracy-like tasks)."""
-    from mpitp.results import docscores
-
-    ds = docscores.read(path, task)
     if ds is None:
         return {}
     numeric = [k for k, col in ds.values.items() if col.dtype != object and col.ndim == 1]
@@ -255,16 +279,16 @@ def _scores(path: str, task: str) -> dict[int, float]:
     return {int(d): _num(v) for d, v in zip(ds.doc_id, ds.values[preferred[0]])} if preferred else {}
 
 
-def _lls(path: str, task: str) -> dict[int, float]:
+def _lls(path: str, task: str) -> dict[int, float | None]:
     """doc_id -> the log-likelihood of the document's first request (its first choice or its continuation)."""
     cols = load_requests(path, task)
-    out: dict[int, float] = {}
+    out: dict[int, float | None] = {}
     for d, ll in zip(cols.get("doc_id", []), cols.get("loglikelihood", [])):
         out.setdefault(int(d), _num(ll))
     return out
 
 
-def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP,
+def samples(runs: list[RunFile], labels: list[str], data: dict[tuple[int, str], TaskData], cap: int = SAMPLE_CAP,
             text_budget: int = TEXT_BUDGET) -> tuple[dict, list[str]]:
     """Per task, one row per document: its text and target (from the first run that logged samples) and each run's
     score and log-likelihood. The page's size is bounded: at most ``cap`` rows and ``text_budget`` characters of
@@ -272,15 +296,11 @@ def samples(runs: list[RunFile], labels: list[str], cap: int = SAMPLE_CAP,
     out, left_out, total, chars = {}, [], 0, 0
     tasks = sorted({t for run in runs for t in run.tasks})
     for task in tasks:
-        have = [(label, run) for label, run in zip(labels, runs) if task in run.tasks]
-        texts, answers, scores, lls = {}, [], [], []
-        for _, run in have:
-            # samples are written by write_task, with the task's attrs: a journal-only task has neither
-            logged = _doc_texts(run.path, task) if run.tasks[task].attrs else {}
-            texts = texts or {d: t[:2] for d, t in logged.items()}
-            answers.append({d: t[2] for d, t in logged.items()})
-            scores.append(_scores(run.path, task))
-            lls.append(_lls(run.path, task))
+        have = [(label, data[i, task]) for i, (label, run) in enumerate(zip(labels, runs)) if task in run.tasks]
+        texts = next((td.texts for _, td in have if td.texts), {})
+        answers = [td.answers for _, td in have]
+        scores = [_scores(td.scores) for _, td in have]
+        lls = [td.lls for _, td in have]
         docs = sorted(set(texts).union(*scores, *lls))
         if total + len(docs) > cap:
             left_out.append(f"{task}: {len(docs)} documents left out (the report embeds at most {cap} sample rows)")
@@ -318,21 +338,29 @@ def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPa
     try:
         with open(path) as f:
             rows = [r for r in json.load(f)["checkpoints"] if isinstance(r, dict) and r.get("metrics")]
+        checkpoints = [(str(r.get("name", "?")), dict(r["metrics"])) for r in rows]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInput(f"{path}: not a sweep summary ({exc})") from None
-    panels: dict[tuple[str, str], SweepPanel] = {}
-    for r in rows:
-        for task, m in r["metrics"].items():
-            for key, v in m.items():
+    return panels(checkpoints, "", width, height)
+
+
+def panels(checkpoints: list[tuple[str, dict]], prefix: str, width: int = 520, height: int = 220) -> list[SweepPanel]:
+    """One panel per (task, metric) over ``checkpoints`` (name, {task: {metric key: value}}, in sweep order), each
+    point with its 95% confidence interval: value ± 1.96 · stderr (lm-eval's stderr of the metric; neither a sweep
+    summary nor a results file holds a per-checkpoint bootstrap interval), no bar where there is no stderr."""
+    found: dict[tuple[str, str], SweepPanel] = {}
+    for name, metrics in checkpoints:
+        for task, m in metrics.items():
+            for key, v in (m.items() if isinstance(m, dict) else ()):
                 metric, _, filt = key.partition(",")
                 if "_stderr" in metric or _num(v) is None:
                     continue
                 err = _num(m.get(f"{metric}_stderr,{filt}")) or 0.0
-                panels.setdefault((task, key), SweepPanel(f"{task}: {key}", [])).points.append(
-                    (str(r.get("name", "?")), float(v), err))
-    for p in panels.values():
-        lo = min(v - e for _, v, e in p.points)
-        hi = max(v + e for _, v, e in p.points)
+                found.setdefault((task, key), SweepPanel(f"{prefix}{task}: {key}", [])).points.append(
+                    (name, float(v), err))
+    for p in found.values():
+        lo = min(v - Z95 * e for _, v, e in p.points)
+        hi = max(v + Z95 * e for _, v, e in p.points)
         span = (hi - lo) or 1.0
         n = len(p.points)
         for i, (name, v, e) in enumerate(p.points):
@@ -341,21 +369,93 @@ def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPa
             def y(val):
                 return height - 30 - (height - 50) * (val - lo) / span
 
-            p.svg_points.append(dict(x=round(x, 1), y=round(y(v), 1), y0=round(y(v - e), 1), y1=round(y(v + e), 1),
-                                     name=name, value=_fmt(v), stderr=_fmt(e)))
+            p.svg_points.append(dict(x=round(x, 1), y=round(y(v), 1), y0=round(y(v - Z95 * e), 1),
+                                     y1=round(y(v + Z95 * e), 1), name=name, value=_fmt(v), stderr=_fmt(e),
+                                     ci=f"95% CI [{_fmt(v - Z95 * e)}, {_fmt(v + Z95 * e)}]" if e else "no stderr"))
         p.y_labels = [dict(y=round(height - 30, 1), text=_fmt(lo)), dict(y=20.0, text=_fmt(hi))]
-    return list(panels.values())
+    return list(found.values())
 
 
-def diffs(runs: list[RunFile], labels: list[str], iters: int = DIFF_ITERS, seed: int = 1234) -> list[DiffView]:
-    """Each run against the one before it (a sweep's neighbours), with ``inspect diff``'s defaults."""
-    from mpitp.results.diff import render_statistics
+def _revision(run: RunFile) -> str:
+    try:
+        rev = json.loads(run.attrs.get("config_json") or "{}").get("revision")
+    except (ValueError, TypeError, AttributeError):
+        return ""
+    return rev if isinstance(rev, str) else ""
 
-    out = []
-    for i in range(1, len(runs)):
-        a, b = runs[i - 1], runs[i]
-        tasks = [t for t in a.tasks if t in b.tasks]
-        out.append(DiffView(labels[i - 1], labels[i], render_statistics(a, b, tasks, iters, seed)))
+
+def family(run: RunFile) -> tuple[str, str] | None:
+    """(family, checkpoint name) of a run, or None. The rule: the model's last path part is checkpoint-like
+    (:data:`CHECKPOINT`: ``step-100``, ``checkpoint_2000``, ``global_step5``, ``300``) and the family is the path
+    before it; else the run names a ``--revision`` and the family is the model. Nothing else is guessed."""
+    model = str(run.attrs.get("model", "")).rstrip("/")
+    base, _, last = model.rpartition("/")
+    if base and CHECKPOINT.match(last):
+        return base, last
+    rev = _revision(run)
+    return (model, rev) if rev and model else None
+
+
+def families(runs: list[RunFile]) -> list[tuple[str, list[int]]]:
+    """Families of at least two runs (by :func:`family`), each's runs ordered naturally by checkpoint name
+    (``step-2`` before ``step-10``, :func:`mpitp.jobs.sweep.natural_key`, the order a sweep evaluates a glob in)."""
+    from mpitp.jobs.sweep import natural_key
+
+    groups: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        f = family(run)
+        if f:
+            groups.setdefault(f[0], []).append(i)
+    return [(name, sorted(idx, key=lambda i: natural_key(family(runs[i])[1])))
+            for name, idx in groups.items() if len(idx) > 1]
+
+
+def family_order(runs: list[RunFile]) -> list[int]:
+    """The runs' order on the page: as given, except that a family's runs stand together in checkpoint order where
+    its first run was (so a family's neighbours are neighbouring runs, R3 and R4, compared in the Diff view)."""
+    fams = {i: idx for _, idx in families(runs) for i in idx}
+    out: list[int] = []
+    for i in range(len(runs)):
+        if i not in out:
+            out += fams.get(i, [i])
+    return out
+
+
+def pairs(n: int) -> list[tuple[int, int]]:
+    """The pairs whose paired tests are on the page: every pair (i < j) up to :data:`PAIR_BOUND` runs (66 pairs),
+    past it only neighbours (each pair is a bootstrap per task and metric: the writing time grows with pairs x
+    documents x ``--bootstrap-iters``)."""
+    if n <= PAIR_BOUND:
+        return [(i, j) for i in range(n) for j in range(i + 1, n)]
+    return [(i, i + 1) for i in range(n - 1)]
+
+
+def paired(runs: list[RunFile], data: dict[tuple[int, str], TaskData], iters: int = DIFF_ITERS,
+           seed: int = 1234) -> dict[tuple[int, int], list]:
+    """The paired tests of run j against run i for each of :func:`pairs`, by the code ``mpitp inspect diff A B``
+    prints them with (:func:`mpitp.results.diff.paired_comparisons`, its defaults), from the scores read once.
+
+    Why precomputed in Python rather than computed by the page's script: the page is static, and the numbers must be
+    those ``inspect diff`` prints; its paired bootstrap draws from numpy's generator (a script could not repeat the
+    draws), and one implementation of the statistics is one to keep right. The bound on pairs keeps the cost known."""
+    by_path = {(runs[i].path, task): td.scores for (i, task), td in data.items()}
+
+    def scores(path: str, task: str):
+        return by_path[path, task]
+
+    if iters <= 0:  # as inspect diff: no paired tests at --bootstrap-iters 0
+        return {}
+    return {(i, j): paired_comparisons(runs[i], runs[j], [t for t in runs[i].tasks if t in runs[j].tasks], iters, seed,
+                                       scores=scores)
+            for i, j in pairs(len(runs))}
+
+
+def _metrics_of(run: RunFile) -> dict:
+    """{task: {"acc,none": value, "acc_stderr,none": stderr}} of a results file, the shape of a sweep summary's."""
+    out: dict = {}
+    for r in metric_rows(run):
+        out.setdefault(r.task, {})[f"{r.metric},{r.filter}"] = r.value
+        out[r.task][f"{r.metric}_stderr,{r.filter}"] = r.stderr
     return out
 
 
@@ -363,12 +463,26 @@ def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDG
           diff_iters: int = DIFF_ITERS) -> Report:
     files, summaries = expand(inputs)
     runs = [load(p) for p in files]
+    if not summaries:  # files of one model family are a sweep (a summary, when given, is the sweep instead)
+        runs = [runs[i] for i in family_order(runs)]
     labels = [f"R{i + 1}" for i in range(len(runs))]
-    sample_data, left_out = samples(runs, labels, cap, text_budget)
-    return Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
-                  leaderboard=leaderboard(runs, _higher(runs)), samples=sample_data, left_out=left_out,
-                  sweeps=[p for s in summaries for p in sweep_panels(s)], diffs=diffs(runs, labels, diff_iters),
-                  sweep_tests=[t for s in summaries for t in sweep_tests(s)])
+    data = {(i, task): read_task(run, task) for i, run in enumerate(runs) for task in run.tasks}
+    sample_data, left_out = samples(runs, labels, data, cap, text_budget)
+    comps = paired(runs, data, diff_iters)
+    report = Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
+                    leaderboard=leaderboard(runs, _higher(runs)), samples=sample_data, left_out=left_out,
+                    sweeps=[p for s in summaries for p in sweep_panels(s)],
+                    sweep_tests=[t for s in summaries for t in sweep_tests(s)],
+                    diffs=[DiffView(labels[i], labels[j], statistics_text(c)) for (i, j), c in comps.items()],
+                    diff_bound=PAIR_BOUND, diff_iters=diff_iters)
+    for name, idx in ([] if summaries else families(runs)):
+        names = [family(runs[i])[1] for i in idx]
+        report.sweeps += panels([(n, _metrics_of(runs[i])) for n, i in zip(names, idx)], f"{name}: ")
+        for (i, a), (j, b) in zip(zip(idx, names), zip(idx[1:], names[1:])):
+            for tc in comps.get((i, j), []):
+                report.sweep_tests += [f"{b} vs {a}: {m.sentence()}" for m in tc.metrics]
+                report.sweep_tests += [f"{b} vs {a}: {tc.task}: {tc.note}"] if tc.note else []
+    return report
 
 
 def script_json(data) -> str:
@@ -385,8 +499,11 @@ def render(report: Report) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates")),
                              autoescape=True, undefined=jinja2.StrictUndefined)
     env.filters["script_json"] = lambda d: Markup(script_json(d))
+    diff_data = {"runs": [r.label for r in report.runs], "paths": [r.path for r in report.runs],
+                 "bound": report.diff_bound, "iters": report.diff_iters,
+                 "pairs": {f"{d.a}|{d.b}": d.text for d in report.diffs}}
     return env.get_template("report.html.j2").render(
-        report=report, board=[asdict(r) for r in report.leaderboard], samples=report.samples)
+        report=report, board=[asdict(r) for r in report.leaderboard], samples=report.samples, diff_data=diff_data)
 
 
 def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS) -> int:
