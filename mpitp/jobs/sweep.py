@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
-from mpitp.results.sweepsummary import Row, render_summary, summary_path, write_summary
+from mpitp.results.sweepsummary import Row, natural_key, render_summary, summary_path, write_summary
 
 if TYPE_CHECKING:
     from mpitp.evaluation.checks import CheckedTasks
@@ -49,11 +49,6 @@ log = logging.getLogger("mpitp")
 
 def is_sweep(model: str | None) -> bool:
     return bool(model) and ("," in model or glob.has_magic(model))
-
-
-def natural_key(s: str):
-    """Sort key that orders numbers in names by value: step-2 before step-10."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
 def expand_models(spec: str) -> list[str]:

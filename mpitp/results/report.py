@@ -398,8 +398,8 @@ def family(run: RunFile) -> tuple[str, str] | None:
 
 def families(runs: list[RunFile]) -> list[tuple[str, list[int]]]:
     """Families of at least two runs (by :func:`family`), each's runs ordered naturally by checkpoint name
-    (``step-2`` before ``step-10``, :func:`mpitp.jobs.sweep.natural_key`, the order a sweep evaluates a glob in)."""
-    from mpitp.jobs.sweep import natural_key
+    (``step-2`` before ``step-10``, :func:`mpitp.results.sweepsummary.natural_key`: a sweep's glob order)."""
+    from mpitp.results.sweepsummary import natural_key
 
     groups: dict[str, list[int]] = {}
     for i, run in enumerate(runs):

@@ -10,11 +10,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 from mpitp.results.safefile import write_replace
 
 SUMMARY_NAME = "sweep-summary.json"
+
+
+def natural_key(s: str):
+    """Sort key that orders numbers in names by value: step-2 before step-10. The order a sweep evaluates a glob in,
+    and the order the report lays a model family's files out in, so it lives here, below both."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
 @dataclass
