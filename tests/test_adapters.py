@@ -1,9 +1,12 @@
-"""LoRA adapters (``--model_args peft=``): the merge against peft's own ``merge_and_unload``, the refusals, and
-parity of tp=2 / pp=2 with single-process ``lm_eval --model hf --model_args pretrained=BASE,peft=ADAPTER``."""
+"""LoRA adapters (``--model_args peft=``): the merge against peft's own ``merge_and_unload``, the refusals, parity of
+tp=2 / pp=2 with single-process ``lm_eval --model hf --model_args pretrained=BASE,peft=ADAPTER``, and adapter sweeps
+(``--peft 'adapters/step-*'``: one base load, the base shards restored bit for bit between adapters)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 
 import pytest
 
@@ -34,11 +37,11 @@ def _perturb(model, names) -> None:
                 p.add_(torch.randn_like(p) * 0.1)
 
 
-def _save_adapter(base, path, perturb=(), **lora):
+def _save_adapter(base, path, perturb=(), seed=1, **lora):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
     _perturb(model, perturb)
     model.save_pretrained(str(path))
@@ -55,8 +58,7 @@ def _merged_by_mpitp(base_factory, path):
     from mpitp.replica import adapters
 
     m = base_factory()
-    changed = adapters.apply(m, adapters.read(path))
-    assert changed > 0
+    assert adapters.apply(m, adapters.read(path)).changed > 0
     return m.state_dict()
 
 
@@ -163,15 +165,22 @@ def stories_adapter(tmp_path_factory):
                                                        "up_proj", "down_proj"], modules_to_save=["model.norm"])
 
 
-def _lm_eval(test_tasks, model_args):
-    import lm_eval
-    import torch
+@functools.lru_cache(maxsize=2)
+def _task_manager(include_path: str):
+    """lm-eval's task index, built once per include path (indexing lm-eval's tasks takes seconds)."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=include_path)
+
+
+def _lm_eval(test_tasks, model_args, tasks=TASKS):
+    import lm_eval
+    import torch
+
     torch.set_num_threads(2)
-    res = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=TASKS, limit=LIMIT, batch_size=4,
+    res = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, limit=LIMIT, batch_size=4,
                                   device="cpu", log_samples=True, bootstrap_iters=0,
-                                  task_manager=TaskManager(include_path=test_tasks))
+                                  task_manager=_task_manager(test_tasks))
     return reference_requests(res["samples"])
 
 
@@ -227,3 +236,150 @@ def test_peft_option_and_model_args_agree_or_are_refused():
     assert cfg.peft == "ad" and cfg.model_args["peft"] == "ad"
     with pytest.raises(UsageError, match="--peft ad and --model_args peft=other disagree"):
         parse_eval_args(["--model", "hf", "--model_args", "pretrained=x,peft=other", "--tasks", "t", "--peft", "ad"])
+
+
+# --- adapter sweeps -------------------------------------------------------------------------------------------------
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_apply_restore_cycles_give_the_base_back_bit_for_bit(tmp_path):
+    """Five apply/restore cycles over three adapters (every projection, rsLoRA with patterns, a saved lm_head and
+    biases): after each restore every parameter equals the base bit for bit, while each apply did change it."""
+    import torch
+
+    from mpitp.replica import adapters
+
+    kinds = [dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"]),
+             dict(r=4, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "down_proj"],
+                  rank_pattern={"down_proj": 2}),
+             dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                  bias="lora_only")]
+    read = [adapters.read(_save_adapter(_tiny_llama(), tmp_path / f"a{i}", perturb=("lm_head", "bias"), seed=i + 1,
+                                        **k)) for i, k in enumerate(kinds)]
+    model = _tiny_llama()
+    base = _state(model)
+    for cycle in range(5):
+        done = adapters.apply(model, read[cycle % 3], keep=True)
+        moved = [k for k, v in model.state_dict().items() if not torch.equal(v, base[k])]
+        assert moved and done.changed >= len(moved), f"cycle {cycle}: the adapter changed nothing"
+        touched = {f"{p.module}.weight" for p in read[cycle % 3].pairs} | set(read[cycle % 3].saved)
+        assert done.restore() == len(touched)  # a copy of exactly the parameters it touched
+        diff = [k for k, v in model.state_dict().items() if not torch.equal(v, base[k])]
+        assert not diff, f"cycle {cycle}: not restored bit for bit: {diff[:5]}"
+
+
+def test_failed_apply_leaves_the_base_untouched(tmp_path):
+    """An adapter that fails half-way (its last pair does not fit) is undone before the error: a sweep goes on
+    with the base intact."""
+    import torch
+
+    from mpitp.errors import UsageError
+    from mpitp.replica import adapters
+
+    a = adapters.read(_save_adapter(_tiny_llama(), tmp_path / "a", r=2, lora_alpha=4,
+                                    target_modules=["q_proj", "v_proj"]))
+    bad = a.pairs[-1]
+    a.pairs.append(adapters.LoraPair(bad.module, bad.a, bad.b[:-1], bad.scale, False))  # one row short
+    model = _tiny_llama()
+    base = _state(model)
+    with pytest.raises(UsageError, match="B @ A is"):
+        adapters.apply(model, a, keep=True)
+    assert all(torch.equal(v, base[k]) for k, v in model.state_dict().items())
+
+
+def test_job_file_peft_list_and_both_sweeps_refused(tmp_path):
+    from mpitp.errors import UsageError
+    from mpitp.jobs.adapter_sweep import check_one_kind
+    from mpitp.jobs.jobfile import JobFileError, load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text("runs:\n  - name: ad\n    model: /m\n    tasks: [t]\n    peft: [ads/step-*, ./final]\n")
+    run = load_job(job).runs[0]
+    assert run.peft == f"{tmp_path}/ads/step-*,{tmp_path}/final" and run.output.endswith("results/ad/{name}.h5")
+    for run, refused in [("models: [a, b]\n    peft: [x, y]", "checkpoints .'models'. and of adapters"),
+                         ("model: /m\n    peft: [x, y]\n    output: one.h5", "one file per adapter")]:
+        job.write_text(f"runs:\n  - name: s\n    tasks: [t]\n    {run}\n")
+        with pytest.raises(JobFileError, match=refused):
+            load_job(job)
+    with pytest.raises(UsageError) as err:
+        check_one_kind("ck/step-*", "a,b", collective=True)
+    assert err.value.collective and "\n" not in str(err.value) and "not both" in str(err.value)
+    check_one_kind("ck/step-*", "a")  # one adapter over a checkpoint sweep is an ordinary sweep
+
+
+SWEEP_TASKS = ["arc_easy_local", "piqa_local"]  # mean metrics: no bootstrap pool (job files keep lm-eval's iters)
+
+
+@pytest.fixture(scope="module")
+def stories_adapters(tmp_path_factory):
+    """Three adapters of stories260K that differ (seeds, targets, ranks), named so that natural order
+    (step-1, step-2, step-10) differs from plain sorting."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("sweep") / "adapters"
+    kinds = {"step-1": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"],
+                            modules_to_save=["model.norm"]),
+             "step-2": dict(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+             "step-10": dict(r=4, lora_alpha=16, use_rslora=True, target_modules=["o_proj", "up_proj", "gate_proj"])}
+    for i, (name, lora) in enumerate(kinds.items()):
+        base = AutoModelForCausalLM.from_pretrained(str(STORIES), dtype=torch.float32)
+        _save_adapter(base, root / name, perturb=("model.norm",), seed=10 + i, **lora)
+    return root
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_adapter_sweep_one_load_parity_and_resume(stories_adapters, test_tasks, tmp_path):
+    """One launch, a job file of two runs: (1) adapter step-1 alone at dp=2 (tp=1), (2) the sweep
+    ``peft: [adapters/step-*]`` at tp=2, whose step-1 file is complete already and must be skipped (resume). The
+    base is loaded once for the sweep, and every adapter's requests match lm-eval's ``hf`` with ``peft=`` that
+    adapter; step-10 follows step-2 over the same shards, so a base not restored exactly fails its parity."""
+    import shutil
+
+    shutil.copytree(stories_adapters, tmp_path / "adapters")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"""\
+defaults:
+  model: {STORIES}
+  tasks: [{", ".join(SWEEP_TASKS)}]
+  include_path: {test_tasks}
+  dtype: float32
+  limit: {LIMIT}
+  batch_size: 4
+runs:
+  - name: one-dp2
+    tp: 1
+    peft: adapters/step-1
+    output: out/step-1.h5
+  - name: sweep-tp2
+    tp: 2
+    peft: [adapters/step-*]
+    output: out/{{name}}.h5
+""")
+    proc = run_mpi(2, ["run", str(job)], timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    log = proc.stdout + proc.stderr
+    assert log.count("loaded and sharded (load") == 1, explain(proc)
+    with open(tmp_path / "out" / "sweep-summary.json") as f:
+        summary = json.load(f)
+    assert summary["base_loads"] == 1
+    rows = [(os.path.basename(r["model"]), r["name"], r["status"]) for r in summary["checkpoints"]]
+    assert rows == [("step-1", "step-1", "skipped (complete)"), ("step-2", "step-2", "complete"),
+                    ("step-10", "step-10", "complete")], rows
+    assert {(c["a"], c["b"]) for c in summary["comparisons"]} == {("step-1", "step-2"), ("step-2", "step-10")}
+
+    base = _lm_eval(test_tasks, f"pretrained={STORIES},dtype=float32", SWEEP_TASKS)
+    for name in ("step-1", "step-2", "step-10"):
+        ref = _lm_eval(test_tasks, f"pretrained={STORIES},dtype=float32,peft={stories_adapters / name}",
+                       SWEEP_TASKS)
+        moved, _ = compare_requests(base, ref)
+        assert moved > 1e-3, f"{name} hardly changes lm-eval's scores ({moved:.2e})"
+        worst, problems = compare_requests(ref, mpitp_requests(str(tmp_path / "out" / f"{name}.h5"), SWEEP_TASKS))
+        assert not problems, f"{name}: " + "\n".join(problems[:20])
+        print(f"adapter sweep {name}: max relative |d ll| vs lm-eval+peft {worst:.2e} (adapter moves {moved:.2e})")

@@ -111,6 +111,16 @@ def yaml_string(v: Any) -> str:
     raise BadValue(f"expected a non-empty string, got {show(v)}{hint}")
 
 
+def yaml_string_list(v: Any) -> str:
+    """One string, or a list of them joined with commas: ``peft: [a, b]`` is the job file's ``--peft a,b`` (an
+    adapter sweep)."""
+    if not isinstance(v, list):
+        return yaml_string(v)
+    if v and all(isinstance(p, str) and p.strip() and "," not in p for p in v):
+        return ",".join(p.strip() for p in v)
+    raise BadValue(f"expected a string or a non-empty list of paths or globs (without commas), got {show(v)}")
+
+
 def yaml_int_at_least(lo: int, what: str) -> Callable[[Any], int]:
     def check(v: Any) -> int:
         if _is_int(v) and v >= lo:

@@ -34,6 +34,7 @@ from mpitp.evaluation.setting_values import (
     yaml_mapping,
     yaml_output,
     yaml_string,
+    yaml_string_list,
     yaml_tasks,
     yaml_timeout,
 )
@@ -155,9 +156,10 @@ class EvalConfig:
         "The --model_args keys passed on to lm-eval's HFLM as they are (tokenisation, prompts, post-processing)."))
     attn_implementation: str | None = setting(identity=IF_SET, doc=(
         "transformers' attention implementation to load the model with (--model_args attn_implementation=)."))
-    peft: str | None = setting(identity=IF_SET, job=yaml_string, doc=(
+    peft: str | None = setting(identity=IF_SET, job=yaml_string_list, doc=(
         "A local LoRA adapter folder (adapter_config.json, adapter_model.safetensors) merged into the base "
-        "weights, each rank into its own shard."), cli=cli("--peft", group=SHORTHANDS, shorthand=True))
+        "weights, each rank into its own shard; a glob or comma list (a list in job files) sweeps the adapters "
+        "over one load of the base model, one results file each."), cli=cli("--peft", group=SHORTHANDS, shorthand=True))
     subfolder: str | None = setting(identity=IF_SET, doc=(
         "Subfolder of the model repository or directory holding the checkpoint (--model_args subfolder=)."))
     max_batch_size: int | None = setting(lm_eval=True,

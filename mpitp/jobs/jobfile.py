@@ -295,11 +295,23 @@ def load_job(path: str | os.PathLike[str]) -> Job:
                 raise run_fail("model_args", str(exc)) from None
             values["lm_eval"] = FrozenDict(extras)
         values["name"] = name
-        sweep = "," in values["model"] or glob.has_magic(values["model"])
+        models_sweep = "," in values["model"] or glob.has_magic(values["model"])
+        peft = values.get("peft")
+        if peft is not None:  # adapters: paths or globs, relative to the job file as the models' are
+            try:
+                values["peft"] = ",".join(os.path.normpath(base / _expand(p.strip())) for p in peft.split(","))
+            except _Bad as exc:
+                raise run_fail("peft", str(exc)) from None
+        adapters_sweep = peft is not None and ("," in peft or glob.has_magic(peft))
+        if models_sweep and adapters_sweep:
+            raise run_fail("peft", "a sweep of checkpoints ('models') and of adapters ('peft' list) together is not "
+                                   "supported: sweep one of them per run")
+        sweep = models_sweep or adapters_sweep
         values.setdefault("output", f"results/{name}/{{name}}.h5" if sweep else f"results/{name}.h5")
         if sweep and "{name}" not in values["output"]:
-            raise run_fail("output", f"a sweep ('models') writes one file per checkpoint: use a pattern with "
-                                     f"{{name}}, e.g. results/{name}/{{name}}.h5")
+            what = "('peft' list) writes one file per adapter" if adapters_sweep else \
+                "('models') writes one file per checkpoint"
+            raise run_fail("output", f"a sweep {what}: use a pattern with {{name}}, e.g. results/{name}/{{name}}.h5")
         for field in _PATH_FIELDS + _MAYBE_PATH_FIELDS:
             if values.get(field) is not None:
                 try:

@@ -91,7 +91,8 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                        timeout=spec.timeout or timeout, world=world, init_torch=False,  # torch after the checks
                        iface=spec.iface, stage_dir=spec.stage_dir)
-            if is_sweep(cfg.model):  # models: one file per checkpoint; complete ones skipped, running ones resumed
+            # a sweep of checkpoints or adapters: one file each; complete ones skipped, running ones resumed
+            if is_sweep(cfg.model) or is_sweep(cfg.peft):
                 cfg.resume, cfg.overwrite = True, False
             failed = run_config(cfg, rt) != 0
             status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)" if failed else "complete"

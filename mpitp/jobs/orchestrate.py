@@ -1,7 +1,8 @@
 """One path from settings to results: :func:`run_config`, used by ``mpitp eval`` and by every run of ``mpitp run``.
 
 The built-in demo is filled in, a ``--model`` that names several checkpoints (a glob or a comma list) becomes a sweep
-(:mod:`mpitp.jobs.sweep`), and anything else is one evaluation (:func:`mpitp.evaluation.runner.run_eval`). The
+(:mod:`mpitp.jobs.sweep`), a ``--peft`` that names several adapters one over a single base load
+(:mod:`mpitp.jobs.adapter_sweep`), and anything else is one evaluation (:func:`mpitp.evaluation.runner.run_eval`). The
 command line (:mod:`mpitp.cli`) imports this module, never the reverse.
 """
 
@@ -34,6 +35,7 @@ def run_config(cfg, rt) -> int:
     """Every rank calls it with the same settings. Exit status: 1 when a checkpoint of a sweep failed, else 0 (bad
     input raises :class:`UsageError`)."""
     from mpitp.evaluation.runner import run_eval
+    from mpitp.jobs.adapter_sweep import check_one_kind, run_adapter_sweep
     from mpitp.jobs.sweep import is_sweep, run_sweep
 
     if cfg.demo:
@@ -41,6 +43,9 @@ def run_config(cfg, rt) -> int:
     if not cfg.model:
         raise UsageError("no model given: pass --model hf --model_args pretrained=PATH_OR_ID, --model PATH "
                          "(or --demo)", collective=True)
+    check_one_kind(cfg.model, cfg.peft, collective=True)  # every rank sees the same settings
+    if is_sweep(cfg.peft):
+        return run_adapter_sweep(cfg, rt)
     if is_sweep(cfg.model):
         return run_sweep(cfg, rt)
     if cfg.output is None:

@@ -51,8 +51,9 @@ def is_sweep(model: str | None) -> bool:
     return bool(model) and ("," in model or glob.has_magic(model))
 
 
-def expand_models(spec: str) -> list[str]:
-    """``a,b`` and globs (sorted naturally: step-2 before step-10) to a list of checkpoints; each glob must match."""
+def expand_models(spec: str, option: str = "--model") -> list[str]:
+    """``a,b`` and globs (sorted naturally: step-2 before step-10) to a list of checkpoints (or of adapters, with
+    ``option="--peft"``); each glob must match."""
     out: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -60,14 +61,14 @@ def expand_models(spec: str) -> list[str]:
         if glob.has_magic(part):
             found = sorted((p for p in glob.glob(os.path.expanduser(part)) if os.path.isdir(p)), key=natural_key)
             if not found:
-                raise UsageError(f"--model {part}: the pattern matches no directory")
+                raise UsageError(f"{option} {part}: the pattern matches no directory")
             out += found
         else:
             out.append(part)
     seen: set[str] = set()
     models = [m for m in out if not (m in seen or seen.add(m))]
     if not models:
-        raise UsageError(f"--model {spec!r}: no model given")
+        raise UsageError(f"{option} {spec!r}: nothing given")
     return models
 
 
@@ -194,52 +195,76 @@ def _skip_complete(cfg) -> bool:
     return True
 
 
-def _load_everywhere(cfg, rt):
-    """Load on every rank; if any rank fails, every rank raises :class:`LoadFailed` with the first error."""
-    from mpitp.evaluation.runner import load_for_layout
+def everywhere(fn, rt, phase: str, undo=None):
+    """``fn()`` on every rank of the world; if it fails on any rank, every rank raises :class:`LoadFailed` with the
+    first error (ranks where it succeeded first pass their result to ``undo``), so a bad checkpoint or adapter
+    fails its row of the sweep together instead of leaving the other ranks in a collective."""
     from mpitp.parallel import comm as mpicomm
 
-    model, err = None, None
+    result, err = None, None
     try:
-        model = load_for_layout(cfg.model, cfg, rt)
+        result = fn()
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint is the sweep's business, not a crash
         text = " ".join(str(exc).split()) or type(exc).__name__
         err = f"{type(exc).__name__}: {text[:300]}"
-    errors = mpicomm.gather_obj(err, rt.world.comm, root=0, timeout=rt.timeout, phase="loading the model")
+    errors = mpicomm.gather_obj(err, rt.world.comm, root=0, timeout=rt.timeout, phase=phase)
     first = None
     if errors is not None:
         first = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
-    first = mpicomm.bcast_obj(first, rt.world.comm, root=0, timeout=rt.timeout, phase="loading the model")
+    first = mpicomm.bcast_obj(first, rt.world.comm, root=0, timeout=rt.timeout, phase=phase)
     if first:
-        del model
+        if result is not None and undo is not None:
+            undo(result)
+        del result
         gc.collect()
         raise LoadFailed(first)
-    return model
+    return result
+
+
+def _load_everywhere(cfg, rt):
+    """Load on every rank; if any rank fails, every rank raises :class:`LoadFailed` with the first error."""
+    from mpitp.evaluation.runner import load_for_layout
+
+    return everywhere(lambda: load_for_layout(cfg.model, cfg, rt), rt, "loading the model")
+
+
+def check_item(cfg, rt, state: SweepState, phase: str):
+    """Rank 0's checks of one checkpoint or adapter (the tasks checked by the first are reused), shared with all."""
+    from mpitp.evaluation.checks import check_on_root
+
+    checked = check_on_root(cfg, rt, rt.timeout, phase, state.tasks)
+    state.tasks = checked.tasks or state.tasks
+    return checked
+
+
+def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float):
+    """:func:`mpitp.evaluation.runner.evaluate_loaded` with what a sweep keeps from one model to the next: lm-eval's
+    loaded tasks (memoised) and the prompts' token ids per tokenizer."""
+    from mpitp.evaluation.runner import evaluate_loaded
+
+    tm = checked.task_manager
+    memo = memoize_task_loading(tm, state.loaded_tasks) if rt.layout.is_root and tm is not None else nullcontext()
+    key = tokenizer_key(cfg)
+    cache = state.encode_caches.setdefault(key, {}) if key is not None else None
+    state.encodings_reused = len(cache or {})
+    with memo:
+        return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=tm,
+                               t_start=t_start, encode_cache=cache)
 
 
 def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
-    from mpitp.evaluation.checks import check_on_root
-    from mpitp.evaluation.runner import evaluate_loaded
     from mpitp.parallel import comm as mpicomm
 
     t_start = time.perf_counter()
-    checked = check_on_root(cfg, rt, rt.timeout, f"checking {cfg.model}", state.tasks)
-    state.tasks = checked.tasks or state.tasks
-    tm = checked.task_manager
-    memo = memoize_task_loading(tm, state.loaded_tasks) if rt.layout.is_root and tm is not None else nullcontext()
+    checked = check_item(cfg, rt, state, f"checking {cfg.model}")
     with checked:  # the claim on this checkpoint's output (mpitp.results.claim): the next one claims its own
         if state.prefetch is not None:
             state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
         model = _load_everywhere(cfg, rt)
         mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
         state.prefetch = start_prefetch(next_model, rt)
-        key = tokenizer_key(cfg)
-        cache = state.encode_caches.setdefault(key, {}) if key is not None else None
-        state.encodings_reused = len(cache or {})
-        with memo:
-            res = evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=tm,
-                                  t_start=t_start, encode_cache=cache)
+        res = evaluate_item(model, cfg, rt, state, checked, t_start)
     ref = weakref.ref(model)
     del model
     released = ref() is None  # freed by reference counting alone: nothing of the run still holds it
@@ -276,48 +301,71 @@ def _metrics_from_file(path: str) -> dict:
         return {}
 
 
-def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str], state: SweepState | None = None,
-               rows: list[Row] | None = None) -> list[Row]:
-    """Evaluate ``models`` one after another (every rank calls it); one :class:`Row` each, in order."""
+def item_config(cfg, field: str, item: str, out: str):
+    """The settings of one item of a sweep: ``field`` (``model`` or ``peft``) set to the checkpoint or adapter, its
+    own output, and the same in ``--model_args`` (``pretrained=``, ``peft=``): lm-eval's output files name the item,
+    not the sweep's glob."""
+    model_args = dict(cfg.model_args or {})
+    arg = "pretrained" if field == "model" else field
+    if arg in model_args:
+        model_args[arg] = item
+    return dataclasses.replace(cfg, **{field: item}, output=out, tasks=list(cfg.tasks),
+                               model_args=model_args or cfg.model_args)
+
+
+def run_each(rt, what: str, items: list[str], outputs: list[str], names: list[str], configure, evaluate,
+             rows: list[Row] | None = None) -> list[Row]:
+    """The loop of every sweep (every rank calls it): for each checkpoint or adapter (``what`` names the kind), its
+    settings (``configure(item, output)``, e.g. :func:`item_config`), a skip when ``--resume`` finds its file
+    complete, ``evaluate(i, cfg)`` (lm-eval's results), one :class:`Row` each, in order; a failure is its row's and
+    the loop goes on."""
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.runtime import agree
 
-    state = state or SweepState()
     rows = [] if rows is None else rows
-    for i, (model, out, name) in enumerate(zip(models, outputs, names)):
-        model_args = dict(cfg.model_args or {})
-        if "pretrained" in model_args:  # lm-eval's output files name the checkpoint, not the sweep's glob
-            model_args["pretrained"] = model
-        cfg_i = dataclasses.replace(cfg, model=model, output=out, tasks=list(cfg.tasks),
-                                    model_args=model_args or cfg.model_args)
+    for i, (item, out, name) in enumerate(zip(items, outputs, names)):
+        cfg_i = configure(item, out)
         t0 = time.perf_counter()
         if rt.world.rank == 0:
-            log.info("=== checkpoint %d/%d: %s -> %s", i + 1, len(models), model, out)
+            log.info("=== %s %d/%d: %s -> %s", what, i + 1, len(items), item, out)
         try:
             if agree(lambda: _skip_complete(cfg_i), rt.world.comm, rt.timeout, "checking outputs"):
-                rows.append(Row(model, name, out, "skipped (complete)", metrics=_metrics_from_file(out)))
+                rows.append(Row(item, name, out, "skipped (complete)", metrics=_metrics_from_file(out)))
                 if rt.world.rank == 0:
-                    log.info("%s: %s is complete for this checkpoint: skipped", model, out)
+                    log.info("%s: %s is complete for this %s: skipped", item, out, what)
                 continue
-            res, released = run_checkpoint(cfg_i, rt, state, models[i + 1] if i + 1 < len(models) else None)
-            rows.append(Row(model, name, out, "complete", wall_s=time.perf_counter() - t0,
-                            metrics=_metrics_of(res)))
-            if rt.world.rank == 0:
-                log.info("%s: tokenizer: %s", model, f"{state.encodings_reused} token encodings reused from earlier "
-                         "checkpoints" if state.encodings_reused else "tokenised afresh")
-                if released:
-                    log.info("%s: model released before the next checkpoint", model)
-                else:
-                    log.warning("%s: the model was still referenced after its run (freed by the garbage "
-                                "collector)", model)
+            res = evaluate(i, cfg_i)
+            rows.append(Row(item, name, out, "complete", wall_s=time.perf_counter() - t0, metrics=_metrics_of(res)))
         except (UsageError, LoadFailed) as exc:
             if isinstance(exc, UsageError) and not exc.collective:
                 raise
-            rows.append(Row(model, name, out, "failed", error=str(exc), wall_s=time.perf_counter() - t0))
+            rows.append(Row(item, name, out, "failed", error=str(exc), wall_s=time.perf_counter() - t0))
             if rt.world.rank == 0:
-                log.error("checkpoint %s failed: %s", model, exc)
-        mpicomm.barrier(rt.world.comm, rt.timeout, phase=f"end of checkpoint {name}")
+                log.error("%s %s failed: %s", what, item, exc)
+        mpicomm.barrier(rt.world.comm, rt.timeout, phase=f"end of {what} {name}")
     return rows
+
+
+def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str], state: SweepState | None = None,
+               rows: list[Row] | None = None) -> list[Row]:
+    """Evaluate ``models`` one after another (every rank calls it); one :class:`Row` each, in order."""
+    state = state or SweepState()
+
+    def evaluate(i: int, cfg_i):
+        model = cfg_i.model
+        res, released = run_checkpoint(cfg_i, rt, state, models[i + 1] if i + 1 < len(models) else None)
+        if rt.world.rank == 0:
+            log.info("%s: tokenizer: %s", model, f"{state.encodings_reused} token encodings reused from earlier "
+                     "checkpoints" if state.encodings_reused else "tokenised afresh")
+            if released:
+                log.info("%s: model released before the next checkpoint", model)
+            else:
+                log.warning("%s: the model was still referenced after its run (freed by the garbage "
+                            "collector)", model)
+        return res
+
+    return run_each(rt, "checkpoint", models, outputs, names, lambda m, out: item_config(cfg, "model", m, out),
+                    evaluate, rows)
 
 
 def run_sweep(cfg, rt) -> int:
@@ -325,10 +373,7 @@ def run_sweep(cfg, rt) -> int:
     from mpitp.parallel.runtime import agree, start_torch
 
     models = agree(lambda: expand_models(cfg.model), rt.world.comm, rt.timeout, "expanding --model")
-    names = checkpoint_names(models)
-    default_dir = agree(default_sweep_dir, rt.world.comm, rt.timeout, "naming outputs")
-    outputs = agree(lambda: [output_for(cfg.output, n, default_dir) for n in names], rt.world.comm, rt.timeout,
-                    "naming outputs")
+    names, outputs = name_outputs(cfg.output, models, rt)
     start_torch(rt)
     if rt.world.rank == 0:
         log.info("sweep: %d checkpoints: %s", len(models), ", ".join(names))
@@ -338,9 +383,26 @@ def run_sweep(cfg, rt) -> int:
         rows = run_models(cfg, rt, models, outputs, names, state)
     finally:
         finish(state)
+    return summarise(rt, rows, outputs, t0)
+
+
+def name_outputs(spec: str | None, items: list[str], rt) -> tuple[list[str], list[str]]:
+    """Each checkpoint's or adapter's short name and results file (``--output`` a directory or a pattern), the same
+    on every rank."""
+    from mpitp.parallel.runtime import agree
+
+    names = checkpoint_names(items)
+    default_dir = agree(default_sweep_dir, rt.world.comm, rt.timeout, "naming outputs")
+    outputs = agree(lambda: [output_for(spec, n, default_dir) for n in names], rt.world.comm, rt.timeout,
+                    "naming outputs")
+    return names, outputs
+
+
+def summarise(rt, rows: list[Row], outputs: list[str], t0: float, **extra) -> int:
+    """Rank 0 writes ``sweep-summary.json`` (with ``extra``) and prints it. Exit status 1 when an item failed."""
     if rt.world.rank == 0:
-        path = summary_path(cfg.output, outputs)
-        write_summary(path, rows, time.perf_counter() - t0)
+        path = summary_path(None, outputs)
+        write_summary(path, rows, time.perf_counter() - t0, **extra)
         print(render_summary(rows, path))
     return 1 if any(r.status == "failed" for r in rows) else 0
 

@@ -191,11 +191,50 @@ def _param_owners(model) -> dict[int, list[str]]:
     return owners
 
 
-def apply(model, adapter: Adapter, stubbed: bool = False) -> int:
-    """Merge ``adapter`` into ``model``'s (local shards of its) weights in place; returns how many it changed.
+@dataclasses.dataclass
+class Restore:
+    """What :func:`apply` changed, and (with ``keep``) a copy of each changed local shard's original values.
+
+    Why a copy and not ``W -= scale * B @ A``: in float32 (let alone bf16) the subtraction does not give the old bits
+    back, and a sweep over many adapters would carry the rounding from one adapter into the next. Only the
+    parameters the adapter touches are copied, each rank only its own shard of them."""
+    changed: int = 0
+    saved: dict = dataclasses.field(default_factory=dict)  # parameter name -> (local shard, its original values)
+
+    def keep(self, name: str, local) -> None:
+        if name not in self.saved:  # the first touch holds the base values
+            self.saved[name] = (local, local.detach().clone())
+
+    def restore(self) -> int:
+        """Copy the base values back (bit for bit); returns how many parameters were restored."""
+        import torch
+
+        with torch.no_grad():
+            for local, original in self.saved.values():
+                local.copy_(original)
+        n = len(self.saved)
+        self.saved = {}
+        return n
+
+
+def apply(model, adapter: Adapter, stubbed: bool = False, keep: bool = False) -> Restore:
+    """Merge ``adapter`` into ``model``'s (local shards of its) weights in place; returns what it changed.
 
     ``stubbed``: a pipeline stage, whose other stages' layers are stubs here: their updates are skipped (the stage
-    holding them applies them). Otherwise every targeted module must exist, or the adapter is for another model."""
+    holding them applies them). Otherwise every targeted module must exist, or the adapter is for another model.
+    ``keep``: copy the original values of every shard it changes first, so :meth:`Restore.restore` gives the base
+    model back exactly (adapter sweeps, :mod:`mpitp.jobs.adapter_sweep`); should the merge fail half-way, what it
+    changed is restored before the error is raised."""
+    done = Restore()
+    try:
+        _merge(model, adapter, stubbed, done, keep)
+    except BaseException:
+        done.restore()
+        raise
+    return done
+
+
+def _merge(model, adapter: Adapter, stubbed: bool, done: Restore, keep: bool) -> None:
     import torch
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -214,7 +253,6 @@ def apply(model, adapter: Adapter, stubbed: bool = False) -> int:
                                           "adapters of tied parameters are not supported")
         return p
 
-    changed = 0
     with torch.no_grad():
         for pair in adapter.pairs:
             mod = modules.get(pair.module)
@@ -228,8 +266,10 @@ def apply(model, adapter: Adapter, stubbed: bool = False) -> int:
                 raise _one_line(adapter.path, f"{pair.module}: B @ A is {tuple(delta.shape)} but the weight is "
                                               f"{tuple(p.shape)}")
             local, part = _local_slice(p, delta.to(p.device), pair.module, adapter.path)
+            if keep:
+                done.keep(f"{pair.module}.weight", local)
             local.copy_((local.to(torch.float32) + part).to(local.dtype))
-            changed += 1
+            done.changed += 1
         for name, full in adapter.saved.items():
             p = target(name, "saved parameter")
             if p is None:
@@ -238,6 +278,7 @@ def apply(model, adapter: Adapter, stubbed: bool = False) -> int:
                 raise _one_line(adapter.path, f"saved {name} is {tuple(full.shape)} but the model's is "
                                               f"{tuple(p.shape)}")
             local, part = _local_slice(p, full.to(p.device), name, adapter.path)
+            if keep:
+                done.keep(name, local)
             local.copy_(part.to(local.dtype))
-            changed += 1
-    return changed
+            done.changed += 1

@@ -62,8 +62,9 @@ def _comparisons(rows: list[Row], iters: int = 2000) -> list[dict]:
     return out
 
 
-def write_summary(path: str, rows: list[Row], wall_s: float) -> None:
-    doc = dict(wall_time_s=wall_s, checkpoints=[dataclasses.asdict(r) for r in rows],
+def write_summary(path: str, rows: list[Row], wall_s: float, **extra) -> None:
+    """``extra``: what the kind of sweep adds (an adapter sweep: its base model and how often it was loaded)."""
+    doc = dict(wall_time_s=wall_s, **extra, checkpoints=[dataclasses.asdict(r) for r in rows],
                comparisons=_comparisons(rows))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     write_replace(path, json.dumps(doc, indent=2, default=str).encode())  # never through a planted link

@@ -1,0 +1,135 @@
+"""Adapter sweeps: many LoRA adapters evaluated over one base model load, in one MPI launch.
+
+``mpitp eval --model BASE --peft 'adapters/step-*'`` (a glob, a comma list, or both; a ``peft:`` list in a job file)
+comes here. A fine-tuning campaign produces one base model and tens of adapters; loading and sharding the base once
+per adapter would dominate the sweep, so the base is loaded and sharded once (when the first adapter that has work
+needs it), and for each adapter every rank merges it into its own shard (:func:`mpitp.replica.adapters.apply` with
+``keep``), evaluates, and copies the original values of the parameters the adapter touched back (bit for bit: no
+``W -= B @ A``, whose rounding would leak from one adapter into the next).
+
+Everything else is the checkpoint sweep's (:mod:`mpitp.jobs.sweep`): one results file per adapter, named after its
+folder, exactly as a separate ``mpitp eval --peft ADAPTER`` would write it (its identity records the base and that
+adapter's hash, so ``--resume`` skips a complete file of the same adapter and refuses one of another), lm-eval's
+tasks and the prompts' token ids kept from one adapter to the next, a failed adapter reported while the sweep goes
+on, and ``sweep-summary.json`` with paired tests of each adapter against the previous one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from mpitp.errors import UsageError
+from mpitp.jobs.sweep import (
+    LoadFailed,
+    SweepState,
+    _load_everywhere,
+    check_item,
+    evaluate_item,
+    everywhere,
+    expand_models,
+    finish,
+    is_sweep,
+    item_config,
+    name_outputs,
+    run_each,
+    summarise,
+)
+from mpitp.results.sweepsummary import Row
+
+log = logging.getLogger("mpitp")
+
+
+def check_one_kind(model: str | None, peft: str | None, collective: bool = False) -> None:
+    """A sweep goes over checkpoints or over adapters of one base, not both: a grid of both would be one load per
+    checkpoint with an adapter sweep inside, which no one has asked for yet; refused with one line."""
+    if is_sweep(model) and is_sweep(peft):
+        raise UsageError(f"--model {model} and --peft {peft} are both sweeps: sweep the checkpoints or the adapters "
+                         "of one base model, not both (one launch per checkpoint, each sweeping the adapters)",
+                         collective=collective)
+
+
+@dataclasses.dataclass
+class BaseModel:
+    """The base model, loaded and sharded on first use and kept for every adapter; ``loads`` counts the loads
+    (the sweep summary records it: one, or none when every adapter was already complete)."""
+    cfg: object
+    rt: object
+    model: object = None
+    loads: int = 0
+    error: str | None = None
+
+    def get(self):
+        if self.error is not None:  # a base that failed to load is not retried for every adapter
+            raise LoadFailed(self.error)
+        if self.model is None:
+            from mpitp.parallel import comm as mpicomm
+
+            t0 = time.perf_counter()
+            try:
+                self.model = _load_everywhere(self.cfg, self.rt)
+            except LoadFailed as exc:
+                self.error = f"base model {self.cfg.model}: {exc}"
+                raise LoadFailed(self.error) from None
+            mpicomm.barrier(self.rt.world.comm, self.rt.timeout, phase="model loading")
+            self.loads += 1
+            if self.rt.world.rank == 0:
+                log.info("adapter sweep: base model %s loaded and sharded (load %d) in %.1f s", self.cfg.model,
+                         self.loads, time.perf_counter() - t0)
+        return self.model
+
+
+def _apply_everywhere(model, adapter: str, rt):
+    """Every rank merges ``adapter`` into its shard, keeping the original values; if any rank fails, every rank
+    restores what it changed and raises :class:`LoadFailed` (the sweep goes on with the base intact)."""
+    from mpitp.replica import adapters
+
+    return everywhere(lambda: adapters.apply(model, adapters.read(adapter), keep=True), rt,
+                      f"applying adapter {adapter}", undo=lambda done: done.restore())
+
+
+def run_adapter(cfg, rt, state: SweepState, base: BaseModel):
+    """One adapter of the sweep: checks, merge into the base shards, evaluate, restore. Returns lm-eval's results."""
+    t_start = time.perf_counter()
+    checked = check_item(cfg, rt, state, f"checking {cfg.peft}")
+    with checked:  # the claim on this adapter's output (mpitp.results.claim)
+        model = base.get()
+        done = _apply_everywhere(model, cfg.peft, rt)
+        try:
+            return evaluate_item(model, cfg, rt, state, checked, t_start)
+        finally:
+            restored = done.restore()
+            if rt.world.rank == 0:
+                log.info("%s: %d parameters merged, %d restored to the base values", cfg.peft, done.changed,
+                         restored)
+
+
+def run_adapters(cfg, rt, adapters: list[str], outputs: list[str], names: list[str], state: SweepState,
+                 base: BaseModel) -> list[Row]:
+    """Evaluate ``adapters`` one after another over ``base`` (every rank calls it); one :class:`Row` each."""
+    return run_each(rt, "adapter", adapters, outputs, names, lambda a, out: item_config(cfg, "peft", a, out),
+                    lambda i, cfg_i: run_adapter(cfg_i, rt, state, base))
+
+
+def run_adapter_sweep(cfg, rt) -> int:
+    """``mpitp eval --model BASE --peft 'glob,list'``: every rank calls it. Exit status 1 when an adapter failed."""
+    from mpitp.parallel.runtime import agree, start_torch
+
+    check_one_kind(cfg.model, cfg.peft, collective=True)
+    if rt.layout.pp > 1:
+        raise UsageError(f"--peft {cfg.peft}: adapter sweeps run at --pp 1 (a pipeline stage renumbers its layers "
+                         "after loading); use --tp or one launch per adapter", collective=True)
+    adapters = agree(lambda: expand_models(cfg.peft, "--peft"), rt.world.comm, rt.timeout, "expanding --peft")
+    names, outputs = name_outputs(cfg.output, adapters, rt)
+    start_torch(rt)
+    if rt.world.rank == 0:
+        log.info("adapter sweep: %d adapters over %s: %s", len(adapters), cfg.model, ", ".join(names))
+    t0 = time.perf_counter()
+    state = SweepState()
+    base = BaseModel(dataclasses.replace(cfg, peft=None), rt)
+    try:
+        rows = run_adapters(cfg, rt, adapters, outputs, names, state, base)
+    finally:
+        finish(state)
+    return summarise(rt, rows, outputs, t0, base=cfg.model, base_loads=base.loads)
