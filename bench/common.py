@@ -1,8 +1,9 @@
 """Shared helpers for mpitp's comparison benchmarks (``bench/bench_*.py``).
 
 * Random-weight Llama checkpoints with the real GPT-2 tokenizer (vocab 50257), built once and cached under
-  ``bench/.cache/`` (:func:`small_model`: hidden 512, 8 layers, ~77M params; :func:`big_model`: hidden 1024,
-  16 layers, ~309M params; :func:`large_model`: hidden 2048, 16 layers, ~1.02B params, memory bench only).
+  ``bench/.cache/`` (:func:`small_model`: hidden 512, 8 layers, ~77M params; :func:`mid_model`: hidden 640,
+  8 layers, ~104M params; :func:`big_model`: hidden 1024, 16 layers, ~309M params; :func:`large_model`: hidden
+  2048, 16 layers, ~1.02B params, memory bench only).
 * The offline lm-eval tasks of ``tests/tasks`` (real data from ``../shared/data``) plus one bench-only task,
   ``gen256_local`` (greedy generation of exactly 256 tokens after a ~150-token WikiText prompt: its stop string
   never occurs).
@@ -38,6 +39,8 @@ DRIVER = str(BENCH / "_driver.py")
 
 SMALL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
              intermediate_size=1376, max_position_embeddings=1024)
+MID = dict(hidden_size=640, num_hidden_layers=8, num_attention_heads=10, num_key_value_heads=10,
+           intermediate_size=1728, max_position_embeddings=1024)
 BIG = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
            intermediate_size=2816, max_position_embeddings=1024)
 LARGE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
@@ -122,6 +125,12 @@ def _build_llama(name: str, shape: dict, seed: int = 0) -> str:
 def small_model() -> str:
     """~77M-param Llama (hidden 512, 8 layers, 8 heads, 8 KV heads), GPT-2 vocab 50257."""
     return _build_llama("llama-h512-l8-gpt2", SMALL)
+
+
+def mid_model() -> str:
+    """~104M-param Llama (hidden 640, 8 layers, 10 heads, intermediate 1728), GPT-2 vocab 50257: the base of the
+    adapter bench (fine-tuning campaigns adapt bases of about this size and up)."""
+    return _build_llama("llama-h640-l8-gpt2", MID)
 
 
 def big_model() -> str:
