@@ -113,5 +113,6 @@ def test_check_names_a_metric_module_missing_from_the_cache():
     """humaneval scores with the `evaluate` module code_eval, which `evaluate.load` would download at run time."""
     report = check(CheckSpec(tasks=("humaneval",)))
     assert [p.line() for p in report.problems if "humaneval" in p.what] == [
-        "task humaneval: the evaluate metric module code_eval is not in the HF cache; fetch it: python -c 'import "
-        "evaluate; evaluate.load(\"code_eval\")' (with network, same HF_HOME)"]
+        "task humaneval: the evaluate metric module code_eval is not in the HF cache (HF_HOME's modules); fetch it: "
+        "mpitp prefetch --tasks humaneval --data-dir DATA"]
+    assert [p.metric for p in report.problems if p.metric] == ["code_eval"]  # what prefetch reads to fetch it
