@@ -233,7 +233,7 @@ def _chat(tokenizer):
 def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
     """Build each task and its requests, score stand-ins (see the module docstring)."""
     from mpitp.tasks import index
-    from mpitp.tasks.layout import expand, resolve_all
+    from mpitp.tasks.layout import expand, resolve_all, write_configs
 
     if not spec.tasks:
         return
@@ -253,7 +253,7 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
             for gap in res.missing:
                 broken.add(gap.task)
                 report.problems.append(Problem(f"dataset: {gap}", prefetch_command(spec, tasks=[gap.task])))
-            _write(res.configs, out)
+            write_configs(res.configs, out, spec.data_dir)
             include.append(out)
             # expanded once, not again from the overrides (3 YAML parses per subtask saved); DATA serves, not the Hub
             leaves = [replace(leaf, hub=False) if leaf.name in res.files else leaf for leaf in res.leaves]
@@ -267,14 +267,6 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
         for leaf in leaves if leaves is not None else expand(spec.tasks, tm.task_index):
             if leaf.name not in broken:
                 _check_leaf(spec, report, tm, leaf, tokenizer, groups)
-
-
-def _write(configs: dict, out: str) -> None:
-    import yaml
-
-    for task, cfg in configs.items():
-        with open(os.path.join(out, f"{task}.yaml"), "w", encoding="utf-8") as fh:
-            yaml.safe_dump(cfg, fh, sort_keys=False)
 
 
 def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer, groups: dict) -> None:

@@ -379,16 +379,25 @@ def write_overrides(names, data_dir, out_dir, include_path=None, num_fewshot: in
     """Write one override YAML per task DATA serves into ``out_dir``; ``{task: yaml_path}``. Raises
     :class:`DataDirError` naming every needed split that is missing, before writing anything; with ``strict``, also
     every Hub dataset that is neither in DATA nor in the HF cache (:func:`absent`: a run that cannot download)."""
-    import yaml
-
     res = resolve_all(names, data_dir, include_path, num_fewshot)
     if strict:
         res.missing += absent(res, data_dir)
     require(res, data_dir, include_path)
+    return write_configs(res.configs, out_dir, data_dir)
+
+
+def write_configs(configs: dict[str, dict], out_dir, data_dir) -> dict[str, str]:
+    """Write ``configs`` (:attr:`Resolution.configs`) as YAMLs into ``out_dir``, with the listing of their names and
+    kinds (:func:`mpitp.tasks.index.write_listing`: the folder is indexed without parsing them again);
+    ``{name: yaml_path}``."""
+    import yaml
+
+    from mpitp.tasks.index import write_listing
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {}
-    for task, cfg in res.configs.items():
+    for task, cfg in configs.items():
         target = out / f"{task.replace('::', '--')}.yaml"
         if "group" in cfg:
             head = f"# Written by mpitp: lm-eval group {task}, its inline members reading --data-dir {data_dir}.\n"
@@ -397,4 +406,6 @@ def write_overrides(names, data_dir, out_dir, include_path=None, num_fewshot: in
             head = f"# Written by mpitp: stock lm-eval task {task} reading {files}.\n"
         target.write_text(head + yaml.safe_dump(cfg, sort_keys=False))
         written[task] = str(target)
+    write_listing(out, {task: ("GROUP" if "group" in cfg else "TASK", Path(written[task]).name)
+                        for task, cfg in configs.items()})
     return written
