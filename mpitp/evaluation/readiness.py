@@ -274,6 +274,11 @@ def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer, groups: di
     step = "build"
     try:
         task = _load(tm, leaf, groups)
+        unloaded = _unloaded_metrics(task)
+        if unloaded:  # lm-eval logs evaluate.load's failure and keeps None: the run would fail scoring, unnamed
+            fetch = prefetch_command(spec, tasks=[leaf.name])
+            report.problems += [Problem(_metric_missing(leaf.name, name), fetch, metric=name) for name in unloaded]
+            return
         step = "requests"
         if spec.num_fewshot is not None:
             task.set_config(key="num_fewshot", value=spec.num_fewshot)
@@ -293,9 +298,8 @@ def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer, groups: di
         package = _NLTK_PACKAGE.search(str(exc)) if isinstance(exc, LookupError) else None
         if metric:  # evaluate.load of a metric that is not in the HF cache (code_eval, bleurt, ...)
             name = metric.group(1)
-            report.problems.append(Problem(
-                f"task {leaf.name}: the evaluate metric module {name} is not in the HF cache (HF_HOME's modules)",
-                prefetch_command(spec, tasks=[leaf.name]), metric=name))
+            report.problems.append(Problem(_metric_missing(leaf.name, name), prefetch_command(spec, tasks=[leaf.name]),
+                                           metric=name))
         elif package:  # nltk.data.find/load of a package no folder on nltk's path holds (ifeval: punkt_tab)
             name = package.group(1)
             folder = f"{spec.data_dir}/nltk_data" if spec.data_dir else "NLTK_DATA"
@@ -308,6 +312,20 @@ def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer, groups: di
             report.problems.append(Problem(f"task {leaf.name}: {step} failed ({_why(exc)})"))
         return
     report.tasks.append(leaf.name)
+
+
+def _metric_missing(task: str, name: str) -> str:
+    return f"task {task}: the evaluate metric module {name} is not in the HF cache (HF_HOME's modules)"
+
+
+def _unloaded_metrics(task) -> list[str]:
+    """The metrics of ``task``'s ``metric_list`` that lm-eval wanted from ``evaluate`` (``hf_evaluate: true``, or a
+    name lm-eval does not know) and could not load: lm-eval logs the failure and keeps None in their place. A task
+    with its own ``process_results`` keeps None for every metric by design: none then."""
+    if getattr(getattr(task, "config", None), "process_results", None) is not None:
+        return []
+    return [name for name, fn in (getattr(task, "_metric_fn_list", None) or {}).items()
+            if fn is None and isinstance(name, str)]
 
 
 def _load(tm, leaf, groups: dict):
