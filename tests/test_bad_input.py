@@ -96,6 +96,11 @@ ROWS = [
         ("eval", "--demo", "--include-path", "./no-such-dir"), _err("--include-path ./no-such-dir: no such directory")),
     Row("missing-data-dir", "`--data-dir` does not exist", 2, ("eval", "--demo", "--data-dir", "./no-such-dir"),
         _err("--data-dir ./no-such-dir: no such directory")),
+    Row("data-dir-task-absent", "`--data-dir` lacks a task's dataset (offline)", 2,
+        ("eval", "--model", "./six-heads", "--tasks", "copa", "--data-dir", "./empty-data"),
+        _err("--data-dir ./empty-data: task copa reads the Hub dataset aps/super_glue/copa, which is neither in "
+             "--data-dir ({scratch}/empty-data/aps/super_glue/copa/validation.jsonl or .parquet) nor in the HF "
+             "cache; fetch: mpitp prefetch --tasks copa --data-dir ./empty-data")),
     Row("other-backend", "another lm-eval backend (`--model vllm`)", 2,
         ("eval", "--model", "vllm", "--model_args", "pretrained=./not-a-model", "--tasks", "mpitp_demo_mc"),
         _err("--model vllm: mpitp runs Hugging Face transformers models only (--model hf --model_args "
@@ -148,6 +153,7 @@ def scratch(tmp_path_factory):
     (d / "ia3-adapter" / "adapter_config.json").write_text(json.dumps(dict(peft_type="IA3")))
     (d / "ia3-adapter" / "adapter_model.safetensors").write_bytes(b"placeholder")
     (d / "notes.txt").write_text("a regular file, not a directory\n")
+    (d / "empty-data").mkdir()
     (d / "corrupt.h5").write_bytes(b"this is not an HDF5 file\n" * 10)
     (d / "demo.yaml").write_text((REPO / "jobs" / "demo.yaml").read_text())
     (d / "bad-job.yaml").write_text("runs:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n    tp: two\n"

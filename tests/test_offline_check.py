@@ -113,5 +113,19 @@ def test_check_names_a_metric_module_missing_from_the_cache():
     """humaneval scores with the `evaluate` module code_eval, which `evaluate.load` would download at run time."""
     report = check(CheckSpec(tasks=("humaneval",)))
     assert [p.line() for p in report.problems if "humaneval" in p.what] == [
-        "task humaneval: the evaluate metric module code_eval is not in the HF cache; fetch it: python -c 'import "
-        "evaluate; evaluate.load(\"code_eval\")' (with network, same HF_HOME)"]
+        "task humaneval: the evaluate metric module code_eval is not in the HF cache (HF_HOME's modules); fetch it: "
+        "mpitp prefetch --tasks humaneval --data-dir DATA"]
+    assert [p.metric for p in report.problems if p.metric] == ["code_eval"]  # what prefetch reads to fetch it
+
+
+def test_check_names_a_metric_lm_eval_could_not_load_from_evaluate(tmp_path):
+    """kobest_boolq's f1 is `hf_evaluate: true`: lm-eval logs evaluate.load's failure and keeps None, so the run would
+    fail scoring without naming it; the check names it for prefetch."""
+    from support.offline_data import write_jsonl
+
+    rows = [{"paragraph": f"paragraph {i}", "question": f"question {i}", "label": i % 2} for i in range(3)]
+    write_jsonl(tmp_path / "skt/kobest_v1/boolq/test.jsonl", rows)
+    report = check(CheckSpec(tasks=("kobest_boolq",), data_dir=str(tmp_path)))
+    assert [(p.line(), p.metric) for p in report.problems] == [
+        ("task kobest_boolq: the evaluate metric module f1 is not in the HF cache (HF_HOME's modules); fetch it: "
+         f"mpitp prefetch --tasks kobest_boolq --data-dir {tmp_path}", "f1")]

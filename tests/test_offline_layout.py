@@ -133,3 +133,65 @@ def test_tasks_command_lists_any_task_in_the_layout(data):
     }, out.output
     bad = CliRunner().invoke(tasks_command, ["--data-dir", str(data), "--tasks", "no_such_task"])
     assert bad.exit_code == 2 and "no task, group or tag named no_such_task" in bad.output
+
+
+INLINE_GROUP = """group: mpitp_inline_group
+task:
+  - task: copa            # a stock task given other data keys in the group's dict
+    dataset_path: mpitp/inline
+    dataset_name: copa_copy
+  - task: mpitp_inline_boolq   # an inline task: not in the index, its whole config here
+    dataset_path: mpitp/inline
+    dataset_name: boolq_copy
+    validation_split: validation
+    output_type: multiple_choice
+    doc_to_text: "{{passage}}\\nQuestion: {{question}}?\\nAnswer:"
+    doc_to_target: label
+    doc_to_choice: ["no", "yes"]
+    metric_list:
+      - metric: acc
+  - arc_challenge
+aggregate_metric_list:
+  - metric: acc
+    weight_by_size: true
+"""
+
+
+def test_group_members_given_as_inline_dicts_read_their_own_folders(tmp_path):
+    """A group whose task list gives members their own dataset_path/dataset_name: each reads
+    DATA/<its dataset_path>/<its dataset_name>/ through an override of the group, built by lm-eval and checked."""
+    from mpitp.evaluation.readiness import CheckSpec, check
+    from mpitp.tasks.index import task_manager
+    from support.offline_data import boolq_rows, copa_rows
+
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "mpitp_inline_group.yaml").write_text(INLINE_GROUP)
+    d = small_tasks_dir(tmp_path / "d")
+    copa = write_jsonl(d / "mpitp/inline/copa_copy/validation.jsonl", copa_rows(3)[::-1])
+    boolq = write_jsonl(d / "mpitp/inline/boolq_copy/validation.jsonl", boolq_rows(2))
+    inline = "mpitp_inline_group::mpitp_inline_boolq"
+    res = resolve_all(["mpitp_inline_group"], d, [str(inc)])
+    assert [leaf.name for leaf in res.leaves] == ["copa", inline, "arc_challenge"] and not res.missing
+    assert res.files["copa"] == {"validation": copa} and res.files[inline] == {"validation": boolq}
+    assert sorted(res.configs) == ["arc_challenge", "mpitp_inline_group"]  # copa itself is not overridden
+
+    out = tmp_path / "out"
+    written = write_overrides(["mpitp_inline_group"], d, out, [str(inc)])
+    tasks = task_manager(include_path=[str(inc), str(out)]).load(["mpitp_inline_group"])["tasks"]
+    assert sorted(tasks) == ["arc_challenge", "copa", inline], sorted(tasks)
+    assert tasks["copa"].eval_docs.to_list() == copa_rows(3)[::-1]
+    assert tasks["copa"].doc_to_text(tasks["copa"].eval_docs[0]) == "The man dropped glass 2 because"
+    assert tasks[inline].eval_docs.to_list() == boolq_rows(2)
+    assert tasks["arc_challenge"].eval_docs.to_list() == rows(d / "allenai/ai2_arc/ARC-Challenge/test.jsonl")
+    assert yaml.safe_load(Path(written["mpitp_inline_group"]).read_text())["include"] == str(
+        inc / "mpitp_inline_group.yaml")
+
+    report = check(CheckSpec(tasks=("mpitp_inline_group",), data_dir=str(d), include_path=(str(inc),)))
+    assert report.ready and report.tasks == ["copa", inline, "arc_challenge"], [p.line() for p in report.problems]
+
+    boolq.unlink()  # a member's needed split missing: named with its own folder
+    res = resolve_all(["mpitp_inline_group"], d, [str(inc)])
+    assert list(map(str, res.missing)) == [
+        f"task {inline} needs its validation split: {d}/mpitp/inline/boolq_copy/validation.jsonl (or .parquet) is "
+        f"missing"]

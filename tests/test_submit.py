@@ -90,6 +90,8 @@ def test_rendered_scripts_have_the_essentials():
                  "set -euo pipefail", "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK",
                  "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK",
                  "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
+                 "export HF_EVALUATE_OFFLINE=1",  # evaluate's metric modules from the cache, the Hub not asked
+                 "export NLTK_DATA=/shared/hf/datasets/nltk_data${NLTK_DATA:+:$NLTK_DATA}",  # the run's data_dir
                  "module load cuda/12.4 openmpi", "export NCCL_SOCKET_IFNAME=hsn0,hsn1",
                  "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                  '    scontrol requeue "$SLURM_JOB_ID"', "srun --mpi=pmix --kill-on-bad-exit=1 mpitp run "
@@ -112,6 +114,7 @@ def test_rendered_scripts_have_the_essentials():
                  "mpiexec -n 16 --ppn 8 mpitp run @REPO@/jobs/example-llama.yaml"):
         assert line in pbs.splitlines(), line
     assert "NCCL" not in _render("slurm-1x4").replace("# Site NCCL settings", "")  # none baked in
+    assert "NLTK_DATA" not in _render("slurm-1x4")  # the demo job reads no data directory
 
 
 

@@ -184,3 +184,23 @@ def test_stock_tree_through_the_cache_equals_lm_eval(cache):
     fresh = _fresh(None, include_defaults=True)
     _same_index(first, fresh)
     _same_index(second, fresh, configs=["mmlu", "hellaswag", "arc_easy", "ai2_arc"])
+
+
+def test_a_folder_of_written_overrides_is_indexed_from_its_listing(cache, tmp_path):
+    """The --data-dir overrides are indexed from the listing written with them, as lm-eval would index them; a
+    listing that does not match the folder is ignored."""
+    from mpitp.tasks.layout import write_overrides
+    from support.offline_data import mmlu_dir, small_tasks_dir
+
+    data = small_tasks_dir(mmlu_dir(tmp_path / "data", rows=1))
+    out = tmp_path / "out"
+    written = write_overrides(["mmlu_stem", "boolq", "copa"], data, out)
+    assert len(written) == 21 and (out / index.LISTING).is_file()  # 19 stem subjects + boolq + copa
+    walks = _walks()  # lm-eval's own tree, indexed to resolve the names
+    listed = index.task_manager([str(out)], include_defaults=False)
+    assert index.counters["listed"] == 1 and _walks() == walks
+    fresh = _fresh([str(out)])
+    _same_index(listed, fresh, configs=["boolq", "mmlu_anatomy"])
+    (out / "extra.yaml").write_text((out / "boolq.yaml").read_text().replace("task: boolq", "task: boolq_extra"))
+    again = index.task_manager([str(out)], include_defaults=False)  # an unlisted YAML: lm-eval indexes the folder
+    assert index.counters["listed"] == 1 and _walks() == walks + 1 and "boolq_extra" in again.all_tasks

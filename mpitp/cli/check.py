@@ -58,7 +58,7 @@ def run_checks(specs: list) -> list:
         key = replace(spec, label="")
         if key not in done:
             done[key] = check(key)
-        problems += [p if not spec.label else type(p)(f"run {spec.label}: {p.what}", p.fetch)
+        problems += [p if not spec.label else replace(p, what=f"run {spec.label}: {p.what}")
                      for p in done[key].problems]
     return problems
 
@@ -66,13 +66,23 @@ def run_checks(specs: list) -> list:
 @click.command(name="check")
 @click.argument("job_file", required=False, metavar="[JOB.yaml]", type=click.Path(dir_okay=False, exists=True))
 @spec_options
+@click.option("--json-out", type=click.Path(dir_okay=False), help="Also write the problems as JSON to this file "
+                                                                  "(what mpitp prefetch reads).")
 def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, revision, num_fewshot,
-                  apply_chat_template, trust_remote_code):
+                  apply_chat_template, trust_remote_code, json_out):
     """Will these tasks (or every run of JOB.yaml) run with no network? Exit 0 when ready, 2 listing what is
     missing and how to fetch it."""
     specs = specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
                        apply_chat_template, trust_remote_code)
     problems = run_checks(specs)
+    if json_out:
+        import json
+        from dataclasses import asdict
+
+        from mpitp.results.safefile import write_replace
+
+        write_replace(json_out, json.dumps({"ready": not problems, "problems": [asdict(p) for p in problems]},
+                                           indent=1).encode())
     if problems:
         sys.stderr.write(f"mpitp check: not ready offline: {len(problems)} problem(s)\n")
         for p in problems:
@@ -87,15 +97,17 @@ def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, rev
 @spec_options
 @click.option("--models-dir", type=click.Path(file_okay=False), help="Put the model in DIR/<model> (default: the "
                                                                      "HF cache).")
+@click.option("--nltk-index", default=None, metavar="URL",
+              help="nltk's data index (default: nltk's own, raw.githubusercontent.com); nltk data goes to "
+                   "DATA/nltk_data.")
 def prefetch_command(tasks, data_dir, include_path, model, tokenizer, revision, num_fewshot, apply_chat_template,
-                     trust_remote_code, models_dir):
-    """On a node with network: fetch the datasets (into --data-dir, as plain parquet files) and the model that a run
-    of these tasks needs, write a manifest, then run `mpitp check` on the result."""
-    import os
-    import subprocess
+                     trust_remote_code, models_dir, nltk_index):
+    """On a node with network: fetch the datasets (into --data-dir, as plain parquet files), the model, the
+    evaluate metric modules (into the HF modules cache) and the nltk data (into DATA/nltk_data) that a run of these
+    tasks needs, write a manifest, then run `mpitp check` on the result."""
     import sys
 
-    from mpitp.evaluation.prefetch import prefetch
+    from mpitp.evaluation.prefetch import fetch_until_ready, prefetch
 
     if tasks and not data_dir:
         raise click.UsageError("--tasks needs --data-dir: datasets are fetched into it as plain files")
@@ -107,15 +119,7 @@ def prefetch_command(tasks, data_dir, include_path, model, tokenizer, revision, 
         spec, _ = prefetch(spec, models_dir, echo=click.echo)
     except Exception as exc:  # noqa: BLE001 - a download failing is reported in one line, the check still says why
         click.echo(f"mpitp prefetch: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}", err=True)
-    argv = [sys.executable, "-m", "mpitp", "check"]
-    if spec.tasks:
-        argv += ["--tasks", ",".join(spec.tasks)]
-    for flag, value in (("--data-dir", spec.data_dir), ("--model", spec.model), ("--tokenizer", spec.tokenizer),
-                        ("--revision", spec.revision), ("--num_fewshot", spec.num_fewshot)):
-        if value is not None:
-            argv += [flag, str(value)]
-    for path in spec.include_path:
-        argv += ["--include_path", path]
-    argv += ["--apply_chat_template"] * spec.apply_chat_template + ["--trust_remote_code"] * spec.trust_remote_code
-    env = {k: v for k, v in os.environ.items() if k != "HF_ENDPOINT"}
-    raise click.exceptions.Exit(subprocess.run(argv, env=env, check=False).returncode)
+    done = fetch_until_ready(spec, models_dir, nltk_index, echo=click.echo)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    raise click.exceptions.Exit(done.returncode)

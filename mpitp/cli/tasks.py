@@ -45,9 +45,8 @@ def _generic(data_dir, names: list[str], num_fewshot, root: Path) -> None:
         missing.setdefault(gap.task, []).append(gap)
     width = max([16, *(len(leaf.name) for leaf in res.leaves)])
     for leaf in res.leaves:
-        if leaf.name in res.configs:
-            files = " ".join(f"{s}={_rel(Path(f), root)}"
-                             for s, f in res.configs[leaf.name]["dataset_kwargs"]["data_files"].items())
+        if leaf.name in res.files:
+            files = " ".join(f"{s}={_rel(Path(f), root)}" for s, f in res.files[leaf.name].items())
             state = f"runnable  [{files}]"
         elif leaf.name in missing:
             state = "missing " + ", ".join(_rel(g.file, root) if g.file else g.reason.removeprefix("needs ")

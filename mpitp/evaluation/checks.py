@@ -62,17 +62,24 @@ def _refuse_unknown(tasks: list[str], known: set[str]) -> None:
 
 def offline_include(cfg) -> list[str]:
     """With ``--data-dir``, write override YAMLs for the tasks it serves (:mod:`mpitp.tasks.layout`: any lm-eval task,
-    groups expanded) and put them on the include path."""
+    groups expanded) and put them on the include path; its ``nltk_data`` folder goes first on nltk's path.
+
+    Offline (``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE``, as on compute nodes), a task reading a Hub dataset that is
+    neither in DATA nor in the HF cache is refused here, in seconds on rank 0, naming the file and the prefetch
+    command: lm-eval would fail on it only when it loads the tasks, after the launch and the model load."""
     if not cfg.data_dir:
         return _paths(cfg.include_path)
     import tempfile
 
-    from mpitp.tasks.layout import write_overrides
+    from mpitp.tasks.layout import offline, use_nltk_data, write_overrides
 
+    if not os.path.isdir(cfg.data_dir):
+        raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
+    use_nltk_data(cfg.data_dir)
     out = tempfile.mkdtemp(prefix="mpitp-tasks-")
     try:
         write_overrides(cfg.tasks, cfg.data_dir, out, _paths(cfg.include_path) or None,
-                        getattr(cfg, "num_fewshot", None))
+                        getattr(cfg, "num_fewshot", None), strict=offline())
     except BaseException:
         remove_generated([out])
         raise

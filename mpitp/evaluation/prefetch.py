@@ -7,10 +7,24 @@
   Only the tasks whose needed splits DATA lacks are fetched.
 - **The model** (weights, config, tokenizer) with ``huggingface_hub.snapshot_download``: into the HF cache, or into
   ``--models-dir/<model>`` (then pass that path as ``--model``).
+- **``evaluate`` metric modules** (``rouge``, ``code_eval``, ...) into the HF modules cache
+  (``$HF_HOME/modules/evaluate_modules``, ``HF_MODULES_CACHE``), by ``evaluate``'s own loader from the Hub space
+  ``evaluate-metric/<name>`` (through ``HF_ENDPOINT``): where ``evaluate.load`` finds them offline. So the run must
+  see the same ``HF_HOME`` (or ``HF_MODULES_CACHE``) as the prefetch: a module is a few kB of Python, nothing a
+  parallel filesystem's locks can spoil, and a folder elsewhere would need every run to point ``HF_MODULES_CACHE``
+  at it, which transformers' remote code uses too.
+- **nltk data** (ifeval's ``punkt_tab``, ...) into ``DATA/nltk_data`` with nltk's own downloader, from
+  ``--nltk-index`` (nltk's index by default; a mirror's ``index.xml`` otherwise). ``mpitp check``, ``mpitp eval
+  --data-dir`` and ``mpitp submit``'s scripts put that folder on ``NLTK_DATA``. nltk refuses index and package URLs
+  on loopback or private addresses (its SSRF guard) unless they come through a proxy the operator trusts
+  (``http_proxy`` with ``NLTK_ALLOW_PROXIED_URLOPEN=1``).
 - **A manifest** (``mpitp-manifest.json`` in DATA, else in the models dir): per file what it is, where it came from,
   the revision, size and sha256, so a copy can be verified and the campaign cited.
 
-Then ``mpitp check`` runs on the result (network blocked) and its verdict is printed.
+Which metric modules and nltk packages are needed is not a hand list: ``mpitp check`` (network blocked, in its own
+process) finds them by running the tasks' metrics on stand-ins and names them in its JSON report; prefetch fetches
+what it names and checks again, until the check names nothing new it can fetch, then prints its verdict. (A task may
+need a second one only after the first is there: ifeval's nltk data is looked for after its metric runs.)
 """
 
 from __future__ import annotations
@@ -114,6 +128,38 @@ def fetch_model(model: str, revision: str | None, models_dir: str | None) -> tup
     return (local_dir or model), entries
 
 
+def fetch_metric(name: str) -> list[ManifestEntry]:
+    """The ``evaluate`` module ``name`` into the HF modules cache, by ``evaluate``'s own loader (the Hub space
+    ``evaluate-metric/<name>``, or ``-comparison``/``-measurement``, as ``evaluate.load(name)`` looks)."""
+    from evaluate import config as evaluate_config
+    from evaluate.loading import evaluation_module_factory, init_dynamic_modules
+
+    module = evaluation_module_factory(name)
+    parts = module.module_path.split(".")  # evaluate_modules.metrics.evaluate-metric--<name>.<hash>.<name>
+    path = Path(init_dynamic_modules()).joinpath(*parts[1:-1], parts[-1] + ".py")
+    space = parts[2].replace("--", "/")
+    return [_entry(f"metric {name}", f"{evaluate_config.HF_ENDPOINT}/spaces/{space}", module.hash, path)]
+
+
+def fetch_nltk(package: str, folder: Path, index_url: str | None) -> list[ManifestEntry]:
+    """nltk's ``package`` into ``folder`` by nltk's own downloader (its index ``index_url``, nltk's default when
+    None); raises when it did not get it (nltk's downloader otherwise prints and returns False)."""
+    import io
+
+    from nltk.downloader import Downloader
+
+    dl = Downloader(server_index_url=index_url or None)
+    errors = io.StringIO()  # nltk prints its errors there
+    folder.mkdir(parents=True, exist_ok=True)
+    if not dl.download(package, download_dir=str(folder), quiet=True, raise_on_error=True, print_error_to=errors):
+        raise RuntimeError(f"nltk could not fetch {package} from {dl.url}: {' '.join(errors.getvalue().split())}")
+    info = dl.info(package)
+    revision = getattr(info, "sha256_checksum", None) or info.checksum or "?"
+    archive = folder / info.filename
+    files = [archive] if archive.is_file() else sorted(f for f in archive.with_suffix("").rglob("*") if f.is_file())
+    return [_entry(f"nltk {package}", info.url, revision, f) for f in files]
+
+
 def write_manifest(path: Path, entries: list[ManifestEntry]) -> None:
     """Add ``entries`` to the manifest at ``path`` (a file fetched again replaces its old entry)."""
     old = []
@@ -150,8 +196,76 @@ def prefetch(spec, models_dir: str | None = None, echo=print) -> tuple[object, l
         path, got = fetch_model(spec.model, spec.revision, models_dir)
         entries += got
         spec = replace(spec, model=path)
+    _write_manifest(spec, models_dir, entries, echo)
+    return spec, entries
+
+
+def _write_manifest(spec, models_dir, entries, echo) -> None:
     where = Path(spec.data_dir) if spec.data_dir else Path(models_dir) if models_dir else None
     if where is not None and entries:
         write_manifest(where / MANIFEST, entries)
         echo(f"manifest: {where / MANIFEST} ({len(entries)} files)")
-    return spec, entries
+
+
+def check_argv(spec, json_out: str | None = None) -> list[str]:
+    """``python -m mpitp check`` with ``spec``'s options (and ``--json-out``)."""
+    import sys
+
+    argv = [sys.executable, "-m", "mpitp", "check"]
+    if spec.tasks:
+        argv += ["--tasks", ",".join(spec.tasks)]
+    for flag, value in (("--data-dir", spec.data_dir), ("--model", spec.model), ("--tokenizer", spec.tokenizer),
+                        ("--revision", spec.revision), ("--num_fewshot", spec.num_fewshot), ("--json-out", json_out)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for path in spec.include_path:
+        argv += ["--include_path", path]
+    return argv + ["--apply_chat_template"] * spec.apply_chat_template + \
+        ["--trust_remote_code"] * spec.trust_remote_code
+
+
+ROUNDS = 3
+"""Fetch rounds at most, each followed by a check: a need can show only once the one before it is met (a task's
+metric module, then its nltk data)."""
+
+
+def fetch_until_ready(spec, models_dir: str | None, nltk_index: str | None, echo=print):
+    """Run ``mpitp check`` (its own process: network blocked, offline variables) and fetch the metric modules and
+    nltk data it names, until it names nothing new to fetch; the last check's ``CompletedProcess``."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_ENDPOINT"}
+    tried: set[tuple[str, str]] = set()
+    entries: list[ManifestEntry] = []
+    with tempfile.TemporaryDirectory(prefix="mpitp-prefetch-") as tmp:
+        out = os.path.join(tmp, "check.json")
+        for round_ in range(ROUNDS + 1):
+            done = subprocess.run(check_argv(spec, out), env=env, capture_output=True, text=True, check=False)
+            try:
+                with open(out, encoding="utf-8") as fh:
+                    problems = json.load(fh)["problems"]
+                os.unlink(out)
+            except (OSError, ValueError, KeyError):
+                problems = []
+            todo = sorted({(kind, p[kind]) for p in problems for kind in ("metric", "nltk") if p.get(kind)} - tried)
+            if not todo or round_ == ROUNDS:
+                break
+            for kind, name in todo:
+                tried.add((kind, name))
+                try:
+                    if kind == "metric":
+                        echo(f"metric {name} -> the HF modules cache")
+                        entries += fetch_metric(name)
+                    else:
+                        echo(f"nltk {name} -> {nltk_folder(spec)}")
+                        entries += fetch_nltk(name, nltk_folder(spec), nltk_index)
+                except Exception as exc:  # noqa: BLE001 - one line; the final check says what is still missing
+                    echo(f"mpitp prefetch: {kind} {name}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+    _write_manifest(spec, models_dir, entries, echo)
+    return done
+
+
+def nltk_folder(spec) -> Path:
+    from mpitp.tasks.layout import nltk_folder as folder
+
+    return folder(spec.data_dir)

@@ -12,7 +12,11 @@ with the network off: the offline variables set and every connection to a non-lo
    (few-shot and chat template as asked);
 3. each task's filters, ``process_results`` and aggregations run once on stand-in model outputs.
 
-Every problem is one :class:`Problem`: what is missing and the command that fetches it.
+Every problem is one :class:`Problem`: what is missing and the command that fetches it. What ``mpitp prefetch`` can
+fetch by itself is named in the problem's fields: an ``evaluate`` metric module (found from ``evaluate``'s "Couldn't
+find a module script" error) and nltk data (found from nltk's ``LookupError``, whose text names the package to
+``nltk.download``: no hand list of which task needs what). nltk data is looked for in ``DATA/nltk_data`` first
+(:func:`mpitp.tasks.layout.use_nltk_data`), where prefetch puts it and where the run looks.
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ import shlex
 import socket
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mpitp.errors import UsageError
 
 log = logging.getLogger("mpitp")
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+EVALUATE_OFFLINE = "HF_EVALUATE_OFFLINE"
+"""``evaluate`` asks the Hub for a metric's script before it looks in its cache unless this is set (read when
+``evaluate`` is imported); the batch scripts set it as well."""
+PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 CHECK_LIMIT = 2
 """Docs per task whose requests and metrics are built: the code paths, not the numbers, are checked."""
 
@@ -60,6 +68,10 @@ class Problem:
 
     what: str
     fetch: str | None = None
+    metric: str | None = None
+    """The ``evaluate`` metric module it lacks (``mpitp prefetch`` downloads it), if that is the problem."""
+    nltk: str | None = None
+    """The nltk package it lacks (``mpitp prefetch`` downloads it into ``DATA/nltk_data``), if that is it."""
 
     def line(self) -> str:
         return self.what + (f"; fetch it: {self.fetch}" if self.fetch else "")
@@ -98,8 +110,11 @@ def block_network(tried: list[str]):
     socket layer every HTTP client goes through, name resolution included, so a host is caught even when the
     library swallows the error (nltk's downloader does)."""
     saved = os.environ.copy()
-    for var in (*OFFLINE_VARS, "TQDM_DISABLE"):  # TQDM_DISABLE: no progress bar per task built
+    for var in (*OFFLINE_VARS, EVALUATE_OFFLINE, "TQDM_DISABLE"):  # TQDM_DISABLE: no progress bar per task built
         os.environ[var] = "1"
+    for var in PROXY_VARS:  # a proxy on this host is a local address the guard would let through to the world
+        os.environ.pop(var, None)
+    os.environ["EVALUATE_VERBOSITY"] = "error"  # evaluate sets its logger's level when imported (here, by a task)
     real_connect, real_connect_ex, real_getaddrinfo = socket.socket.connect, socket.socket.connect_ex, \
         socket.getaddrinfo
 
@@ -146,10 +161,14 @@ def prefetch_command(spec: CheckSpec, *, tasks=None, model: bool = False) -> str
         argv += ["--model", str(spec.model)]
         if spec.revision:
             argv += ["--revision", spec.revision]
+    elif spec.data_dir:
+        from mpitp.tasks.layout import prefetch_command as tasks_command
+
+        return tasks_command(tasks or spec.tasks, spec.data_dir, spec.include_path)
     else:
-        argv += ["--tasks", ",".join(tasks or spec.tasks)]
-        if spec.data_dir:
-            argv += ["--data-dir", spec.data_dir]
+        argv += ["--tasks", ",".join(tasks or spec.tasks), "--data-dir", "DATA"]
+        for path in spec.include_path:
+            argv += ["--include_path", path]
     return shlex.join(argv)
 
 
@@ -175,6 +194,7 @@ def check_model(spec: CheckSpec, report: Report) -> object | None:
 
 
 _METRIC_SCRIPT = re.compile(r"Couldn't find a module script at \S*?([\w-]+)\.py")
+_NLTK_PACKAGE = re.compile(r"nltk\.download\('([\w.-]+)'")
 _STAND_IN = {"loglikelihood": (-1.0, False), "loglikelihood_rolling": -1.0, "generate_until": "A",
              "multiple_choice": (-1.0, False)}
 
@@ -213,7 +233,7 @@ def _chat(tokenizer):
 def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
     """Build each task and its requests, score stand-ins (see the module docstring)."""
     from mpitp.tasks import index
-    from mpitp.tasks.layout import expand, resolve_all
+    from mpitp.tasks.layout import expand, resolve_all, write_configs
 
     if not spec.tasks:
         return
@@ -223,6 +243,7 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
         return
     include = list(spec.include_path)
     broken: set[str] = set()
+    leaves = None
     with tempfile.TemporaryDirectory(prefix="mpitp-check-") as out:
         if spec.data_dir:
             if not os.path.isdir(spec.data_dir):
@@ -232,32 +253,32 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
             for gap in res.missing:
                 broken.add(gap.task)
                 report.problems.append(Problem(f"dataset: {gap}", prefetch_command(spec, tasks=[gap.task])))
-            _write(res.configs, out)
+            write_configs(res.configs, out, spec.data_dir)
             include.append(out)
+            # expanded once, not again from the overrides (3 YAML parses per subtask saved); DATA serves, not the Hub
+            leaves = [replace(leaf, hub=False) if leaf.name in res.files else leaf for leaf in res.leaves]
         tm = index.task_manager(include or None)
         known = set(tm.all_tasks)
         for name in spec.tasks:
             if name not in known:
                 report.problems.append(Problem(f"unknown task '{name}' (not in lm-eval's index"
                                                f"{' nor --include_path' if spec.include_path else ''})"))
-        for leaf in expand(spec.tasks, tm.task_index):
+        groups: dict = {}
+        for leaf in leaves if leaves is not None else expand(spec.tasks, tm.task_index):
             if leaf.name not in broken:
-                _check_leaf(spec, report, tm, leaf, tokenizer)
+                _check_leaf(spec, report, tm, leaf, tokenizer, groups)
 
 
-def _write(configs: dict, out: str) -> None:
-    import yaml
-
-    for task, cfg in configs.items():
-        with open(os.path.join(out, f"{task}.yaml"), "w", encoding="utf-8") as fh:
-            yaml.safe_dump(cfg, fh, sort_keys=False)
-
-
-def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer) -> None:
+def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer, groups: dict) -> None:
     where = f"dataset {leaf.dataset_path}" + (f"/{leaf.dataset_name}" if leaf.dataset_name else "")
     step = "build"
     try:
-        task = tm.load([leaf.name])["tasks"][leaf.name]
+        task = _load(tm, leaf, groups)
+        unloaded = _unloaded_metrics(task)
+        if unloaded:  # lm-eval logs evaluate.load's failure and keeps None: the run would fail scoring, unnamed
+            fetch = prefetch_command(spec, tasks=[leaf.name])
+            report.problems += [Problem(_metric_missing(leaf.name, name), fetch, metric=name) for name in unloaded]
+            return
         step = "requests"
         if spec.num_fewshot is not None:
             task.set_config(key="num_fewshot", value=spec.num_fewshot)
@@ -274,11 +295,16 @@ def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer) -> None:
         return
     except Exception as exc:  # noqa: BLE001 - whatever the run would hit is the finding
         metric = _METRIC_SCRIPT.search(str(exc))
+        package = _NLTK_PACKAGE.search(str(exc)) if isinstance(exc, LookupError) else None
         if metric:  # evaluate.load of a metric that is not in the HF cache (code_eval, bleurt, ...)
             name = metric.group(1)
-            report.problems.append(Problem(
-                f"task {leaf.name}: the evaluate metric module {name} is not in the HF cache",
-                f"python -c 'import evaluate; evaluate.load(\"{name}\")' (with network, same HF_HOME)"))
+            report.problems.append(Problem(_metric_missing(leaf.name, name), prefetch_command(spec, tasks=[leaf.name]),
+                                           metric=name))
+        elif package:  # nltk.data.find/load of a package no folder on nltk's path holds (ifeval: punkt_tab)
+            name = package.group(1)
+            folder = f"{spec.data_dir}/nltk_data" if spec.data_dir else "NLTK_DATA"
+            report.problems.append(Problem(f"task {leaf.name}: needs the nltk data {name} (not in {folder})",
+                                           prefetch_command(spec, tasks=[leaf.name]), nltk=name))
         elif step == "build" and leaf.hub:
             what = f"task {leaf.name}: {where} not available offline ({_why(exc)})"
             report.problems.append(Problem(what, prefetch_command(spec, tasks=[leaf.name])))
@@ -286,6 +312,34 @@ def _check_leaf(spec: CheckSpec, report: Report, tm, leaf, tokenizer) -> None:
             report.problems.append(Problem(f"task {leaf.name}: {step} failed ({_why(exc)})"))
         return
     report.tasks.append(leaf.name)
+
+
+def _metric_missing(task: str, name: str) -> str:
+    return f"task {task}: the evaluate metric module {name} is not in the HF cache (HF_HOME's modules)"
+
+
+def _unloaded_metrics(task) -> list[str]:
+    """The metrics of ``task``'s ``metric_list`` that lm-eval wanted from ``evaluate`` (``hf_evaluate: true``, or a
+    name lm-eval does not know) and could not load: lm-eval logs the failure and keeps None in their place. A task
+    with its own ``process_results`` keeps None for every metric by design: none then."""
+    if getattr(getattr(task, "config", None), "process_results", None) is not None:
+        return []
+    return [name for name, fn in (getattr(task, "_metric_fn_list", None) or {}).items()
+            if fn is None and isinstance(name, str)]
+
+
+def _load(tm, leaf, groups: dict):
+    """The built task of ``leaf``: by its name, or, for a member defined inline in a group (its data keys in the
+    group's dict: :mod:`mpitp.tasks.layout`), from the built group (once per group: ``groups``), as the run builds
+    it."""
+    if leaf.group is None:
+        return tm.load([leaf.name])["tasks"][leaf.name]
+    if leaf.group not in groups:
+        groups[leaf.group] = tm.load([leaf.group])["tasks"]
+    tasks = groups[leaf.group]
+    if leaf.name in tasks:
+        return tasks[leaf.name]
+    raise KeyError(f"group {leaf.group} built no task {leaf.name} (built: {', '.join(sorted(tasks))})")
 
 
 def check(spec: CheckSpec) -> Report:
@@ -298,6 +352,10 @@ def check(spec: CheckSpec) -> Report:
         lg.setLevel(logging.ERROR)
     try:
         with block_network(tried):
+            if spec.data_dir:
+                from mpitp.tasks.layout import use_nltk_data
+
+                use_nltk_data(spec.data_dir)
             tokenizer = check_model(spec, report)
             check_tasks(spec, report, tokenizer)
     finally:

@@ -283,8 +283,17 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
         launcher=launcher, srun_mpi=srun_mpi, srun_mpi_reason=srun_mpi_reason,
         requeue=bool(requeue), signal_grace=signal_grace, stop_exit=STOP_EXIT,
         run_args="".join(" " + shlex.quote(str(a)) for a in extra_args),
+        nltk_data=_nltk_data(job),
     )
     return job, context
+
+
+def _nltk_data(job) -> str | None:
+    """``NLTK_DATA`` for the job's runs, quoted: each ``data_dir``'s ``nltk_data`` folder (mpitp prefetch's)."""
+    from mpitp.tasks.layout import nltk_folder
+
+    folders = dict.fromkeys(str(nltk_folder(run.data_dir)) for run in job.runs if getattr(run, "data_dir", None))
+    return shlex.quote(os.pathsep.join(folders)) if folders else None
 
 
 def render_script(scheduler: str, job_path: str | os.PathLike[str], **options: Any) -> str:

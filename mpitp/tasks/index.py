@@ -44,7 +44,8 @@ _IGNORE_DIRS = {"__pycache__", ".ipynb_checkpoints"}  # lm-eval's own (lm_eval.t
 _KINDS = ("TASK", "PY_TASK", "GROUP", "TAG")
 
 counters: collections.Counter = collections.Counter()
-"""``walks``: trees lm-eval indexed; ``hits``: trees read from the cache; ``rebuilt``: cache files refused on load."""
+"""``walks``: trees lm-eval indexed; ``hits``: trees read from the cache; ``rebuilt``: cache files refused on load;
+``listed``: folders mpitp wrote, indexed from their listing."""
 
 
 def cache_dir() -> Path | None:
@@ -253,11 +254,48 @@ def _current(deps: list) -> bool:
     return all(_stat(str(d[0])) == d for d in deps)
 
 
+LISTING = ".mpitp-listing.json"
+"""Beside the task YAMLs mpitp writes itself (the ``--data-dir`` overrides, one folder per run): each YAML's name and
+kind, known when it was written, so the folder is indexed without lm-eval parsing every YAML (and its includes)
+again. Checked against the folder's YAMLs; anything else and lm-eval indexes the folder as usual."""
+
+
+def write_listing(root, entries: dict[str, tuple[str, str]]) -> None:
+    """Write the :data:`LISTING` of ``root``: ``{name: (kind, file name)}`` of every YAML in it."""
+    from mpitp.results.safefile import write_replace
+
+    data = {"format": FORMAT, "entries": [[n, kind, rel] for n, (kind, rel) in sorted(entries.items())]}
+    write_replace(str(Path(root) / LISTING), json.dumps(data).encode())
+
+
+def _listed(root: Path) -> dict | None:
+    """The index of ``root`` from its :data:`LISTING`, or None when there is none or it does not match the folder
+    (every entry a ``TASK`` or ``GROUP`` naming a ``.yaml`` file directly in it, every such file listed once)."""
+    try:
+        with open(root / LISTING, encoding="utf-8") as fh:
+            data = json.load(fh)
+        entries = data["entries"]
+        yamls = {f for f in os.listdir(root) if f.endswith(".yaml")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(entries, list):
+        return None
+    ok = all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[0] and e[1] in ("TASK", "GROUP")
+             and isinstance(e[2], str) and e[2] in yamls for e in entries)
+    if not ok or sorted(e[2] for e in entries) != sorted(yamls):
+        return None
+    counters["listed"] += 1
+    return _from_json([[name, kind, rel, []] for name, kind, rel in entries], root)
+
+
 def tree_index(root: str | os.PathLike, *, stock: bool = False) -> dict:
-    """``{name: Entry}`` of one tree, as ``TaskIndex.build([root])`` returns it, from the cache when it is current."""
+    """``{name: Entry}`` of one tree, as ``TaskIndex.build([root])`` returns it, from the cache when it is current
+    (or from the :data:`LISTING` of a folder mpitp wrote)."""
     from lm_eval.tasks._index import TaskIndex
 
     root = Path(root)
+    if not stock and (listed := _listed(root)) is not None:
+        return listed
     path, key, yamls = _state(root, stock)
     entries = _cached(root, path, key, yamls)
     if entries is not None:

@@ -23,10 +23,24 @@ A task whose dataset folder ``DATA/<dataset_path>`` does not exist is left to lm
 ``mpitp check`` says whether it does); one whose folder exists but lacks a needed split is an error naming the file.
 Tasks that read no Hub dataset (a local ``json``/``csv``/... loader, a ``custom_dataset``, a Python task class) are
 left as they are.
+
+**Group members given as inline dicts** (a group YAML whose ``task:`` list holds ``{task: X, dataset_name: Y, ...}``
+or a whole inline task config): lm-eval builds such a member with the dict's keys (and the group's own non-group
+keys) laid over task ``X``'s config, so the member reads ``DATA/<its dataset_path>/<its dataset_name>/``, and an
+override of ``X`` alone would be overridden again by the group's dict. Such members are served by an override of the
+*group*: a YAML of the same group name that ``include``s the stock group YAML and replaces its ``task:`` list with
+the same list, the served dicts' data keys pointing at DATA. An inline member (a name not in the index) is named
+``<group>::<task>``, as lm-eval names it. An inline member whose dict holds a ``!function`` hook cannot be moved out
+of its folder and is reported, not served.
+
+nltk data (``punkt_tab`` for ifeval, ...) lives in ``DATA/nltk_data`` (:data:`NLTK_FOLDER`): ``mpitp prefetch`` puts
+it there, and ``mpitp check``, ``mpitp eval --data-dir`` and ``mpitp submit``'s scripts put that folder first on
+``NLTK_DATA`` (:func:`use_nltk_data`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +50,9 @@ EXTENSIONS = ("jsonl", "parquet")
 """File formats of the generic layout, in the order tried: ``<split>.jsonl`` wins over ``<split>.parquet``."""
 _LOADER = {"jsonl": "json", "parquet": "parquet"}
 _LOCAL_LOADERS = {"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder"}
+DATA_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset", *SPLIT_KEYS)
+"""The task-config keys that decide what a task reads: the ones an inline group member's dict may override."""
+NLTK_FOLDER = "nltk_data"
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,10 @@ class LeafTask:
     num_fewshot: int
     hub: bool
     """Whether it reads a Hub dataset by name (the only kind the generic layout serves)."""
+    group: str | None = None
+    """The group whose ``task:`` list defines this member inline (its data keys in a dict), else None."""
+    position: int = -1
+    """Its index in that group's ``task:`` list."""
 
     def folder(self, data_dir: Path) -> Path:
         """Where its split files live under ``data_dir``."""
@@ -82,7 +103,7 @@ class MissingSplit:
     reason: str = ""
 
     def __str__(self) -> str:
-        if self.file is None:
+        if self.file is None or self.reason:
             return f"task {self.task} {self.reason}"
         return f"task {self.task} needs its {self.split} split: {self.file} (or .parquet) is missing"
 
@@ -97,6 +118,8 @@ class Resolution:
     untouched: list[LeafTask] = field(default_factory=list)
     """Leaf tasks not served from DATA (no folder there, or not reading a Hub dataset)."""
     leaves: list[LeafTask] = field(default_factory=list)
+    files: dict[str, dict[str, Path]] = field(default_factory=dict)
+    """``{leaf task: {split: file}}`` for every leaf DATA serves (through its own override or its group's)."""
 
 
 def _int(value) -> int:
@@ -111,20 +134,31 @@ def leaf_task(name: str, entry) -> LeafTask:
     from lm_eval.tasks._index import Kind
 
     cfg = (entry.cfg or {}) if entry.kind == Kind.TASK else {}
+    return _leaf(name, cfg, entry.yaml_path, entry.kind == Kind.TASK)
+
+
+def _leaf(name: str, cfg: dict, yaml_path, configurable: bool, group: str | None = None,
+          position: int = -1) -> LeafTask:
     path, dname = cfg.get("dataset_path"), cfg.get("dataset_name")
-    hub = (entry.kind == Kind.TASK and isinstance(path, str) and path not in _LOCAL_LOADERS
+    hub = (configurable and isinstance(path, str) and path not in _LOCAL_LOADERS
            and not Path(path).is_absolute() and cfg.get("custom_dataset") is None)
     splits = tuple((k, str(cfg[k])) for k in SPLIT_KEYS if cfg.get(k) is not None)
-    return LeafTask(name, entry.yaml_path, path, dname if isinstance(dname, str) else None, splits,
-                    _int(cfg.get("num_fewshot")), hub)
+    return LeafTask(name, yaml_path, path, dname if isinstance(dname, str) else None, splits,
+                    _int(cfg.get("num_fewshot")), hub, group, position)
+
+
+def _members(entry) -> list:
+    members = (entry.cfg or {}).get("task") or []
+    return members if isinstance(members, list) else [members]
 
 
 def expand(names, index: dict) -> list[LeafTask]:
     """The leaf tasks of ``names`` (tasks, groups, tags; nested), each once, in order; unknown names are skipped
-    (the caller's name check reports them)."""
+    (the caller's name check reports them). A group member given as a dict that changes what it reads (or an inline
+    task config) is a leaf of its own, with the dict's keys laid over the task's (see the module docstring)."""
     from lm_eval.tasks._index import Kind
 
-    out: dict[str, LeafTask] = {}
+    out: dict[tuple, LeafTask] = {}
     seen: set[str] = set()
 
     def walk(name: str) -> None:
@@ -133,15 +167,26 @@ def expand(names, index: dict) -> list[LeafTask]:
         seen.add(name)
         entry = index[name]
         if entry.kind in (Kind.TASK, Kind.PY_TASK):
-            out[name] = leaf_task(name, entry)
+            out[(None, name)] = leaf_task(name, entry)
         elif entry.kind == Kind.TAG:
             for member in sorted(entry.tags):
                 walk(member)
-        else:  # a group: its `task` list names tasks, groups and tags, or inline configs with a `task` name
-            members = (entry.cfg or {}).get("task") or []
-            for item in members if isinstance(members, list) else [members]:
+        else:  # a group: its `task` list names tasks, groups and tags, or dicts (a task with overrides, inline)
+            shared = {k: v for k, v in (entry.cfg or {}).items() if k in DATA_KEYS}  # group-level task overrides
+            for pos, item in enumerate(_members(entry)):
                 member = item.get("task") if isinstance(item, dict) else item
-                if isinstance(member, str):
+                if not isinstance(member, str):
+                    continue  # an inline sub-group ({group: ...}) not in the index: lm-eval's own business
+                over = {**shared, **{k: v for k, v in item.items() if k in DATA_KEYS}} if isinstance(item, dict) \
+                    else {}
+                base = index.get(member)
+                if base is None and isinstance(item, dict):  # an inline task: the dict is its whole config
+                    full = f"{name}::{member}"
+                    out[(name, full)] = _leaf(full, {**shared, **item}, None, "class" not in item, name, pos)
+                elif over and base is not None and base.kind == Kind.TASK:
+                    out[(name, member)] = _leaf(member, {**(base.cfg or {}), **over}, base.yaml_path, True, name,
+                                                pos)
+                else:
                     walk(member)
 
     for n in names:
@@ -158,20 +203,45 @@ def split_file(folder: Path, split: str) -> Path | None:
     return None
 
 
-def override(leaf: LeafTask, files: dict[str, Path]) -> dict:
-    """The override config of ``leaf`` reading ``files`` (``{split: file}``, all of one format)."""
+def data_keys(leaf: LeafTask, files: dict[str, Path]) -> dict:
+    """The task-config keys that make ``leaf`` read ``files`` (``{split: file}``, all of one format)."""
     ext = next(iter(files.values())).suffix.lstrip(".")
-    cfg: dict = {"include": str(leaf.yaml_path), "task": leaf.name, "tag": None, "dataset_path": _LOADER[ext],
-                 "dataset_name": None, "dataset_kwargs": {"data_files": {s: str(f) for s, f in files.items()}}}
+    cfg: dict = {"dataset_path": _LOADER[ext], "dataset_name": None,
+                 "dataset_kwargs": {"data_files": {s: str(f) for s, f in files.items()}}}
     for key, split in leaf.splits:
         cfg[key] = split if split in files else None
     return cfg
+
+
+def override(leaf: LeafTask, files: dict[str, Path]) -> dict:
+    """The override config of ``leaf`` reading ``files`` (``{split: file}``, all of one format)."""
+    return {"include": str(leaf.yaml_path), "task": leaf.name, "tag": None, **data_keys(leaf, files)}
+
+
+def _function_hook(value, folder: str) -> bool:
+    """Whether ``value`` (a member dict as the index parsed it, ``!function`` hooks as paths under the YAML's
+    folder) holds a ``!function`` hook."""
+    if isinstance(value, dict):
+        return any(_function_hook(v, folder) for v in value.values())
+    if isinstance(value, list):
+        return any(_function_hook(v, folder) for v in value)
+    return isinstance(value, str) and value.startswith(folder)
+
+
+def group_override(group: str, entry, served: dict[int, dict]) -> dict:
+    """The override of ``group`` (an index entry) whose members at the positions of ``served`` read DATA: its YAML
+    included, its ``task:`` list as lm-eval parsed it with those dicts' data keys replaced."""
+    members = []
+    for pos, item in enumerate(_members(entry)):
+        members.append({**item, **served[pos]} if pos in served else item)
+    return {"include": str(entry.yaml_path), "group": group, "task": members}
 
 
 def resolve(names, data_dir: str | Path, index: dict, num_fewshot: int | None = None) -> Resolution:
     """What DATA serves for ``names``: an override config per leaf task found there (see the module docstring)."""
     data = Path(data_dir).expanduser().resolve()
     res = Resolution(leaves=expand(names, index))
+    in_groups: dict[str, dict[int, tuple[str, dict]]] = {}
     for leaf in res.leaves:
         if not leaf.hub or not (data / str(leaf.dataset_path)).is_dir():
             res.untouched.append(leaf)
@@ -185,15 +255,100 @@ def resolve(names, data_dir: str | Path, index: dict, num_fewshot: int | None = 
         if len({f.suffix for f in found.values()}) > 1:  # one loader per task: keep the format of the needed splits
             keep = split_file(folder, leaf.needed(num_fewshot)[0]).suffix
             found = {s: f for s, f in found.items() if f.suffix == keep}
-        res.configs[leaf.name] = override(leaf, found)
+        res.files[leaf.name] = found
+        if leaf.group is None:
+            res.configs[leaf.name] = override(leaf, found)
+            continue
+        in_groups.setdefault(leaf.group, {})[leaf.position] = (leaf.name, data_keys(leaf, found))
+    for group, served in in_groups.items():
+        entry = index[group]
+        folder = str(Path(entry.yaml_path or ".").parent) + os.sep
+        if entry.yaml_path is not None and not _function_hook(_members(entry), folder):
+            res.configs[group] = group_override(group, entry, {pos: keys for pos, (_, keys) in served.items()})
+            continue
+        for name, _ in served.values():  # its list cannot be written elsewhere: the hooks are relative to its folder
+            del res.files[name]
+            res.missing.append(MissingSplit(name, None, None, f"is defined inline in group {group}, whose task list "
+                                            f"has a !function hook: mpitp cannot rewrite it elsewhere (copy the "
+                                            f"group into --include_path with dataset_path: json)"))
     return res
 
 
-def require(res: Resolution, data_dir) -> None:
-    """Raise :class:`DataDirError` listing every missing split (the run's check: all of them, not the first)."""
+def prefetch_command(tasks, data_dir, include_path=()) -> str:
+    """The ``mpitp prefetch`` command that fetches ``tasks`` into ``data_dir``."""
+    import shlex
+
+    argv = ["mpitp", "prefetch", "--tasks", ",".join(dict.fromkeys(tasks)), "--data-dir", str(data_dir)]
+    for path in include_path or ():
+        argv += ["--include_path", str(path)]
+    return shlex.join(argv)
+
+
+def require(res: Resolution, data_dir, include_path=()) -> None:
+    """Raise :class:`DataDirError` listing every missing split (the run's check: all of them, not the first), with
+    the command that fetches them."""
     if res.missing:
         more = f" (and {len(res.missing) - 3} more)" if len(res.missing) > 3 else ""
-        raise DataDirError(f"--data-dir {data_dir}: " + "; ".join(map(str, res.missing[:3])) + more)
+        fetch = prefetch_command([m.task for m in res.missing], data_dir, include_path)
+        raise DataDirError(f"--data-dir {data_dir}: " + "; ".join(map(str, res.missing[:3])) + more
+                           + f"; fetch: {fetch}")
+
+
+def _truthy(var: str) -> bool:
+    return os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def offline() -> bool:
+    """Whether ``datasets`` may not download (``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE``: compute nodes)."""
+    return _truthy("HF_DATASETS_OFFLINE") or _truthy("HF_HUB_OFFLINE")
+
+
+def in_hf_cache(leaf: LeafTask) -> bool:
+    """Whether the HF caches hold anything of ``leaf``'s dataset (``datasets``' own cache, ``<org>___<name>``, or the
+    Hub cache, ``datasets--<org>--<name>``): then lm-eval may well read it offline, which only ``mpitp check`` can
+    tell (it builds the task). Folder names only: no import of ``datasets`` on the way to the launch."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    ds_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")
+    hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    path = str(leaf.dataset_path)
+    folders = (os.path.join(ds_cache, path.replace("/", "___")),
+               os.path.join(hub_cache, "datasets--" + path.replace("/", "--")))
+    return any(os.path.isdir(os.path.expanduser(f)) for f in folders)
+
+
+def absent(res: Resolution, data_dir) -> list[MissingSplit]:
+    """The Hub-reading leaves of ``res`` that are neither in DATA nor in the HF cache: offline, lm-eval would fail on
+    them only when it loads the tasks, after the launch."""
+    out = []
+    for leaf in res.untouched:
+        if leaf.hub and leaf.needed() and not in_hf_cache(leaf):
+            where = leaf.folder(Path(data_dir).expanduser().resolve())
+            out.append(MissingSplit(leaf.name, leaf.needed()[0], where / f"{leaf.needed()[0]}.jsonl",
+                                    f"reads the Hub dataset {leaf.folder(Path('.')).as_posix()}, which is neither in "
+                                    f"--data-dir ({where}/{leaf.needed()[0]}.jsonl or .parquet) nor in the HF cache"))
+    return out
+
+
+def nltk_folder(data_dir) -> Path:
+    """Where nltk data lives in a data directory (``mpitp prefetch`` puts it there)."""
+    return Path(data_dir).expanduser().resolve() / NLTK_FOLDER
+
+
+def use_nltk_data(data_dir) -> str | None:
+    """Put ``DATA/nltk_data`` first on nltk's search path: ``NLTK_DATA`` (read by nltk at import) and, when nltk is
+    imported already, its documented ``nltk.data.path`` list. The folder, or None when DATA has none."""
+    import sys
+
+    folder = nltk_folder(data_dir)
+    if not folder.is_dir():
+        return None
+    parts = [p for p in os.environ.get("NLTK_DATA", "").split(os.pathsep) if p]
+    if str(folder) not in parts:
+        os.environ["NLTK_DATA"] = os.pathsep.join([str(folder), *parts])
+    data = sys.modules.get("nltk.data")
+    if data is not None and str(folder) not in data.path:
+        data.path.insert(0, str(folder))
+    return str(folder)
 
 
 def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = None) -> Resolution:
@@ -211,6 +366,7 @@ def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = No
             # its own folder has files, or neither layout has any: as before the generic layout, named stock tasks
             # are served from their own folders or refused (never left to the Hub)
             res.configs[t] = task_config(t, data_dir)
+            res.files[t] = {s: Path(f) for s, f in res.configs[t]["dataset_kwargs"]["data_files"].items()}
         except DataDirError as exc:
             res.missing.append(MissingSplit(t, None, None, str(exc).split(f"task {t} ", 1)[-1]))
         res.missing = [m for m in res.missing if m not in generic_missing]
@@ -218,20 +374,38 @@ def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = No
     return res
 
 
-def write_overrides(names, data_dir, out_dir, include_path=None, num_fewshot: int | None = None) -> dict[str, str]:
+def write_overrides(names, data_dir, out_dir, include_path=None, num_fewshot: int | None = None,
+                    strict: bool = False) -> dict[str, str]:
     """Write one override YAML per task DATA serves into ``out_dir``; ``{task: yaml_path}``. Raises
-    :class:`DataDirError` naming every needed split that is missing, before writing anything."""
+    :class:`DataDirError` naming every needed split that is missing, before writing anything; with ``strict``, also
+    every Hub dataset that is neither in DATA nor in the HF cache (:func:`absent`: a run that cannot download)."""
+    res = resolve_all(names, data_dir, include_path, num_fewshot)
+    if strict:
+        res.missing += absent(res, data_dir)
+    require(res, data_dir, include_path)
+    return write_configs(res.configs, out_dir, data_dir)
+
+
+def write_configs(configs: dict[str, dict], out_dir, data_dir) -> dict[str, str]:
+    """Write ``configs`` (:attr:`Resolution.configs`) as YAMLs into ``out_dir``, with the listing of their names and
+    kinds (:func:`mpitp.tasks.index.write_listing`: the folder is indexed without parsing them again);
+    ``{name: yaml_path}``."""
     import yaml
 
-    res = resolve_all(names, data_dir, include_path, num_fewshot)
-    require(res, data_dir)
+    from mpitp.tasks.index import write_listing
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {}
-    for task, cfg in res.configs.items():
-        target = out / f"{task}.yaml"
-        files = ", ".join(f"{s}: {f}" for s, f in cfg["dataset_kwargs"]["data_files"].items())
-        target.write_text(f"# Written by mpitp: stock lm-eval task {task} reading {files}.\n"
-                          + yaml.safe_dump(cfg, sort_keys=False))
+    for task, cfg in configs.items():
+        target = out / f"{task.replace('::', '--')}.yaml"
+        if "group" in cfg:
+            head = f"# Written by mpitp: lm-eval group {task}, its inline members reading --data-dir {data_dir}.\n"
+        else:
+            files = ", ".join(f"{s}: {f}" for s, f in cfg["dataset_kwargs"]["data_files"].items())
+            head = f"# Written by mpitp: stock lm-eval task {task} reading {files}.\n"
+        target.write_text(head + yaml.safe_dump(cfg, sort_keys=False))
         written[task] = str(target)
+    write_listing(out, {task: ("GROUP" if "group" in cfg else "TASK", Path(written[task]).name)
+                        for task, cfg in configs.items()})
     return written

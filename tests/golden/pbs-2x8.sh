@@ -20,6 +20,10 @@ cd "$PBS_O_WORKDIR"
 export OMP_NUM_THREADS=8
 # Compute nodes are offline: only pre-downloaded models and data sets.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# evaluate's metric modules from the HF modules cache (mpitp prefetch puts them there), without asking the Hub.
+export HF_EVALUATE_OFFLINE=1
+# nltk data from the runs' DATA/nltk_data (mpitp prefetch puts it there).
+export NLTK_DATA=/shared/hf/datasets/nltk_data${NLTK_DATA:+:$NLTK_DATA}
 
 # Site environment (--env-setup); module/conda scripts often read unset variables.
 set +u

@@ -17,6 +17,8 @@ cd "$PBS_O_WORKDIR"
 export OMP_NUM_THREADS=1
 # Compute nodes are offline: only pre-downloaded models and data sets.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# evaluate's metric modules from the HF modules cache (mpitp prefetch puts them there), without asking the Hub.
+export HF_EVALUATE_OFFLINE=1
 
 # Site environment (--env-setup); module/conda scripts often read unset variables.
 set +u

@@ -1,6 +1,11 @@
 """A small HTTP server speaking the part of the Hugging Face Hub API that ``huggingface_hub`` uses to list and
 download files (``repo_info``, ``list_repo_tree``, ``resolve``), serving in-memory files: ``mpitp prefetch`` is tested
-against it with ``HF_ENDPOINT`` pointing here, never by patching ``huggingface_hub``."""
+against it with ``HF_ENDPOINT`` pointing here, never by patching ``huggingface_hub``.
+
+Also served: Spaces (``/spaces/<org>/<name>/resolve/<rev>/<file>``: where ``evaluate.load`` fetches a metric's script,
+``evaluate-metric/<name>``), and, as an HTTP forward proxy (``http_proxy`` pointing here), whole URLs of other hosts
+(``web``): nltk's downloader refuses loopback addresses (its SSRF guard) but fetches through a proxy it is told to
+trust, as on a login node behind a site proxy."""
 
 from __future__ import annotations
 
@@ -12,11 +17,13 @@ from urllib.parse import unquote, urlsplit
 
 
 class FakeHub:
-    """``repos[(kind, repo_id)] = {path: bytes}`` with kind ``model`` or ``dataset``; one revision per repo (any
-    revision name is answered with it); ``requests`` logs what was asked."""
+    """``repos[(kind, repo_id)] = {path: bytes}`` with kind ``model``, ``dataset`` or ``space``; one revision per repo
+    (any revision name is answered with it); ``web[url] = bytes`` answered as a proxy; ``requests`` logs what was
+    asked."""
 
     def __init__(self):
         self.repos: dict[tuple[str, str], dict[str, bytes]] = {}
+        self.web: dict[str, bytes] = {}
         self.requests: list[str] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -64,6 +71,9 @@ class FakeHub:
 
             def _serve(self, head: bool):
                 hub.requests.append(f"{self.command} {self.path}")
+                if urlsplit(self.path).netloc:  # a proxy request: the whole URL
+                    body = hub.web.get(self.path)
+                    return self._send(404, b"", {}, head) if body is None else self._send(200, body, {}, head)
                 segs = [unquote(s) for s in urlsplit(self.path).path.split("/")[1:]]
                 if segs[:1] == ["api"] and len(segs) >= 4:  # /api/{kind}s/{org}/{name}/(revision|tree)/{rev}/...
                     kind, repo, rest = segs[1].rstrip("s"), "/".join(segs[2:4]), segs[4:]
@@ -81,8 +91,8 @@ class FakeHub:
                                            for p, b in sorted(files.items())
                                            if not under or p.startswith(under.rstrip("/") + "/")])
                     return self._send(404)
-                kind = "dataset" if segs[:1] == ["datasets"] else "model"
-                segs = segs[1:] if kind == "dataset" else segs
+                kind = {"datasets": "dataset", "spaces": "space"}.get(segs[0] if segs else "", "model")
+                segs = segs[1:] if kind != "model" else segs
                 if len(segs) >= 5 and segs[2] == "resolve":  # /[datasets/]{org}/{name}/resolve/{rev}/{path}
                     repo, path = "/".join(segs[:2]), "/".join(segs[4:])
                     body = hub.repos.get((kind, repo), {}).get(path)
