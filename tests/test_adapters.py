@@ -366,6 +366,10 @@ runs:
     assert proc.returncode == 0, explain(proc)
     log = proc.stdout + proc.stderr
     assert log.count("loaded and sharded (load") == 1, explain(proc)
+    # the probe runs for step-1 alone and for the sweep's first adapter with work (step-2); step-10 changes no
+    # parameter of the head (model.norm is not one), so the base's check stands and lm-eval's tokenizer is kept
+    assert log.count("head check: passed in") == 2, explain(proc)
+    assert log.count("head check: passed on this base model before its first adapter") == 1, explain(proc)
     with open(tmp_path / "out" / "sweep-summary.json") as f:
         summary = json.load(f)
     assert summary["base_loads"] == 1

@@ -31,12 +31,12 @@ class RootResult:
 
 
 def finish_root(result: RootResult, all_stats: list, wall: float, head_check_s: float | None = None,
-                sharing: str | None = None) -> None:
+                sharing: str | None = None, head_kept: bool = False) -> None:
     """Write the results (:func:`write_results`), then report them (:func:`report`)."""
-    if head_check_s is not None:
+    if head_check_s is not None and not head_kept:
         result.phases["head_check"] = head_check_s
     write_results(result, all_stats, wall)
-    report(result, all_stats, wall, head_check_s, sharing)
+    report(result, all_stats, wall, head_check_s, sharing, head_kept)
 
 
 def write_results(result: RootResult, all_stats: list, wall: float) -> None:
@@ -68,7 +68,7 @@ def write_results(result: RootResult, all_stats: list, wall: float) -> None:
 
 
 def report(result: RootResult, all_stats: list, wall: float, head_check_s: float | None = None,
-           sharing: str | None = None) -> None:
+           sharing: str | None = None, head_kept: bool = False) -> None:
     """The console report: lm-eval's header and tables (its loggers end after them, as under ``lm_eval``), one line
     per DP group, the totals, the head check, prefix sharing and rank 0's phases."""
     from lm_eval.utils import make_table
@@ -100,8 +100,12 @@ def report(result: RootResult, all_stats: list, wall: float, head_check_s: float
         from mpitp.replica.headcheck import PROBE_SHAPE
 
         rows, cols = PROBE_SHAPE
-        print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
-              f"replica)")
+        if head_kept:
+            print("head check: passed on this base model before its first adapter; this adapter changes none of the "
+                  "head's parameters")
+        else:
+            print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
+                  f"replica)")
     rows_in, read = sum(s.get("row_tokens", 0) for s in all_stats), sum(s.get("tokens_read", 0) for s in all_stats)
     if sharing is None:
         print(f"prefix sharing: on; the forwards read {read} input tokens for rows of {rows_in}"

@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 from mpitp import testing
 from mpitp.evaluation.checks import check_on_root, check_tasks, offline_include, remove_generated
@@ -109,6 +110,20 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
             remove_generated(checked.tasks.include)
 
 
+@dataclass
+class KeptChecks:
+    """What an adapter sweep (:mod:`mpitp.jobs.adapter_sweep`) keeps from one evaluation over its loaded base to the
+    next: the tokenizer lm-eval built (``HFLM`` otherwise reads it from disk for every adapter: 0.4 s each in
+    bench/bench_adapters.py), the prefix-sharing probe's verdict (it tests the attention code's handling of a tree,
+    which an adapter's weights do not change) and the head check's seconds, reused unless the adapter changes a
+    parameter of the head (``recheck_head``, set per adapter)."""
+
+    tokenizer: object = None
+    sharing: tuple | None = None  # (check_sharing's verdict, the attention calls of one forward)
+    head_check_s: float | None = None
+    recheck_head: bool = True
+
+
 def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
     """This rank's part of the model in ``source``: its pipeline stage's layers TP-sharded, or (pp=1) the whole model
     TP-sharded. The one loading path of ``mpitp eval`` and sweeps (:mod:`mpitp.jobs.sweep`)."""
@@ -126,11 +141,12 @@ def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
                     task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None,
-                    phases: dict | None = None, encode_cache: dict | None = None):
+                    phases: dict | None = None, encode_cache: dict | None = None, kept: KeptChecks | None = None):
     """The one evaluation path (CLI, job files and :func:`mpitp.evaluate`) for a model already on this rank.
 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
     other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
+    ``kept``: an adapter sweep's :class:`KeptChecks` for the base ``model`` (filled by the first evaluation).
     """
     from mpitp.evaluation import finish
     from mpitp.evaluation.dispatch import serve_remote
@@ -147,10 +163,22 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
     shard = ReplicaShard(model, lay, rt.device, stats, tp_group=group)
     from mpitp.replica.headcheck import check_head
 
-    head_check_s = check_head(shard, rt.world.comm, rt.timeout, skip=cfg.skip_head_check)
+    reuse_head = kept is not None and kept.head_check_s is not None and not kept.recheck_head
+    head_check_s = check_head(shard, rt.world.comm, rt.timeout, skip=cfg.skip_head_check,
+                              passed=kept.head_check_s if reuse_head else None)
     from mpitp.replica.prefix import check_sharing
 
-    sharing = check_sharing(shard, enabled=not cfg.no_prefix_sharing)
+    if kept is not None and kept.sharing is not None:
+        sharing, shard.attention_layers = kept.sharing
+        shard.share = sharing is None
+    else:
+        sharing = check_sharing(shard, enabled=not cfg.no_prefix_sharing)
+        if kept is not None:
+            kept.sharing = (sharing, shard.attention_layers)
+    if kept is not None and not cfg.skip_head_check:
+        kept.head_check_s = head_check_s
+    if kept is not None and kept.tokenizer is not None:
+        tokenizer = kept.tokenizer
     state = None
     budget = None
     if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
@@ -169,6 +197,8 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         lm = MPITPLM(model, tokenizer, leader, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
                      auto=auto, encode_cache=encode_cache, seed=cfg.seed,
                      trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
+        if kept is not None:
+            kept.tokenizer = lm.tokenizer
         # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
         if lay.is_root:
@@ -182,7 +212,8 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
         all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
-            finish.finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing)
+            finish.finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing,
+                               head_kept=reuse_head)
     # Rank 0 computes lm-eval's metrics and writes the file meanwhile: bounded work, so a deadline. Without one a node
     # whose network went away at the end held every rank here forever (the launcher kills dead ranks, not silent ones).
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")

@@ -59,6 +59,8 @@ class BaseModel:
     model: object = None
     loads: int = 0
     error: str | None = None
+    kept: object = None  # mpitp.evaluation.runner.KeptChecks: the tokenizer and checks kept between adapters
+    head_names: frozenset = frozenset()  # the parameters of the output head (the head check re-runs if one changes)
 
     def get(self):
         if self.error is not None:  # a base that failed to load is not retried for every adapter
@@ -74,10 +76,22 @@ class BaseModel:
                 raise LoadFailed(self.error) from None
             mpicomm.barrier(self.rt.world.comm, self.rt.timeout, phase="model loading")
             self.loads += 1
+            from mpitp.evaluation.runner import KeptChecks
+
+            self.kept, self.head_names = KeptChecks(), head_parameters(self.model)
             if self.rt.world.rank == 0:
                 log.info("adapter sweep: base model %s loaded and sharded (load %d) in %.1f s", self.cfg.model,
                          self.loads, time.perf_counter() - t0)
         return self.model
+
+
+def head_parameters(model) -> frozenset:
+    """Names of the parameters of ``model``'s output head (the tied input embedding's too, under its own name)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return frozenset()
+    ids = {id(p) for p in head.parameters()}
+    return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
 
 
 def _apply_everywhere(model, adapter: str, rt):
@@ -96,8 +110,11 @@ def run_adapter(cfg, rt, state: SweepState, base: BaseModel):
     with checked:  # the claim on this adapter's output (mpitp.results.claim)
         model = base.get()
         done = _apply_everywhere(model, cfg.peft, rt)
+        # No parameter of the head changed (same on every rank: each holds its shard of the same parameters): the
+        # base's head check stands. A head LoRA or a saved copy of the head re-runs it.
+        base.kept.recheck_head = bool(base.head_names & set(done.saved))
         try:
-            return evaluate_item(model, cfg, rt, state, checked, t_start)
+            return evaluate_item(model, cfg, rt, state, checked, t_start, kept=base.kept)
         finally:
             restored = done.restore()
             if rt.world.rank == 0:
@@ -114,7 +131,7 @@ def run_adapters(cfg, rt, adapters: list[str], outputs: list[str], names: list[s
 
 def run_adapter_sweep(cfg, rt) -> int:
     """``mpitp eval --model BASE --peft 'glob,list'``: every rank calls it. Exit status 1 when an adapter failed."""
-    from mpitp.parallel.runtime import agree, start_torch
+    from mpitp.parallel.runtime import agree, start_torch, warm_imports
 
     check_one_kind(cfg.model, cfg.peft, collective=True)
     if rt.layout.pp > 1:
@@ -123,6 +140,7 @@ def run_adapter_sweep(cfg, rt) -> int:
     adapters = agree(lambda: expand_models(cfg.peft, "--peft"), rt.world.comm, rt.timeout, "expanding --peft")
     names, outputs = name_outputs(cfg.output, adapters, rt)
     start_torch(rt)
+    warm_imports(rt.world)  # the other ranks import the loading code while rank 0 checks the first adapter
     if rt.world.rank == 0:
         log.info("adapter sweep: %d adapters over %s: %s", len(adapters), cfg.model, ", ".join(names))
     t0 = time.perf_counter()

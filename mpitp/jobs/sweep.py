@@ -237,9 +237,10 @@ def check_item(cfg, rt, state: SweepState, phase: str):
     return checked
 
 
-def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float):
+def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float, kept=None):
     """:func:`mpitp.evaluation.runner.evaluate_loaded` with what a sweep keeps from one model to the next: lm-eval's
-    loaded tasks (memoised) and the prompts' token ids per tokenizer."""
+    loaded tasks (memoised) and the prompts' token ids per tokenizer; an adapter sweep's ``kept``
+    (:class:`mpitp.evaluation.runner.KeptChecks`) for its one base."""
     from mpitp.evaluation.runner import evaluate_loaded
 
     tm = checked.task_manager
@@ -249,7 +250,7 @@ def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float):
     state.encodings_reused = len(cache or {})
     with memo:
         return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=tm,
-                               t_start=t_start, encode_cache=cache)
+                               t_start=t_start, encode_cache=cache, kept=kept)
 
 
 def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
@@ -370,11 +371,12 @@ def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str],
 
 def run_sweep(cfg, rt) -> int:
     """``mpitp eval --model 'glob,list'``: every rank calls it. Exit status 1 when a checkpoint failed."""
-    from mpitp.parallel.runtime import agree, start_torch
+    from mpitp.parallel.runtime import agree, start_torch, warm_imports
 
     models = agree(lambda: expand_models(cfg.model), rt.world.comm, rt.timeout, "expanding --model")
     names, outputs = name_outputs(cfg.output, models, rt)
     start_torch(rt)
+    warm_imports(rt.world)  # the other ranks import the loading code while rank 0 checks the first checkpoint
     if rt.world.rank == 0:
         log.info("sweep: %d checkpoints: %s", len(models), ", ".join(names))
     t0 = time.perf_counter()

@@ -104,10 +104,12 @@ def _local_check(shard) -> tuple[float, float, str] | None:
     return _compare(head, h.reshape(-1, h.shape[-1]), ref, dtype)
 
 
-def check_head(shard, world_comm, timeout: float, skip: bool = False) -> float | None:
+def check_head(shard, world_comm, timeout: float, skip: bool = False, passed: float | None = None) -> float | None:
     """Run the probe on every replica and refuse the run when any head path differs. Collective over the world.
 
-    Returns the seconds it took (the extra forwards), or None when skipped.
+    Returns the seconds it took (the extra forwards), or None when skipped. ``passed``: the seconds of a check this
+    very model's head already passed, with none of the head's parameters changed since (an adapter sweep): returned
+    without probing again (every rank passes the same).
     """
     model_type = getattr(shard.model.config, "model_type", type(shard.model).__name__)
     testing.alter_head(shard.head)
@@ -116,6 +118,8 @@ def check_head(shard, world_comm, timeout: float, skip: bool = False) -> float |
             log.warning("--skip-head-check: the vocab-parallel head is not compared with %s's own logits; a logit "
                         "step mpitp does not apply would give wrong log-likelihoods without an error", model_type)
         return None
+    if passed is not None:
+        return passed
     t0 = time.perf_counter()
     with shard.stats.uncounted():
         local = _local_check(shard)
