@@ -43,7 +43,7 @@ def test_api_model_with_unknown_logit_step_is_refused(test_tasks):
     proc = run_mpi_script(2, MPI_DIR / "api_altered_head.py", [str(STORIES), test_tasks], timeout=600)
     assert proc.returncode == 0, explain(proc)
     refused = [ln for ln in proc.stdout.splitlines() if "REFUSED: head check failed for model type 'llama'" in ln]
-    assert len(refused) == 2, explain(proc)
+    assert len(refused) == 2 and {ln.split(":")[0] for ln in refused} == {"rank 0", "rank 1"}, explain(proc)
 
 
 def test_skip_head_check_and_nan_logits_refused_naming_the_request(test_tasks, tmp_path):

@@ -4,6 +4,7 @@ vocab-parallel head does not know (the logits scaled by 1.5, as an unknown archi
 argv: MODEL_DIR INCLUDE_PATH. Prints "REFUSED: <message>" on every rank when the head check refuses it.
 """
 
+import os
 import sys
 
 import mpitp
@@ -24,9 +25,17 @@ def scaled_forward(*args, **kwargs):
     return out
 
 
+
+
+def say(line: str) -> None:
+    """One write of the whole line: both ranks share the launcher's stdout, and print's separate write of the
+    newline let the two lines interleave into one ("rank 0: ...rank 1: ...")."""
+    os.write(1, (line + "\n").encode())
+
+
 model.forward = scaled_forward
 try:
     mpitp.evaluate(model, model_dir, ["arc_easy_local"], include_path=include_path, limit=1, bootstrap_iters=0)
-    print(f"rank {rt.world.rank}: NOT REFUSED", flush=True)
+    say(f"rank {rt.world.rank}: NOT REFUSED")
 except UsageError as exc:
-    print(f"rank {rt.world.rank}: REFUSED: {exc}", flush=True)
+    say(f"rank {rt.world.rank}: REFUSED: {exc}")
