@@ -403,7 +403,7 @@ def name_outputs(spec: str | None, items: list[str], rt) -> tuple[list[str], lis
 def summarise(rt, rows: list[Row], outputs: list[str], t0: float, **extra) -> int:
     """Rank 0 writes ``sweep-summary.json`` (with ``extra``) and prints it. Exit status 1 when an item failed."""
     if rt.world.rank == 0:
-        path = summary_path(None, outputs)
+        path = summary_path(outputs)
         write_summary(path, rows, time.perf_counter() - t0, **extra)
         print(render_summary(rows, path))
     return 1 if any(r.status == "failed" for r in rows) else 0

@@ -109,7 +109,7 @@ def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) ->
         finish(state)
     if rt.world.rank == 0:
         if rows:
-            path = summary_path(cfg.output, [r.output for r in rows])
+            path = summary_path([r.output for r in rows])
             write_summary(path, rows, time.monotonic() - t0)
             print(render_summary(rows, path))
         else:

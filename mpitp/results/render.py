@@ -12,7 +12,7 @@ from mpitp.results.reader import RunFile, as_number, load_requests, metric_rows,
 from mpitp.results.texttable import text_table
 
 
-def _fmt_value(v) -> str:
+def fmt_value(v) -> str:
     x = as_number(v)
     if x is None:
         return "" if v is None else str(v)
@@ -97,8 +97,8 @@ def render_summary(run: RunFile, task: str | None) -> str:
     rows = []
     for r in metric_rows(run, task):
         err = as_number(r.stderr)
-        rows.append([r.task, r.metric, r.filter, _fmt_value(r.value), "±" if err is not None else "",
-                     _fmt_value(r.stderr) if r.stderr is not None else "", "" if r.n is None else str(r.n)])
+        rows.append([r.task, r.metric, r.filter, fmt_value(r.value), "±" if err is not None else "",
+                     fmt_value(r.stderr) if r.stderr is not None else "", "" if r.n is None else str(r.n)])
     with_metrics = {r[0] for r in rows}
     for name, t in run.tasks.items():  # tasks with no metrics yet (a running or interrupted run)
         if (task is None or name == task) and name not in with_metrics:

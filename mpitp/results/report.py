@@ -26,7 +26,7 @@ from mpitp.results import docscores
 from mpitp.results.diff import paired_comparisons, statistics_text
 from mpitp.results.docscores import DocScores
 from mpitp.results.reader import BadInput, RunFile, as_number, load, load_requests, load_samples, metric_rows
-from mpitp.results.render import _fmt_value, layout_line
+from mpitp.results.render import fmt_value, layout_line
 
 SAMPLE_CAP = 200_000  # sample rows embedded per report; past it a task's rows are left out (and the page says so)
 TEXT_BUDGET = 40_000_000  # characters of document and target text per report; past it rows keep scores, not text
@@ -128,9 +128,7 @@ def _num(v) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _fmt(v) -> str:
-    """A value as ``mpitp inspect`` prints it (the leaderboard must show the same text)."""
-    return _fmt_value(v)
+_fmt = fmt_value  # a value as ``mpitp inspect`` prints it (the leaderboard must show the same text)
 
 
 def _wall(v) -> str:

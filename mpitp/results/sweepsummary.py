@@ -35,7 +35,8 @@ class Row:
     metrics: dict = field(default_factory=dict)  # task -> {metric key: value}
 
 
-def summary_path(spec: str | None, outputs: list[str]) -> str:
+def summary_path(outputs: list[str]) -> str:
+    """``sweep-summary.json`` beside the first results file."""
     return os.path.join(os.path.dirname(os.path.abspath(outputs[0])) if outputs else ".", SUMMARY_NAME)
 
 
