@@ -362,8 +362,6 @@ def check(spec: CheckSpec) -> Report:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
     report.problems += [Problem(f"tried to reach {host} (no network on compute nodes)") for host in tried]
-    if spec.label:
-        report.problems = [Problem(f"run {spec.label}: {p.what}", p.fetch) for p in report.problems]
     return report
 
 
