@@ -129,3 +129,26 @@ def test_check_names_a_metric_lm_eval_could_not_load_from_evaluate(tmp_path):
     assert [(p.line(), p.metric) for p in report.problems] == [
         ("task kobest_boolq: the evaluate metric module f1 is not in the HF cache (HF_HOME's modules); fetch it: "
          f"mpitp prefetch --tasks kobest_boolq --data-dir {tmp_path}", "f1")]
+
+
+def test_model_is_checked_beside_the_tasks_and_reported_first(gap_data, tmp_path):
+    """On two cores the model's config and tokenizer are checked in a child interpreter while the tasks are built
+    (what brings `mpitp check --tasks mmlu` under 5 s): its problems come back first, as in line, and the tasks'
+    problems are not lost. With a chat template the tasks need the tokenizer, so the model is checked first, here."""
+    code = ("import json, sys; from mpitp.evaluation.readiness import CheckSpec, check\n"
+            f"spec = CheckSpec(tasks=('mmlu_{REMOVED}', 'mmlu_anatomy'), data_dir={str(gap_data)!r}, "
+            f"model={str(tmp_path / 'no-model')!r}, apply_chat_template=sys.argv[1] == 'chat')\n"
+            "r = check(spec)\n"
+            "print(json.dumps([r.model_beside, [p.what for p in r.problems], r.tasks]))\n")
+    for mode, beside in (("plain", len(os.sched_getaffinity(0)) >= 2), ("chat", False)):
+        p = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, **OFFLINE_ENV})
+        assert p.returncode == 0, p.stderr
+        import json
+
+        model_beside, problems, tasks = json.loads(p.stdout.splitlines()[-1])
+        assert model_beside is beside, mode
+        assert problems[0].startswith(f"model {tmp_path / 'no-model'}: config not available offline ("), problems
+        if mode == "plain":  # the chat case stops at the model: no tokenizer, no prompts to build
+            assert [w.split(":")[1] for w in problems[1:]] == [f" task mmlu_{REMOVED} needs its test split"], problems
+            assert tasks == ["mmlu_anatomy"]

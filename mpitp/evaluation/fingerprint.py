@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 
+from mpitp.digest import sha256_file
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 SMALL_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
                      "pytorch_model.bin.index.json")
@@ -33,11 +35,7 @@ def _sha(data: bytes) -> str:
 
 
 def _file_sha(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(MIB), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
+    return sha256_file(path)[:16]
 
 
 def safetensors_header_sha(path: str) -> str:

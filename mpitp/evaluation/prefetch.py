@@ -56,9 +56,9 @@ class ManifestEntry:
 
 
 def _entry(what: str, source: str, revision: str, path: Path) -> ManifestEntry:
-    from mpitp.tasks.demo.model import _sha256_file
+    from mpitp.digest import sha256_file
 
-    return ManifestEntry(what, source, revision, str(path), path.stat().st_size, _sha256_file(path))
+    return ManifestEntry(what, source, revision, str(path), path.stat().st_size, sha256_file(path))
 
 
 def _commit_of(cached: str) -> str:

@@ -82,6 +82,8 @@ class Report:
     problems: list[Problem] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
     """The leaf tasks built and scored."""
+    model_beside: bool = False
+    """Whether the model was checked in a child process beside the tasks (:func:`_start_model_check`)."""
 
     @property
     def ready(self) -> bool:
@@ -342,27 +344,108 @@ def _load(tm, leaf, groups: dict):
     raise KeyError(f"group {leaf.group} built no task {leaf.name} (built: {', '.join(sorted(tasks))})")
 
 
-def check(spec: CheckSpec) -> Report:
-    """Whether ``spec`` runs offline: a :class:`Report` of its problems (none when ready)."""
-    report = Report()
-    tried: list[str] = []
+@contextmanager
+def _quiet_libraries():
+    """The libraries' own logging at ERROR while checking: what matters comes back as problems."""
     quiet = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets", "evaluate", "transformers")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.ERROR)
     try:
-        with block_network(tried):
-            if spec.data_dir:
-                from mpitp.tasks.layout import use_nltk_data
-
-                use_nltk_data(spec.data_dir)
-            tokenizer = check_model(spec, report)
-            check_tasks(spec, report, tokenizer)
+        yield
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
+
+
+def check(spec: CheckSpec) -> Report:
+    """Whether ``spec`` runs offline: a :class:`Report` of its problems (none when ready)."""
+    report = Report()
+    tried: list[str] = []
+    with _quiet_libraries(), block_network(tried):
+        if spec.data_dir:
+            from mpitp.tasks.layout import use_nltk_data
+
+            use_nltk_data(spec.data_dir)
+        if spec.model and spec.tasks and not spec.apply_chat_template and (child := _start_model_check(spec)):
+            report.model_beside = True
+            try:
+                check_tasks(spec, report, None)  # the tokenizer is read only for a chat template
+            finally:
+                report.problems[:0] = _join_model_check(child, spec, tried)
+        else:
+            tokenizer = check_model(spec, report)
+            check_tasks(spec, report, tokenizer)
     report.problems += [Problem(f"tried to reach {host} (no network on compute nodes)") for host in tried]
     return report
+
+
+def _start_model_check(spec: CheckSpec):
+    """:func:`check_model` in a child interpreter (:func:`model_check_child`), beside the task checks: importing
+    transformers' config code is about 2.5 s of a 6 s ``mpitp check --tasks mmlu`` on a 2-core machine, building
+    the tasks as long, and the tasks need the tokenizer only for a chat template. A new interpreter, not a fork:
+    by now this process has MPI's and other libraries' threads, which a fork would not copy. The
+    ``subprocess.Popen``, or None on one core (nothing to gain)."""
+    import json
+    import subprocess
+    import sys
+    from dataclasses import asdict
+    from pathlib import Path
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if cores < 2:
+        return None
+    here = str(Path(__file__).resolve().parents[2])  # the tree this mpitp is imported from, first for the child
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", "from mpitp.evaluation.readiness import model_check_child;"
+                                 "model_check_child()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                text=True)
+        proc.stdin.write(json.dumps(asdict(spec)))
+        proc.stdin.close()
+    except OSError:
+        return None
+    return proc
+
+
+def model_check_child() -> None:
+    """The child of :func:`_start_model_check`: a :class:`CheckSpec` as JSON on stdin, :func:`check_model` under the
+    same network guard, ``{"problems": [...], "tried": [...]}`` as the last line on stdout."""
+    import json
+    import sys
+
+    fields = json.loads(sys.stdin.read())
+    spec = CheckSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    report, tried = Report(), []
+    with _quiet_libraries(), block_network(tried):
+        check_model(spec, report)
+    sys.stdout.write("\n" + json.dumps({"problems": [[p.what, p.fetch] for p in report.problems], "tried": tried})
+                     + "\n")
+
+
+def _join_model_check(proc, spec: CheckSpec, tried: list[str]) -> list[Problem]:
+    """The child's problems (and the hosts it tried, added to ``tried``); :func:`check_model` here when the child
+    failed to say."""
+    import json
+
+    with proc.stdout:
+        out = proc.stdout.read()
+    proc.wait()
+    try:
+        if proc.returncode != 0:
+            raise ValueError(f"exit status {proc.returncode}")
+        data = json.loads(out.strip().splitlines()[-1])
+        found = [Problem(str(what), None if fetch is None else str(fetch)) for what, fetch in data["problems"]]
+        hosts = [str(h) for h in data["tried"]]
+    except (ValueError, TypeError, KeyError, IndexError):  # the child died before answering: ask again here
+        report = Report()
+        check_model(spec, report)
+        return report.problems
+    tried += [h for h in hosts if h not in tried]
+    return found
 
 
 def job_specs(job_file) -> list[CheckSpec]:

@@ -22,6 +22,7 @@ import math
 import os
 import re
 
+from mpitp.digest import update_file
 from mpitp.errors import UsageError
 
 CONFIG = "adapter_config.json"
@@ -151,9 +152,7 @@ def fingerprint(path: str) -> str:
     identity, so a rewritten adapter at the same path is not mixed with the old one's rows."""
     h = hashlib.sha256()
     for name in (CONFIG, WEIGHTS):
-        with open(os.path.join(path, name), "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        update_file(h, os.path.join(path, name))
         h.update(b"\0")
     return h.hexdigest()[:16]
 

@@ -189,18 +189,12 @@ def _valid(data, root: Path, key: dict, yamls: set[str] | None) -> tuple[list, l
 
 
 def _save(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically: an O_EXCL temporary file in the same folder, then ``os.replace``."""
+    """Write ``data`` to ``path`` atomically (:func:`mpitp.results.safefile.write_replace`)."""
+    from mpitp.results.safefile import write_replace
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(data, fh, separators=(",", ":"))
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_replace(str(path), json.dumps(data, separators=(",", ":")).encode())
     except OSError as exc:  # a read-only or full cache dir costs the next launch a rebuild, nothing else
         log.info("task index cache %s not written: %s", path, exc)
 
@@ -215,11 +209,21 @@ def _to_json(index: dict, root: Path) -> list:
 
 
 def _from_json(entries: list, root: Path) -> dict:
+    """Fresh entries (lm-eval may set an entry's ``cfg``), over YAML paths built once per cached list: a process
+    that builds the index twice (``mpitp check`` resolves the ``--data-dir`` overrides, then makes its
+    TaskManager) spends most of the second build on 14,000 ``Path`` joins otherwise."""
     from lm_eval.tasks._index import Kind
 
     cls = _lazy_entry_class()
-    return {name: cls(name=name, kind=Kind[kind], yaml_path=None if rel is None else root / rel, tags=set(tags))
-            for name, kind, rel, tags in entries}
+    held = _paths_memo.get(id(entries))
+    if held is None or held[0] is not entries or held[1] != root:
+        held = (entries, root, [None if rel is None else root / rel for _, _, rel, _ in entries])
+        _paths_memo[id(entries)] = held
+    return {name: cls(name=name, kind=Kind[kind], yaml_path=path, tags=set(tags))
+            for (name, kind, _, tags), path in zip(entries, held[2])}
+
+
+_paths_memo: dict = {}  # id(entries) -> (entries, root, their YAML paths); holding entries keeps the id theirs
 
 
 _tree_memo: dict = {}  # (root, key) -> entries: a process that builds several TaskManagers reads each file once

@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mpitp.digest import sha256_file
+
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 #: Name of the marker file written last into a finished model directory.
@@ -213,14 +215,6 @@ def _save(model, tokenizer, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- cache
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _read_marker(out_dir: Path) -> dict[str, Any] | None:
     try:
         with open(out_dir / MARKER_FILE, encoding="utf-8") as f:
@@ -241,7 +235,7 @@ def is_complete(out_dir: str | os.PathLike, seed: int = 0) -> bool:
         return False
     for name, digest in files.items():
         path = out / name
-        if not path.is_file() or _sha256_file(path) != digest:
+        if not path.is_file() or sha256_file(path) != digest:
             return False
     return True
 
@@ -267,7 +261,7 @@ def build_demo_model(out_dir: str | os.PathLike, seed: int = 0) -> str:
         model = _build_model(tokenizer, seed)
         _save(model, tokenizer, tmp)
         files = {
-            p.name: _sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()
+            p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()
         }
         marker = {
             "recipe_hash": recipe_hash(seed),
