@@ -152,3 +152,24 @@ def test_model_is_checked_beside_the_tasks_and_reported_first(gap_data, tmp_path
         if mode == "plain":  # the chat case stops at the model: no tokenizer, no prompts to build
             assert [w.split(":")[1] for w in problems[1:]] == [f" task mmlu_{REMOVED} needs its test split"], problems
             assert tasks == ["mmlu_anatomy"]
+
+
+@pytest.mark.mpi  # a `python -m mpitp` process
+def test_check_says_a_missing_metric_once_and_writes_it_for_prefetch(tmp_path):
+    """The command's whole stderr is its verdict and the problem: lm-eval's own "f1 not found in the evaluate
+    library!" log line (which it prints while building kobest_boolq) is not shown beside it; --json-out carries the
+    metric field prefetch reads."""
+    import json
+
+    from support.offline_data import write_jsonl
+
+    rows = [{"paragraph": f"paragraph {i}", "question": f"question {i}", "label": i % 2} for i in range(3)]
+    write_jsonl(tmp_path / "skt/kobest_v1/boolq/test.jsonl", rows)
+    p = mpitp("check", "--tasks", "kobest_boolq", "--data-dir", tmp_path, "--json-out", tmp_path / "check.json")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.splitlines() == [
+        "mpitp check: not ready offline: 1 problem(s)",
+        "  task kobest_boolq: the evaluate metric module f1 is not in the HF cache (HF_HOME's modules); fetch it: "
+        f"mpitp prefetch --tasks kobest_boolq --data-dir {tmp_path}"], p.stderr
+    found = json.loads((tmp_path / "check.json").read_text())
+    assert not found["ready"] and [q["metric"] for q in found["problems"]] == ["f1"]

@@ -346,11 +346,15 @@ def _load(tm, leaf, groups: dict):
 
 @contextmanager
 def _quiet_libraries():
-    """The libraries' own logging at ERROR while checking: what matters comes back as problems."""
-    quiet = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets", "evaluate", "transformers")]
+    """The libraries' own logging at ERROR while checking: what matters comes back as problems. lm-eval's metric
+    registry logs an ``evaluate`` module it could not load as an error and keeps None, which the check reports as a
+    problem with its fetch command (:func:`_unloaded_metrics`): that log line would say it twice, once unasked."""
+    names = {"lm-eval": logging.ERROR, "lm_eval": logging.ERROR, "datasets": logging.ERROR, "evaluate": logging.ERROR,
+             "transformers": logging.ERROR, "lm_eval.api.registry": logging.CRITICAL}
+    quiet = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.ERROR)
+    for lg, level in zip(quiet, names.values()):
+        lg.setLevel(level)
     try:
         yield
     finally:
