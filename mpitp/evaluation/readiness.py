@@ -394,7 +394,6 @@ def _start_model_check(spec: CheckSpec):
     import subprocess
     import sys
     from dataclasses import asdict
-    from pathlib import Path
 
     try:
         cores = len(os.sched_getaffinity(0))
@@ -402,15 +401,19 @@ def _start_model_check(spec: CheckSpec):
         cores = os.cpu_count() or 1
     if cores < 2:
         return None
-    here = str(Path(__file__).resolve().parents[2])  # the tree this mpitp is imported from, first for the child
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "  # this process's path: the same mpitp
+            "from mpitp.evaluation.readiness import model_check_child; model_check_child()")
     try:
-        proc = subprocess.Popen([sys.executable, "-c", "from mpitp.evaluation.readiness import model_check_child;"
-                                 "model_check_child()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                text=True)
-        proc.stdin.write(json.dumps(asdict(spec)))
-        proc.stdin.close()
+        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
     except OSError:
+        return None
+    try:
+        with proc.stdin:
+            proc.stdin.write(json.dumps(asdict(spec)))
+    except OSError:  # it died at once: check the model here instead
+        proc.kill()
+        proc.communicate()
         return None
     return proc
 
