@@ -4,6 +4,7 @@ the command that fetches it."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -144,8 +145,6 @@ def test_model_is_checked_beside_the_tasks_and_reported_first(gap_data, tmp_path
         p = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120,
                            env={**os.environ, **OFFLINE_ENV})
         assert p.returncode == 0, p.stderr
-        import json
-
         model_beside, problems, tasks = json.loads(p.stdout.splitlines()[-1])
         assert model_beside is beside, mode
         assert problems[0].startswith(f"model {tmp_path / 'no-model'}: config not available offline ("), problems
@@ -159,8 +158,6 @@ def test_check_says_a_missing_metric_once_and_writes_it_for_prefetch(tmp_path):
     """The command's whole stderr is its verdict and the problem: lm-eval's own "f1 not found in the evaluate
     library!" log line (which it prints while building kobest_boolq) is not shown beside it; --json-out carries the
     metric field prefetch reads."""
-    import json
-
     from support.offline_data import write_jsonl
 
     rows = [{"paragraph": f"paragraph {i}", "question": f"question {i}", "label": i % 2} for i in range(3)]

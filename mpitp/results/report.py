@@ -128,9 +128,6 @@ def _num(v) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-_fmt = fmt_value  # a value as ``mpitp inspect`` prints it (the leaderboard must show the same text)
-
-
 def _wall(v) -> str:
     x = _num(v)
     return f"{x:.1f} s" if x is not None else ""
@@ -192,7 +189,8 @@ def leaderboard(runs: list[RunFile], higher: dict[str, bool]) -> list[LeaderRow]
     for i, run in enumerate(runs):
         for r in metric_rows(run):
             cells = table.setdefault((r.task, r.metric, r.filter), [Cell(None, None, "") for _ in runs])
-            cells[i] = Cell(_num(r.value), _num(r.stderr), _fmt(r.value), err_text=_fmt(r.stderr))
+            # the text ``mpitp inspect`` prints: the leaderboard must show the same
+            cells[i] = Cell(_num(r.value), _num(r.stderr), fmt_value(r.value), err_text=fmt_value(r.stderr))
     rows = []
     for (task, metric, filt), cells in table.items():
         vals = [c.value for c in cells if c.value is not None]
@@ -367,10 +365,11 @@ def panels(checkpoints: list[tuple[str, dict]], prefix: str, width: int = 520, h
             def y(val):
                 return height - 30 - (height - 50) * (val - lo) / span
 
+            ci = f"95% CI [{fmt_value(v - Z95 * e)}, {fmt_value(v + Z95 * e)}]" if e else "no stderr"
             p.svg_points.append(dict(x=round(x, 1), y=round(y(v), 1), y0=round(y(v - Z95 * e), 1),
-                                     y1=round(y(v + Z95 * e), 1), name=name, value=_fmt(v), stderr=_fmt(e),
-                                     ci=f"95% CI [{_fmt(v - Z95 * e)}, {_fmt(v + Z95 * e)}]" if e else "no stderr"))
-        p.y_labels = [dict(y=round(height - 30, 1), text=_fmt(lo)), dict(y=20.0, text=_fmt(hi))]
+                                     y1=round(y(v + Z95 * e), 1), name=name, value=fmt_value(v), stderr=fmt_value(e),
+                                     ci=ci))
+        p.y_labels = [dict(y=round(height - 30, 1), text=fmt_value(lo)), dict(y=20.0, text=fmt_value(hi))]
     return list(found.values())
 
 

@@ -25,8 +25,6 @@ def scaled_forward(*args, **kwargs):
     return out
 
 
-
-
 def say(line: str) -> None:
     """One write of the whole line: both ranks share the launcher's stdout, and print's separate write of the
     newline let the two lines interleave into one ("rank 0: ...rank 1: ...")."""
