@@ -11,8 +11,14 @@ BLOCK = 1 << 20
 def update_file(h, path: str | os.PathLike) -> None:
     """Feed the bytes of ``path`` to the hash object ``h``."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(BLOCK), b""):
-            h.update(block)
+        update_fileobj(h, f)
+
+
+def update_fileobj(h, f) -> None:
+    """Feed the rest of the open binary file ``f`` to ``h``: for a file opened by descriptor after checks on that
+    descriptor (``O_NOFOLLOW``, owner), where opening its path again could reach another file."""
+    for block in iter(lambda: f.read(BLOCK), b""):
+        h.update(block)
 
 
 def sha256_file(path: str | os.PathLike) -> str:

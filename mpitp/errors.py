@@ -56,7 +56,14 @@ def abort(code: int = 1) -> None:
             sys.stderr.flush()
             _stderr().flush()
             time.sleep(ABORT_GRACE_S)
-            MPI.COMM_WORLD.Abort(code)
+            from mpitp.watchdog import bounded, local_hydra_launcher
+
+            # MPI_Abort holds the GIL too, and may wait for an unreachable node: bounded, then the exit below. A local
+            # Hydra that still waits for an unreachable node's proxy after the abort is ended (LAUNCHER_NUDGE_S).
+            with bounded(ABORT_WAIT_S, f"mpitp: rank {world_rank()}: MPI_Abort did not return within "
+                                       f"{ABORT_WAIT_S:g} s; leaving without it", nudge=local_hydra_launcher(),
+                         nudge_after=LAUNCHER_NUDGE_S, nudge_on_exit=True):
+                MPI.COMM_WORLD.Abort(code)
     except Exception:  # pragma: no cover - last resort
         pass
     os._exit(code)
@@ -97,7 +104,7 @@ def report_and_abort(exc: BaseException) -> None:
     rank = world_rank()
     if isinstance(exc, UsageError):
         # A usage error raised on a single rank (not agreed collectively) still ends the job with status 2.
-        from mpitp.results.untrusted import shown  # a message may quote a file's names: escaped
+        from mpitp.escape import shown  # a message may quote a file's names: escaped
 
         _stderr().write(f"mpitp: error: {shown(exc)}\n")
         abort(USAGE_EXIT)
@@ -115,10 +122,30 @@ def report_and_abort(exc: BaseException) -> None:
     abort(1)
 
 
-#: Seconds MPI_Finalize may take at the end of a command before the rank leaves without it. Finalize holds a
-#: barrier through the launcher (Hydra's PMI); a node whose network went away after the work was done would keep
-#: every rank in it forever, and mpi4py runs it at exit where no deadline applies.
+#: Seconds each blocking MPI call at the end of a command (``MPI_Finalize``, the replica's torch world torn down) may
+#: take before the rank leaves without it. Finalize holds a barrier through the launcher (Hydra's PMI); a node whose
+#: network went away after the work was done would keep every rank in it forever, and mpi4py runs it at exit where no
+#: deadline applies.
 FINALIZE_WAIT_S = 30.0
+
+#: Seconds a local Hydra ``mpiexec`` may go on after a rank's exit bound fired before that rank's watchdog ends it
+#: (SIGTERM): Hydra's control connection to an unreachable node's proxy has no keepalive, so it would wait forever.
+LAUNCHER_NUDGE_S = 10.0
+
+#: Seconds ``MPI_Abort`` may take: under MPICH it asks the launcher to kill the job, which waits for a node it cannot
+#: reach as long as Finalize would. The rank leaves with the abort's status anyway after this.
+ABORT_WAIT_S = 10.0
+
+
+def exit_bound(phase: str, seconds: float = FINALIZE_WAIT_S):
+    """A context manager: the block (a blocking call at exit, which may hold the interpreter lock) ends within
+    ``seconds``, or the process leaves with status 1 and one line naming this rank, its node and ``phase``
+    (:func:`mpitp.watchdog.bounded`: enforced outside the interpreter, since mpi4py holds the GIL in MPI_Finalize)."""
+    from mpitp.watchdog import bounded, local_hydra_launcher
+
+    return bounded(seconds, f"mpitp: error: rank {world_rank()} on {_node_name()}: {phase} did not complete within "
+                            f"{seconds:g} s (a node unreachable?); leaving without it, the results written are kept",
+                   nudge=local_hydra_launcher(), nudge_after=LAUNCHER_NUDGE_S)
 
 
 def finalize_within(seconds: float = FINALIZE_WAIT_S) -> None:
@@ -129,19 +156,9 @@ def finalize_within(seconds: float = FINALIZE_WAIT_S) -> None:
         return
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    import threading
-
-    def give_up():
-        _stderr().write(f"mpitp: error: rank {world_rank()} on {_node_name()}: MPI_Finalize did not complete within "
-                        f"{seconds:g} s (a node unreachable?); leaving without it, the results written are kept\n")
-        _stderr().flush()
-        os._exit(1)
-
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()  # MPI_Finalize releases the GIL (mpi4py), so the timer runs while it waits
-    MPI.Finalize()
-    timer.cancel()
+    sys.stdout.flush()
+    with exit_bound("MPI_Finalize", seconds):
+        MPI.Finalize()
 
 
 def install_excepthook() -> None:

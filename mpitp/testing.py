@@ -7,7 +7,8 @@ its variable is unset. The environment is read once per process (:func:`hooks`).
 
 ===============================================  ==================================================================
 ``MPITP_TEST_STALL=<where>:<seconds>``           :func:`stall` sleeps at ``where`` (``between_chunks``,
-                                                 ``post_processing``, ``metrics``): a run long enough for a drill
+                                                 ``post_processing``, ``metrics``; on every rank ``before_load``,
+                                                 ``before_finalize``, ``before_finalize_rank<N>``): drills' instants
 ``MPITP_TEST_CHUNK_SEED=<seed>``                 :func:`chunks_per_group`: random chunk sizes (stress tests)
 ``MPITP_TEST_OOM_ABOVE=<rows>``                  :func:`check_oom`: a batch of more rows fails as out of memory
 ``MPITP_TEST_RAISE=<rank>:<forwards>``           :func:`check_raise`: that TP worker raises at a message boundary
@@ -15,6 +16,7 @@ its variable is unset. The environment is read once per process (:func:`hooks`).
 ``MPITP_TEST_ALTER_HEAD=<factor>|nan``           :func:`alter_head`: the head's weights scaled after loading
 ``MPITP_TEST_IO_REPORT=1``                       :func:`report_io`: each rank prints its ``/proc/self/io`` counters
                                                  when the model is loaded (bench/README: bytes read per node)
+``MPITP_TEST_FINALIZE_WAIT=<seconds>``           the bound on ``MPI_Finalize`` (``errors.FINALIZE_WAIT_S``)
 ===============================================  ==================================================================
 
 The hooks are live only when ``MPITP_TESTING=1`` is set too (the test suite sets it in ``tests/conftest.py``):
@@ -46,6 +48,7 @@ class Hooks:
     raise_in_forward: tuple[int, int, bool] | None = None
     alter_head: float | None = None
     io_report: bool = False
+    finalize_wait: float | None = None
 
     @classmethod
     def from_env(cls, env=None) -> Hooks:
@@ -87,11 +90,14 @@ class Hooks:
                    raise_at=tuple(int(x) for x in raise_at.split(":")) if raise_at else None,
                    raise_in_forward=forward,
                    alter_head=float(alter) if alter else None,
-                   io_report=env.get("MPITP_TEST_IO_REPORT", "") not in ("", "0"))
+                   io_report=env.get("MPITP_TEST_IO_REPORT", "") not in ("", "0"),
+                   finalize_wait=float(env["MPITP_TEST_FINALIZE_WAIT"]) if env.get("MPITP_TEST_FINALIZE_WAIT")
+                   else None)
 
 
 HOOK_VARS = ("MPITP_TEST_STALL", "MPITP_TEST_CHUNK_SEED", "MPITP_TEST_OOM_ABOVE", "MPITP_TEST_RAISE",
-             "MPITP_TEST_RAISE_IN_FORWARD", "MPITP_TEST_ALTER_HEAD", "MPITP_TEST_IO_REPORT")
+             "MPITP_TEST_RAISE_IN_FORWARD", "MPITP_TEST_ALTER_HEAD", "MPITP_TEST_IO_REPORT",
+             "MPITP_TEST_FINALIZE_WAIT")
 
 
 def active() -> list[str]:

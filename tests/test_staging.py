@@ -96,9 +96,11 @@ def test_symlinks_in_the_stage_dir_are_not_followed(tmp_path):
     root.mkdir()
     elsewhere.mkdir()
     (root / plan.folder).symlink_to(elsewhere)
-    with pytest.raises(OSError, match="is a symlink"):
-        staging.stage(plan, str(root))
-    assert os.listdir(elsewhere) == []
+    notes = []
+    path, copied = staging.stage(plan, str(root), notes)  # passed over (one note), staged beside it
+    assert os.listdir(elsewhere) == [] and copied == plan.nbytes
+    assert path == str(root / f"{plan.folder}-u{os.geteuid()}")
+    assert notes[0] == f"{root / plan.folder} is a symlink: not used as a stage"
     # a symlink in place of a staged file is replaced, never written through
     (root / plan.folder).unlink()
     path, _ = staging.stage(plan, str(root))
@@ -151,7 +153,9 @@ runs:
 def test_each_node_stages_once(tmp_path, test_tasks):
     """dp=2 x tp=2 over nodea:2,nodeb:2 in one launch (a job file): the run with ``stage_dir`` leaves one complete
     stage per node, copied once per node (rank 0's total is twice the model), and its results equal the run that
-    read the model in place, request by request."""
+    read the model in place, request by request. On nodeb (a sticky shared ``DIR``) another user's folder already has
+    the stage's name (as root: uid 65534): nodeb's leader stages beside it, every rank of nodeb loads from there, and
+    rank 0 logs nodeb's warning line naming the planted folder."""
     from support.launch import inspect_diff
     from support.mpi import explain, run_mpi
     from support.nodes import launcher, require_nodes
@@ -160,13 +164,29 @@ def test_each_node_stages_once(tmp_path, test_tasks):
     stage = tmp_path / "stage"
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(model=STORIES, tasks=test_tasks, out=tmp_path, stage=stage))
+    plan = staging.plan_stage(str(STORIES))
+    uid, planted = os.geteuid(), stage / "nodeb" / plan.folder
+    folders = {"nodea": [plan.folder], "nodeb": [plan.folder]}
+    if uid == 0:
+        planted.mkdir(parents=True)
+        planted.parent.chmod(0o1777)
+        planted.chmod(0o777)
+        (planted / staging.MARKER).write_text(json.dumps({"key": plan.key, "files": [list(f) for f in plan.files]}))
+        for p in (planted, planted / staging.MARKER):
+            os.chown(p, 65534, 65534)
+        folders["nodeb"] = [plan.folder, f"{plan.folder}-u{uid}"]
     proc = run_mpi(4, ["run", str(job)], launcher=launcher({"nodea": 2, "nodeb": 2}), timeout=600)
     assert proc.returncode == 0, explain(proc)
-    plan = staging.plan_stage(str(STORIES))
     assert sorted(os.listdir(stage)) == ["nodea", "nodeb"]
     for node in ("nodea", "nodeb"):
-        assert os.listdir(stage / node) == [plan.folder]
-        assert json.loads((stage / node / plan.folder / staging.MARKER).read_text())["key"] == plan.key
+        assert sorted(os.listdir(stage / node)) == folders[node]
+        used = stage / node / folders[node][-1]
+        assert json.loads((used / staging.MARKER).read_text())["key"] == plan.key
+        assert os.stat(used).st_mode & 0o777 == 0o700
+    if uid == 0:
+        assert (f"--stage-dir: node nodeb: {planted} belongs to uid 65534, not to you (uid 0): not used as a stage"
+                in proc.stderr), proc.stderr[-3000:]
+        assert os.listdir(planted) == [staging.MARKER]
     copied = re.search(r"stage: .* ([\d.]+) MB copied in all", proc.stderr)
     assert copied and float(copied[1]) == pytest.approx(2 * plan.nbytes / 1e6, abs=0.051), proc.stderr[-3000:]
     d = inspect_diff(tmp_path / "in-place.h5", tmp_path / "staged.h5")

@@ -20,6 +20,7 @@ import sys  # noqa: E402
 import click  # noqa: E402
 
 from mpitp.errors import (  # noqa: E402
+    FINALIZE_WAIT_S,
     USAGE_EXIT,
     UsageError,
     abort,
@@ -28,7 +29,7 @@ from mpitp.errors import (  # noqa: E402
     report_and_abort,
     world_rank,
 )
-from mpitp.testing import hooks  # noqa: E402
+from mpitp.testing import hooks, stall  # noqa: E402
 from mpitp.version import __version__  # noqa: E402
 
 
@@ -87,6 +88,9 @@ def main(argv=None) -> None:
         # Only as the process's own command (the console script, python -m mpitp): a caller that passes argv
         # (bench drivers) goes on using MPI. A failure goes on to the excepthook's abort instead.
         if argv is None and (failing is None or isinstance(failing, SystemExit)):
-            finalize_within()  # bounded: a node lost after the work was done must not hold this rank forever
+            stall("before_finalize")  # drills: a node's link cut while the ranks leave
+            stall(f"before_finalize_rank{world_rank()}")
+            # bounded: a node lost after the work was done must not hold this rank forever
+            finalize_within(hooks().finalize_wait or FINALIZE_WAIT_S)
     if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
         sys.exit(code)

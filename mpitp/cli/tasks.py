@@ -1,5 +1,9 @@
 """``mpitp tasks --data-dir DIR [--tasks T,...]``: which lm-eval tasks run offline from DIR (:mod:`mpitp.tasks.offline`
-for the six hand-described tasks, :mod:`mpitp.tasks.layout` for any task named with ``--tasks``)."""
+for the six hand-described tasks, :mod:`mpitp.tasks.layout` for any task named with ``--tasks``).
+
+DIR is often a group's shared folder, so the names printed here (its files and folders, and the reasons built from
+them) go through :func:`mpitp.results.untrusted.shown`: a file named with terminal escapes cannot retitle or clear the
+terminal of whoever lists it."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import click
 def tasks_command(data_dir, tasks, num_fewshot):
     """List the lm-eval tasks runnable offline from --data-dir, and what the others miss."""
     from mpitp.errors import UsageError
+    from mpitp.results.untrusted import shown
     from mpitp.tasks.offline import offline_status
 
     root = Path(data_dir).resolve()
@@ -26,19 +31,20 @@ def tasks_command(data_dir, tasks, num_fewshot):
             return _generic(data_dir, [t for t in tasks.split(",") if t], num_fewshot, root)
         rows = offline_status(data_dir)
     except UsageError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(shown(exc)) from None
     for row in rows:
         files = " ".join(f"{split}={_rel(f, root)}" for split, f in row.files.items())
         state = "runnable" if row.runnable else "missing " + ", ".join(row.missing)
-        click.echo(f"{row.task:16s} {state}" + (f"  [{files}]" if files else ""))
+        click.echo(shown(f"{row.task:16s} {state}" + (f"  [{files}]" if files else "")))
 
 
 def _generic(data_dir, names: list[str], num_fewshot, root: Path) -> None:
     """One line per leaf task of ``names``: runnable (with its files), missing (which split), or not in DIR."""
+    from mpitp.results.untrusted import shown
     from mpitp.tasks.layout import resolve_all
 
     if not root.is_dir():
-        raise click.UsageError(f"--data-dir {data_dir}: no such directory")
+        raise click.UsageError(f"--data-dir {shown(data_dir)}: no such directory")
     res = resolve_all(names, data_dir, None, num_fewshot)
     missing: dict[str, list] = {}
     for gap in res.missing:
@@ -56,9 +62,9 @@ def _generic(data_dir, names: list[str], num_fewshot, root: Path) -> None:
             state = f"not in DIR (expected {where}/<split>.<jsonl|parquet>; `mpitp prefetch` fetches it)"
         else:
             state = "reads no Hub dataset (left as it is)"
-        click.echo(f"{leaf.name:{width}s} {state}")
+        click.echo(shown(f"{leaf.name:{width}s} {state}"))
     if not res.leaves:
-        raise click.UsageError(f"no task, group or tag named {', '.join(names)}")
+        raise click.UsageError(shown(f"no task, group or tag named {', '.join(names)}"))
 
 
 def _rel(path: Path, root: Path) -> str:

@@ -12,8 +12,12 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from mpitp.errors import exit_bound
 from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.provenance import redact
+
+#: Seconds the final snapshot of the results file may take (it holds every row; seconds even for 40k requests).
+FINAL_WRITE_WAIT_S = 600.0
 
 
 @dataclass
@@ -59,7 +63,10 @@ def write_results(result: RootResult, all_stats: list, wall: float) -> None:
         phases["wall"], phases["max_group_busy"] = wall, max((s["busy_s"] for s in all_stats), default=0.0)
         writer.extra_attrs(phases_json=json.dumps({k: round(v, 4) for k, v in phases.items()}))
         t0 = time.perf_counter()
-        writer.finish(redact(serialisable), wall)  # lm-eval's config holds model_args: no token in the file
+        # The last write may sit in a hung shared filesystem holding the interpreter lock (h5py does): bounded from
+        # outside the interpreter, so the job ends with one line instead of at walltime.
+        with exit_bound("writing the final results file", FINAL_WRITE_WAIT_S):
+            writer.finish(redact(serialisable), wall)  # lm-eval's config holds model_args: no token in the file
         phases["final_snapshot"] = time.perf_counter() - t0
     if result.loggers:
         from mpitp.evaluation.outputs import write_lm_eval_outputs

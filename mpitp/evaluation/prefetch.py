@@ -208,10 +208,11 @@ def _write_manifest(spec, models_dir, entries, echo) -> None:
 
 
 def check_argv(spec, json_out: str | None = None) -> list[str]:
-    """``python -m mpitp check`` with ``spec``'s options (and ``--json-out``)."""
-    import sys
+    """``python -m mpitp check`` with ``spec``'s options (and ``--json-out``), isolated from the working directory
+    (:mod:`mpitp.isolated`)."""
+    from mpitp.isolated import mpitp_argv
 
-    argv = [sys.executable, "-m", "mpitp", "check"]
+    argv = mpitp_argv("check")
     if spec.tasks:
         argv += ["--tasks", ",".join(spec.tasks)]
     for flag, value in (("--data-dir", spec.data_dir), ("--model", spec.model), ("--tokenizer", spec.tokenizer),

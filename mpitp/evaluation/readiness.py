@@ -236,6 +236,7 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
     """Build each task and its requests, score stand-ins (see the module docstring)."""
     from mpitp.tasks import index
     from mpitp.tasks.layout import expand, resolve_all, write_configs
+    from mpitp.tasks.offline import DataDirError
 
     if not spec.tasks:
         return
@@ -251,10 +252,15 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
             if not os.path.isdir(spec.data_dir):
                 report.problems.append(Problem(f"--data-dir {spec.data_dir}: no such directory"))
                 return
-            res = resolve_all(spec.tasks, spec.data_dir, include or None, spec.num_fewshot)
+            try:
+                res = resolve_all(spec.tasks, spec.data_dir, include or None, spec.num_fewshot)
+            except DataDirError as exc:  # DATA itself unusable (its resolved path holds a control character)
+                report.problems.append(Problem(str(exc)))
+                return
             for gap in res.missing:
                 broken.add(gap.task)
-                report.problems.append(Problem(f"dataset: {gap}", prefetch_command(spec, tasks=[gap.task])))
+                report.problems.append(Problem(f"dataset: {gap}", prefetch_command(spec, tasks=[gap.task])
+                                               if gap.fetchable else None))
             write_configs(res.configs, out, spec.data_dir)
             include.append(out)
             # expanded once, not again from the overrides (3 YAML parses per subtask saved); DATA serves, not the Hub
@@ -388,12 +394,14 @@ def _start_model_check(spec: CheckSpec):
     """:func:`check_model` in a child interpreter (:func:`model_check_child`), beside the task checks: importing
     transformers' config code is about 2.5 s of a 6 s ``mpitp check --tasks mmlu`` on a 2-core machine, building
     the tasks as long, and the tasks need the tokenizer only for a chat template. A new interpreter, not a fork:
-    by now this process has MPI's and other libraries' threads, which a fork would not copy. The
-    ``subprocess.Popen``, or None on one core (nothing to gain)."""
+    by now this process has MPI's and other libraries' threads, which a fork would not copy. Isolated from the
+    working directory (:mod:`mpitp.isolated`: a ``json.py`` there must not run). The ``subprocess.Popen``, or None on
+    one core (nothing to gain)."""
     import json
     import subprocess
-    import sys
     from dataclasses import asdict
+
+    from mpitp.isolated import python_argv
 
     try:
         cores = len(os.sched_getaffinity(0))
@@ -401,11 +409,9 @@ def _start_model_check(spec: CheckSpec):
         cores = os.cpu_count() or 1
     if cores < 2:
         return None
-    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "  # this process's path: the same mpitp
-            "from mpitp.evaluation.readiness import model_check_child; model_check_child()")
+    code = "from mpitp.evaluation.readiness import model_check_child; model_check_child()"  # this process's path
     try:
-        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(python_argv(code), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     except OSError:
         return None
     try:
@@ -482,14 +488,15 @@ NO_CHECK_RISK = ("--no-check: not checked whether the job runs offline; a missin
 
 def require_ready(job_file) -> None:
     """``mpitp check JOB`` in its own process (its network guard and offline variables stay there), before a job is
-    queued; raises :class:`NotReady` with its report. A job of demo runs only needs no check."""
+    queued; raises :class:`NotReady` with its report. A job of demo runs only needs no check. The process is isolated
+    from the working directory (:mod:`mpitp.isolated`): people submit from shared job folders."""
     import subprocess
-    import sys
+
+    from mpitp.isolated import mpitp_argv
 
     if not job_specs(job_file):
         return
-    done = subprocess.run([sys.executable, "-m", "mpitp", "check", str(job_file)], capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(mpitp_argv("check", job_file), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         report = done.stderr.strip() or done.stdout.strip() or f"mpitp check exited {done.returncode}"
         raise NotReady(f"{report}\nnothing queued (mpitp submit --no-check queues it anyway)")

@@ -101,7 +101,9 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
 
                 log.info("pipeline: %s", describe_split(num_layers(checked.config), lay.pp))
             testing.report_io("model loaded", rt.world)
-            mpicomm.barrier(rt.world.comm, None, phase="model loading")  # work, not a wait: bounded by liveness only
+            # A deadline from this rank's own end of loading (as sweeps have): ranks load the same bytes and finish
+            # close together, while a node whose link went down during the load would otherwise hold every rank here.
+            mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
             phases["load"] = time.perf_counter() - t_start - phases["checks"]
             return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output,
                                    task_manager=checked.task_manager, t_start=t_start, phases=phases)
@@ -127,6 +129,9 @@ class KeptChecks:
 def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
     """This rank's part of the model in ``source``: its pipeline stage's layers TP-sharded, or (pp=1) the whole model
     TP-sharded. The one loading path of ``mpitp eval`` and sweeps (:mod:`mpitp.jobs.sweep`)."""
+    from mpitp.testing import stall
+
+    stall("before_load")  # fault drills: a node lost while the ranks load
     lay = rt.layout
     if lay.pp > 1:
         from mpitp.replica.pipeline import load_stage
@@ -280,21 +285,36 @@ def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
     return results
 
 
+def _env_info_isolated() -> str:
+    """torch's ``collect_env`` text, computed in an isolated child (:mod:`mpitp.isolated`) that runs in an empty
+    private folder: ``collect_env`` starts ``python -mpip list``, which puts its working directory first on
+    ``sys.path``, so from a shared job folder a planted ``pip.py`` would run as the user."""
+    import subprocess
+    import tempfile
+
+    from mpitp.isolated import python_argv
+
+    code = "import sys, torch.utils.collect_env as c; sys.stdout.write(c.get_pretty_env_info())"
+    with tempfile.TemporaryDirectory(prefix="mpitp-env-") as empty:
+        done = subprocess.run(python_argv(code), cwd=empty, capture_output=True, text=True, timeout=300,
+                              stdin=subprocess.DEVNULL)
+    return done.stdout if done.returncode == 0 else f"(collect_env failed: exit {done.returncode})"
+
+
 class _EnvInfoEarly:
     """lm-eval's ``simple_evaluate`` ends with ``add_env_info``, which runs torch's ``collect_env`` (``pip list``,
     ``lscpu`` and more as subprocesses: 1-14 s measured here) on rank 0 after the last request, while every other
     rank waits. Start it in a thread as the evaluation starts (rank 0 mostly waits for chunks then) and hand lm-eval
-    that same text when it asks; the stored environment info is unchanged."""
+    that same text when it asks; the stored environment info is unchanged (computed in an isolated child:
+    :func:`_env_info_isolated`)."""
 
     def __enter__(self):
         import concurrent.futures
 
-        import torch.utils.collect_env as collect_env
-
         from mpitp import compat
 
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
-        self.future = self.pool.submit(collect_env.get_pretty_env_info)
+        self.future = self.pool.submit(_env_info_isolated)
         self.patch = compat.replaced("get_pretty_env_info", lambda: self.future.result())
         self.patch.__enter__()
         return self

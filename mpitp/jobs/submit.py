@@ -135,15 +135,18 @@ def linked_mpi() -> str | None:
     """``"MPICH 5.0.2"``, ``"Open MPI 5.0.11"``, ...: the MPI library mpi4py is linked against, or None.
 
     Asked in a child process with MPI initialisation off when this process has not loaded MPI itself: a login node
-    may not allow MPI_Init, and the family is all that is needed.
+    may not allow MPI_Init, and the family is all that is needed. The child is isolated from the working directory
+    (:mod:`mpitp.isolated`: an ``mpi4py.py`` in a job folder must not run).
     """
+    from mpitp.isolated import python_argv
+
     if "mpi4py.MPI" in sys.modules:
         name, version = sys.modules["mpi4py.MPI"].get_vendor()
         return f"{name} {'.'.join(map(str, version))}"
     code = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; from mpi4py import MPI; "
             "n, v = MPI.get_vendor(); print(n, '.'.join(map(str, v)))")
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(python_argv(code), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None

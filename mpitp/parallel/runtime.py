@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from mpitp.errors import UsageError
+from mpitp.errors import UsageError, exit_bound
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.layout import Layout, make_layout
 from mpitp.parallel.replica_group import ReplicaGroup, init_replica_group
@@ -159,5 +159,7 @@ def stop(rt: Runtime) -> None:
     from mpitp.parallel.replica_group import destroy_replica_group
 
     if rt.replica_group is not None:
-        destroy_replica_group(rt.replica_group)
+        # gloo/NCCL teardown talks to the replica's peers and holds the interpreter lock: bounded like MPI_Finalize.
+        with exit_bound("tearing down the replica's torch world"):
+            destroy_replica_group(rt.replica_group)
         rt.replica_group = None

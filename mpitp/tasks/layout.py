@@ -33,6 +33,10 @@ the same list, the served dicts' data keys pointing at DATA. An inline member (a
 ``<group>::<task>``, as lm-eval names it. An inline member whose dict holds a ``!function`` hook cannot be moved out
 of its folder and is reported, not served.
 
+A data directory is untrusted input (see :mod:`mpitp.tasks.offline`): the override YAMLs are written by
+``yaml.safe_dump`` alone, and a data directory or split file whose path holds a control character is refused by name
+(:func:`mpitp.tasks.offline.refuse_unsafe`).
+
 nltk data (``punkt_tab`` for ifeval, ...) lives in ``DATA/nltk_data`` (:data:`NLTK_FOLDER`): ``mpitp prefetch`` puts
 it there, and ``mpitp check``, ``mpitp eval --data-dir`` and ``mpitp submit``'s scripts put that folder first on
 ``NLTK_DATA`` (:func:`use_nltk_data`).
@@ -44,7 +48,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpitp.tasks.offline import SPLIT_KEYS, DataDirError
+from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_unsafe
 
 EXTENSIONS = ("jsonl", "parquet")
 """File formats of the generic layout, in the order tried: ``<split>.jsonl`` wins over ``<split>.parquet``."""
@@ -101,6 +105,8 @@ class MissingSplit:
     split: str | None
     file: Path | None
     reason: str = ""
+    fetchable: bool = True
+    """Whether ``mpitp prefetch`` can fix it (not so for a file name holding a control character)."""
 
     def __str__(self) -> str:
         if self.file is None or self.reason:
@@ -240,6 +246,7 @@ def group_override(group: str, entry, served: dict[int, dict]) -> dict:
 def resolve(names, data_dir: str | Path, index: dict, num_fewshot: int | None = None) -> Resolution:
     """What DATA serves for ``names``: an override config per leaf task found there (see the module docstring)."""
     data = Path(data_dir).expanduser().resolve()
+    refuse_unsafe(data, "--data-dir")  # a link in a group folder may point at any name
     res = Resolution(leaves=expand(names, index))
     in_groups: dict[str, dict[int, tuple[str, dict]]] = {}
     for leaf in res.leaves:
@@ -249,6 +256,12 @@ def resolve(names, data_dir: str | Path, index: dict, num_fewshot: int | None = 
         folder = leaf.folder(data)
         found = {s: f for s in dict.fromkeys(s for _, s in leaf.splits) if (f := split_file(folder, s)) is not None}
         absent = [s for s in leaf.needed(num_fewshot) if s not in found]
+        try:  # its folder's names come from the task's YAML; checked all the same, as every path written out
+            for f in found.values():
+                refuse_unsafe(f, "data file")
+        except UnsafeName as exc:
+            res.missing.append(MissingSplit(leaf.name, None, None, str(exc), fetchable=False))
+            continue
         if absent:
             res.missing += [MissingSplit(leaf.name, s, folder / f"{s}.jsonl") for s in absent]
             continue
@@ -288,10 +301,12 @@ def require(res: Resolution, data_dir, include_path=()) -> None:
     """Raise :class:`DataDirError` listing every missing split (the run's check: all of them, not the first), with
     the command that fetches them."""
     if res.missing:
+        from mpitp.results.untrusted import shown
+
         more = f" (and {len(res.missing) - 3} more)" if len(res.missing) > 3 else ""
-        fetch = prefetch_command([m.task for m in res.missing], data_dir, include_path)
-        raise DataDirError(f"--data-dir {data_dir}: " + "; ".join(map(str, res.missing[:3])) + more
-                           + f"; fetch: {fetch}")
+        fetchable = [m.task for m in res.missing if m.fetchable]
+        fetch = f"; fetch: {prefetch_command(fetchable, data_dir, include_path)}" if fetchable else ""
+        raise DataDirError(f"--data-dir {shown(data_dir)}: " + "; ".join(map(str, res.missing[:3])) + more + fetch)
 
 
 def _truthy(var: str) -> bool:
@@ -368,7 +383,8 @@ def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = No
             res.configs[t] = task_config(t, data_dir)
             res.files[t] = {s: Path(f) for s, f in res.configs[t]["dataset_kwargs"]["data_files"].items()}
         except DataDirError as exc:
-            res.missing.append(MissingSplit(t, None, None, str(exc).split(f"task {t} ", 1)[-1]))
+            res.missing.append(MissingSplit(t, None, None, str(exc).split(f"task {t} ", 1)[-1],
+                                            fetchable=not isinstance(exc, UnsafeName)))
         res.missing = [m for m in res.missing if m not in generic_missing]
         res.untouched = [leaf for leaf in res.untouched if leaf.name != t]
     return res
@@ -389,23 +405,16 @@ def write_overrides(names, data_dir, out_dir, include_path=None, num_fewshot: in
 def write_configs(configs: dict[str, dict], out_dir, data_dir) -> dict[str, str]:
     """Write ``configs`` (:attr:`Resolution.configs`) as YAMLs into ``out_dir``, with the listing of their names and
     kinds (:func:`mpitp.tasks.index.write_listing`: the folder is indexed without parsing them again);
-    ``{name: yaml_path}``."""
-    import yaml
-
+    ``{name: yaml_path}``. ``data_dir`` is not written into them (no name from it outside ``yaml.safe_dump``'s
+    quoting); kept so callers need not change."""
     from mpitp.tasks.index import write_listing
+    from mpitp.tasks.offline import write_override
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {}
-    for task, cfg in configs.items():
-        target = out / f"{task.replace('::', '--')}.yaml"
-        if "group" in cfg:
-            head = f"# Written by mpitp: lm-eval group {task}, its inline members reading --data-dir {data_dir}.\n"
-        else:
-            files = ", ".join(f"{s}: {f}" for s, f in cfg["dataset_kwargs"]["data_files"].items())
-            head = f"# Written by mpitp: stock lm-eval task {task} reading {files}.\n"
-        target.write_text(head + yaml.safe_dump(cfg, sort_keys=False))
-        written[task] = str(target)
+    for task, cfg in configs.items():  # yaml.safe_dump alone: no name is formatted into the file (offline.py)
+        written[task] = write_override(out / f"{task.replace('::', '--')}.yaml", cfg)
     write_listing(out, {task: ("GROUP" if "group" in cfg else "TASK", Path(written[task]).name)
                         for task, cfg in configs.items()})
     return written

@@ -36,6 +36,14 @@ How lm-eval 0.4.x treats the override YAMLs (checked against lm-eval 0.4.13):
   paths are absolute.
 - Every split the stock task names but the data directory lacks is set to ``null``; otherwise lm-eval would ask
   ``datasets`` for a split that does not exist.
+
+**A data directory is untrusted input** (a group shares one; anyone who may write it names its files). An override
+YAML is task code to lm-eval (``doc_to_text`` is a Jinja template rendered without a sandbox), so every byte of it is
+written by ``yaml.safe_dump`` (:func:`write_override`: a file's name is a quoted, escaped YAML string, never text a
+newline could end), and a file or folder whose name holds a control character (newline, CR, ESC, C1 codes, U+2028,
+bidi overrides: whatever :func:`mpitp.results.untrusted.shown` would escape) is refused by name wherever a data
+directory is read (:func:`unsafe_name`): no honest download is named so, and such a name shown on a terminal or
+written into a file is how one turns data into commands.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split
 
 class DataDirError(UsageError):
     """``--data-dir`` is unusable (missing, not a directory, or lacking the files a requested task needs)."""
+
+
+class UnsafeName(DataDirError):
+    """A data directory or file whose name holds a control character (:func:`refuse_unsafe`): no download fixes it."""
 
 
 @dataclass(frozen=True)
@@ -140,13 +152,41 @@ def stock_tasks_dir() -> Path:
     return Path(spec.origin).resolve().parent
 
 
+def unsafe_name(path: str | Path) -> str | None:
+    """The characters of ``path`` that no data file's name may hold (control characters, line and paragraph
+    separators, bidi overrides: what :func:`mpitp.results.untrusted.shown` escapes), escaped and comma-separated;
+    None when it holds none. Such a name ends a line wherever it is printed or written: refused, never served."""
+    text = str(path)
+    if text.isprintable():
+        return None
+    from mpitp.results.untrusted import shown
+
+    return ", ".join(shown(c) for c in dict.fromkeys(c for c in text if not c.isprintable()))
+
+
+def refuse_unsafe(path: str | Path, what: str) -> None:
+    """Raise :class:`UnsafeName` (one line, the name escaped) when ``path`` holds a character :func:`unsafe_name`
+    finds. ``what`` says what the path is (``--data-dir``, ``data file``)."""
+    bad = unsafe_name(path)
+    if bad:
+        from mpitp.results.untrusted import shown
+
+        raise UnsafeName(f"{what} {shown(path)} has control characters in its name ({bad}); mpitp does not "
+                           f"read a file so named (it would end a line of the task YAML or of the terminal): "
+                           f"rename or remove it")
+
+
 def _check_data_dir(data_dir: str | Path) -> Path:
+    from mpitp.results.untrusted import shown
+
     path = Path(data_dir).expanduser()
     if not path.exists():
-        raise DataDirError(f"--data-dir {data_dir}: no such directory")
+        raise DataDirError(f"--data-dir {shown(data_dir)}: no such directory")
     if not path.is_dir():
-        raise DataDirError(f"--data-dir {data_dir}: not a directory")
-    return path.resolve()
+        raise DataDirError(f"--data-dir {shown(data_dir)}: not a directory")
+    resolved = path.resolve()
+    refuse_unsafe(resolved, "--data-dir")  # a link in a group folder may point at any name
+    return resolved
 
 
 SPLIT_WORDS = MappingProxyType({"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
@@ -181,8 +221,10 @@ def _split_file(data_dir: Path, task: str, split: str) -> Path | None:
         if exact.is_file():
             return exact
         words = set(SPLIT_WORDS.get(split, (split,)))
-        named = sorted(f for f in base.glob("*.jsonl")
-                       if f.is_file() and words & set(re.split(r"[^a-z0-9]+", f.stem.lower())))
+        listed = sorted(base.glob("*.jsonl"))
+        for f in listed:  # every name the glob sees: a newline in one may also fake the split word
+            refuse_unsafe(f.relative_to(data_dir), "data file")
+        named = [f for f in listed if f.is_file() and words & set(re.split(r"[^a-z0-9]+", f.stem.lower()))]
         fits = [f for f in named if set(stock.fields) <= (_first_row_fields(f) or set())]
         if len(fits) > 1:
             raise DataDirError(f"{task} {split} split: {', '.join(str(f.relative_to(data_dir)) for f in fits)} "
@@ -290,9 +332,18 @@ def write_task_yamls(
     out.mkdir(parents=True, exist_ok=True)
     written = {}
     for task, cfg in configs.items():
-        target = out / f"{task}.yaml"
-        files = ", ".join(f"{s}: {f}" for s, f in cfg["dataset_kwargs"]["data_files"].items())
-        header = f"# Written by mpitp.tasks.offline: stock lm-eval task {task} reading {files}.\n"
-        target.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
-        written[task] = str(target)
+        written[task] = write_override(out / f"{task}.yaml", cfg)
     return written
+
+
+OVERRIDE_HEADER = "# Written by mpitp: an lm-eval task override; what it reads is under dataset_kwargs.\n"
+"""The one comment line of an override YAML: fixed text, so that no name (a data file's, a folder's) can end it and
+turn the rest of the name into task keys."""
+
+
+def write_override(target: Path, cfg: dict) -> str:
+    """Write the override config ``cfg`` to ``target`` through ``yaml.safe_dump`` alone (after the fixed
+    :data:`OVERRIDE_HEADER`): names from a data directory are YAML strings, quoted and escaped by the dumper, never
+    text formatted into the file. ``str(target)``."""
+    target.write_text(OVERRIDE_HEADER + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return str(target)

@@ -45,9 +45,9 @@ def require_mpi_marker(what: str) -> None:
 
 def launch_in(argv) -> str | None:
     """What of ``argv`` starts an MPI world: a launcher (``mpiexec``, ``srun``, ``torchrun``, ...), or ``python -m
-    mpitp`` other than ``inspect`` and ``submit`` (a singleton mpitp initialises MPI and torch.distributed; those two
-    read files or call the scheduler's commands); None for anything else,
-    queries (:data:`QUERIES`) included."""
+    mpitp`` (also as :func:`mpitp.isolated.mpitp_argv` starts it) other than ``inspect`` and ``submit`` (a singleton
+    mpitp initialises MPI and torch.distributed; those two read files or call the scheduler's commands); None for
+    anything else, queries (:data:`QUERIES`) included."""
     if isinstance(argv, (str, bytes, os.PathLike)):
         return None  # shell strings and bare programs: the tests launch MPI as argument lists only
     args = [os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]
@@ -57,8 +57,10 @@ def launch_in(argv) -> str | None:
         return None
     if Path(args[0]).name in LAUNCHERS:
         return Path(args[0]).name
-    if "-m" in args[:2] and len(args) > 2 and args[args.index("-m") + 1] == "mpitp":
-        rest = args[args.index("-m") + 2:]
+    # mpitp's own children (mpitp.isolated.mpitp_argv): python -I -c BOOT PATH... -- ARGS
+    isolated = len(args) > 3 and args[1:3] == ["-I", "-c"] and "run_module('mpitp'" in args[3] and "--" in args[4:]
+    if isolated or "-m" in args[:2] and len(args) > 2 and args[args.index("-m") + 1] == "mpitp":
+        rest = args[args.index("--", 4) + 1:] if isolated else args[args.index("-m") + 2:]
         if not rest or rest[0] not in ("inspect", "submit"):
             return "python -m mpitp " + " ".join(rest[:1])
     return None

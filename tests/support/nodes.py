@@ -58,6 +58,16 @@ def launcher(per_node: dict[str, int]) -> list[str]:
             "-genv", "UCX_TLS", "tcp,self", "-n", str(n)]
 
 
+def launcher_on(node: str, per_node: dict[str, int]) -> list[str]:
+    """MPICH's launch prefix run *on* ``node``, as a batch script runs on a job's first node: Hydra starts that node's
+    proxy itself (no ssh) and the others over ssh, through the node's own interface."""
+    n = sum(per_node.values())
+    hosts = ",".join(f"{name}:{k}" for name, k in per_node.items())
+    return ["ip", "netns", "exec", namespace(node), "unshare", "--uts", "sh", "-c", f'hostname {node}; exec "$@"',
+            "sh", mpiexec_path(), "-launcher", "ssh", "-launcher-exec", str(SSH), "-iface", "eth0", "-hosts", hosts,
+            "-genv", "UCX_TLS", "tcp,self", "-n", str(n)]
+
+
 def namespace(node: str) -> str:
     return f"mpitp-{node}"
 

@@ -1,0 +1,119 @@
+"""The exit path is bounded from outside the interpreter (issue 42).
+
+mpi4py calls ``MPI_Finalize`` holding the GIL, so the Python timer that used to bound it never fired: a node whose
+link went down while the ranks left held every rank in ``MPI_Finalize`` until walltime. :mod:`mpitp.watchdog` bounds
+such a call with faulthandler's C thread and a watchdog process; these tests block the call for real: a C function
+that holds the GIL (the stand-in), ``MPI_Finalize`` waiting for a rank that never arrives (one node), and the link of
+an emulated node cut right after the run wrote its results, while the ranks leave (``tests/test_multinode.py`` has
+the mid-run cut).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from support import OFFLINE_ENV, STORIES
+from support.launch import Launch, file_rows
+from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi
+
+STAND_IN = textwrap.dedent("""
+    import ctypes, sys, time
+    from mpitp.watchdog import bounded
+    t = time.monotonic()
+    with bounded(5.0, "returned: never printed"):
+        time.sleep(0.2)
+    print(f"in time {time.monotonic() - t:.2f}", flush=True)
+    with bounded(float(sys.argv[1]), "mpitp: error: the stand-in did not complete within the bound"):
+        ctypes.PyDLL(None).sleep(60)  # libc sleep through PyDLL: the GIL stays held, as in MPI_Finalize
+    print("not reached", flush=True)
+""")
+
+
+def test_a_call_holding_the_gil_is_ended_with_one_line():
+    """A Python timer cannot fire while a C call holds the GIL; the bound still ends the process, with status 1 and
+    exactly the one prepared line on stderr (the stack dump goes to the watchdog's pipe, not the terminal). A block
+    that returns in time prints nothing and leaves no watchdog process behind."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STAND_IN, "1.5"], capture_output=True, text=True, timeout=50)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout.startswith("in time 0.2") and "not reached" not in proc.stdout, proc.stdout
+    assert proc.stderr.splitlines() == ["mpitp: error: the stand-in did not complete within the bound"], proc.stderr
+    assert took < 20, took  # 1.5 s bound + interpreter start; the stand-in alone sleeps 60 s
+    left = subprocess.run(["pgrep", "-f", "mpitp-watchdog"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def test_bounds_do_not_nest():
+    """faulthandler has one timer per process: an inner bound would silently replace the outer one."""
+    from mpitp.watchdog import bounded
+
+    with bounded(30, "outer"):
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with bounded(30, "inner"):
+                pass
+    with bounded(30, "again"):  # the outer one was released
+        pass
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi
+def test_mpi_finalize_waiting_for_a_rank_is_bounded():
+    """Rank 1 does not reach ``MPI_Finalize`` (it stalls 120 s first); rank 0 sits in it, in C, holding the GIL.
+    With a 3 s bound rank 0 leaves with one line naming its rank, node and the phase, and the launcher ends the job
+    within seconds, not after rank 1's stall (the old Python timer never fired: the job lasted the whole stall)."""
+    env = {"MPITP_TEST_STALL": "before_finalize_rank1:120", "MPITP_TEST_FINALIZE_WAIT": "3"}
+    t0 = time.monotonic()
+    proc = run_mpi(2, ["info", "--tp", "1"], env=env, timeout=100)
+    took = time.monotonic() - t0
+    err = mpitp_stderr(proc.stderr)
+    assert proc.returncode != 0, explain(proc)
+    assert "mpitp: error: rank 0 on " in err and "MPI_Finalize did not complete within 3 s" in err, explain(proc)
+    assert "Traceback" not in err, explain(proc)
+    assert took < 60, (took, explain(proc))
+    print(f"MPI_Finalize blocked ({mpi_family()}): job gone {took:.1f} s after start (bound 3 s, rank 1 stalls 120 s)")
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+@pytest.mark.mpi
+def test_link_cut_while_the_ranks_leave(test_tasks, tmp_path):
+    """Issue 42's reproduction: two emulated nodes, ``--timeout 20``, mpiexec started on nodea as a batch script
+    runs on a job's first node; the run writes its results, every rank stalls at the door, nodeb's link goes down,
+    the ranks call ``MPI_Finalize``. nodea's ranks leave after the 10 s bound, one line each; Hydra, which would wait
+    for nodeb's proxy forever (measured: 5 min and counting), is ended by rank 0's watchdog 10 s later. Whole job gone
+    within --timeout + 60 s (6 s stall + 10 + 10 here); the results file is complete."""
+    from support.nodes import launcher_on, require_nodes, set_link
+
+    require_nodes()
+    out = tmp_path / "exit.h5"
+    args = ["eval", "--model", str(STORIES), "--tasks", "arc_easy_local", "--include-path", test_tasks, "--limit", "4",
+            "--dtype", "float32", "--timeout", "20", "--tp", "2", "--output", str(out)]
+    env = {**OFFLINE_ENV, "MPITP_TEST_STALL": "before_finalize:6", "MPITP_TEST_FINALIZE_WAIT": "10"}
+    try:
+        with Launch(4, args, env=env, launcher=launcher_on("nodea", {"nodea": 2, "nodeb": 2})) as job:
+            deadline = time.monotonic() + 240
+            while not out.exists() or file_rows(out)[0] != "complete":
+                assert job.proc.poll() is None and time.monotonic() < deadline, job.explain()
+                time.sleep(0.2)
+            time.sleep(1.0)  # every rank is now in its stall before MPI_Finalize
+            t_cut = time.monotonic()
+            set_link("nodeb", up=False)
+            took = job.gone_within(t_cut, 60.0)
+            assert job.proc.returncode != 0, job.explain()
+    finally:
+        set_link("nodeb", up=True)
+    err = mpitp_stderr(job.stderr)
+    said = re.findall(r"mpitp: error: rank (\d+) on (\S+): MPI_Finalize did not complete within 10 s", err)
+    assert ("0", "nodea") in said, job.explain()
+    assert "Traceback" not in err, job.explain()
+    assert file_rows(out)[0] == "complete"
+    print(f"link cut at exit ({mpi_family()}): every rank and mpiexec gone {took:.1f} s after nodeb's link went "
+          f"down (6 s stall, 10 s bound, launcher ended 10 s later); said {said}")
+

@@ -1,0 +1,47 @@
+"""The fault matrix of issue 42, in CI: every fault at every instant ends the job by itself within --timeout + 60 s.
+
+{nodeb's link cut, nodeb's ranks SIGKILLed, rank 0 SIGKILLed, SIGTERM to every rank as a scheduler sends it} x
+{during load, mid-run, during the exit}, dp 2 x tp 2 over two emulated nodes, MPI over TCP (``UCX_TLS=tcp,self``: on
+one kernel UCX would otherwise carry MPI through shared memory and a cut link would cut nothing), under the suite's
+MPI: MPICH's Hydra started on nodea as a batch script runs on a job's first node; Open MPI's prterun in the second CI
+pass. Each cell (``tests/support/faults.py``): the launcher and every rank gone in time, no traceback, the results
+file readable, and ``--resume`` completing to the numbers of an uninterrupted run. ``bench/drill_faults.py`` prints
+the same cells as a table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import faults
+from support.mpi import mpi_family
+from support.nodes import require_nodes
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multinode, pytest.mark.openmpi]
+
+CELLS = [(f, i) for i in faults.INSTANTS for f in faults.FAULTS]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    require_nodes()
+    return faults.reference_run(mpi_family(), tmp_path_factory.mktemp("faults"))
+
+
+@pytest.mark.parametrize("fault,instant", CELLS, ids=[f"{i}-{f}" for f, i in CELLS])
+def test_fault_ends_the_job(fault, instant, reference, tmp_path):
+    cell = faults.run_cell(fault, instant, mpi_family(), tmp_path, reference)
+    print(cell.row())
+    assert not cell.traceback, cell.said
+    if instant != "exit" or fault == "rank0_killed":
+        # the job did not finish its work: it must not say it did
+        assert cell.exit != 0, cell.row()
+    if fault in ("link_cut", "nodeb_killed") and instant != "exit":
+        # nothing died on nodea: a rank there says what it waited for, in one line each
+        assert cell.said and all(s.startswith("mpitp: error: rank ") for s in cell.said), cell.said
+    if instant == "exit":
+        assert cell.status == "complete", cell.row()  # the results were written before the strike
+    if instant == "mid_run":
+        assert cell.status == "running" and cell.rows > 0, cell.row()  # the landed rows kept
+    if cell.status is not None:
+        assert cell.resumed_equal, cell.row()

@@ -1,0 +1,130 @@
+"""A data directory is untrusted input (issue 37, items 1 and 9): a group shares one, and whoever may write it names
+its files.
+
+The attack: the six stock tasks find a split file by globbing (``DATA/arc_easy/*_test.jsonl``), and the override
+YAML mpitp wrote for lm-eval began with a comment formatted from that file's path. A file named
+``a<newline>doc_to_text: "{{ ... os.system(...) }}"<newline>description: b_test.jsonl`` ended the comment, and the
+rest of its name became task keys: lm-eval renders ``doc_to_text`` with an unsandboxed Jinja environment, so building
+the prompts ran the command, and ``mpitp check`` said "ready offline". Now the YAML is written by ``yaml.safe_dump``
+alone and such a name is refused by name (escaped), wherever a data directory is read; ``mpitp tasks`` prints every
+name escaped (a file named with terminal escapes cannot retitle or clear the terminal).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mpitp.evaluation.readiness import CheckSpec, check
+from support import STORIES
+from support.mpi import explain, run_mpi
+from support.offline_data import arc_rows, write_jsonl
+
+MARKER = "PWNED"
+#: A data file name that, formatted into a YAML comment, ends it and adds two task keys; the template runs a
+#: command that creates MARKER in the working directory (a file name cannot hold a slash).
+EVIL = ("a\ndoc_to_text: \"{{ lipsum.__globals__.os.system('touch " + MARKER + "') }}\"\n"
+        "description: b_test.jsonl")
+SHOWN_EVIL = EVIL.replace("\n", "\\n")  # as mpitp.results.untrusted.shown prints it
+TERMINAL = "\x1b]0;owned\x07\x1b[2J_test.jsonl"  # retitles and clears a terminal that prints it raw
+
+
+def plant(root: Path, name: str) -> Path:
+    """DATA with arc_easy's test split only in a file called ``name`` (valid rows: it fits the task)."""
+    write_jsonl(root / "arc_easy" / name, arc_rows(3, "evil"))
+    return root
+
+
+@pytest.fixture
+def evil_data(tmp_path, monkeypatch) -> Path:
+    """The attack's data directory; the test runs in tmp_path, where the command would create MARKER."""
+    monkeypatch.chdir(tmp_path)
+    return plant(tmp_path / "data", EVIL)
+
+
+def test_check_refuses_a_data_file_named_to_write_task_keys(evil_data, tmp_path):
+    report = check(CheckSpec(tasks=("arc_easy",), data_dir=str(evil_data)))
+    assert not (tmp_path / MARKER).exists(), "the file name's Jinja template ran"
+    assert not report.ready
+    [problem] = report.problems
+    assert problem.what == (f"dataset: task arc_easy data file arc_easy/{SHOWN_EVIL} has control characters in its "
+                            f"name (\\n); mpitp does not read a file so named (it would end a line of the task YAML "
+                            f"or of the terminal): rename or remove it")
+    assert problem.fetch is None  # no download fixes a name
+    # the command: not "ready offline", exit 2, the problem on one line
+    from mpitp.cli.check import check_command
+
+    done = CliRunner().invoke(check_command, ["--tasks", "arc_easy", "--data-dir", str(evil_data)])
+    assert done.exit_code == 2, done.output
+    assert done.output.splitlines() == ["mpitp check: not ready offline: 1 problem(s)", f"  {problem.what}"]
+    assert not (tmp_path / MARKER).exists()
+
+
+@pytest.mark.mpi
+def test_eval_refuses_it_in_one_line_and_runs_nothing(evil_data, tmp_path):
+    proc = run_mpi(2, ["eval", "--model", str(STORIES), "--tasks", "arc_easy", "--data-dir", str(evil_data),
+                       "--output", "out.h5"], timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 2, explain(proc)
+    assert not (tmp_path / MARKER).exists(), "the file name's Jinja template ran"
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"mpitp: error: --data-dir {evil_data}: task arc_easy data file arc_easy/{SHOWN_EVIL} has "
+                     f"control characters in its name (\\n); mpitp does not read a file so named (it would end a "
+                     f"line of the task YAML or of the terminal): rename or remove it"], explain(proc)
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_override_yaml_is_written_by_safe_dump_alone(tmp_path):
+    """Whatever a path holds, the written YAML parses back to exactly the config: no name is formatted into it."""
+    from mpitp.tasks.layout import write_configs
+
+    cfg = {"include": "/lm_eval/tasks/arc/arc_easy.yaml", "task": "arc_easy", "tag": None, "dataset_path": "json",
+           "dataset_name": None, "dataset_kwargs": {"data_files": {"test": f"/data/arc_easy/{EVIL}"}},
+           "test_split": "test"}
+    group = {"include": "/lm_eval/tasks/g.yaml", "group": "g", "task": [{"task": "t", "dataset_kwargs": cfg[
+        "dataset_kwargs"]}]}
+    written = write_configs({"arc_easy": cfg, "g": group}, tmp_path, f"/data\n{EVIL}")
+    assert yaml.safe_load(Path(written["arc_easy"]).read_text()) == cfg
+    assert yaml.safe_load(Path(written["g"]).read_text()) == group
+
+
+def test_tasks_listing_prints_file_names_escaped(tmp_path):
+    from mpitp.cli.tasks import tasks_command
+
+    data = plant(tmp_path / "data", TERMINAL)
+    for args in ([], ["--tasks", "arc_easy"]):  # the six stock tasks' listing, and any task named
+        done = CliRunner().invoke(tasks_command, ["--data-dir", str(data), *args])
+        assert "\x1b" not in done.output and "\x07" not in done.output, repr(done.output)
+        assert done.output.splitlines()[0].startswith("arc_easy "), done.output
+        assert "arc_easy/\\x1b]0;owned\\x07\\x1b[2J_test.jsonl has control characters in its name" in done.output
+        assert done.exit_code == 0, done.output
+
+
+def test_a_data_dir_resolving_to_a_name_with_control_characters_is_refused(tmp_path, monkeypatch):
+    """``--data-dir`` may be a link in a group folder: where it leads is a name someone else chose."""
+    from mpitp.cli.tasks import tasks_command
+
+    monkeypatch.chdir(tmp_path)
+    real = tmp_path / f"x\n{EVIL}"
+    write_jsonl(real / "arc_easy" / "test.jsonl", arc_rows(3, "evil"))
+    (tmp_path / "data").symlink_to(real)
+    refusal = (f"--data-dir {tmp_path}/x\\n{SHOWN_EVIL} has control characters in its name (\\n); mpitp does not "
+               f"read a file so named (it would end a line of the task YAML or of the terminal): rename or remove it")
+    for args in ([], ["--tasks", "arc_easy"]):
+        done = CliRunner().invoke(tasks_command, ["--data-dir", "data", *args])
+        assert done.exit_code == 2, done.output
+        assert done.output.splitlines()[-1] == f"Error: {refusal}", done.output
+    report = check(CheckSpec(tasks=("arc_easy",), data_dir="data"))
+    assert [p.line() for p in report.problems] == [refusal]
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_honest_names_still_serve(tmp_path):
+    """Spaces and non-ASCII letters are printable: a file named as people download them is still found."""
+    from mpitp.tasks.offline import split_files
+
+    data = plant(tmp_path / "données", "ARC Easy – test.jsonl")
+    assert split_files(data, "arc_easy") == {"test": data.resolve() / "arc_easy" / "ARC Easy – test.jsonl"}
