@@ -5,7 +5,8 @@ the exit}: seconds from the strike until the launcher and every rank are gone, t
 results file, and whether ``--resume`` completes to the numbers of an uninterrupted run. The cells themselves live in
 ``tests/support/faults.py`` (``tests/test_fault_matrix.py`` runs them in CI).
 
-Run (root, ``hpc/local-nodes.sh start`` first): ``python bench/drill_faults.py [--launcher mpich|openmpi]
+Run (root, ``hpc/local-nodes.sh start`` first; ``hpc/local-slurm.sh start`` for srun):
+``python bench/drill_faults.py [--launcher mpich|openmpi|srun]
 [--only FAULT:INSTANT,...]``. ``--launcher openmpi`` needs the Open MPI venv active (``MPITP_TEST_MPI=openmpi``).
 Last line: ``RATIO fault_cells_bounded <cells gone within --timeout + 60 s>/<cells>``.
 """
@@ -30,7 +31,7 @@ from support.nodes import require_nodes  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--launcher", choices=("mpich", "openmpi"), default="mpich")
+    ap.add_argument("--launcher", choices=("mpich", "openmpi", "srun"), default="mpich")
     ap.add_argument("--only", default="", help="comma list of FAULT:INSTANT cells (default: all 12)")
     args = ap.parse_args()
     require_nodes()

@@ -17,9 +17,13 @@ from support import faults
 from support.mpi import mpi_family
 from support.nodes import require_nodes
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multinode, pytest.mark.openmpi]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multinode]
 
-CELLS = [(f, i) for i in faults.INSTANTS for f in faults.FAULTS]
+#: Open MPI's pass (CI's second) runs the cells where the launchers differ most: a node lost mid-run (prterun loses its
+#: daemon; Hydra does not notice a silent node) and every fault at the exit; MPICH's pass runs all twelve.
+_OPENMPI = {("link_cut", "mid_run"), ("nodeb_killed", "mid_run")} | {(f, "exit") for f in faults.FAULTS}
+CELLS = [pytest.param(f, i, id=f"{i}-{f}", marks=[pytest.mark.openmpi] if (f, i) in _OPENMPI else [])
+         for i in faults.INSTANTS for f in faults.FAULTS]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def reference(tmp_path_factory):
     return faults.reference_run(mpi_family(), tmp_path_factory.mktemp("faults"))
 
 
-@pytest.mark.parametrize("fault,instant", CELLS, ids=[f"{i}-{f}" for f, i in CELLS])
+@pytest.mark.parametrize("fault,instant", CELLS)
 def test_fault_ends_the_job(fault, instant, reference, tmp_path):
     cell = faults.run_cell(fault, instant, mpi_family(), tmp_path, reference)
     print(cell.row())
@@ -36,9 +40,11 @@ def test_fault_ends_the_job(fault, instant, reference, tmp_path):
     if instant != "exit" or fault == "rank0_killed":
         # the job did not finish its work: it must not say it did
         assert cell.exit != 0, cell.row()
-    if fault in ("link_cut", "nodeb_killed") and instant != "exit":
-        # nothing died on nodea: a rank there says what it waited for, in one line each
-        assert cell.said and all(s.startswith("mpitp: error: rank ") for s in cell.said), cell.said
+    # what mpitp says is one line per rank that noticed, naming itself (a killed rank says nothing: its launcher does)
+    assert all(s.startswith(("mpitp: error: rank ", "mpitp: stopping on ")) for s in cell.said), cell.said
+    if fault == "link_cut" and mpi_family() == "mpich":
+        # nothing died: Hydra does not notice a silent node, so a rank on nodea must be the one that says why
+        assert cell.said, cell.row()
     if instant == "exit":
         assert cell.status == "complete", cell.row()  # the results were written before the strike
     if instant == "mid_run":

@@ -151,13 +151,13 @@ def check_resumable(path: str, cfg) -> None:
     from mpitp.evaluation.provenance import redact
     from mpitp.results.rows import load_rows
     from mpitp.results.schema import open_h5
-    from mpitp.results.untrusted import mapping
+    from mpitp.results.untrusted import load_json, mapping
 
     try:
         with open_h5(path) as f:
-            stored = mapping(json.loads(f.attrs["config_json"]), "config_json")
-            on_disk = stored_fingerprint(json.loads(f.attrs["fingerprint_json"])) if "fingerprint_json" in f.attrs \
-                else None
+            stored = mapping(load_json(f.attrs["config_json"], "config_json"), "config_json")
+            on_disk = stored_fingerprint(load_json(f.attrs["fingerprint_json"], "fingerprint_json")) \
+                if "fingerprint_json" in f.attrs else None
         load_rows(path)
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an attribute not text
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
@@ -296,7 +296,8 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
         if cfg.trust_remote_code:  # from model_args or a job file's defaults: the user may not know it is on
             log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
                         shown(cfg.model))
-        config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code)
+        config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, getattr(cfg, "hf_assets", None))
+        _check_dcp(cfg, config)
         if getattr(cfg, "peft", None):
             from mpitp.replica.adapters import check_config
 
@@ -311,7 +312,25 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
         if own:
             remove_generated(tasks.include)
         raise
-    return Checked(out, cfg.tokenizer or cfg.model, config, tasks, claim)
+    from mpitp.replica.dcp import tokenizer_source
+
+    return Checked(out, tokenizer_source(cfg.model, cfg.tokenizer, getattr(cfg, "hf_assets", None)), config, tasks,
+                   claim)
+
+
+def _check_dcp(cfg, config) -> None:
+    """A torch DCP checkpoint's tensor names and shapes against the config's model, read from its ``.metadata``
+    only (seconds, before any rank loads): an unknown name or a wrong shape is refused naming the parameter."""
+    from mpitp.replica import dcp
+
+    if not dcp.is_dcp(cfg.model):
+        return
+    if cfg.subfolder:
+        raise UsageError(f"model path {cfg.model}: subfolder= does not apply to a torch DCP checkpoint folder")
+    plan = dcp.check(cfg.model, config, cfg.trust_remote_code)
+    log.info("%s: torch DCP checkpoint, %s names%s, %d tensors, config from %s", shown(cfg.model), plan.naming,
+             f" under '{plan.prefix}'" if plan.prefix else "", len(plan.entries),
+             dcp.assets_dir(cfg.model, getattr(cfg, "hf_assets", None)))
 
 
 def check_on_root(cfg, rt, timeout: float | None, phase: str, tasks: CheckedTasks | None = None) -> Checked:

@@ -96,6 +96,40 @@ def model_files(directory: str) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+DCP_ASSETS = "hf-assets/"
+"""Prefix of a torch DCP checkpoint's config files (from its --hf-assets folder) among its model files."""
+
+
+def dcp_files(directory: str, assets: str | None) -> dict[str, str]:
+    """A torch DCP checkpoint folder's files: ``.metadata`` (every tensor's name, shape, dtype and chunk offsets)
+    hashed whole, each ``*.distcp`` shard by its size and sampled blocks as a safetensors shard, and the config the
+    model is built from (its assets folder's), under :data:`DCP_ASSETS`."""
+    out = {}
+    for path in glob.glob(os.path.join(directory, "*.distcp")):
+        size = os.path.getsize(path)
+        out[os.path.basename(path)] = f"{size}:{sampled_sha(path, size)}"
+    meta = os.path.join(directory, ".metadata")
+    out[".metadata"] = f"{os.path.getsize(meta)}:{_file_sha(meta)}"
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(assets, name) if assets else ""
+        if path and os.path.isfile(path):
+            out[DCP_ASSETS + name] = f"{os.path.getsize(path)}:{_file_sha(path)}"
+    return dict(sorted(out.items()))
+
+
+def _dcp_assets(model: str | None, hf_assets: str | None) -> tuple[bool, str | None]:
+    """(whether ``model`` is a torch DCP checkpoint folder, its assets folder or None)."""
+    from mpitp.errors import UsageError
+    from mpitp.replica.dcp import assets_dir, is_dcp
+
+    if not model or not is_dcp(model):
+        return False, None
+    try:
+        return True, assets_dir(model, hf_assets)
+    except UsageError:
+        return True, None
+
+
 def tokenizer_files(directory: str) -> dict[str, str]:
     out = {}
     for name in TOKENIZER_FILES:
@@ -109,8 +143,14 @@ def _digest(files: dict[str, str]) -> str:
     return _sha(json.dumps(files, sort_keys=True).encode()) if files else "none"
 
 
-def detail(model: str | None, tokenizer: str | None = None, revision: str | None = None) -> dict:
-    """Per-file fingerprints, stored beside the identity so a refusal can name the file that changed."""
+def detail(model: str | None, tokenizer: str | None = None, revision: str | None = None,
+           hf_assets: str | None = None) -> dict:
+    """Per-file fingerprints, stored beside the identity so a refusal can name the file that changed. A torch DCP
+    checkpoint (:func:`dcp_files`) has its tokenizer in its assets folder (``hf_assets``, or beside it)."""
+    dcp, assets = _dcp_assets(model, hf_assets)
+    if dcp:
+        tdir = tokenizer or assets
+        return {"model_files": dcp_files(model, assets), "tokenizer_files": tokenizer_files(tdir) if tdir else None}
     mdir = local_dir(model, revision)
     tdir = local_dir(tokenizer or model, revision if not tokenizer else None)
     return {"model_files": model_files(mdir) if mdir else None,
@@ -118,13 +158,13 @@ def detail(model: str | None, tokenizer: str | None = None, revision: str | None
 
 
 def identity(model: str | None, tokenizer: str | None = None, revision: str | None = None,
-             d: dict | None = None, adapter: str | None = None) -> dict:
+             d: dict | None = None, adapter: str | None = None, hf_assets: str | None = None) -> dict:
     """What resume compares besides the settings (keys :data:`IDENTITY_KEYS`); ``d``: :func:`detail` if known.
     ``adapter``: a LoRA adapter folder (``peft=``), known by the hash of its config and weights."""
     import lm_eval
     import transformers
 
-    d = d if d is not None else detail(model, tokenizer, revision)
+    d = d if d is not None else detail(model, tokenizer, revision, hf_assets)
     extra = {}
     if adapter:
         from mpitp.replica.adapters import fingerprint
@@ -137,9 +177,9 @@ def identity(model: str | None, tokenizer: str | None = None, revision: str | No
 
 
 def record(model: str | None, tokenizer: str | None = None, revision: str | None = None,
-           adapter: str | None = None) -> dict:
+           adapter: str | None = None, hf_assets: str | None = None) -> dict:
     """The root attr ``fingerprint_json``: the identity entries and the per-file detail behind them."""
-    d = detail(model, tokenizer, revision)
+    d = detail(model, tokenizer, revision, hf_assets)
     return {"identity": identity(model, tokenizer, revision, d, adapter), **d}
 
 
@@ -166,7 +206,7 @@ def resume_differences(on_disk: dict | None, stored: dict, now: dict, cfg) -> li
     """
     if not on_disk or "identity" not in on_disk:
         return []
-    d = detail(cfg.model, cfg.tokenizer, cfg.revision)
+    d = detail(cfg.model, cfg.tokenizer, cfg.revision, getattr(cfg, "hf_assets", None))
     before, after = on_disk["identity"], identity(cfg.model, cfg.tokenizer, cfg.revision, d,
                                                   getattr(cfg, "peft", None))
     skip = set()

@@ -131,9 +131,11 @@ def full_num_parameters(cfg, layout) -> int | None:
     if layout.tp == 1 and layout.pp == 1:
         return None
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    conf = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    from mpitp.replica.loading import load_config  # a torch DCP checkpoint's config is in its --hf-assets
+
+    conf = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, getattr(cfg, "hf_assets", None))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.trust_remote_code)
     return model.num_parameters()

@@ -89,7 +89,8 @@ def run_metadata(cfg, rt, tokenizer: str) -> dict:
                 config_json=json.dumps(redact(cfg.identity()), sort_keys=True),
                 # what is on disk (weights, tokenizer, library versions: the rest of the resume identity, see
                 # mpitp.evaluation.fingerprint) and the whole configuration (so mpitp rescore can rebuild the tasks)
-                fingerprint_json=json.dumps(record(cfg.model, cfg.tokenizer, cfg.revision, cfg.peft), sort_keys=True),
+                fingerprint_json=json.dumps(record(cfg.model, cfg.tokenizer, cfg.revision, cfg.peft,
+                                                   cfg.hf_assets), sort_keys=True),
                 eval_config_json=json.dumps(redact(json.loads(json.dumps(asdict(cfg), default=str))),
                                             sort_keys=True))
     hooks = testing.active()

@@ -160,6 +160,11 @@ class EvalConfig:
         "A local LoRA adapter folder (adapter_config.json, adapter_model.safetensors) merged into the base "
         "weights, each rank into its own shard; a glob or comma list (a list in job files) sweeps the adapters "
         "over one load of the base model, one results file each."), cli=cli("--peft", group=SHORTHANDS, shorthand=True))
+    hf_assets: str | None = setting(identity=IF_SET, job=yaml_string, cli=cli(
+        "--hf-assets", group=SWEEPS, metavar="DIR"), doc=(
+        "For a torch DCP checkpoint folder as --model (torchtitan's checkpoint/step-N): the folder with the model's "
+        "config.json and tokenizer files (torchtitan's hf_assets; default: a config.json in the checkpoint folder "
+        "or its parent)."))
     subfolder: str | None = setting(identity=IF_SET, doc=(
         "Subfolder of the model repository or directory holding the checkpoint (--model_args subfolder=)."))
     max_batch_size: int | None = setting(lm_eval=True,
@@ -236,8 +241,9 @@ class EvalConfig:
         return self.fewshot_as_multiturn
 
     def load_kwargs(self) -> dict:
-        """``from_pretrained`` arguments from ``--model_args`` beyond model, revision, dtype and remote code."""
-        return {k: getattr(self, k) for k in ("attn_implementation", "subfolder") if getattr(self, k)}
+        """``from_pretrained`` arguments from ``--model_args`` beyond model, revision, dtype and remote code, and
+        ``--hf-assets`` (taken by the loaders of :mod:`mpitp.replica.loading` for a torch DCP checkpoint)."""
+        return {k: getattr(self, k) for k in ("attn_implementation", "subfolder", "hf_assets") if getattr(self, k)}
 
     def fixed_batch_size(self) -> int:
         """The batch size to start from: the number given, or 1 for ``auto`` (sized later, see

@@ -118,8 +118,10 @@ class SweepState:
 def tokenizer_key(cfg) -> str | None:
     """The files of the checkpoint's tokenizer (hashed): checkpoints with equal files share token ids."""
     from mpitp.evaluation.fingerprint import local_dir, tokenizer_files
+    from mpitp.replica.dcp import tokenizer_source
 
-    d = local_dir(cfg.tokenizer or cfg.model, cfg.revision if not cfg.tokenizer else None)
+    source = tokenizer_source(cfg.model, cfg.tokenizer, getattr(cfg, "hf_assets", None))  # DCP: its --hf-assets
+    d = local_dir(source, cfg.revision if source == cfg.model else None)
     files = tokenizer_files(d) if d else {}
     return json.dumps(files, sort_keys=True) if files else None
 
@@ -294,10 +296,11 @@ def _metrics_of(res: dict | None) -> dict:
 
 def _metrics_from_file(path: str) -> dict:
     from mpitp.results.schema import open_h5
+    from mpitp.results.untrusted import load_json
 
     try:
         with open_h5(path) as f:
-            return _metrics_of(json.loads(f.attrs["results_json"]))
+            return _metrics_of(load_json(f.attrs["results_json"], "results_json"))  # bounded: never a RecursionError
     except (OSError, KeyError, ValueError, TypeError, RuntimeError):  # TypeError: results_json not text
         return {}
 

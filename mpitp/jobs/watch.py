@@ -1,8 +1,9 @@
 """``mpitp eval --watch DIR``: evaluate checkpoints as a training job writes them, in one MPI launch.
 
 Rank 0 scans ``DIR`` every :data:`POLL_S` seconds for subdirectories that are complete checkpoints: a
-``config.json``, weights (every shard a ``*.index.json`` lists, or at least one ``*.safetensors``/``*.bin``), and the
-same sizes and modification times on two scans :data:`POLL_S` apart (a checkpoint still being written keeps growing).
+``config.json`` and weights (every shard a ``*.index.json`` lists, or at least one ``*.safetensors``/``*.bin``), or a
+torch DCP ``.metadata`` file (torchtitan's ``step-N``: it writes ``.metadata`` last), and the same sizes and
+modification times on two scans :data:`POLL_S` apart (a checkpoint still being written keeps growing).
 Each new one is evaluated like a sweep's checkpoint (:func:`mpitp.jobs.sweep.run_models`: its own results file, the
 task manager and loaded tasks shared); one whose results file is already ``complete`` for the same weights is skipped,
 a ``running`` one resumed, so a watch killed with its allocation picks up where it stopped. The watch ends after
@@ -29,8 +30,14 @@ def _snapshot(path: str) -> tuple | None:
         names = sorted(os.listdir(path))
     except OSError:
         return None
+    if ".metadata" in names:  # a torch DCP step: torchtitan writes .metadata last, once every shard is written
+        return _stat_all(path, names)
     if "config.json" not in names:
         return None
+    return _hf_snapshot(path, names)
+
+
+def _hf_snapshot(path: str, names: list[str]) -> tuple | None:
     index = next((n for n in names if n.endswith(".index.json")), None)
     if index is not None:
         try:
@@ -42,6 +49,10 @@ def _snapshot(path: str) -> tuple | None:
             return None
     elif not any(n.endswith((".safetensors", ".bin")) for n in names):
         return None
+    return _stat_all(path, names)
+
+
+def _stat_all(path: str, names: list[str]) -> tuple | None:
     out = []
     for n in names:
         try:

@@ -21,18 +21,32 @@ def _looks_local(name: str) -> bool:
     return os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
-def load_config(model: str, revision: str | None = None, trust_remote_code: bool = False):
-    """The model's config, or a one-line :class:`UsageError` saying why it cannot be had."""
+def load_config(model: str, revision: str | None = None, trust_remote_code: bool = False,
+                hf_assets: str | None = None):
+    """The model's config, or a one-line :class:`UsageError` saying why it cannot be had. A torch DCP checkpoint
+    folder's comes from ``hf_assets`` (or beside it: :func:`mpitp.replica.dcp.assets_dir`); formats that are neither
+    are refused naming the conversion to use."""
     from transformers import AutoConfig
 
+    from mpitp.replica import dcp
+
+    source = model
     if _looks_local(model):
         path = os.path.expanduser(model)
         if not os.path.exists(path):
             raise UsageError(f"model path {model} does not exist")
-        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isdir(path):
+            dcp.refuse_foreign(path)
+        if dcp.is_dcp(path):
+            source = dcp.assets_dir(path, hf_assets)
+        elif not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             raise UsageError(f"model path {model} is not a Hugging Face model directory (no config.json)")
+    if hf_assets and source == model:
+        raise UsageError(f"--hf-assets applies to torch DCP checkpoint folders only, and {model} is not one (no "
+                         f"{dcp.METADATA} file, or Hugging Face weights beside it)")
     try:
-        return AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(source, revision=None if source != model else revision,
+                                          trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - every failure here is the user's model argument
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot load model config for {model!r}: {first}") from None
@@ -155,7 +169,9 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
     """Load ``model`` for this rank: whole for tp=1, sharded by transformers' TP plan for tp > 1.
 
     ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``);
-    ``peft``: a LoRA adapter folder merged into this rank's shards (:mod:`mpitp.replica.adapters`).
+    ``peft``: a LoRA adapter folder merged into this rank's shards (:mod:`mpitp.replica.adapters`). A torch DCP
+    checkpoint folder (``hf_assets`` in ``load_kwargs``: its config and tokenizer) is read by
+    :func:`mpitp.replica.dcp.from_pretrained` with the same TP plan, each rank reading its own slices.
 
     With tp > 1 each rank reads its strided (dim >= 1) shards with ``pread`` (:func:`strided_shards_with_pread`):
     only its shards' bytes, rather than faulting whole tensors of the memory-mapped checkpoint into its RSS.
@@ -163,7 +179,20 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from mpitp.replica import dcp
+
+    hf_assets = load_kwargs.pop("hf_assets", None)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    if dcp.is_dcp(model):
+        distributed = None
+        if tp > 1:
+            from transformers.distributed import DistributedConfig
+
+            distributed = DistributedConfig(tp_size=tp)
+        m = dcp.from_pretrained(model, hf_assets, distributed, torch_dtype, trust_remote_code, **load_kwargs)
+        if tp == 1:
+            m = m.to(device)
+        return _finish(m, peft)
     kwargs = dict(dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code, **load_kwargs)
     if tp > 1:
         from transformers.distributed import DistributedConfig
@@ -173,6 +202,10 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
                                                      **kwargs)
     else:
         m = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device)
+    return _finish(m, peft)
+
+
+def _finish(m, peft: str | None):
     if peft:
         from mpitp.replica import adapters
 

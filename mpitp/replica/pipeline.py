@@ -85,14 +85,21 @@ def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", 
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    from mpitp.replica import dcp
     from mpitp.replica.loading import strided_shards_with_pread
 
+    hf_assets = load_kwargs.pop("hf_assets", None)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    reads = strided_shards_with_pread() if tp > 1 else contextlib.nullcontext()
-    with _tp_plan_without_stubs(), reads:
-        m = AutoModelForCausalLM.from_pretrained(model, distributed_config=DistributedConfig(tp_size=tp, pp_size=pp),
-                                                 dtype=torch_dtype, revision=revision,
-                                                 trust_remote_code=trust_remote_code, **load_kwargs)
+    distributed = DistributedConfig(tp_size=tp, pp_size=pp)
+    if dcp.is_dcp(model):  # the same split and plan; each rank reads its stage's tensors (its slices) from DCP
+        with _tp_plan_without_stubs():
+            m = dcp.from_pretrained(model, hf_assets, distributed, torch_dtype, trust_remote_code, **load_kwargs)
+    else:
+        reads = strided_shards_with_pread() if tp > 1 else contextlib.nullcontext()
+        with _tp_plan_without_stubs(), reads:
+            m = AutoModelForCausalLM.from_pretrained(model, distributed_config=distributed, dtype=torch_dtype,
+                                                     revision=revision, trust_remote_code=trust_remote_code,
+                                                     **load_kwargs)
     if peft:
         from mpitp.replica import adapters
 

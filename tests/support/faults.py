@@ -66,7 +66,11 @@ HEADER = ("| launcher | instant | fault | s to gone | exit | traceback | file (s
 
 def launch_prefix(kind: str) -> list[str]:
     """``mpich``: Hydra started on nodea as a batch script runs on a job's first node; ``openmpi``: prterun with its
-    daemons over ssh (the suite's MPI must be Open MPI)."""
+    daemons over ssh (the suite's MPI must be Open MPI); ``srun``: a SLURM step on the emulated nodes' partition
+    (``hpc/local-slurm.sh``), as the batch scripts ``mpitp submit`` writes launch it."""
+    if kind == "srun":
+        return ["srun", "--partition", "nodes", "--nodes", "2", "--ntasks", "4", "--ntasks-per-node", "2",
+                "--mpi=pmi2", "--kill-on-bad-exit=1"]
     return launcher_on("nodea", TWO_BY_TWO) if kind == "mpich" else launcher(TWO_BY_TWO)
 
 

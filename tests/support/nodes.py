@@ -8,6 +8,7 @@ needs the nodes asks for :func:`require_nodes`: skipped where none are up, faile
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -76,3 +77,9 @@ def set_link(node: str, up: bool) -> None:
     """Cut (or restore) a node's network: its interface on the bridge goes down (or up)."""
     subprocess.run(["ip", "-n", namespace(node), "link", "set", "eth0", "up" if up else "down"], check=True,
                    timeout=30)
+    if up and shutil.which("scontrol"):
+        # The local SLURM (hpc/local-slurm.sh) marks a node it could not ping DOWN ("Not responding") and would take
+        # its next ping (minutes) to notice it is back: later tests that run steps on the node need it now.
+        state = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30).stdout
+        if "DOWN" in state or "NOT_RESPONDING" in state:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, timeout=30)

@@ -1,0 +1,326 @@
+"""torch DCP (torchtitan) checkpoints evaluated in place: names, rotary order, refusals, fingerprints, layouts.
+
+The run is written by ``tests/support/titan_ckpt.py`` from the real stories260K: ``checkpoint/step-1`` (model only),
+``step-2`` (a full training state: optimizer, lr_scheduler, dataloader, train_state beside the model's names),
+``step-10`` (the model under a ``model.`` prefix), torchtitan's names and q/k row order, and each step's Hugging Face
+twin (``hf/step-N``). The MPI tests compare every request with single-process ``lm_eval --model hf`` on the twins.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import h5py
+import pytest
+import torch
+
+from mpitp.errors import UsageError
+from mpitp.replica import dcp
+from support.titan_ckpt import write_run
+
+TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl"]
+LIMIT = 4
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, shared_dir):
+    return write_run(tmp_path_factory.mktemp("titan") / "run")
+
+
+# ------------------------------------------------------------------------------------------------ fast
+
+
+def test_rotary_permutation_is_hf_conversion_and_round_trips():
+    """titan -> HF is exactly HF's convert_llama_weights_to_hf ``permute``, and the inverse undoes it; per-head, so
+    cutting whole heads (TP's colwise shards) and permuting each part gives the same rows."""
+    heads, hd, dim = 4, 8, 16
+    w = torch.randn(heads * hd, dim)
+
+    def hf_permute(x, n_heads, dim1, dim2):  # transformers' convert_llama_weights_to_hf.py
+        return x.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
+
+    assert torch.equal(dcp.titan_to_hf_rows(w, heads), hf_permute(w, heads, heads * hd, dim))
+    assert not torch.equal(dcp.titan_to_hf_rows(w, heads), w)  # a forgotten permutation would be seen
+    assert torch.equal(dcp.titan_to_hf_rows(dcp.hf_to_titan_rows(w, heads), heads), w)
+    halves = [dcp.titan_to_hf_rows(part, heads // 2) for part in w.chunk(2)]
+    assert torch.equal(torch.cat(halves), dcp.titan_to_hf_rows(w, heads))
+
+
+def test_names_of_each_step(run):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(run["assets"])
+    plans = {s: dcp.check(str(run[s]), config) for s in ("step-1", "step-2", "step-10")}
+    assert {s: (p.naming, p.prefix) for s, p in plans.items()} == {
+        "step-1": ("torchtitan", ""), "step-2": ("torchtitan", ""), "step-10": ("torchtitan", "model.")}
+    e = plans["step-2"].entries
+    assert e["model.layers.3.self_attn.q_proj.weight"] == dcp.Entry("layers.3.attention.wq.weight", "q")
+    assert e["model.layers.0.self_attn.k_proj.weight"] == dcp.Entry("layers.0.attention.wk.weight", "k")
+    assert e["model.layers.0.mlp.down_proj.weight"] == dcp.Entry("layers.0.feed_forward.w2.weight", None)
+    assert e["lm_head.weight"].key == "output.weight"
+    assert not any(v.key.startswith(dcp.IGNORED_SECTIONS) for v in e.values())  # optimizer state left out
+
+
+def test_tp1_load_equals_the_hf_twin(run):
+    """Every parameter bit for bit (q/k back in HF's order), and the logits, for each kind of step."""
+    from transformers import AutoModelForCausalLM
+
+    from mpitp.replica.loading import load_model
+
+    x = torch.tensor([[1, 50, 60, 70, 80, 90, 100]])
+    for step in ("step-1", "step-2", "step-10"):
+        m = load_model(str(run[step]), 1, "cpu", "auto", hf_assets=str(run["assets"]))
+        ref = AutoModelForCausalLM.from_pretrained(run[f"hf/{step}"])
+        a, b = m.state_dict(), ref.state_dict()
+        assert a.keys() == b.keys()
+        assert [k for k in a if not torch.equal(a[k], b[k])] == [], step
+        with torch.no_grad():
+            assert torch.equal(m(x).logits, ref(x).logits), step
+        assert type(m) is type(ref) and m.dtype == torch.float32
+
+
+def test_slice_reads_only_the_region_bytes(run):
+    """Each rank's region of a tensor, read with pread, equals DCP's own full read, and costs only its own bytes:
+    whole rows for a dim-0 (colwise) shard, row segments for a dim-1 (rowwise) one, across chunk boundaries of a
+    checkpoint saved as FSDP over 2 ranks does (step-1) and in one chunk (step-2)."""
+    import torch.distributed.checkpoint as tdcp
+
+    for step in ("step-1", "step-2"):
+        path = str(run[step])
+        md = dcp.read_metadata(path)
+        key = "layers.1.feed_forward.w2.weight"  # [64, 172]: step-1 holds rows 0-31 and 32-63 in two files
+        full = torch.zeros(md.state_dict_metadata[key].size)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            tdcp.load({key: full}, storage_reader=tdcp.FileSystemReader(path), no_dist=True)
+        assert full.abs().sum() > 0
+        for lo, shape in [((0, 0), (64, 172)), ((16, 0), (32, 172)), ((0, 86), (64, 86)), ((20, 40), (30, 50))]:
+            reader = dcp.SliceReader(path, md)
+            local = torch.full(shape, float("nan"))
+            assert reader.read_region(key, local, lo)
+            reader.close()
+            region = full[lo[0]:lo[0] + shape[0], lo[1]:lo[1] + shape[1]]
+            assert torch.equal(local, region), (step, lo, shape)
+            assert reader.nbytes == region.numel() * 4, (step, lo, shape, reader.nbytes)  # its bytes, no more
+
+
+def test_hf_names_under_a_model_prefix(run, tmp_path):
+    """A DCP saved from an HF model's own state dict under ``model.`` (accelerate's FSDP SHARDED_STATE_DICT): HF's
+    names, no permutation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from support.titan_ckpt import STEPS, save, step_weights
+
+    path = tmp_path / "pytorch_model_fsdp_0"
+    save({"model": step_weights(STEPS["step-1"][1])}, path)
+    plan = dcp.check(str(path), AutoConfig.from_pretrained(run["assets"]))
+    assert (plan.naming, plan.prefix) == ("hf", "model.") and not any(e.permute for e in plan.entries.values())
+    m = dcp.from_pretrained(str(path), str(run["assets"]))
+    ref = AutoModelForCausalLM.from_pretrained(run["hf/step-1"])
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
+def test_unparsed_chunks_go_to_dcps_own_reader(run, monkeypatch):
+    """A chunk the slice reader does not parse (compressed, another serialisation) is read by DCP's reader: the
+    same weights."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(dcp.SliceReader, "_parse", staticmethod(lambda *a: None))
+    m = dcp.from_pretrained(str(run["step-1"]), str(run["assets"]))
+    ref = AutoModelForCausalLM.from_pretrained(run["hf/step-1"])
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
+def _variant(run, tmp_path, edit) -> str:
+    """step-1's tensors, edited, saved as another DCP folder beside the run's assets."""
+    from transformers import AutoConfig
+
+    from support.titan_ckpt import STEPS, save, step_weights
+
+    state = dcp.hf_to_titan_names(step_weights(STEPS["step-1"][1]), AutoConfig.from_pretrained(run["assets"]))
+    edit(state)
+    out = tmp_path / "bad-step"
+    save(state, out)
+    return str(out)
+
+
+@pytest.mark.parametrize("what,edit,expect", [
+    ("unknown", lambda s: s.update({"layers.0.attention.wqkv.weight": torch.zeros(2, 2)}),
+     "unknown torchtitan parameter layers.0.attention.wqkv.weight for a 'llama' model"),
+    ("shape", lambda s: s.update({"tok_embeddings.weight": torch.zeros(500, 64)}),
+     "tok_embeddings.weight has shape [500, 64] in the checkpoint, but the config's model has "
+     "model.embed_tokens.weight of shape [512, 64]"),
+    ("missing", lambda s: s.pop("norm.weight"), "the checkpoint has no tensor for model.norm.weight"),
+])
+def test_bad_names_refused_naming_the_parameter(run, tmp_path, what, edit, expect):
+    from mpitp.replica.loading import load_config, load_model
+
+    path = _variant(run, tmp_path, edit)
+    config = load_config(path, hf_assets=str(run["assets"]))
+    for attempt in (lambda: dcp.check(path, config),  # rank 0's check, from .metadata
+                    lambda: load_model(path, 1, "cpu", hf_assets=str(run["assets"]))):  # and every rank's load
+        with pytest.raises(UsageError) as exc:
+            attempt()
+        assert expect in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_foreign_formats_and_missing_assets_refused(run, tmp_path):
+    from mpitp.replica.loading import load_config
+
+    mega = tmp_path / "iter_0000100"
+    mega.mkdir()
+    (mega / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (mega / ".metadata").write_bytes(b"x")
+    (mega / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(UsageError, match="Megatron-LM distributed checkpoint .* convert it to a Hugging Face folder"):
+        load_config(str(mega))
+    fsdp1 = tmp_path / "fsdp1"
+    fsdp1.mkdir()
+    (fsdp1 / "pytorch_model_fsdp_rank0.bin").write_bytes(b"x")
+    with pytest.raises(UsageError, match="FSDP1 per-rank state .*accelerate merge-weights"):
+        load_config(str(fsdp1))
+    lone = tmp_path / "lone" / "step-5"
+    shutil.copytree(run["step-1"], lone)
+    with pytest.raises(UsageError, match="without a config.json beside it: give --hf-assets DIR"):
+        load_config(str(lone))
+    shutil.copyfile(run["assets"] / "config.json", lone.parent / "config.json")  # the run's parent folder
+    assert load_config(str(lone)).num_hidden_layers == 5
+    with pytest.raises(UsageError, match="--hf-assets applies to torch DCP checkpoint folders only"):
+        load_config(str(run["hf/step-1"]), hf_assets=str(run["assets"]))
+
+
+class _Hostile:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_metadata_pickle_runs_nothing(run, tmp_path):
+    """``.metadata`` is a pickle, which torch's own reader loads with ``pickle.load``: a crafted one would run code
+    on every rank. Refused as one line, and the command never runs."""
+    import pickle
+
+    from mpitp.replica.loading import load_config
+
+    bad = tmp_path / "step-66"
+    shutil.copytree(run["step-2"], bad)
+    marker = tmp_path / "ran"
+    (bad / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    config = load_config(str(bad), hf_assets=str(run["assets"]))
+    with pytest.raises(UsageError) as exc:
+        dcp.check(str(bad), config)
+    assert "cannot read the torch DCP .metadata file: it names posix.system" in str(exc.value)
+    assert "\n" not in str(exc.value) and not marker.exists()
+
+
+def test_fingerprint_tokenizer_and_watch(run, tmp_path):
+    """The weights identity is of the bytes read (.metadata, the shards, the assets' config); the tokenizer is the
+    assets'; a step counts as complete for --watch once its .metadata exists."""
+    from mpitp.evaluation import fingerprint
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.jobs import watch
+    from mpitp.jobs.sweep import tokenizer_key
+
+    assets = str(run["assets"])
+    d1 = fingerprint.detail(str(run["step-1"]), hf_assets=assets)
+    assert set(d1["model_files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "hf-assets/config.json",
+                                      "hf-assets/generation_config.json"}
+    assert "tokenizer.json" in d1["tokenizer_files"]
+    ids = {s: fingerprint.identity(str(run[s]), hf_assets=assets)["weights"] for s in ("step-1", "step-2")}
+    assert ids["step-1"] != ids["step-2"]
+    keys = {tokenizer_key(EvalConfig(model=str(run[s]), hf_assets=assets)) for s in ("step-1", "step-2", "step-10")}
+    assert len(keys) == 1 and None not in keys  # every step shares the assets' tokenizer (and its token ids)
+
+    partial = tmp_path / "step-7"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"shard being written")
+    assert watch._snapshot(str(partial)) is None
+    assert watch._snapshot(str(run["step-2"])) is not None
+
+
+def test_hf_assets_is_a_declared_setting():
+    from mpitp.evaluation.settings import EvalConfig, cli_options, job_fields
+
+    assert "hf_assets" in job_fields()
+    assert any(spec["flags"] == ("--hf-assets",) for _, spec in cli_options())
+    assert EvalConfig(model="m", hf_assets="a").identity()["hf_assets"] == "a"
+    assert "hf_assets" not in EvalConfig(model="m").identity()  # files written before it still resume
+    assert EvalConfig(hf_assets="a").load_kwargs() == {"hf_assets": "a"}
+
+
+# ------------------------------------------------------------------------------------------------ MPI
+
+
+def _reference(model_dir) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    torch.set_num_threads(2)
+    return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32", tasks=TASKS,
+                                   limit=LIMIT, batch_size=4, device="cpu", log_samples=True, bootstrap_iters=0,
+                                   task_manager=TaskManager(include_path=demo_tasks_dir()))
+
+
+def _eval_args(model: str, run, out: str) -> list[str]:
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    return ["eval", "--model", model, "--hf-assets", str(run["assets"]), "--tasks", ",".join(TASKS),
+            "--include-path", demo_tasks_dir(), "--limit", str(LIMIT), "--batch-size", "4", "--dtype", "float32",
+            "--bootstrap-iters", "0", "--output", out]
+
+
+def _assert_parity(reference: dict, path: str) -> float:
+    from support.parity import compare_requests, mpitp_requests, reference_requests
+
+    got = mpitp_requests(path, TASKS)
+    worst, problems = compare_requests(reference_requests(reference["samples"]), got)
+    assert not problems, "\n".join(problems[:20])
+    assert len(got) >= 2 * LIMIT
+    return worst
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_sweep_of_dcp_steps_at_tp2_dp2_matches_lm_eval_on_the_hf_twins(run, tmp_path):
+    from support.mpi import explain, run_mpi
+
+    out = tmp_path / "out"
+    proc = run_mpi(4, [*_eval_args(str(run["step-1"].parent / "step-*"), run, f"{out}/"), "--tp", "2"],
+                   timeout=900, cwd=str(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    assert "sweep: 3/3 checkpoints ok" in proc.stdout, explain(proc)
+    assert "torchtitan names under 'model.'" in proc.stderr, explain(proc)  # step-10, read as such
+    assert " token encodings reused from earlier" in proc.stderr, explain(proc)  # one tokenizer: the assets'
+    rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
+    assert [r["name"] for r in rows] == ["step-1", "step-2", "step-10"]  # natural order
+    worst = 0.0
+    for step in ("step-1", "step-2", "step-10"):
+        worst = max(worst, _assert_parity(_reference(run[f"hf/{step}"]), str(out / f"{step}.h5")))
+        with h5py.File(out / f"{step}.h5") as f:
+            assert f.attrs["status"] == "complete"
+            fp = json.loads(f.attrs["fingerprint_json"])
+            assert ".metadata" in fp["model_files"] and "tokenizer.json" in fp["tokenizer_files"]
+            assert f.attrs["tokenizer"] == str(run["assets"])
+    print(f"DCP sweep tp=2 x dp=2: 3 steps, max relative |d ll| = {worst:.2e}, wall {proc.elapsed:.1f} s")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_full_state_step_at_pp2_matches_lm_eval(run, tmp_path):
+    """pp=2: each stage reads only its layers' tensors of a full training checkpoint (optimizer state beside)."""
+    from support.mpi import explain, run_mpi
+
+    out = tmp_path / "pp.h5"
+    proc = run_mpi(2, [*_eval_args(str(run["step-2"]), run, str(out)), "--pp", "2"], timeout=600,
+                   cwd=str(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    worst = _assert_parity(_reference(run["hf/step-2"]), str(out))
+    print(f"DCP full-state step pp=2: max relative |d ll| = {worst:.2e}, wall {proc.elapsed:.1f} s")
