@@ -244,6 +244,24 @@ def test_fingerprint_tokenizer_and_watch(run, tmp_path):
     assert watch._snapshot(str(run["step-2"])) is not None
 
 
+def test_a_dcp_step_is_staged_with_its_index_and_finds_its_assets_from_the_source(run):
+    """``--stage-dir`` copies ``.metadata`` (hidden) and the ``*.distcp`` shards; loading from the copy takes the
+    assets folder resolved from the original path (the copy has no parent with a config.json)."""
+    from mpitp.evaluation.runner import _with_assets
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.replica.staging import model_files
+
+    assert model_files(str(run["step-1"])) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    step = run["step-2"]
+    (step.parent / "config.json").write_bytes((run["assets"] / "config.json").read_bytes())
+    try:
+        cfg = EvalConfig(model=str(step))
+        assert _with_assets(cfg, "/stage/step-2-abc").hf_assets == str(step.parent)
+        assert _with_assets(cfg, str(step)) is cfg  # not staged: the loader resolves it as ever
+    finally:
+        (step.parent / "config.json").unlink()
+
+
 def test_hf_assets_is_a_declared_setting():
     from mpitp.evaluation.settings import EvalConfig, cli_options, job_fields
 

@@ -95,7 +95,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
     try:
         with checked:  # rank 0's claim on the output, given back however the run ends
             source = staged_model(cfg.model, rt.stage_dir, rt.world, rt.timeout, cfg.revision, cfg.subfolder)
-            model = load_for_layout(source, cfg, rt)
+            model = load_for_layout(source, _with_assets(cfg, source), rt)
             if lay.pp > 1 and lay.is_root:
                 from mpitp.replica.pipeline import describe_split, num_layers
 
@@ -124,6 +124,20 @@ class KeptChecks:
     sharing: tuple | None = None  # (check_sharing's verdict, the attention calls of one forward)
     head_check_s: float | None = None
     recheck_head: bool = True
+
+
+def _with_assets(cfg: EvalConfig, source: str) -> EvalConfig:
+    """A torch DCP checkpoint loaded from a stage (``--stage-dir``) finds no ``config.json`` beside the copy: its
+    assets folder is resolved from the original path first (``--hf-assets``, the folder or its parent)."""
+    if source == cfg.model or cfg.hf_assets:
+        return cfg
+    from mpitp.replica import dcp
+
+    if not dcp.is_dcp(cfg.model):
+        return cfg
+    import dataclasses
+
+    return dataclasses.replace(cfg, hf_assets=dcp.assets_dir(cfg.model))
 
 
 def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):

@@ -83,6 +83,7 @@ MARKER = ".mpitp-stage-complete"
 TEMP_PREFIX = ".mpitp-tmp-"
 EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".py", ".tiktoken", ".vocab")
 """Besides weights: config, shard index, generation config, tokenizer files, remote code."""
+DCP_METADATA = ".metadata"
 SMALL = 1 << 20
 COPY_BLOCK = 8 << 20
 FOLDER_MODE, FILE_MODE = 0o700, 0o600
@@ -115,7 +116,8 @@ def _weight_files(directory: str) -> list[str]:
 
 def model_files(directory: str, subfolder: str | None = None) -> list[str]:
     """Relative paths of the files to stage: weights, config, tokenizer and generation files, at the top level and in
-    ``subfolder`` (``--model_args subfolder=``). Hidden files are left out."""
+    ``subfolder`` (``--model_args subfolder=``). Hidden files are left out, but for a torch DCP checkpoint's
+    ``.metadata`` (its index, staged with the ``*.distcp`` shards)."""
     out = []
     for sub in dict.fromkeys(["", subfolder or ""]):
         where = os.path.join(directory, sub) if sub else directory
@@ -123,6 +125,9 @@ def model_files(directory: str, subfolder: str | None = None) -> list[str]:
             continue
         names = sorted(n for n in os.listdir(where) if not n.startswith(".") and os.path.isfile(os.path.join(where, n)))
         chosen = set(_weight_files(where)) | {n for n in names if n.endswith(EXTRA_SUFFIXES)}
+        if os.path.isfile(os.path.join(where, DCP_METADATA)):  # a torch DCP checkpoint: its index and its shards
+            names.append(DCP_METADATA)
+            chosen |= {DCP_METADATA} | {n for n in names if n.endswith(".distcp")}
         out += [os.path.join(sub, n) if sub else n for n in names if n in chosen]
     return sorted(out)
 
