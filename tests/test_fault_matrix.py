@@ -51,3 +51,19 @@ def test_fault_ends_the_job(fault, instant, reference, tmp_path):
         assert cell.status == "running" and cell.rows > 0, cell.row()  # the landed rows kept
     if cell.status is not None:
         assert cell.resumed_equal, cell.row()
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("instant", ["mid_run", "exit"])
+def test_link_cut_under_srun(instant, reference, tmp_path):
+    """The same cut through SLURM (``srun --mpi=pmi2 --kill-on-bad-exit=1``, as ``mpitp submit``'s scripts launch):
+    mid-run the ranks on nodea time out and srun ends the step; at the exit their bound ends them."""
+    import shutil
+
+    if not shutil.which("srun"):
+        pytest.skip("no srun (hpc/local-slurm.sh start)")
+    cell = faults.run_cell("link_cut", instant, "srun", tmp_path, reference)
+    print(cell.row())
+    assert not cell.traceback and cell.said, cell.row()
+    assert all(s.startswith("mpitp: error: rank ") for s in cell.said), cell.said
+    assert cell.status == ("complete" if instant == "exit" else "running") and cell.resumed_equal, cell.row()
