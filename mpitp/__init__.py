@@ -1,28 +1,40 @@
 """mpitp: lm-eval evaluation of Hugging Face models under MPI, tensor parallelism inside data-parallel groups.
 
-The folders are the layers, lowest first; a module imports from its own layer and the ones below it, and
-``tests/test_import_cycles.py`` fails on any import cycle:
+The public Python API is the three names below; every other module may move between releases (the folders are the
+layers: ARCHITECTURE.md, "Layers", kept true by ``tests/test_layers.py``):
 
-- ``errors``, ``version``, ``testing`` (the one test seam), ``compat`` (every patch of lm-eval, transformers, torch);
-- ``parallel``: the MPI world, object collectives with deadlines, the explicit dp x pp x tp ``Layout``, one torch
-  world per model replica;
-- ``replica``: TP/PP-sharded loading, vocab-parallel scoring, prefix sharing, the leader/worker protocol;
-- ``results``: the HDF5 results file, its reader, comparisons and summaries; ``tasks``: offline tasks, the task index;
-- ``evaluation``: lm-eval's requests sharded across the DP groups, the settings, one evaluation (``runner``) and
-  ``mpitp.evaluate`` (``api``);
-- ``jobs``: ``run_config`` (``orchestrate``: one evaluation or a sweep), sweeps, watches, job files, submission;
-- ``cli``: the click commands, a thin layer over the rest.
+- :func:`mpitp.start`: the runtime of this rank (MPI world, dp x pp x tp layout, device, one torch world per model
+  replica). Collective. (:func:`mpitp.parallel.runtime.start`)
+- :func:`mpitp.load_model`: this rank's part of a transformers checkpoint, whole at tp=1, else sharded by
+  transformers' TP plan. (:func:`mpitp.replica.loading.load_model`)
+- :func:`mpitp.evaluate`: lm-eval numbers for a live, already-sharded model, from inside a running MPI job; the same
+  code path as ``mpitp eval``. Collective. (:func:`mpitp.evaluation.api.evaluate`)
+
+They are imported on first use, so ``import mpitp`` (and with it ``mpitp --help`` and every ``mpitp.*`` import)
+costs no torch, transformers, lm-eval or MPI start-up.
 """
 
-from mpitp.version import __version__  # noqa: F401 - mpitp.__version__
+from mpitp.version import __version__
+
+__all__ = ["__version__", "evaluate", "load_model", "start"]
 
 
-def evaluate(*args, **kwargs):
-    """Evaluate a (possibly TP-sharded) model on lm-eval tasks from inside a running MPI job.
+def __getattr__(name: str):
+    """The public functions, imported on first access (PEP 562) and then kept as ordinary module attributes.
 
-    Imported lazily so that ``import mpitp`` stays cheap (no torch/transformers import).
-    See :func:`mpitp.evaluation.api.evaluate`.
+    Explicit imports, not a table of strings: the import graph (``tests/support/imports.py``) sees them.
     """
-    from mpitp.evaluation.api import evaluate as _evaluate
+    if name == "evaluate":
+        from mpitp.evaluation.api import evaluate as value
+    elif name == "load_model":
+        from mpitp.replica.loading import load_model as value
+    elif name == "start":
+        from mpitp.parallel.runtime import start as value
+    else:
+        raise AttributeError(f"module 'mpitp' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-    return _evaluate(*args, **kwargs)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,4 @@
-"""``mpitp check`` and ``mpitp submit``'s check (:mod:`mpitp.evaluation.readiness`): the network blocked, every
+"""``mpitp check`` and ``mpitp submit``'s check (:mod:`mpitp.jobs.readiness`): the network blocked, every
 task built and scored on stand-ins, the model's config and tokenizer from local files; what is missing named with
 the command that fetches it."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mpitp.evaluation.readiness import CheckSpec, block_network, check
+from mpitp.jobs.readiness import CheckSpec, block_network, check
 from support import OFFLINE_ENV, STORIES
 from support.offline_data import mmlu_dir, small_tasks_dir
 
@@ -136,7 +136,7 @@ def test_model_is_checked_beside_the_tasks_and_reported_first(gap_data, tmp_path
     """On two cores the model's config and tokenizer are checked in a child interpreter while the tasks are built
     (what brings `mpitp check --tasks mmlu` under 5 s): its problems come back first, as in line, and the tasks'
     problems are not lost. With a chat template the tasks need the tokenizer, so the model is checked first, here."""
-    code = ("import json, sys; from mpitp.evaluation.readiness import CheckSpec, check\n"
+    code = ("import json, sys; from mpitp.jobs.readiness import CheckSpec, check\n"
             f"spec = CheckSpec(tasks=('mmlu_{REMOVED}', 'mmlu_anatomy'), data_dir={str(gap_data)!r}, "
             f"model={str(tmp_path / 'no-model')!r}, apply_chat_template=sys.argv[1] == 'chat')\n"
             "r = check(spec)\n"

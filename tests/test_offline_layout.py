@@ -160,7 +160,7 @@ aggregate_metric_list:
 def test_group_members_given_as_inline_dicts_read_their_own_folders(tmp_path):
     """A group whose task list gives members their own dataset_path/dataset_name: each reads
     DATA/<its dataset_path>/<its dataset_name>/ through an override of the group, built by lm-eval and checked."""
-    from mpitp.evaluation.readiness import CheckSpec, check
+    from mpitp.jobs.readiness import CheckSpec, check
     from mpitp.tasks.index import task_manager
     from support.offline_data import boolq_rows, copa_rows
 

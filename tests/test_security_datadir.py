@@ -18,7 +18,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mpitp.evaluation.readiness import CheckSpec, check
+from mpitp.jobs.readiness import CheckSpec, check
 from support import STORIES
 from support.mpi import explain, run_mpi
 from support.offline_data import arc_rows, write_jsonl

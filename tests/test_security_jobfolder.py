@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitp.evaluation.readiness import CheckSpec, check
+from mpitp.jobs.readiness import CheckSpec, check
 from support import STORIES
 from support.offline_data import arc_rows, write_jsonl
 
@@ -73,7 +73,7 @@ def test_mpi_probe_ignores_the_working_directory(job_folder, monkeypatch):
 def test_submit_and_prefetch_checks_ignore_the_working_directory(job_folder, monkeypatch):
     """``mpitp submit``'s readiness check and ``mpitp prefetch``'s checks run ``mpitp check`` in a child: it found
     the planted ``mpitp.py`` before the package. From the job folder, both still check and pass."""
-    from mpitp.evaluation.prefetch import fetch_until_ready
+    from mpitp.jobs.prefetch import fetch_until_ready
     from mpitp.jobs.submit import submit
 
     bin_dir = job_folder / "bin"

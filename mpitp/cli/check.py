@@ -1,4 +1,4 @@
-"""``mpitp check``: will these tasks (or every run of a job file) run offline? (:mod:`mpitp.evaluation.readiness`)"""
+"""``mpitp check``: will these tasks (or every run of a job file) run offline? (:mod:`mpitp.jobs.readiness`)"""
 
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ def spec_options(f):
 def specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
                apply_chat_template, trust_remote_code) -> list:
     """The :class:`CheckSpec` of the options, or one per (distinct) run of ``job_file``."""
-    from mpitp.evaluation.readiness import CheckSpec
+    from mpitp.jobs.readiness import CheckSpec
 
     if job_file:
         if tasks:
             raise click.UsageError("pass a job file or --tasks, not both")
-        from mpitp.evaluation.readiness import job_specs
         from mpitp.jobs.jobfile import JobFileError
+        from mpitp.jobs.readiness import job_specs
 
         try:
             return job_specs(job_file)
@@ -51,7 +51,7 @@ def run_checks(specs: list) -> list:
     """Check every spec once (runs differing only in what the check does not read share one check)."""
     from dataclasses import replace
 
-    from mpitp.evaluation.readiness import check
+    from mpitp.jobs.readiness import check
 
     problems, done = [], {}
     for spec in specs:
@@ -107,7 +107,7 @@ def prefetch_command(tasks, data_dir, include_path, model, tokenizer, revision, 
     tasks needs, write a manifest, then run `mpitp check` on the result."""
     import sys
 
-    from mpitp.evaluation.prefetch import fetch_until_ready, prefetch
+    from mpitp.jobs.prefetch import fetch_until_ready, prefetch
 
     if tasks and not data_dir:
         raise click.UsageError("--tasks needs --data-dir: datasets are fetched into it as plain files")

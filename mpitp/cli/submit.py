@@ -61,7 +61,7 @@ def submit_command(job_file: str, scheduler: str, nodes: int, ranks_per_node: in
                    launcher: str | None, srun_mpi: str, signal_grace: int, no_requeue: bool, wait: bool,
                    run_args: tuple[str, ...], script_dir: str | None, dry_run: bool, no_check: bool) -> None:
     """Write a SLURM/PBS batch script for JOB.yaml and submit it."""
-    from mpitp.evaluation.readiness import NO_CHECK_RISK, NotReady
+    from mpitp.jobs.readiness import NO_CHECK_RISK, NotReady
 
     if no_check and not dry_run:
         click.echo(f"warning: {NO_CHECK_RISK}", err=True)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 
-from mpitp.digest import sha256_file
+from mpitp.digest import sampled_sha, sha256_file
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 SMALL_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
@@ -47,24 +47,6 @@ def safetensors_header_sha(path: str) -> str:
         if n > 100 * MIB:
             return "bad-header"
         return _sha(head + f.read(n))
-
-
-SAMPLES = 16
-SAMPLE_BYTES = 64 << 10
-
-
-def sampled_sha(path: str, size: int) -> str:
-    """SHA-256 of :data:`SAMPLES` blocks of :data:`SAMPLE_BYTES` spread evenly over the file (1 MiB read)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        if size <= SAMPLES * SAMPLE_BYTES:
-            h.update(f.read())
-        else:
-            step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
-            for i in range(SAMPLES):
-                f.seek(i * step)
-                h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()[:16]
 
 
 def local_dir(name: str | None, revision: str | None = None) -> str | None:

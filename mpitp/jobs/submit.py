@@ -349,7 +349,7 @@ def submit(scheduler: str, job_path: str | os.PathLike[str], *,
     The log directory is created first: Slurm and PBS do not create it, and a
     missing one makes the job fail without any log at all. With ``check``, a job
     that would not run offline is refused first (``mpitp check``, raises
-    :class:`mpitp.evaluation.readiness.NotReady`): nothing is queued.
+    :class:`mpitp.jobs.readiness.NotReady`): nothing is queued.
     """
     text = render_script(scheduler, job_path, **options)
     if dry_run:
@@ -359,7 +359,7 @@ def submit(scheduler: str, job_path: str | os.PathLike[str], *,
     if executable is None:
         raise SubmitError(f"{command} not found on PATH; use --dry-run to print the script")
     if check:
-        from mpitp.evaluation.readiness import require_ready
+        from mpitp.jobs.readiness import require_ready
 
         require_ready(job_path)
     job = load_job(job_path)

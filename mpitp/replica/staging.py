@@ -72,8 +72,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mpitp import digest
+from mpitp.digest import sampled_sha
 from mpitp.errors import UsageError
-from mpitp.evaluation.fingerprint import sampled_sha
 
 log = logging.getLogger("mpitp")
 

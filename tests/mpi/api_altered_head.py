@@ -9,13 +9,11 @@ import sys
 
 import mpitp
 from mpitp.errors import UsageError, install_excepthook
-from mpitp.parallel.runtime import start
-from mpitp.replica.loading import load_model
 
 install_excepthook()
 model_dir, include_path = sys.argv[1:3]
-rt = start(tp=1, threads=1)
-model = load_model(model_dir, 1, rt.device, "float32")
+rt = mpitp.start(tp=1, threads=1)
+model = mpitp.load_model(model_dir, 1, rt.device, "float32")
 plain_forward = model.forward
 
 

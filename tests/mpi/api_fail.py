@@ -8,13 +8,11 @@ import sys
 
 import mpitp
 from mpitp.errors import install_excepthook
-from mpitp.parallel.runtime import start
-from mpitp.replica.loading import load_model
 
 install_excepthook()
 model_dir, include_path, out, timeout = sys.argv[1:5]
-rt = start(tp=2, threads=1, timeout=float(timeout))
-model = load_model(model_dir, rt.layout.tp, rt.device, "float32")
+rt = mpitp.start(tp=2, threads=1, timeout=float(timeout))
+model = mpitp.load_model(model_dir, rt.layout.tp, rt.device, "float32")
 mpitp.evaluate(model, model_dir, ["mpitp_demo_mc"], include_path=include_path, limit=6, batch_size=1, output=out,
                bootstrap_iters=0, timeout=float(timeout))
 print(f"rank {rt.world.rank} done")

@@ -16,7 +16,6 @@ from mpi4py import MPI
 import mpitp
 from mpitp.errors import UsageError, install_excepthook
 from mpitp.evaluation.api import layout_for
-from mpitp.parallel.runtime import start
 
 install_excepthook()
 model_dir, calls = sys.argv[1], int(sys.argv[2])
@@ -51,7 +50,7 @@ assert len(seen[1]) == len(seen[2]) == 1, seen  # built once per layout, then re
 if rank == 0:
     print(f"LAYOUTS {calls} layout_for calls in {time.monotonic() - t0:.1f} s", flush=True)
 
-start(tp=4, threads=1)  # one torch world over all 4 ranks (mpitp's own replica world with tp=4)
+mpitp.start(tp=4, threads=1)  # one torch world over all 4 ranks (mpitp's own replica world with tp=4)
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 

@@ -10,15 +10,13 @@ import torch
 
 import mpitp
 from mpitp.errors import install_excepthook
-from mpitp.parallel.runtime import start
-from mpitp.replica.loading import load_model
 
 install_excepthook()
 model_dir, include_path, out_dir = sys.argv[1:4]
 TASKS = ["mpitp_demo_mc", "mpitp_demo_ppl", "mpitp_demo_gen"]
 
-rt = start(tp=2, threads=1)
-model = load_model(model_dir, rt.layout.tp, rt.device, "float32")
+rt = mpitp.start(tp=2, threads=1)
+model = mpitp.load_model(model_dir, rt.layout.tp, rt.device, "float32")
 model.train()
 opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 batch = torch.tensor([[1, 400, 20, 30, 50, 60, 70, 80, 90, 100]])

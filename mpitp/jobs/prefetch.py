@@ -175,7 +175,7 @@ def write_manifest(path: Path, entries: list[ManifestEntry]) -> None:
 
 
 def prefetch(spec, models_dir: str | None = None, echo=print) -> tuple[object, list[ManifestEntry]]:
-    """Fetch what ``spec`` (:class:`mpitp.evaluation.readiness.CheckSpec`) lacks; (the spec to check, entries)."""
+    """Fetch what ``spec`` (:class:`mpitp.jobs.readiness.CheckSpec`) lacks; (the spec to check, entries)."""
     from dataclasses import replace
 
     from mpitp.tasks.layout import resolve_all

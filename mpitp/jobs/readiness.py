@@ -409,7 +409,7 @@ def _start_model_check(spec: CheckSpec):
         cores = os.cpu_count() or 1
     if cores < 2:
         return None
-    code = "from mpitp.evaluation.readiness import model_check_child; model_check_child()"  # this process's path
+    code = "from mpitp.jobs.readiness import model_check_child; model_check_child()"  # this process's path
     try:
         proc = subprocess.Popen(python_argv(code), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     except OSError:

@@ -1,0 +1,47 @@
+"""The public Python API: ``mpitp.start``, ``mpitp.load_model``, ``mpitp.evaluate`` (README, "Python API").
+
+They are the names a training script may rely on (everything else may move), so they must resolve to the real
+functions; and they are imported on first use, so ``import mpitp`` (which every ``mpitp.*`` import and ``mpitp
+--help`` pays) stays free of torch, transformers, lm-eval and MPI. The end-to-end use under mpiexec is
+``tests/mpi/api_train_eval.py`` (``tests/test_api.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support import REPO
+
+PROBE = """
+import json, sys
+import mpi4py
+mpi4py.rc.initialize = False  # resolving the names imports mpi4py.MPI: no MPI world in this test
+import mpitp
+heavy = ("torch", "transformers", "lm_eval", "mpi4py.MPI", "mpitp.parallel", "mpitp.replica", "mpitp.evaluation")
+at_import = sorted(m for m in heavy if m in sys.modules)
+from mpitp import start
+import mpitp.evaluation.api, mpitp.parallel.runtime, mpitp.replica.loading
+same = [mpitp.start is mpitp.parallel.runtime.start is start,
+        mpitp.load_model is mpitp.replica.loading.load_model,
+        mpitp.evaluate is mpitp.evaluation.api.evaluate]
+try:
+    mpitp.no_such_name
+    missing = None
+except AttributeError as exc:
+    missing = str(exc)
+print(json.dumps({"at_import": at_import, "same": same, "missing": missing, "all": sorted(mpitp.__all__),
+                  "dir": [n for n in ("evaluate", "load_model", "start") if n in dir(mpitp)]}))
+"""
+
+
+def test_public_names_are_lazy_and_are_the_real_functions():
+    p = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["at_import"] == [], f"import mpitp imported {got['at_import']}"
+    assert got["same"] == [True, True, True]
+    assert got["missing"] == "module 'mpitp' has no attribute 'no_such_name'"
+    assert got["all"] == ["__version__", "evaluate", "load_model", "start"]
+    assert got["dir"] == ["evaluate", "load_model", "start"]
