@@ -225,13 +225,16 @@ def test_integration_messages_hidden_unless_debug(capsys):
         quiet_integration(None, True)
         log.warning("`pretrained` model kwarg is not of type `str`. Many other model arguments may be ignored.")
         log.warning("Left truncation applied. Original sequence length was 2183")
+        hint = ": Custom kwargs can be passed to `--metadata` in console (as json string) or to the TaskManager."
+        logging.getLogger("lm_eval.api.task").warning("mpitp_demo_mc" + hint)  # the demo's: says nothing to a user
+        logging.getLogger("lm_eval.api.task").warning("ruler_niah" + hint)  # a user's task: kept
         quiet_integration("DEBUG", True)
         log.warning("Passed an already-initialized model through `pretrained`, assuming single-process call")
     finally:
         quiet_integration("INFO", True)
     err = capsys.readouterr().err
-    assert "Left truncation applied" in err
-    assert "kwarg is not of type" not in err
+    assert "Left truncation applied" in err and "ruler_niah: Custom kwargs" in err
+    assert "kwarg is not of type" not in err and "mpitp_demo_mc: Custom" not in err
     assert "already-initialized model" in err
 
 
