@@ -56,12 +56,12 @@ def abort(code: int = 1) -> None:
             sys.stderr.flush()
             _stderr().flush()
             time.sleep(ABORT_GRACE_S)
-            from mpitp.watchdog import bounded, local_hydra_launcher
+            from mpitp.watchdog import bounded, launcher_nudge
 
             # MPI_Abort holds the GIL too, and may wait for an unreachable node: bounded, then the exit below. A local
             # Hydra that still waits for an unreachable node's proxy after the abort is ended (LAUNCHER_NUDGE_S).
             with bounded(ABORT_WAIT_S, f"mpitp: rank {world_rank()}: MPI_Abort did not return within "
-                                       f"{ABORT_WAIT_S:g} s; leaving without it", nudge=local_hydra_launcher(),
+                                       f"{ABORT_WAIT_S:g} s; leaving without it", nudge=launcher_nudge(),
                          nudge_after=LAUNCHER_NUDGE_S, nudge_on_exit=True):
                 MPI.COMM_WORLD.Abort(code)
     except Exception:  # pragma: no cover - last resort
@@ -128,8 +128,10 @@ def report_and_abort(exc: BaseException) -> None:
 #: deadline applies.
 FINALIZE_WAIT_S = 30.0
 
-#: Seconds a local Hydra ``mpiexec`` may go on after a rank's exit bound fired before that rank's watchdog ends it
-#: (SIGTERM): Hydra's control connection to an unreachable node's proxy has no keepalive, so it would wait forever.
+#: Seconds the launcher may go on after a rank's exit bound fired before that rank's watchdog ends it
+#: (:func:`mpitp.watchdog.launcher_nudge`: a local Hydra ``mpiexec`` by SIGTERM, a SLURM step by ``scancel``): Hydra's
+#: control connection to an unreachable node's proxy has no keepalive, and srun waits for that node's tasks until
+#: slurmctld declares the node down.
 LAUNCHER_NUDGE_S = 10.0
 
 #: Seconds ``MPI_Abort`` may take: under MPICH it asks the launcher to kill the job, which waits for a node it cannot
@@ -141,11 +143,11 @@ def exit_bound(phase: str, seconds: float = FINALIZE_WAIT_S):
     """A context manager: the block (a blocking call at exit, which may hold the interpreter lock) ends within
     ``seconds``, or the process leaves with status 1 and one line naming this rank, its node and ``phase``
     (:func:`mpitp.watchdog.bounded`: enforced outside the interpreter, since mpi4py holds the GIL in MPI_Finalize)."""
-    from mpitp.watchdog import bounded, local_hydra_launcher
+    from mpitp.watchdog import bounded, launcher_nudge
 
     return bounded(seconds, f"mpitp: error: rank {world_rank()} on {_node_name()}: {phase} did not complete within "
                             f"{seconds:g} s (a node unreachable?); leaving without it, the results written are kept",
-                   nudge=local_hydra_launcher(), nudge_after=LAUNCHER_NUDGE_S)
+                   nudge=launcher_nudge(), nudge_after=LAUNCHER_NUDGE_S)
 
 
 def finalize_within(seconds: float = FINALIZE_WAIT_S) -> None:

@@ -23,23 +23,24 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
 #: The watchdog process: print ``$1`` to stderr if a line arrives on stdin, then drain it (faulthandler must never
-#: block on a full pipe); leave on EOF. With a launcher to nudge (``$2`` its pid, ``$3`` seconds, ``$4`` its name), a
-#: detached subshell ends that launcher with SIGTERM if it is still there, under the same name, ``$3`` s after the
-#: bound fired (or, with ``$5`` = 1, after the process ended in any way).
-_WATCH = ('if IFS= read -r _; then printf "%s\\n" "$1" >&2; n=1; else n=$5; fi; '
-          'if [ -n "$2" ] && [ "$n" = 1 ]; then ( sleep "$3"; [ "$(cat /proc/"$2"/comm 2>/dev/null)" = "$4" ] && '
-          'kill -TERM "$2" ) </dev/null >/dev/null 2>&1 & fi; exec cat >/dev/null')
+#: block on a full pipe); leave on EOF. With a nudge (``$2``, a shell command), a detached subshell runs it ``$3`` s
+#: after the bound fired (or, with ``$4`` = 1, after the process ended in any way).
+_WATCH = ('if IFS= read -r _; then printf "%s\\n" "$1" >&2; n=1; else n=$4; fi; '
+          'if [ -n "$2" ] && [ "$n" = 1 ]; then ( sleep "$3"; eval "$2" ) </dev/null >/dev/null 2>&1 & fi; '
+          'exec cat >/dev/null')
+
+_armed = False
 
 #: Launchers that wait forever for a node they cannot reach once the ranks have left (MPICH's Hydra: its control
 #: connection to that node's proxy has no keepalive; measured: still waiting 5 min after a link cut at exit, gone at
 #: once on SIGTERM). Recognised as the parent of this rank's ``hydra_pmi_proxy``, on this node only.
 HYDRA_LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun")
-
-_armed = False
 
 
 def _parent(pid: int | str) -> tuple[int, str] | None:
@@ -63,14 +64,33 @@ def local_hydra_launcher() -> tuple[int, str] | None:
     return launcher if launcher is not None and launcher[1] in HYDRA_LAUNCHERS else None
 
 
+def launcher_nudge(env=None) -> str | None:
+    """The shell command that ends this job's launcher when it still waits for a node it cannot reach, or None:
+
+    - a local Hydra ``mpiexec`` (:func:`local_hydra_launcher`): SIGTERM, if it is still there under the same name;
+    - a SLURM step (``SLURM_JOB_ID``, ``SLURM_STEP_ID``; ``scancel`` on PATH): ``scancel JOB.STEP``. srun waits for
+      the unreachable node's tasks until slurmctld declares the node down (``SlurmdTimeout``: 300 s by default);
+      a cancelled step ends srun within ``KillWait`` (measured: 12 s here).
+    """
+    env = os.environ if env is None else env
+    hydra = local_hydra_launcher()
+    if hydra is not None:
+        pid, name = hydra
+        return f'[ "$(cat /proc/{pid}/comm 2>/dev/null)" = {shlex.quote(name)} ] && kill -TERM {pid}'
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
+    if job.isdigit() and step.isdigit() and shutil.which("scancel"):
+        return f"scancel --quiet {job}.{step}"
+    return None
+
+
 @contextlib.contextmanager
-def bounded(seconds: float, message: str, nudge: tuple[int, str] | None = None, nudge_after: float = 10.0,
+def bounded(seconds: float, message: str, nudge: str | None = None, nudge_after: float = 10.0,
             nudge_on_exit: bool = False):
     """Run the block; if it has not finished after ``seconds``, print ``message`` (one line) and end the process
     with status 1, even when the block is a C call that holds the interpreter lock.
 
-    ``nudge`` (pid, name): a launcher on this node to end with SIGTERM ``nudge_after`` seconds after the bound fired,
-    if it is still running then (:func:`local_hydra_launcher`: Hydra waits forever for a proxy it cannot reach).
+    ``nudge``: a shell command run ``nudge_after`` seconds after the bound fired (:func:`launcher_nudge`: ends a
+    launcher that would wait forever for a node it cannot reach).
     ``nudge_on_exit``: also when the process ended inside the block in another way (``MPI_Abort``: the launcher kills
     this rank, then waits for the unreachable node as it would for Finalize).
 
@@ -82,8 +102,7 @@ def bounded(seconds: float, message: str, nudge: tuple[int, str] | None = None, 
         raise RuntimeError("mpitp.watchdog.bounded does not nest (faulthandler has one timer per process)")
     read_fd, write_fd = os.pipe()
     try:
-        nudged = [str(nudge[0]), f"{nudge_after:g}", nudge[1]] if nudge else ["", "0", ""]
-        nudged.append("1" if nudge_on_exit else "")
+        nudged = [nudge or "", f"{nudge_after:g}", "1" if nudge_on_exit else ""]
         watcher = subprocess.Popen(["/bin/sh", "-c", _WATCH, "mpitp-watchdog", message.replace("\n", " "), *nudged],
                                    stdin=read_fd, stdout=subprocess.DEVNULL, stderr=_stderr_fd(),
                                    start_new_session=True, close_fds=True)

@@ -62,6 +62,33 @@ def test_bounds_do_not_nest():
         pass
 
 
+NUDGE = "from mpitp.watchdog import launcher_nudge; print('nudge:', launcher_nudge(), flush=True)\n"
+
+
+@pytest.mark.mpi
+def test_the_launcher_to_nudge_is_found(tmp_path):
+    """Under a local Hydra the nudge is a SIGTERM to that very mpiexec (checked by name first); in a SLURM step it
+    cancels the step; elsewhere there is none."""
+    import shutil
+
+    from mpitp.watchdog import launcher_nudge
+    from support.mpi import run_mpi_script
+
+    script = tmp_path / "nudge.py"
+    script.write_text(NUDGE)
+    proc = run_mpi_script(1, script, timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    said = proc.stdout.strip().splitlines()[-1]
+    if mpi_family() == "mpich":
+        pid = int(re.search(r"kill -TERM (\d+)$", said).group(1))
+        assert "= mpiexec ]" in said and pid > 1, said  # the launcher (its name is checked again before the signal)
+    else:
+        assert said == "nudge: None", said  # prterun: it notices a lost daemon itself
+    assert launcher_nudge({}) is None or "kill -TERM" not in (launcher_nudge({}) or "")
+    if shutil.which("scancel"):
+        assert launcher_nudge({"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "3"}) == "scancel --quiet 12.3"
+
+
 @pytest.mark.mpi
 @pytest.mark.openmpi
 def test_mpi_finalize_waiting_for_a_rank_is_bounded():
