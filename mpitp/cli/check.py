@@ -16,6 +16,8 @@ def spec_options(f):
         (("--include_path", "--include-path", "include_path"), {"multiple": True, "help": "Extra task YAMLs."}),
         (("--model",), {"help": "HF model id or path (its config and tokenizer are checked)."}),
         (("--tokenizer",), {"help": "Tokenizer, when not the model's."}),
+        (("--hf-assets", "--hf_assets", "hf_assets"), {"help": "A torch DCP --model's config.json and tokenizer "
+                                                                "folder (as mpitp eval --hf-assets)."}),
         (("--revision",), {"help": "Model revision."}),
         (("--num_fewshot", "--num-fewshot", "num_fewshot"), {"type": click.IntRange(min=0)}),
         (("--apply_chat_template", "--apply-chat-template", "apply_chat_template"), {"is_flag": True}),
@@ -26,7 +28,7 @@ def spec_options(f):
 
 
 def specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
-               apply_chat_template, trust_remote_code) -> list:
+               apply_chat_template, trust_remote_code, hf_assets=None) -> list:
     """The :class:`CheckSpec` of the options, or one per (distinct) run of ``job_file``."""
     from mpitp.jobs.readiness import CheckSpec
 
@@ -44,7 +46,8 @@ def specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_pa
         raise click.UsageError("nothing to check: pass --tasks a,b (and/or --model M) or a job file")
     return [CheckSpec(tasks=tuple(t for t in (tasks or "").split(",") if t), model=model, tokenizer=tokenizer,
                       revision=revision, data_dir=data_dir, include_path=tuple(include_path), num_fewshot=num_fewshot,
-                      apply_chat_template=apply_chat_template, trust_remote_code=trust_remote_code)]
+                      apply_chat_template=apply_chat_template, trust_remote_code=trust_remote_code,
+                      hf_assets=hf_assets)]
 
 
 def run_checks(specs: list) -> list:
@@ -68,12 +71,14 @@ def run_checks(specs: list) -> list:
 @spec_options
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write the problems as JSON to this file "
                                                                   "(what mpitp prefetch reads).")
-def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, revision, num_fewshot,
+def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, hf_assets, revision, num_fewshot,
                   apply_chat_template, trust_remote_code, json_out):
     """Will these tasks (or every run of JOB.yaml) run with no network? Exit 0 when ready, 2 listing what is
     missing and how to fetch it."""
+    if job_file and hf_assets:
+        raise click.UsageError("pass a job file or --hf-assets, not both (a job file's runs say hf_assets:)")
     specs = specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
-                       apply_chat_template, trust_remote_code)
+                       apply_chat_template, trust_remote_code, hf_assets)
     problems = run_checks(specs)
     if json_out:
         import json
@@ -100,8 +105,8 @@ def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, rev
 @click.option("--nltk-index", default=None, metavar="URL",
               help="nltk's data index (default: nltk's own, raw.githubusercontent.com); nltk data goes to "
                    "DATA/nltk_data.")
-def prefetch_command(tasks, data_dir, include_path, model, tokenizer, revision, num_fewshot, apply_chat_template,
-                     trust_remote_code, models_dir, nltk_index):
+def prefetch_command(tasks, data_dir, include_path, model, tokenizer, hf_assets, revision, num_fewshot,
+                     apply_chat_template, trust_remote_code, models_dir, nltk_index):
     """On a node with network: fetch the datasets (into --data-dir, as plain parquet files), the model, the
     evaluate metric modules (into the HF modules cache) and the nltk data (into DATA/nltk_data) that a run of these
     tasks needs, write a manifest, then run `mpitp check` on the result."""
@@ -114,7 +119,7 @@ def prefetch_command(tasks, data_dir, include_path, model, tokenizer, revision, 
     if not tasks and not model:
         raise click.UsageError("nothing to fetch: pass --tasks with --data-dir, and/or --model")
     spec = specs_from(None, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
-                      apply_chat_template, trust_remote_code)[0]
+                      apply_chat_template, trust_remote_code, hf_assets)[0]
     try:
         spec, _ = prefetch(spec, models_dir, echo=click.echo)
     except Exception as exc:  # noqa: BLE001 - a download failing is reported in one line, the check still says why

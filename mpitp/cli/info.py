@@ -19,11 +19,15 @@ log = logging.getLogger("mpitp")
 @click.command(name="info")
 @runtime_options
 @click.option("--model", default=None, help="With --pp: print which decoder layers each stage of this model holds.")
-def info_command(tp, pp, device, threads, timeout, log_all_ranks, iface, model):
+@click.option("--hf-assets", "--hf_assets", "hf_assets", default=None,
+              help="A torch DCP --model's config.json folder (as mpitp eval --hf-assets).")
+def info_command(tp, pp, device, threads, timeout, log_all_ranks, iface, model, hf_assets):
     """Print the dp x pp x tp layout, the nodes with the address each uses, the MPI library and the torch backend
     (rank 0 prints)."""
+    if hf_assets and not model:
+        raise click.UsageError("--hf-assets goes with --model (a torch DCP checkpoint folder)")
     run_info(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, log_all_ranks=log_all_ranks,
-             model=model, iface=iface)
+             model=model, iface=iface, hf_assets=hf_assets)
 
 
 def layout_rows(rt) -> list[dict] | None:
@@ -61,14 +65,15 @@ def node_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _stage_split(rt, model: str) -> str | None:
-    """The layer split of ``model`` over the stages (checked like ``mpitp eval`` checks it)."""
+def _stage_split(rt, model: str, hf_assets: str | None = None) -> str | None:
+    """The layer split of ``model`` over the stages (checked like ``mpitp eval`` checks it; a torch DCP folder's
+    config from ``hf_assets``)."""
     from mpitp.parallel.runtime import agree
     from mpitp.replica.loading import load_config
     from mpitp.replica.pipeline import check_pp, describe_split, num_layers
 
     def check():
-        config = load_config(model)
+        config = load_config(model, hf_assets=hf_assets)
         check_pp(config, rt.layout.pp)
         return describe_split(num_layers(config), rt.layout.pp)
 
@@ -76,7 +81,7 @@ def _stage_split(rt, model: str) -> str | None:
 
 
 def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: str | None = None,
-             iface: str | None = None) -> None:
+             iface: str | None = None, hf_assets: str | None = None) -> None:
     import torch
 
     from mpitp.parallel.world import world_from_comm
@@ -84,7 +89,7 @@ def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: st
     rank = world_from_comm().rank
     setup_logging(rank, log_all_ranks)
     rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, iface=iface)
-    split = _stage_split(rt, model) if model else None
+    split = _stage_split(rt, model, hf_assets) if model else None
     rows = layout_rows(rt)
     # Prove the TP torch worlds are live: one all_reduce per TP group.
     backend = rt.replica_group.backend if rt.replica_group.active else "none (tp=1)"

@@ -24,7 +24,7 @@ from mpitp.results.diff import diff_runs, render_diff, render_statistics
 from mpitp.results.plot import figure_class, plot_run
 from mpitp.results.reader import BadInput, check_path, load, load_samples, one_line
 from mpitp.results.render import lm_eval_json, render_csv, render_requests, render_summary
-from mpitp.results.untrusted import shown
+from mpitp.results.untrusted import load_json, shown
 
 BAD_INPUT_EXIT = 2
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -175,8 +175,8 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
             picked = samples if limit is None else samples[:limit]
             for s in picked:
                 try:
-                    _echo(json.dumps(json.loads(s), indent=2, ensure_ascii=False, default=str))
-                except ValueError:
+                    _echo(json.dumps(load_json(s, "a sample"), indent=2, ensure_ascii=False, default=str))
+                except ValueError:  # not JSON, or beyond the bounds (BadInput): shown as the text it is
                     _echo(s)
             if len(picked) < len(samples):
                 _echo(f"mpitp: {len(picked)} of {len(samples)} samples of {task} shown", err=True)
@@ -196,12 +196,11 @@ def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json
 def _inspect_sweep(path: str, task: str | None, plot: str | None, Figure) -> None:
     """``mpitp inspect sweep-summary.json [--plot out.png]``: the sweep's table; the plot draws metric vs checkpoint
     with lm-eval's stderr as error bars."""
-    from mpitp.results.sweepsummary import Row, plot_summary, render_summary
+    from mpitp.results.sweepsummary import Row, plot_summary, read_summary, render_summary
 
     check_path(path)
+    data = read_summary(path)  # not a regular file, too large or too deep: one line of its own
     try:
-        with open(path) as f:
-            data = json.load(f)
         rows = [_summary_row(Row, r) for r in data["checkpoints"]]
         comps = data.get("comparisons", [])
         if not isinstance(comps, list) or not all(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from mpitp.cli.inspect import CONTEXT, _bad_input_exits
+from mpitp.escape import shown
 
 
 @click.command(name="report", context_settings=CONTEXT)
@@ -19,5 +20,6 @@ def report_command(inputs: tuple[str, ...], output: str, bootstrap_iters: int) -
     """Write one HTML page (runs, leaderboard, samples, sweep plot) that opens from disk with no server."""
     from mpitp.results.report import write
 
-    size = write(list(inputs), output, diff_iters=bootstrap_iters)
+    size = write(list(inputs), output, diff_iters=bootstrap_iters,
+                 warn=lambda line: click.echo(f"mpitp: warning: {shown(line)}", err=True))
     click.echo(f"report: {output} ({size} bytes)")

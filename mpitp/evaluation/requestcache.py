@@ -10,15 +10,25 @@ all of those, and lm-eval keeps doing the building, pickling and slicing itself.
 On only for full runs (no ``--limit``): with a limit lm-eval builds *every* document once to fill the cache, which
 would make a small run slower. ``MPITP_REQUEST_CACHE`` = a directory (default ``~/.cache/mpitp/requests``) or ``0``
 (off). Only plain tasks are cached (a group's subtasks live in other YAMLs than the name asked for).
+
+lm-eval's cache files are ``dill`` pickles, and loading a pickle runs whatever code it names: a cache file someone
+else could write is their code running as this user. So the cache is used only from folders of this user's that
+nobody else can write (the root and the keyed folder, created ``0o700``; otherwise the cache is off for the run, one
+warning line), and a file in the keyed folder that is not a regular file of this user's, unwritable by others, is
+removed (one warning line) before lm-eval looks, so lm-eval builds and writes it again. The files lm-eval writes
+get the umask's mode; group and world write are taken off them after the run (:func:`used`), so ``umask 002`` does
+not make the next run throw them away.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 import sys
 
 log = logging.getLogger("mpitp")
@@ -85,7 +95,38 @@ def cache_dir(cfg, task_manager, tokenizer_name: str) -> str | None:
         return None
     if key is None:
         return None
-    return os.path.join(root, key)
+    path = os.path.join(root, key)
+    return path if _private(path) else None
+
+
+def _private(path: str) -> bool:
+    """Whether ``path`` (the keyed folder) and its root are folders only this user can write (created so when
+    missing), with every file in it this user's and unwritable by others; files that are not are removed (lm-eval
+    rebuilds them). False (one warning line: the cache is off for this run) when the folders are not private or a
+    file cannot be removed."""
+    from mpitp.results.untrusted import private_dir, private_problem, shown
+
+    why = "lm-eval's cache files are pickles, and loading one runs its code"
+    problem = private_dir(path, levels=2)
+    if problem:
+        log.warning("request cache off: %s; %s", problem, why)
+        return False
+    for name in sorted(os.listdir(path)):
+        entry = os.path.join(path, name)
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            continue
+        problem = private_problem(st, f"cache file {shown(entry)}") if stat.S_ISREG(st.st_mode) else \
+            f"{shown(entry)} is not a regular file"
+        if problem:
+            try:
+                (os.rmdir if stat.S_ISDIR(st.st_mode) else os.unlink)(entry)
+            except OSError as exc:
+                log.warning("request cache off: %s and cannot be removed (%s); %s", problem, exc.strerror, why)
+                return False
+            log.warning("request cache: %s: removed (%s), lm-eval builds it again", problem, why)
+    return True
 
 
 def enable(cfg, task_manager, tokenizer_name: str) -> dict:
@@ -94,13 +135,41 @@ def enable(cfg, task_manager, tokenizer_name: str) -> dict:
     return {"cache_requests": True} if cache_dir(cfg, task_manager, tokenizer_name) else {}
 
 
+@contextlib.contextmanager
 def used(path: str | None):
-    """Inside this block lm-eval's request cache (``lm_eval.caching.cache.PATH``) is ``path``; put back after."""
-    import contextlib
-
+    """Inside this block lm-eval's request cache (``lm_eval.caching.cache.PATH``) is ``path``; put back after, and
+    the files lm-eval wrote there made unwritable by group and others (it creates them with the umask's mode)."""
     from mpitp import compat
 
     if path is None:
-        return contextlib.nullcontext()
+        yield
+        return
     log.info("request cache: %s", path)
-    return compat.replaced("PATH", path)
+    try:
+        with compat.replaced("PATH", path):
+            yield
+    finally:
+        _tighten(path)
+
+
+def _tighten(path: str) -> None:
+    """Take group and world write off this user's regular files in ``path`` (a private folder: nobody else can have
+    swapped them), so that the next run's check (:func:`_private`) keeps them."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        entry = os.path.join(path, name)
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)

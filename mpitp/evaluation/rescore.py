@@ -24,7 +24,7 @@ import os
 import shutil
 
 from mpitp.errors import UsageError
-from mpitp.results.untrusted import BadInput, mapping, shown
+from mpitp.results.untrusted import BadInput, load_json, mapping, open_regular, shown
 
 log = logging.getLogger("mpitp")
 
@@ -103,7 +103,7 @@ def saved_settings(text) -> dict:
 
     if not isinstance(text, str):
         raise BadInput(f"a {type(text).__name__}, not JSON text")
-    saved = mapping(json.loads(text), "the recorded settings")
+    saved = mapping(load_json(text, "the recorded settings"), "the recorded settings")
     types = {f.name: str(f.type) for f in fields(EvalConfig)}
     for k, v in saved.items():
         if k not in types:
@@ -163,7 +163,7 @@ def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | 
     from mpitp.evaluation.checks import check_tasks, offline_include, remove_generated
     from mpitp.results.docscores import capture
 
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # anything else there but a regular file is refused by the reading (open_h5)
         raise UsageError(f"cannot rescore {path}: no such file", collective=True)
     cfg, attrs = _config(path, include_path, data_dir)
     rows = _stored_rows(path)
@@ -205,7 +205,7 @@ def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:
     mode = new_mode(dst)  # in place: the file's own mode (a chmod 600 survives); a new --output: the umask's
     fd, tmp = temp_beside(dst, 0o600)  # a new random name, never a link planted in a shared directory
     try:
-        with open(src, "rb") as inp, os.fdopen(os.dup(fd), "wb") as out:
+        with os.fdopen(open_regular(src), "rb") as inp, os.fdopen(os.dup(fd), "wb") as out:  # never a FIFO's wait
             shutil.copyfileobj(inp, out)
         with open_h5(tmp, "r+") as f:
             if os.fstat(f.id.get_vfd_handle()).st_ino != os.fstat(fd).st_ino:

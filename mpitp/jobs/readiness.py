@@ -58,6 +58,8 @@ class CheckSpec:
     num_fewshot: int | None = None
     apply_chat_template: bool = False
     trust_remote_code: bool = False
+    hf_assets: str | None = None
+    """A torch DCP checkpoint's config and tokenizer folder (``--hf-assets``)."""
     label: str = ""
     """The run's name in a job file (prefixed to its problems)."""
 
@@ -182,16 +184,36 @@ def check_model(spec: CheckSpec, report: Report) -> object | None:
 
     kw = {"revision": spec.revision, "local_files_only": True, "trust_remote_code": spec.trust_remote_code}
     fetch = prefetch_command(spec, model=True)
+    source, tokenizer = spec.model, spec.tokenizer or spec.model
+    dcp_path = os.path.expanduser(spec.model)
+    from mpitp.replica import dcp
+
+    is_dcp = dcp.is_dcp(dcp_path)
+    if is_dcp:  # torch DCP: config and tokenizer from its assets; its .metadata checked as mpitp eval checks it
+        try:
+            source = dcp.assets_dir(dcp_path, spec.hf_assets)
+        except UsageError as exc:
+            report.problems.append(Problem(str(exc)))
+            return None
+        tokenizer, fetch, kw = spec.tokenizer or source, None, {**kw, "revision": None}
+    elif spec.hf_assets:
+        report.problems.append(Problem(f"--hf-assets applies to torch DCP checkpoint folders only, and {spec.model} "
+                                       f"is not one (no {dcp.METADATA} file, or Hugging Face weights beside it)"))
+        return None
     try:
-        transformers.AutoConfig.from_pretrained(spec.model, **kw)
+        config = transformers.AutoConfig.from_pretrained(source, **kw)
     except Exception as exc:  # noqa: BLE001 - any failure to load is the finding, spelled out
         report.problems.append(Problem(f"model {spec.model}: config not available offline ({_why(exc)})", fetch))
         return None
+    if is_dcp:
+        try:
+            dcp.check(dcp_path, config, spec.trust_remote_code)
+        except UsageError as exc:
+            report.problems.append(Problem(str(exc)))
     try:
-        return transformers.AutoTokenizer.from_pretrained(spec.tokenizer or spec.model, **kw)
+        return transformers.AutoTokenizer.from_pretrained(tokenizer, **kw)
     except Exception as exc:  # noqa: BLE001
-        report.problems.append(Problem(f"tokenizer {spec.tokenizer or spec.model}: not available offline "
-                                       f"({_why(exc)})", prefetch_command(spec, model=True)))
+        report.problems.append(Problem(f"tokenizer {tokenizer}: not available offline ({_why(exc)})", fetch))
         return None
 
 
@@ -474,7 +496,7 @@ def job_specs(job_file) -> list[CheckSpec]:
         out.append(CheckSpec(tasks=tuple(run.tasks), model=run.model, tokenizer=run.tokenizer, revision=run.revision,
                              data_dir=run.data_dir, include_path=tuple([inc] if isinstance(inc, str) else inc or ()),
                              num_fewshot=run.num_fewshot, apply_chat_template=bool(run.apply_chat_template),
-                             trust_remote_code=trust, label=run.name))
+                             trust_remote_code=trust, hf_assets=getattr(run, "hf_assets", None), label=run.name))
     return out
 
 

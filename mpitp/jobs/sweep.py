@@ -147,9 +147,12 @@ def memoize_task_loading(tm, memo: dict):
 
 
 def weight_files(model: str) -> list[str]:
+    """The files a load of ``model`` reads in bulk: an HF folder's ``*.safetensors``/``*.bin``, a torch DCP step's
+    ``*.distcp`` shards (each rank preads its slices of them: the page cache serves all the node's ranks)."""
     if not os.path.isdir(model):
         return []
-    return sorted(p for pat in ("*.safetensors", "*.bin") for p in glob.glob(os.path.join(model, pat)))
+    pats = ("*.distcp",) if os.path.isfile(os.path.join(model, ".metadata")) else ("*.safetensors", "*.bin")
+    return sorted(p for pat in pats for p in glob.glob(os.path.join(model, pat)))
 
 
 def start_prefetch(model: str | None, rt) -> threading.Thread | None:
@@ -257,6 +260,7 @@ def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float, ke
 
 def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
+    from mpitp import testing
     from mpitp.parallel import comm as mpicomm
 
     t_start = time.perf_counter()
@@ -264,7 +268,9 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     with checked:  # the claim on this checkpoint's output (mpitp.results.claim): the next one claims its own
         if state.prefetch is not None:
             state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
+        testing.report_io("before loading", rt.world)
         model = _load_everywhere(cfg, rt)
+        testing.report_io("model loaded", rt.world)
         mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
         state.prefetch = start_prefetch(next_model, rt)
         res = evaluate_item(model, cfg, rt, state, checked, t_start)

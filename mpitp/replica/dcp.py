@@ -466,9 +466,9 @@ class SliceReader:
     (``torch.load``) before cutting the slice out: at tp=2 each rank reads every byte of a checkpoint saved by one
     process. A chunk saved in DCP's default format is a ``torch.save`` zip whose tensor data is one stored
     (uncompressed) record, row major; this reads its layout from the zip directory and the small pickle, then
-    ``pread``s what the region needs into a buffer of the region's size and copies it into the parameter's local
-    shard (converting the dtype). A chunk it cannot parse (compressed, another serialisation, a non-contiguous
-    layout) is left to DCP's reader.
+    ``pread``s what the region needs straight into the parameter's local shard (for a shard of another dtype or on
+    a GPU: into a buffer of the region's size, then copied and converted). A chunk it cannot parse (compressed,
+    another serialisation, a non-contiguous layout) is left to DCP's reader.
     """
 
     def __init__(self, path: str, metadata):
@@ -504,7 +504,7 @@ class SliceReader:
     @staticmethod
     def _parse(f, info, torch):
         window = _Window(f, info.offset, info.length)
-        with zipfile.ZipFile(io.BufferedReader(window)) as zf:
+        with zipfile.ZipFile(window) as zf:  # unbuffered: exact reads (a buffer would read ~8 KiB per chunk)
             names = zf.namelist()
             pkl = [n for n in names if n.endswith("/data.pkl")]
             records = [n for n in names if "/data/" in n]
@@ -564,25 +564,29 @@ class SliceReader:
             reads.append((chunk, box, layout))
         for chunk, box, (data_at, dtype, size) in reads:
             f = self.files[self.metadata.storage_data[MetadataIndex(key, chunk.offsets)].relative_path]
-            part = torch.empty([b - a for a, b in box], dtype=dtype)
-            buf = part.view(-1).view(torch.uint8).numpy()
+            dest = local
+            for d, (a, b) in enumerate(box):
+                dest = dest.narrow(d, a - lo[d], b - a)
             inner = dtype.itemsize
             for n in size[2:]:
                 inner *= n
             cols = size[1] if len(size) > 1 else 1
             r0, r1 = box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0]
             c0, c1 = ((box[1][0] - chunk.offsets[1], box[1][1] - chunk.offsets[1]) if len(size) > 1 else (0, 1))
-            row, seg = cols * inner, (c1 - c0) * inner
-            if c0 == 0 and c1 == cols:  # whole rows: one read
-                self._pread_into(f, buf, data_at + r0 * row)
+            row, whole_rows = cols * inner, c0 == 0 and c1 == cols
+            # Straight into the shard when it is host memory of the saved dtype (each row segment contiguous): no
+            # region buffer, whose transient copy was the load's peak RSS (the largest region: half the embedding).
+            direct = dest.device.type == "cpu" and dest.dtype == dtype and (
+                dest.is_contiguous() if whole_rows else all(dest[i].is_contiguous() for i in range(r1 - r0)))
+            part = dest if direct else torch.empty([b - a for a, b in box], dtype=dtype)
+            if whole_rows:  # one read
+                self._pread_into(f, _bytes(part), data_at + r0 * row)
             else:
                 for i in range(r1 - r0):
-                    self._pread_into(f, buf[i * seg:(i + 1) * seg], data_at + (r0 + i) * row + c0 * inner)
-            dest = local
-            for d, (a, b) in enumerate(box):
-                dest = dest.narrow(d, a - lo[d], b - a)
-            with torch.no_grad():
-                dest.copy_(part)  # to the shard's dtype and device (a GPU's: read into host memory first)
+                    self._pread_into(f, _bytes(part[i]), data_at + (r0 + i) * row + c0 * inner)
+            if not direct:
+                with torch.no_grad():
+                    dest.copy_(part)  # to the shard's dtype and device (a GPU's: read into host memory first)
         return True
 
     def _pread_into(self, f, buf, offset: int) -> None:
@@ -594,6 +598,13 @@ class SliceReader:
                 raise UsageError(f"model path {self.path}: a .distcp shard ends early (truncated checkpoint)")
             done += n
         self.nbytes += done
+
+
+def _bytes(t):
+    """The bytes of contiguous host tensor ``t`` as a writable numpy array (any dtype: bfloat16 too)."""
+    import torch
+
+    return t.view(-1).view(torch.uint8).numpy()
 
 
 # ------------------------------------------------------------------------------------------------ permutations

@@ -116,6 +116,8 @@ def read_journal(path: str) -> tuple[dict | None, list[dict]]:
 
     Reading stops at the first short, oversized or corrupt record: a torn tail (a kill mid-write) is ignored.
     """
+    from mpitp.results.untrusted import load_json
+
     data = _read_regular(path)
     if data is None:
         return None, []
@@ -130,9 +132,9 @@ def read_journal(path: str) -> tuple[dict | None, list[dict]]:
         payload = data[start:end]
         if zlib.crc32(payload) != crc:
             break
-        try:
-            out.append(json.loads(payload.decode("utf-8", "surrogatepass")))
-        except ValueError:
+        try:  # no size cap beyond the frame's; depth bounded (a deep record was a RecursionError's traceback)
+            out.append(load_json(payload, f"{path}: record {len(out)}", max_chars=None))
+        except ValueError:  # BadInput included: a record that is not JSON ends the journal there, as a torn one
             break
         pos = end
     if not out or not isinstance(out[0], dict) or "run_id" not in out[0]:

@@ -10,13 +10,12 @@ becomes one :class:`BadInput` line; a TypeError or AttributeError is a bug of ou
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mpitp.results.untrusted import BadInput, mapping, shown
+from mpitp.results.untrusted import BadInput, load_json, mapping, shown
 
 if TYPE_CHECKING:
     import numpy as np
@@ -124,7 +123,7 @@ def load(path: str) -> RunFile:
         try:
             if not isinstance(attrs["results_json"], str):
                 raise ValueError(f"a {type(attrs['results_json']).__name__}, not a JSON string")
-            run.results_json = _results_json(json.loads(attrs["results_json"]))
+            run.results_json = _results_json(load_json(attrs["results_json"], "results_json"))
         except ValueError as exc:
             raise _not_mpitp(path, f"results_json is not valid: {one_line(exc)}") from None
         res = run.results_json.get("results", {})

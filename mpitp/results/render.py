@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import re
 
 from mpitp.results.reader import RunFile, as_number, load_requests, metric_rows, task_n_docs
 from mpitp.results.texttable import text_table
@@ -43,9 +44,12 @@ def _stats_totals(run: RunFile) -> dict | None:
 
 def _config(run: RunFile) -> dict:
     """The run's recorded settings (``config_json``); {} when absent or not a JSON object."""
+    from mpitp.results.untrusted import load_json
+
     try:
-        config = json.loads(run.attrs["config_json"]) if isinstance(run.attrs.get("config_json"), str) else {}
-    except ValueError:
+        config = load_json(run.attrs["config_json"], "config_json") if isinstance(run.attrs.get("config_json"),
+                                                                                   str) else {}
+    except ValueError:  # BadInput included: not JSON, too large or too deep
         config = {}
     return config if isinstance(config, dict) else {}
 
@@ -112,14 +116,29 @@ def render_summary(run: RunFile, task: str | None) -> str:
     return out
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:inf|nan)")
+
+
+def csv_cell(v) -> str:
+    """``v`` as a CSV cell that a spreadsheet cannot run: text from a file (a task, metric or filter name, a value
+    stored as text) that starts with ``= + - @``, a tab or a carriage return gets a leading ``'`` (OWASP's advice
+    against CSV injection: ``=HYPERLINK(...)``, ``=cmd|' /C calc'!A0``). Numbers stay numbers: ``-0.5`` is left as
+    it is, text or not."""
+    text = str(v)
+    if text.startswith(_FORMULA_START) and not _PLAIN_NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
 def render_csv(run: RunFile, task: str | None) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["task", "metric", "filter", "value", "stderr", "n"])
     for r in metric_rows(run, task):
         v, e = as_number(r.value), as_number(r.stderr)
-        w.writerow([r.task, r.metric, r.filter, repr(v) if v is not None else r.value,
-                    repr(e) if e is not None else "", "" if r.n is None else r.n])
+        w.writerow([csv_cell(c) for c in (r.task, r.metric, r.filter, repr(v) if v is not None else r.value,
+                                          repr(e) if e is not None else "", "" if r.n is None else r.n)])
     return buf.getvalue()
 
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 
 from mpitp.results import docscores
@@ -27,6 +29,10 @@ from mpitp.results.diff import paired_comparisons, statistics_text
 from mpitp.results.docscores import DocScores
 from mpitp.results.reader import BadInput, RunFile, as_number, load, load_requests, load_samples, metric_rows
 from mpitp.results.render import fmt_value, layout_line
+from mpitp.results.sweepsummary import read_summary
+from mpitp.results.untrusted import kind, load_json, shown
+
+log = logging.getLogger("mpitp")
 
 SAMPLE_CAP = 200_000  # sample rows embedded per report; past it a task's rows are left out (and the page says so)
 TEXT_BUDGET = 40_000_000  # characters of document and target text per report; past it rows keep scores, not text
@@ -106,14 +112,28 @@ class Report:
     diff_iters: int = DIFF_ITERS  # 0: no paired tests (as inspect diff)
 
 
-def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
-    """Result files and sweep summaries named by ``inputs`` (a directory contributes its ``*.h5`` and summary)."""
+def expand(inputs: list[str], warn=None) -> tuple[list[str], list[str]]:
+    """Result files and sweep summaries named by ``inputs`` (a directory contributes its ``*.h5`` and summary).
+
+    A directory may be shared: what is found there under those names but is not a regular file (a FIFO, whose open
+    would wait forever; a device; a socket) is skipped, each with one line to ``warn``. A file named on the command
+    line is read as given (a FIFO there is refused by the reader, one line)."""
     files, summaries = [], []
     for p in inputs:
         if os.path.isdir(p):
-            files += sorted(glob.glob(os.path.join(p, "*.h5")))
-            if os.path.isfile(os.path.join(p, SUMMARY_NAME)):
-                summaries.append(os.path.join(p, SUMMARY_NAME))
+            found = sorted(glob.glob(os.path.join(p, "*.h5")))
+            summary = os.path.join(p, SUMMARY_NAME)
+            found += [summary] if os.path.lexists(summary) else []
+            for f in found:
+                try:
+                    mode = os.stat(f).st_mode
+                except OSError as exc:  # a dangling link
+                    mode, why = None, exc.strerror or str(exc)
+                if mode is not None and stat.S_ISREG(mode):
+                    (summaries if f == summary else files).append(f)
+                else:
+                    why = kind(mode) if mode is not None else why
+                    (warn or log.warning)(f"skipped {shown(f)}: {why}, not a regular file")
         elif p.endswith(".json"):
             summaries.append(p)
         else:
@@ -318,8 +338,8 @@ def samples(runs: list[RunFile], labels: list[str], data: dict[tuple[int, str], 
 
 def sweep_tests(path: str) -> list[str]:
     """The paired tests between neighbouring checkpoints that the sweep wrote into its summary, one line each."""
-    with open(path) as f:
-        comparisons = json.load(f).get("comparisons", [])
+    doc = read_summary(path)
+    comparisons = doc.get("comparisons", []) if isinstance(doc, dict) else []
     out = []
     for c in comparisons if isinstance(comparisons, list) else []:
         if isinstance(c, dict):
@@ -332,9 +352,10 @@ def sweep_tests(path: str) -> list[str]:
 def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPanel]:
     """One panel per (task, metric) of a sweep summary, points scaled into an SVG box (one point per checkpoint)."""
     try:
-        with open(path) as f:
-            rows = [r for r in json.load(f)["checkpoints"] if isinstance(r, dict) and r.get("metrics")]
+        rows = [r for r in read_summary(path)["checkpoints"] if isinstance(r, dict) and r.get("metrics")]
         checkpoints = [(str(r.get("name", "?")), dict(r["metrics"])) for r in rows]
+    except BadInput:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInput(f"{path}: not a sweep summary ({exc})") from None
     return panels(checkpoints, "", width, height)
@@ -375,8 +396,8 @@ def panels(checkpoints: list[tuple[str, dict]], prefix: str, width: int = 520, h
 
 def _revision(run: RunFile) -> str:
     try:
-        rev = json.loads(run.attrs.get("config_json") or "{}").get("revision")
-    except (ValueError, TypeError, AttributeError):
+        rev = load_json(run.attrs.get("config_json") or "{}", "config_json").get("revision")
+    except (ValueError, AttributeError):
         return ""
     return rev if isinstance(rev, str) else ""
 
@@ -457,8 +478,8 @@ def _metrics_of(run: RunFile) -> dict:
 
 
 def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET,
-          diff_iters: int = DIFF_ITERS) -> Report:
-    files, summaries = expand(inputs)
+          diff_iters: int = DIFF_ITERS, warn=None) -> Report:
+    files, summaries = expand(inputs, warn)
     runs = [load(p) for p in files]
     if not summaries:  # files of one model family are a sweep (a summary, when given, is the sweep instead)
         runs = [runs[i] for i in family_order(runs)]
@@ -503,10 +524,11 @@ def render(report: Report) -> str:
         report=report, board=[asdict(r) for r in report.leaderboard], samples=report.samples, diff_data=diff_data)
 
 
-def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS) -> int:
-    """Write the page to ``out``; returns its size in bytes."""
+def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS, warn=None) -> int:
+    """Write the page to ``out``; returns its size in bytes. ``warn``: where the one-line notes of files skipped in
+    a directory go (the ``mpitp`` logger when None)."""
     from mpitp.results.safefile import write_replace
 
-    data = render(build(inputs, cap, diff_iters=diff_iters)).encode()
+    data = render(build(inputs, cap, diff_iters=diff_iters, warn=warn)).encode()
     write_replace(out, data)
     return len(data)

@@ -69,17 +69,33 @@ def _locking() -> bool:
 
 
 def open_h5(path: str, mode: str = "r") -> h5py.File:
-    """Open a results file; read-only opens are of files from anyone and are checked first
-    (:func:`mpitp.results.untrusted.check_h5`: no links, no data in other files, no declared size beyond the file's)."""
-    f = h5py.File(path, mode, locking=_locking())
-    if mode == "r":
-        from mpitp.results.untrusted import check_h5
+    """Open a results file; read-only opens are of files from anyone and are checked first: only a regular file is
+    opened (a FIFO or device named ``*.h5`` is one line, not a hang: :func:`mpitp.results.untrusted.open_regular`),
+    then :func:`mpitp.results.untrusted.check_h5` (no links, no data in other files, no declared sizes beyond the
+    file's).
 
+    HDF5 opens by name, and a name checked first can be swapped for a FIFO before HDF5 opens it; so the checked
+    descriptor itself is what HDF5 opens, through ``/proc/self/fd/N`` (the same inode whatever the name points to
+    now). Where there is no ``/proc`` (macOS), the name is opened and the file HDF5 got must be the one checked: a
+    FIFO swapped in during that window can still block, nothing else passes."""
+    if mode != "r":
+        return h5py.File(path, mode, locking=_locking())
+    from mpitp.results.untrusted import BadInput, check_h5, open_regular, shown
+
+    fd = open_regular(path)
+    try:
+        by_fd = f"/proc/self/fd/{fd}"
+        f = h5py.File(by_fd if os.path.exists(by_fd) else path, "r", locking=_locking())
         try:
+            here, there = os.fstat(fd), os.fstat(f.id.get_vfd_handle())
+            if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+                raise BadInput(f"{shown(path)}: refused: the file was replaced while it was opened")
             check_h5(f, path)
         except BaseException:
             f.close()
             raise
+    finally:
+        os.close(fd)
     return f
 
 

@@ -71,6 +71,19 @@ def write_summary(path: str, rows: list[Row], wall_s: float, **extra) -> None:
     write_replace(path, json.dumps(doc, indent=2, default=str).encode())  # never through a planted link
 
 
+def read_summary(path: str):
+    """The JSON of the sweep summary at ``path``, read as untrusted input: a regular file only (a FIFO there would
+    block the open forever) and JSON bounded in size and depth (:func:`mpitp.results.untrusted.load_json`); any
+    failure is a one-line :class:`~mpitp.results.untrusted.BadInput`."""
+    from mpitp.results.untrusted import BadInput, load_json, read_regular
+
+    data = read_regular(path, "the sweep summary")
+    try:
+        return load_json(data, "its JSON")
+    except BadInput as exc:
+        raise BadInput(f"{path}: not a sweep summary ({exc})") from None
+
+
 def render_summary(rows: list[Row], path: str) -> str:
     from mpitp.results.texttable import text_table
 
@@ -92,9 +105,9 @@ def render_summary(rows: list[Row], path: str) -> str:
         if r.status == "failed":
             lines.append(f"  {r.name}: {r.error}")
     try:
-        with open(path) as f:
-            comps = json.load(f).get("comparisons", [])
-    except (OSError, ValueError):
+        doc = read_summary(path)
+        comps = doc.get("comparisons", []) if isinstance(doc, dict) else []
+    except (OSError, ValueError):  # BadInput included: the table stands without the tests
         comps = []
     if comps:
         lines += ["", "each checkpoint against the previous one (paired tests on per-document scores):"]
@@ -108,8 +121,7 @@ def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
     Returns the number of panels drawn."""
     import math
 
-    with open(path) as f:
-        rows = [r for r in json.load(f)["checkpoints"] if r.get("metrics")]
+    rows = [r for r in read_summary(path)["checkpoints"] if r.get("metrics")]
     keys: list[tuple[str, str]] = []
     for r in rows:
         for t, m in r["metrics"].items():

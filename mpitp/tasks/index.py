@@ -19,9 +19,13 @@ holds its index (:func:`_adopt`), checked against the installed version; anythin
 ``TaskManager``. An entry's parsed config (``Entry.cfg``, which lm-eval itself reads only for entries without a YAML)
 is read from its YAML on first use, as lm-eval parsed it.
 
-The cache files are plain JSON that anyone with access to the cache dir could have written: each is validated on load
-(shape, kinds, every YAML path a ``.yaml`` file inside its tree) and anything unexpected is rebuilt, never trusted.
-Writes go to an ``O_EXCL`` temporary file in the same folder, then ``os.replace``. ``MPITP_TASK_INDEX_CACHE`` = a
+The cache files are plain JSON, and a cache file names which YAML of the tree a task name runs: one planted by
+someone else would quietly run another task under a name. So the cache folder must be this user's and writable by
+nobody else (created ``0o700``; otherwise the cache is not used, with one warning line), each cache file a regular
+file of this user's that nobody else can write (otherwise ignored with one warning line and rebuilt), and each is
+validated on load (size, depth, shape, kinds, every YAML path a ``.yaml`` file inside its tree): anything unexpected
+is rebuilt, never trusted. Writes go to an ``O_EXCL`` temporary file in the same folder (mode ``0o644`` less the
+umask, never group-writable), then ``os.replace``. ``MPITP_TASK_INDEX_CACHE`` = a
 directory (default ``<mpitp cache>/task-index``) or ``0`` (off: lm-eval builds the index every time).
 """
 
@@ -129,23 +133,55 @@ def _external_includes(root: Path, yamls: set[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the cache file
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """One warning line per problem per process (every tree of every TaskManager would repeat it)."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
+
+
 def _cache_file(root: Path) -> Path | None:
+    """The cache file of ``root``; None when the cache is off, or its folder is not this user's alone."""
+    from mpitp.results.untrusted import private_dir
+
     folder = cache_dir()
     if folder is None:
+        return None
+    problem = private_dir(str(folder))
+    if problem:
+        _warn_once(str(folder), f"task index cache not used: {problem}; a cache file others can write could name "
+                                f"another YAML for a task (lm-eval indexes the tasks itself)")
         return None
     ident = json.dumps([str(root.resolve()), _lm_eval_version(), sys.version_info[:2]])
     return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
 
 
+_FILE_MODE = 0o644
+
+
 def _load(path: Path, root: Path, key: dict, yamls: set[str] | None) -> tuple[list, list] | None:
     """(deps, entries) stored in ``path`` for ``root`` under ``key``, or None when it is missing, stale or not
     ours."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
+    from mpitp.results.untrusted import BadInput, load_json, open_regular, private_problem
+
+    if not os.path.lexists(path):
         return None
-    except (OSError, ValueError) as exc:
+    try:
+        with os.fdopen(open_regular(str(path), "the task index cache", follow=False), "rb") as fh:  # no link, FIFO
+            problem = private_problem(os.fstat(fh.fileno()), f"task index cache file {path}")
+            if problem:
+                _warn_once(str(path), f"{problem}: ignored, rebuilding it")
+                counters["rebuilt"] += 1
+                return None
+            data = load_json(fh.read(), f"task index cache {path}")
+    except BadInput as exc:  # not a regular file, too large, too deep or not JSON
+        log.info("task index cache %s refused (%s): rebuilding it", path, exc)
+        counters["rebuilt"] += 1
+        return None
+    except OSError as exc:
         log.info("task index cache %s unreadable (%s): rebuilding it", path, exc)
         counters["rebuilt"] += 1
         return None
@@ -189,12 +225,13 @@ def _valid(data, root: Path, key: dict, yamls: set[str] | None) -> tuple[list, l
 
 
 def _save(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`mpitp.results.safefile.write_replace`)."""
-    from mpitp.results.safefile import write_replace
+    """Write ``data`` to ``path`` atomically (:func:`mpitp.results.safefile.write_replace`), never group- or
+    world-writable whatever the umask (the next load refuses such a file)."""
+    from mpitp.results.safefile import umask, write_replace
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_replace(str(path), json.dumps(data, separators=(",", ":")).encode())
+        write_replace(str(path), json.dumps(data, separators=(",", ":")).encode(), mode=_FILE_MODE & ~umask())
     except OSError as exc:  # a read-only or full cache dir costs the next launch a rebuild, nothing else
         log.info("task index cache %s not written: %s", path, exc)
 
@@ -275,9 +312,12 @@ def write_listing(root, entries: dict[str, tuple[str, str]]) -> None:
 def _listed(root: Path) -> dict | None:
     """The index of ``root`` from its :data:`LISTING`, or None when there is none or it does not match the folder
     (every entry a ``TASK`` or ``GROUP`` naming a ``.yaml`` file directly in it, every such file listed once)."""
+    from mpitp.results.untrusted import load_json, read_regular
+
+    if not os.path.lexists(root / LISTING):
+        return None
     try:
-        with open(root / LISTING, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = load_json(read_regular(str(root / LISTING), "the listing", follow=False), str(root / LISTING))
         entries = data["entries"]
         yamls = {f for f in os.listdir(root) if f.endswith(".yaml")}
     except (OSError, ValueError, KeyError, TypeError):

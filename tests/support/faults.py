@@ -71,7 +71,10 @@ def launch_prefix(kind: str) -> list[str]:
     if kind == "srun":
         return ["srun", "--partition", "nodes", "--nodes", "2", "--ntasks", "4", "--ntasks-per-node", "2",
                 "--mpi=pmi2", "--kill-on-bad-exit=1"]
-    return launcher_on("nodea", TWO_BY_TWO) if kind == "mpich" else launcher(TWO_BY_TWO)
+    if kind == "mpich":
+        return launcher_on("nodea", TWO_BY_TWO)
+    # prterun passes only the variables named with -x: the drill's own are set per launch, after launcher() looked
+    return [*launcher(TWO_BY_TWO), "-x", "MPITP_TEST_STALL", "-x", "MPITP_TESTING"]
 
 
 def node_ranks(job: Launch, node: str) -> list[int]:

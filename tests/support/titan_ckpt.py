@@ -61,7 +61,7 @@ def step_weights(seed: int) -> dict:
 
 def write_run(out: Path) -> dict[str, Path]:
     import torch
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig
 
     from mpitp.replica.dcp import hf_to_titan_names
 
@@ -71,13 +71,7 @@ def write_run(out: Path) -> dict[str, Path]:
     paths = {"assets": assets}
     for step, (kind, seed) in STEPS.items():
         hf = step_weights(seed)
-        ref = out / "hf" / step
-        model = LlamaForCausalLM(config)
-        model.load_state_dict(hf, strict=True)
-        model.save_pretrained(ref)
-        for f in assets.iterdir():
-            if f.name != "config.json":
-                shutil.copyfile(f, ref / f.name)
+        ref = write_hf_twin(hf, assets, out / "hf" / step)
         titan = hf_to_titan_names(hf, config)
         if kind == "model_only":  # as saved by FSDP over 2 ranks: 2 chunks per tensor, 2 files
             save_chunked(titan, out / "checkpoint" / step)
@@ -99,6 +93,31 @@ def write_run(out: Path) -> dict[str, Path]:
     return paths
 
 
+def write_hf_twin(hf: dict, assets: Path, ref: Path) -> Path:
+    """``hf`` (HF names) saved as a Hugging Face folder with the assets' tokenizer: a step's reference."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(assets))
+    model.load_state_dict(hf, strict=True)
+    model.save_pretrained(ref)
+    for f in assets.iterdir():
+        if f.name != "config.json":
+            shutil.copyfile(f, ref / f.name)
+    return ref
+
+
+def write_late_step(assets: Path, step_dir: Path, seed: int, hf_twin: Path, pause_s: float = 0.0) -> None:
+    """A model-only step as torchtitan writes it while a watcher looks on: the ``*.distcp`` shards first, then (after
+    ``pause_s``, a slow file system) ``.metadata`` last; and its HF twin at ``hf_twin``, written before the step."""
+    from transformers import AutoConfig
+
+    from mpitp.replica.dcp import hf_to_titan_names
+
+    hf = step_weights(seed)
+    write_hf_twin(hf, assets, hf_twin)
+    save_chunked(hf_to_titan_names(hf, AutoConfig.from_pretrained(assets)), step_dir, pause_s=pause_s)
+
+
 def save(state: dict, path: Path) -> None:
     """``dcp.save`` in this one process (torch warns that it assumes so: it is meant)."""
     import warnings
@@ -110,13 +129,14 @@ def save(state: dict, path: Path) -> None:
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
-def save_chunked(state: dict, path: Path, ranks: int = 2) -> None:
+def save_chunked(state: dict, path: Path, ranks: int = 2, pause_s: float = 0.0) -> None:
     """``state`` (tensors only) as torchtitan's FSDP save over ``ranks`` ranks lays it out: each tensor in ``ranks``
     dim-0 chunks (torch's ``chunk`` split, so a dimension of 5 gives 3 + 2), chunk ``r`` in rank ``r``'s file
     ``__r_0.distcp``, each chunk a ``torch.save`` record, and one ``.metadata`` (pickled, as ``FileSystemWriter``
-    writes it). DCP's own ``load`` reads it (the tests check that it does)."""
+    writes it) last, ``pause_s`` after the shards. DCP's own ``load`` reads it (the tests check that it does)."""
     import io
     import pickle
+    import time
 
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -148,6 +168,7 @@ def save_chunked(state: dict, path: Path, ranks: int = 2) -> None:
     finally:
         for f in files:
             f.close()
+    time.sleep(pause_s)
     with open(path / ".metadata", "wb") as f:
         pickle.dump(Metadata(state_dict_metadata=md, storage_data=storage), f)
 
