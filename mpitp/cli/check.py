@@ -89,13 +89,17 @@ def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, hf_
         write_replace(json_out, json.dumps({"ready": not problems, "problems": [asdict(p) for p in problems]},
                                            indent=1).encode())
     if problems:
+        from mpitp.escape import shown  # a problem may quote lm-eval's exception text or a file's name
+
         sys.stderr.write(f"mpitp check: not ready offline: {len(problems)} problem(s)\n")
         for p in problems:
-            sys.stderr.write(f"  {p.line()}\n")
+            sys.stderr.write(f"  {shown(p.line())}\n")
         raise click.exceptions.Exit(2)
     what = ", ".join(sorted({t for s in specs for t in s.tasks})) or "no tasks"
     models = sorted({s.model for s in specs if s.model})
-    click.echo(f"mpitp check: ready offline: {what}" + (f"; model {', '.join(models)}" if models else ""))
+    from mpitp.escape import shown
+
+    click.echo(shown(f"mpitp check: ready offline: {what}" + (f"; model {', '.join(models)}" if models else "")))
 
 
 @click.command(name="prefetch")
