@@ -39,6 +39,15 @@ class BadInput(ValueError):
     ``except ValueError`` turns it into its own one line too."""
 
 
+class MissingFile(BadInput, FileNotFoundError):
+    """No file at the path: bad input for a reader that prints it (``except ValueError``), and still the
+    ``FileNotFoundError`` that code treating a missing file as "not there yet" catches (``except OSError``)."""
+
+
+class UnopenableFile(BadInput, OSError):
+    """A path that cannot be opened (permissions, a link refused, a socket): one line, and still an ``OSError``."""
+
+
 #: No results file is read beyond this many bytes of datasets (declared shapes times item sizes, all datasets of the
 #: file together): 8 GiB holds a billion request rows' float64 column, far beyond any evaluation.
 MAX_DATASET_BYTES = 8 << 30
@@ -182,9 +191,9 @@ def open_regular(path: str, what: str = "it", follow: bool = True) -> int:
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
-        raise BadInput(f"{shown(path)}: no such file") from None
+        raise MissingFile(f"{shown(path)}: no such file") from None
     except OSError as exc:  # EACCES, ELOOP (a link with follow=False), ENXIO (a socket)...
-        raise BadInput(f"{shown(path)}: {what} cannot be opened ({exc.strerror or exc})") from None
+        raise UnopenableFile(f"{shown(path)}: {what} cannot be opened ({exc.strerror or exc})") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
