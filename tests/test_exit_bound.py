@@ -3,9 +3,9 @@
 mpi4py calls ``MPI_Finalize`` holding the GIL, so the Python timer that used to bound it never fired: a node whose
 link went down while the ranks left held every rank in ``MPI_Finalize`` until walltime. :mod:`mpitp.watchdog` bounds
 such a call with faulthandler's C thread and a watchdog process; these tests block the call for real: a C function
-that holds the GIL (the stand-in), ``MPI_Finalize`` waiting for a rank that never arrives (one node), and the link of
-an emulated node cut right after the run wrote its results, while the ranks leave (``tests/test_multinode.py`` has
-the mid-run cut).
+that holds the GIL (the stand-in) and ``MPI_Finalize`` waiting for a rank that never arrives (one node). The link of
+an emulated node cut while the ranks leave, issue 42's own reproduction, is a cell of ``tests/test_fault_matrix.py``
+(``exit-link_cut``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import time
 
 import pytest
 
-from support import OFFLINE_ENV, STORIES
-from support.launch import Launch, file_rows
 from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi
 
 STAND_IN = textwrap.dedent("""
@@ -105,42 +103,3 @@ def test_mpi_finalize_waiting_for_a_rank_is_bounded():
     assert "Traceback" not in err, explain(proc)
     assert took < 60, (took, explain(proc))
     print(f"MPI_Finalize blocked ({mpi_family()}): job gone {took:.1f} s after start (bound 3 s, rank 1 stalls 120 s)")
-
-
-@pytest.mark.slow
-@pytest.mark.multinode
-@pytest.mark.mpi
-def test_link_cut_while_the_ranks_leave(test_tasks, tmp_path):
-    """Issue 42's reproduction: two emulated nodes, ``--timeout 20``, mpiexec started on nodea as a batch script
-    runs on a job's first node; the run writes its results, every rank stalls at the door, nodeb's link goes down,
-    the ranks call ``MPI_Finalize``. nodea's ranks leave after the 10 s bound, one line each; Hydra, which would wait
-    for nodeb's proxy forever (measured: 5 min and counting), is ended by rank 0's watchdog 10 s later. Whole job gone
-    within --timeout + 60 s (6 s stall + 10 + 10 here); the results file is complete."""
-    from support.nodes import launcher_on, require_nodes, set_link
-
-    require_nodes()
-    out = tmp_path / "exit.h5"
-    args = ["eval", "--model", str(STORIES), "--tasks", "arc_easy_local", "--include-path", test_tasks, "--limit", "4",
-            "--dtype", "float32", "--timeout", "20", "--tp", "2", "--output", str(out)]
-    env = {**OFFLINE_ENV, "MPITP_TEST_STALL": "before_finalize:6", "MPITP_TEST_FINALIZE_WAIT": "10"}
-    try:
-        with Launch(4, args, env=env, launcher=launcher_on("nodea", {"nodea": 2, "nodeb": 2})) as job:
-            deadline = time.monotonic() + 240
-            while not out.exists() or file_rows(out)[0] != "complete":
-                assert job.proc.poll() is None and time.monotonic() < deadline, job.explain()
-                time.sleep(0.2)
-            time.sleep(1.0)  # every rank is now in its stall before MPI_Finalize
-            t_cut = time.monotonic()
-            set_link("nodeb", up=False)
-            took = job.gone_within(t_cut, 60.0)
-            assert job.proc.returncode != 0, job.explain()
-    finally:
-        set_link("nodeb", up=True)
-    err = mpitp_stderr(job.stderr)
-    said = re.findall(r"mpitp: error: rank (\d+) on (\S+): MPI_Finalize did not complete within 10 s", err)
-    assert ("0", "nodea") in said, job.explain()
-    assert "Traceback" not in err, job.explain()
-    assert file_rows(out)[0] == "complete"
-    print(f"link cut at exit ({mpi_family()}): every rank and mpiexec gone {took:.1f} s after nodeb's link went "
-          f"down (6 s stall, 10 s bound, launcher ended 10 s later); said {said}")
-

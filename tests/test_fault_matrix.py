@@ -1,4 +1,4 @@
-"""The fault matrix of issue 42, in CI: every fault at every instant ends the job by itself within --timeout + 60 s.
+"""The fault matrix of issue 42 in CI: a fault at any instant ends the job by itself within --timeout + 60 s.
 
 {nodeb's link cut, nodeb's ranks SIGKILLed, rank 0 SIGKILLed, SIGTERM to every rank as a scheduler sends it} x
 {during load, mid-run, during the exit}, dp 2 x tp 2 over two emulated nodes, MPI over TCP (``UCX_TLS=tcp,self``: on
@@ -19,11 +19,16 @@ from support.nodes import require_nodes
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multinode]
 
-#: Open MPI's pass (CI's second) runs the cells where the launchers differ most: a node lost mid-run (prterun loses its
-#: daemon; Hydra does not notice a silent node) and every fault at the exit; MPICH's pass runs all twelve.
-_OPENMPI = {("link_cut", "mid_run"), ("nodeb_killed", "mid_run")} | {(f, "exit") for f in faults.FAULTS}
+#: The cells CI runs (its 90 minutes hold the suite): every fault mid-run, with --resume compared to an uninterrupted
+#: run, and the link cut at every instant (the faults no launcher notices by itself: the bounds are mpitp's). A killed
+#: rank or SIGTERM at load or at the exit ends the job within a second under every launcher (measured:
+#: bench/drill_faults.py, all twelve cells). Open MPI's pass (CI's second) runs the link cut mid-run and at the exit.
+_CI = {(f, "mid_run") for f in faults.FAULTS} | {("link_cut", "load"), ("link_cut", "exit")}
+_OPENMPI = {("link_cut", "mid_run"), ("link_cut", "exit")}
 CELLS = [pytest.param(f, i, id=f"{i}-{f}", marks=[pytest.mark.openmpi] if (f, i) in _OPENMPI else [])
-         for i in faults.INSTANTS for f in faults.FAULTS]
+         for i in faults.INSTANTS for f in faults.FAULTS if (f, i) in _CI]
+#: The bound on MPI_Finalize in these cells (30 s in production; bench/drill_faults.py measures that one).
+FAST_EXIT = {"MPITP_TEST_FINALIZE_WAIT": "10"}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +39,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("fault,instant", CELLS)
 def test_fault_ends_the_job(fault, instant, reference, tmp_path):
-    cell = faults.run_cell(fault, instant, mpi_family(), tmp_path, reference)
+    cell = faults.run_cell(fault, instant, mpi_family(), tmp_path, reference, env=FAST_EXIT)
     print(cell.row())
     assert not cell.traceback, cell.said
     if instant != "exit" or fault == "rank0_killed":
@@ -54,16 +59,17 @@ def test_fault_ends_the_job(fault, instant, reference, tmp_path):
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("instant", ["mid_run", "exit"])
-def test_link_cut_under_srun(instant, reference, tmp_path):
-    """The same cut through SLURM (``srun --mpi=pmi2 --kill-on-bad-exit=1``, as ``mpitp submit``'s scripts launch):
-    mid-run the ranks on nodea time out and srun ends the step; at the exit their bound ends them."""
+def test_link_cut_at_the_exit_under_srun(reference, tmp_path):
+    """The same cut through SLURM (``srun --mpi=pmi2 --kill-on-bad-exit=1``, as ``mpitp submit``'s scripts launch),
+    at the exit: nodea's ranks leave after their bound, and srun, which would wait for nodeb's tasks until SLURM
+    declares the node down, ends once a rank's watchdog cancels the step (``scancel``)."""
+    instant = "exit"
     import shutil
 
     if not shutil.which("srun"):
         pytest.skip("no srun (hpc/local-slurm.sh start)")
-    cell = faults.run_cell("link_cut", instant, "srun", tmp_path, reference)
+    cell = faults.run_cell("link_cut", instant, "srun", tmp_path, reference, env=FAST_EXIT)
     print(cell.row())
     assert not cell.traceback and cell.said, cell.row()
     assert all(s.startswith("mpitp: error: rank ") for s in cell.said), cell.said
-    assert cell.status == ("complete" if instant == "exit" else "running") and cell.resumed_equal, cell.row()
+    assert cell.status == "complete" and cell.resumed_equal, cell.row()

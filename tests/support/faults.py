@@ -64,7 +64,7 @@ HEADER = ("| launcher | instant | fault | s to gone | exit | traceback | file (s
           "| said (first lines) |\n|---|---|---|---|---|---|---|---|---|")
 
 
-def launch_prefix(kind: str) -> list[str]:
+def launch_prefix(kind: str, names=()) -> list[str]:
     """``mpich``: Hydra started on nodea as a batch script runs on a job's first node; ``openmpi``: prterun with its
     daemons over ssh (the suite's MPI must be Open MPI); ``srun``: a SLURM step on the emulated nodes' partition
     (``hpc/local-slurm.sh``), as the batch scripts ``mpitp submit`` writes launch it."""
@@ -73,8 +73,9 @@ def launch_prefix(kind: str) -> list[str]:
                 "--mpi=pmi2", "--kill-on-bad-exit=1"]
     if kind == "mpich":
         return launcher_on("nodea", TWO_BY_TWO)
-    # prterun passes only the variables named with -x: the drill's own are set per launch, after launcher() looked
-    return [*launcher(TWO_BY_TWO), "-x", "MPITP_TEST_STALL", "-x", "MPITP_TESTING"]
+    # prterun passes only the variables named with -x: the drill's own (``names``) are set per launch, after
+    # launcher() looked at this process's environment
+    return [*launcher(TWO_BY_TWO), *[a for k in sorted(set(names)) for a in ("-x", k)]]
 
 
 def node_ranks(job: Launch, node: str) -> list[int]:
@@ -130,7 +131,7 @@ def run_cell(fault: str, instant: str, kind: str, workdir: Path, reference: Path
     out = workdir / f"{fault}-{instant}.h5"
     run_env = {**(env or {}), "MPITP_TEST_STALL": STALLS[instant], "UCX_TLS": "tcp,self"}
     try:
-        with Launch(4, [*ARGS, "--output", str(out)], env=run_env, launcher=launch_prefix(kind)) as job:
+        with Launch(4, [*ARGS, "--output", str(out)], env=run_env, launcher=launch_prefix(kind, run_env)) as job:
             if instant == "load":
                 ready = _wait_for(job, lambda: "stalling 8 s at before_load" in job.stderr)
             elif instant == "mid_run":
