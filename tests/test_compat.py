@@ -45,9 +45,9 @@ def test_every_patch_is_undone_after_use_even_on_error():
     """Each of mpitp's context managers replaces its target inside the block and puts the very same object back."""
     from lm_eval.tasks import TaskManager
 
+    from mpitp.evaluation.envinfo import EnvInfoEarly
     from mpitp.evaluation.eval_docs import listed_once
     from mpitp.evaluation.requestcache import used
-    from mpitp.evaluation.runner import _EnvInfoEarly
     from mpitp.evaluation.templates import compiled_once
     from mpitp.jobs.sweep import memoize_task_loading
     from mpitp.replica.loading import strided_shards_with_pread
@@ -57,7 +57,7 @@ def test_every_patch_is_undone_after_use_even_on_error():
     before = _originals()
     tm = TaskManager.__new__(TaskManager)  # the memo patches one instance: no task index needed to check that
     blocks = {"eval_docs": listed_once, "apply_template": compiled_once, "_process_results": capture,
-              "PATH": lambda: used("/tmp/mpitp-test-cache"), "get_pretty_env_info": _EnvInfoEarly,
+              "PATH": lambda: used("/tmp/mpitp-test-cache"), "get_pretty_env_info": EnvInfoEarly,
               "safe_open": strided_shards_with_pread, "apply_tensor_parallelism": _tp_plan_without_stubs,
               "load": lambda: memoize_task_loading(tm, {})}
     for key, block in blocks.items():

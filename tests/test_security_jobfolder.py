@@ -52,9 +52,9 @@ def test_model_check_child_ignores_the_working_directory(job_folder, monkeypatch
 def test_environment_info_ignores_the_working_directory(job_folder):
     """lm-eval stores torch's ``collect_env`` text, which runs ``python -mpip list`` with its working directory first
     on ``sys.path``: on rank 0 of ``mpitp eval`` a planted pip.py ran (found in review; old code: RAN-pip)."""
-    from mpitp.evaluation.runner import _env_info_isolated
+    from mpitp.evaluation.envinfo import env_info_isolated
 
-    info = _env_info_isolated()
+    info = env_info_isolated()
     assert ran(job_folder) == []
     assert "PyTorch version" in info, info[:500]
 
