@@ -56,7 +56,7 @@ class Target:
         return obj, last
 
 
-TARGETS: dict[str, Target] = {t.attribute.split(".")[-1]: t for t in (
+TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("lm-eval", "lm_eval.api.task", "Task.eval_docs", LM_EVAL, "mpitp.evaluation.eval_docs"),
     Target("lm-eval", "lm_eval.utils", "apply_template", LM_EVAL, "mpitp.evaluation.templates"),
     Target("lm-eval", "lm_eval.utils", "env", LM_EVAL, "mpitp.evaluation.templates"),
@@ -102,10 +102,12 @@ def missing(targets: dict[str, Target] | None = None) -> list[str]:
     return lines
 
 
-def check(collective: bool = False) -> None:
+def check(collective: bool = False, packages: tuple[str, ...] | None = None) -> None:
     """At start-up: refuse, in one line, an installation whose lm-eval, transformers or torch lacks a target
-    (``collective``: every rank checks, so every rank raises together)."""
-    lines = missing()
+    (``collective``: every rank checks, so every rank raises together). ``packages``: only those distributions'
+    targets; resolving transformers' and torch's imports their model code (seconds), so ``mpitp eval`` checks
+    lm-eval's first and theirs after the input checks, and bad input is refused without waiting for them."""
+    lines = missing({k: t for k, t in TARGETS.items() if packages is None or t.package in packages})
     if lines:
         more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
         raise UsageError(lines[0] + more, collective=collective)
@@ -113,8 +115,9 @@ def check(collective: bool = False) -> None:
 
 @contextlib.contextmanager
 def replaced(key: str, value, on=None):
-    """Inside this block ``TARGETS[key]`` is ``value`` (on ``on``, an instance, instead of the target's owner);
-    the original is put back in ``finally``, whatever the block raises. Yields the original."""
+    """Inside this block ``TARGETS[key]`` (``key``: the target's full dotted name) is ``value`` (on ``on``, an
+    instance, instead of the target's owner); the original is put back in ``finally``, whatever the block raises.
+    Yields the original."""
     target = TARGETS[key]
     owner, last = target.owner()
     if on is not None:

@@ -195,5 +195,7 @@ def report_io(phase: str, world) -> None:
     except OSError:
         counters = {}
     fields = " ".join(f"{k}={counters.get(k, '?').strip()}" for k in ("rchar", "read_bytes"))
-    print(f"io: {phase}: rank={world.rank} node={world.node_name} local_rank={world.local_rank} {fields}",
-          file=sys.stderr, flush=True)
+    # One write, newline included (print writes the newline separately, and the launcher interleaves the ranks'
+    # writes: another rank's line could land between the two).
+    sys.stderr.write(f"io: {phase}: rank={world.rank} node={world.node_name} local_rank={world.local_rank} {fields}\n")
+    sys.stderr.flush()

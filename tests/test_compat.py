@@ -56,14 +56,19 @@ def test_every_patch_is_undone_after_use_even_on_error():
 
     before = _originals()
     tm = TaskManager.__new__(TaskManager)  # the memo patches one instance: no task index needed to check that
-    blocks = {"eval_docs": listed_once, "apply_template": compiled_once, "_process_results": capture,
-              "PATH": lambda: used("/tmp/mpitp-test-cache"), "get_pretty_env_info": EnvInfoEarly,
-              "safe_open": strided_shards_with_pread, "apply_tensor_parallelism": _tp_plan_without_stubs,
-              "load": lambda: memoize_task_loading(tm, {})}
+    load = "lm_eval.tasks.TaskManager.load"
+    blocks = {"lm_eval.api.task.Task.eval_docs": listed_once, "lm_eval.utils.apply_template": compiled_once,
+              "lm_eval.evaluator._process_results": capture,
+              "lm_eval.caching.cache.PATH": lambda: used("/tmp/mpitp-test-cache"),
+              "torch.utils.collect_env.get_pretty_env_info": EnvInfoEarly,
+              "transformers.modeling_utils.safe_open": strided_shards_with_pread,
+              "transformers.distributed.mixin.apply_tensor_parallelism": _tp_plan_without_stubs,
+              load: lambda: memoize_task_loading(tm, {})}
+    assert set(blocks) <= set(compat.TARGETS), set(blocks) - set(compat.TARGETS)
     for key, block in blocks.items():
         with contextlib.suppress(KeyError), block():
             inside = _originals()
-            if key == "load":
+            if key == load:
                 assert "load" in vars(tm)
             else:
                 assert inside[key] is not before[key], key

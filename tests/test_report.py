@@ -81,7 +81,7 @@ def test_script_json_cannot_end_its_script():
 
 def test_prompt_and_answer_from_lm_eval_sample_shapes():
     """lm-eval logs arguments as a list of tuples or as gen_args_i dicts, answers as generations or (ll, greedy)."""
-    from mpitp.results.report import _answer, _prompt
+    from mpitp.results.report_samples import _answer, _prompt
 
     assert _prompt({"arguments": [["ctx", " a"], ["ctx", " b"]]}) == "ctx"
     assert _prompt({"arguments": {"gen_args_0": {"arg_0": "What?", "arg_1": {}}}}) == "What?"
@@ -373,7 +373,7 @@ def test_report_writing_is_linear_and_reads_each_file_once(tmp_path):
         assert calls[("results/stats.py", "mcnemar")] == 3
     loads = ("json/__init__.py", "loads")
     assert large[loads] - small[loads] == 3 * n, (small[loads], large[loads])
-    assert large[("results/report.py", "_prompt")] == 3 * 2 * n
+    assert large[("results/report_samples.py", "_prompt")] == 3 * 2 * n
 
 
 def test_files_of_one_model_family_are_a_sweep(tmp_path):

@@ -191,3 +191,44 @@ def test_task_index_cache_others_could_write_is_ignored(tree, planted, caplog):
         index._tree_memo.clear()
         index.task_manager(str(tree), include_defaults=False)
         assert index.counters["walks"] == 2 and index.counters["hits"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ environment record
+@pytest.fixture()
+def env_cache(tmp_path, monkeypatch):
+    """An empty mpitp cache; the child that computes torch's ``collect_env`` counted (it is what the cache saves)."""
+    from mpitp.evaluation import envinfo
+
+    monkeypatch.setenv("MPITP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MPITP_ENV_INFO_CACHE", raising=False)
+    started = []
+    real = envinfo.env_info_isolated
+    monkeypatch.setattr(envinfo, "env_info_isolated", lambda: started.append(1) or real())
+    return envinfo, started
+
+
+def test_environment_record_is_kept_and_a_copy_others_could_write_is_not_stored(env_cache):
+    """lm-eval stores torch's ``collect_env`` text in the results; mpitp keeps it per machine and installation
+    (5 s of CPU a launch otherwise). Kept: the second run starts no child and stores the same text. A cache file
+    others can write, another key, a link, or an old one: recomputed, never stored as this run's environment."""
+    envinfo, started = env_cache
+    first = envinfo.env_info()
+    assert "PyTorch version" in first and started == [1]
+    path = envinfo.cache_file()
+    assert path.is_file() and not path.stat().st_mode & 0o022
+    assert envinfo.env_info() == first and started == [1]  # kept: no child
+
+    planted = json.dumps({"key": envinfo._key(), "text": "PyTorch version: PLANTED"})
+    for make in ("group-writable", "another key", "a link", "old"):
+        path.unlink()
+        if make == "a link":
+            target = path.with_name("elsewhere.json")
+            target.write_text(planted)
+            path.symlink_to(target)
+        else:
+            path.write_text(planted if make != "another key" else planted.replace('"key": [', '"key": [0, '))
+            os.chmod(path, 0o664 if make == "group-writable" else 0o644)
+            if make == "old":
+                os.utime(path, (0, 0))
+        assert envinfo.cached(path) is None, make
+    assert envinfo.cached(path.with_name("elsewhere.json")) == "PyTorch version: PLANTED"  # the check can pass

@@ -273,9 +273,8 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
     """Every check of one evaluation, on rank 0 before any rank loads the model; the last one claims the output.
     ``tasks`` skips checking the tasks again (a sweep checks them once for every checkpoint)."""
     from mpitp.replica.loading import check_dtype, check_tp, load_config
-    from mpitp.replica.pipeline import check_pp
 
-    compat.check()  # lm-eval, transformers and torch still have every attribute mpitp replaces
+    compat.check(packages=("lm-eval",))  # lm-eval still has every attribute mpitp replaces (torch's: below)
     if cfg.data_dir and not os.path.isdir(cfg.data_dir):
         raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
     if str(cfg.batch_size).isdigit() and int(cfg.batch_size) < 1:
@@ -303,7 +302,12 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
 
             check_config(cfg.peft)
         check_tp(config, tp)
+        from mpitp.replica.pipeline import check_pp  # imports torch: after the checks that need neither
+
         check_pp(config, pp)
+        # Resolving these imports torch and transformers' model code (seconds on a loaded node): after the input
+        # checks, so that bad input is refused without them.
+        compat.check(packages=("transformers", "torch"))
         out = check_output(cfg)
         from mpitp.results.claim import claim_output
 

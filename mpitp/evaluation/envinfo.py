@@ -1,6 +1,106 @@
-"""lm-eval's environment record (torch's ``collect_env``), computed early and away from the working directory."""
+"""lm-eval's environment record (torch's ``collect_env``), computed early and away from the working directory, and
+kept per machine and installation.
+
+``collect_env`` starts ``python -mpip list``, ``lscpu`` and more: 5 s of CPU here (13 s of wall on a loaded 2-core
+node) taken from the ranks at every launch, for a text that changes when packages or the machine change. So the text
+is kept in this user's cache (``<mpitp cache>/env-info``, one JSON file per key, the folder and the file this user's
+alone as for the task index: :mod:`mpitp.tasks.index`), keyed by the host name, the Python executable and version, and
+the modification time of every package folder on ``sys.path`` (installing or removing a package changes it), and
+recomputed after :data:`MAX_AGE_S` (drivers). ``MPITP_ENV_INFO_CACHE=0`` computes it every time.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("mpitp")
+
+FORMAT = 1
+MAX_AGE_S = 24 * 3600.0
+_FILE_MODE = 0o644
+#: The record is a few KB (torch's text with its package list); a larger cache file is not ours.
+_MAX_BYTES = 1 << 20
+
+
+def _key() -> list:
+    def mtime(path: str) -> int | None:
+        try:
+            return os.stat(path).st_mtime_ns
+        except OSError:
+            return None
+
+    # The folders packages are installed in: not the working directory (first on sys.path under ``python -m``),
+    # whose modification time changes with every file a run writes there.
+    return [FORMAT, socket.gethostname(), os.path.realpath(sys.executable), sys.version,
+            [[p, mtime(p)] for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]]
+
+
+def cache_file() -> Path | None:
+    """This installation's cache file on this machine; None when the cache is off or its folder is not this user's
+    alone (a record others can write would be stored in results as this run's environment)."""
+    from mpitp.results.untrusted import private_dir
+    from mpitp.tasks.demo import default_cache_dir
+
+    if os.environ.get("MPITP_ENV_INFO_CACHE", "") in ("0", "off", "false", "False"):
+        return None
+    folder = Path(default_cache_dir()) / "env-info"
+    problem = private_dir(str(folder), levels=2)
+    if problem:
+        log.info("environment record not cached: %s", problem)
+        return None
+    return folder / f"{hashlib.sha256(json.dumps(_key()).encode()).hexdigest()[:24]}.json"
+
+
+def cached(path: Path | None) -> str | None:
+    """The text kept in ``path`` for this key, or None when missing, stale, not this user's alone, or malformed."""
+    from mpitp.results.untrusted import BadInput, load_json, open_regular, private_problem
+
+    if path is None or not os.path.lexists(path):
+        return None
+    try:
+        with os.fdopen(open_regular(str(path), "the environment record cache", follow=False), "rb") as fh:
+            st = os.fstat(fh.fileno())
+            problem = private_problem(st, f"environment record cache file {path}")
+            if problem:
+                log.warning("%s: ignored, recomputing it", problem)
+                return None
+            if st.st_size > _MAX_BYTES or time.time() - st.st_mtime > MAX_AGE_S:
+                return None
+            data = load_json(fh.read(_MAX_BYTES + 1), f"environment record cache {path}")
+    except (BadInput, OSError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != _key() or not isinstance(data.get("text"), str):
+        return None
+    return data["text"]
+
+
+def _save(path: Path | None, text: str) -> None:
+    from mpitp.results.safefile import umask, write_replace
+
+    if path is None:
+        return
+    try:
+        write_replace(str(path), json.dumps({"key": _key(), "text": text}).encode(), mode=_FILE_MODE & ~umask())
+    except OSError as exc:  # a read-only or full cache costs the next launch a recomputation, nothing else
+        log.info("environment record cache %s not written: %s", path, exc)
+
+
+def env_info() -> str:
+    """The cached text when there is one, otherwise :func:`env_info_isolated` (then kept)."""
+    path = cache_file()
+    text = cached(path)
+    if text is None:
+        text = env_info_isolated()
+        if not text.startswith("(collect_env failed"):
+            _save(path, text)
+    return text
 
 
 def env_info_isolated() -> str:
@@ -24,7 +124,7 @@ class EnvInfoEarly:
     ``lscpu`` and more as subprocesses: 1-14 s measured here) on rank 0 after the last request, while every other
     rank waits. Start it in a thread as the evaluation starts (rank 0 mostly waits for chunks then) and hand lm-eval
     that same text when it asks; the stored environment info is unchanged (computed in an isolated child:
-    :func:`env_info_isolated`)."""
+    :func:`env_info_isolated`, and kept: :func:`env_info`)."""
 
     def __enter__(self):
         import concurrent.futures
@@ -32,8 +132,8 @@ class EnvInfoEarly:
         from mpitp import compat
 
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
-        self.future = self.pool.submit(env_info_isolated)
-        self.patch = compat.replaced("get_pretty_env_info", lambda: self.future.result())
+        self.future = self.pool.submit(env_info)
+        self.patch = compat.replaced("torch.utils.collect_env.get_pretty_env_info", lambda: self.future.result())
         self.patch.__enter__()
         return self
 

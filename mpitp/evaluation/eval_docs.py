@@ -89,5 +89,5 @@ def listed_once():
             hit = listed[id(task)] = (task, _Listed(source))
         return hit[1]
 
-    with compat.replaced("eval_docs", property(eval_docs)):
+    with compat.replaced("lm_eval.api.task.Task.eval_docs", property(eval_docs)):
         yield

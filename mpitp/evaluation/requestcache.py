@@ -146,7 +146,7 @@ def used(path: str | None):
         return
     log.info("request cache: %s", path)
     try:
-        with compat.replaced("PATH", path):
+        with compat.replaced("lm_eval.caching.cache.PATH", path):
             yield
     finally:
         _tighten(path)

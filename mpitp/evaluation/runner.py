@@ -23,7 +23,7 @@ from mpitp.evaluation.progress import make_progress
 from mpitp.evaluation.provenance import run_metadata
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import Runtime, start_torch, warm_imports
+from mpitp.parallel.runtime import Runtime, barrier_after_load, start_torch, warm_imports
 
 log = logging.getLogger("mpitp")
 
@@ -102,9 +102,7 @@ def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
 
                 log.info("pipeline: %s", describe_split(num_layers(checked.config), lay.pp))
             testing.report_io("model loaded", rt.world)
-            # A deadline from this rank's own end of loading (as sweeps have): ranks load the same bytes and finish
-            # close together, while a node whose link went down during the load would otherwise hold every rank here.
-            mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
+            barrier_after_load(rt)
             phases["load"] = time.perf_counter() - t_start - phases["checks"]
             return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output,
                                    task_manager=checked.task_manager, t_start=t_start, phases=phases)

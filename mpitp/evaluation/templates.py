@@ -30,5 +30,5 @@ def compiled_once():
             tpl = compiled[template] = env.from_string(template)
         return tpl.render(**doc)
 
-    with compat.replaced("apply_template", apply_template):
+    with compat.replaced("lm_eval.utils.apply_template", apply_template):
         yield

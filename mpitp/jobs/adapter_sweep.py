@@ -66,7 +66,7 @@ class BaseModel:
         if self.error is not None:  # a base that failed to load is not retried for every adapter
             raise LoadFailed(self.error)
         if self.model is None:
-            from mpitp.parallel import comm as mpicomm
+            from mpitp.parallel.runtime import barrier_after_load
 
             t0 = time.perf_counter()
             try:
@@ -74,7 +74,7 @@ class BaseModel:
             except LoadFailed as exc:
                 self.error = f"base model {self.cfg.model}: {exc}"
                 raise LoadFailed(self.error) from None
-            mpicomm.barrier(self.rt.world.comm, self.rt.timeout, phase="model loading")
+            barrier_after_load(self.rt)
             self.loads += 1
             from mpitp.evaluation.runner import KeptChecks
 

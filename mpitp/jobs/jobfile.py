@@ -221,14 +221,24 @@ def load_job(path: str | os.PathLike[str]) -> Job:
     """Read and validate a job file; raise :class:`JobFileError` on the first problem."""
     shown = os.fspath(path)
     abspath = Path(shown).expanduser().absolute()
-    base = abspath.parent
 
     def fail(where: str | None, field: str | None, msg: str, run: int | None = None,
              run_name: str | None = None) -> JobFileError:
         parts = [shown] + ([where] if where else []) + ([f"field {field!r}"] if field else [])
         return JobFileError(": ".join(parts + [msg]), path=shown, run=run, run_name=run_name, field=field)
 
-    data = _read_yaml(abspath, shown)
+    defaults, runs = _top_level(_read_yaml(abspath, shown), fail)
+    seen: dict[str, dict[str, int]] = {"name": {}, "output": {}}
+    specs = [_run_spec(index, raw, defaults, abspath.parent, fail, seen) for index, raw in enumerate(runs, 1)]
+    return Job(path=abspath, runs=tuple(specs))
+
+
+_Fail = Callable[..., JobFileError]  # load_job's fail(where, field, msg, run=None, run_name=None)
+_RunFail = Callable[[str | None, str], JobFileError]  # one run's fail(field, msg): names the run
+
+
+def _top_level(data: Any, fail: _Fail) -> tuple[dict, list]:
+    """The file's ``defaults:`` (each field checked) and its ``runs:`` list, or the error for the file's shape."""
     if data is None:
         raise fail(None, None, "file is empty; expected a mapping with a 'runs:' list")
     if not isinstance(data, dict):
@@ -250,82 +260,102 @@ def load_job(path: str | os.PathLike[str]) -> Job:
     runs = data.get("runs")
     if not isinstance(runs, list) or not runs:
         raise fail(None, None, f"'runs:' must be a non-empty list of runs, got {_show(runs)}")
+    return defaults, runs
 
-    specs: list[RunSpec] = []
-    seen_names: dict[str, int] = {}
-    seen_outputs: dict[str, int] = {}
-    for index, raw in enumerate(runs, 1):
-        if not isinstance(raw, dict):
-            raise fail(f"run {index}", None, f"expected a mapping of field: value, got {_show(raw)}", index)
-        raw = {str(k): v for k, v in raw.items()}
-        label = f"run {index}"
-        name = None
 
-        def run_fail(field: str | None, msg: str) -> JobFileError:
-            return fail(label, field, msg, index, name)
+def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
+              seen: dict[str, dict[str, int]]) -> RunSpec:
+    """Run ``index`` of the file: its fields over ``defaults``, each checked, paths resolved against ``base``, its
+    name and output unique among the runs read so far (``seen``: value -> run index)."""
+    if not isinstance(raw, dict):
+        raise fail(f"run {index}", None, f"expected a mapping of field: value, got {_show(raw)}", index)
+    raw = {str(k): v for k, v in raw.items()}
+    label = f"run {index}"
+    name = None
 
-        merged = {**defaults, **raw}
-        if "models" in merged:  # a sweep (mpitp.jobs.sweep): one run, one results file per checkpoint
-            if "model" in merged:
-                raise run_fail("models", "give either 'model' or 'models', not both")
-            merged["model"] = ",".join(
-                os.path.normpath(base / _expand(m)) if glob.has_magic(m) else _resolve("model", m, base)
-                for m in _check_field("models", merged.pop("models"), run_fail))
-        if "name" in raw:
-            name = _check_field("name", raw["name"], run_fail)
-        else:  # best effort, so later messages can name the run
+    def run_fail(field: str | None, msg: str) -> JobFileError:  # names the run as far as it is known by then
+        return fail(label, field, msg, index, name)
+
+    merged = {**defaults, **raw}
+    if "models" in merged:  # a sweep (mpitp.jobs.sweep): one run, one results file per checkpoint
+        _merge_models(merged, base, run_fail)
+    name = _check_field("name", raw["name"], run_fail) if "name" in raw else _guess_name(merged)
+    if name is not None:
+        label = f"run {index} ({name!r})"
+    values = _run_values(raw, merged, run_fail)
+    values["name"] = name
+    _sweep_fields(values, name, base, run_fail)
+    for field in _PATH_FIELDS + _MAYBE_PATH_FIELDS:
+        if values.get(field) is not None:
             try:
-                name = _derive_name(_string(merged.get("model")), _tasks(merged.get("tasks")))
-            except _Bad:
-                pass
-        if name is not None:
-            label = f"run {index} ({name!r})"
-        for key in raw:  # defaults' keys were checked already
-            if key not in _CHECKS and key not in _LM_EVAL_FIELDS:
-                raise run_fail(key, f"unknown field{_suggest(key, [*_CHECKS, *_LM_EVAL_FIELDS])}")
-        for field in _REQUIRED:
-            if merged.get(field) is None:
-                raise run_fail(field, "required field is missing")
-        values = {field: _check_field(field, value, run_fail) for field, value in merged.items()}
-        extras = {k: values.pop(k) for k in list(values) if k not in _CHECKS}
-        if extras:
-            try:
-                _check_lm_eval(extras)
+                values[field] = _resolve(field, values[field], base)
             except _Bad as exc:
-                raise run_fail("model_args", str(exc)) from None
-            values["lm_eval"] = FrozenDict(extras)
-        values["name"] = name
-        models_sweep = "," in values["model"] or glob.has_magic(values["model"])
-        peft = values.get("peft")
-        if peft is not None:  # adapters: paths or globs, relative to the job file as the models' are
-            try:
-                values["peft"] = ",".join(os.path.normpath(base / _expand(p.strip())) for p in peft.split(","))
-            except _Bad as exc:
-                raise run_fail("peft", str(exc)) from None
-        adapters_sweep = peft is not None and ("," in peft or glob.has_magic(peft))
-        if models_sweep and adapters_sweep:
-            raise run_fail("peft", "a sweep of checkpoints ('models') and of adapters ('peft' list) together is not "
-                                   "supported: sweep one of them per run")
-        sweep = models_sweep or adapters_sweep
-        values.setdefault("output", f"results/{name}/{{name}}.h5" if sweep else f"results/{name}.h5")
-        if sweep and "{name}" not in values["output"]:
-            what = "('peft' list) writes one file per adapter" if adapters_sweep else \
-                "('models') writes one file per checkpoint"
-            raise run_fail("output", f"a sweep {what}: use a pattern with {{name}}, e.g. results/{name}/{{name}}.h5")
-        for field in _PATH_FIELDS + _MAYBE_PATH_FIELDS:
-            if values.get(field) is not None:
-                try:
-                    values[field] = _resolve(field, values[field], base)
-                except _Bad as exc:
-                    raise run_fail(field, str(exc)) from None
+                raise run_fail(field, str(exc)) from None
 
-        for key, seen, fix in (("name", seen_names, "give each run a unique 'name:'"),
-                               ("output", seen_outputs, "give each run its own 'output:'")):
-            other = seen.setdefault(values[key], index)
-            if other != index:
-                raise run_fail(key, f"{values[key]!r} is already used by run {other}; {fix}")
-        specs.append(RunSpec(**values))
-    return Job(path=abspath, runs=tuple(specs))
+    for key, fix in (("name", "give each run a unique 'name:'"), ("output", "give each run its own 'output:'")):
+        other = seen[key].setdefault(values[key], index)
+        if other != index:
+            raise run_fail(key, f"{values[key]!r} is already used by run {other}; {fix}")
+    return RunSpec(**values)
+
+
+def _merge_models(merged: dict, base: Path, run_fail: _RunFail) -> None:
+    """A sweep's ``models:`` list into ``model`` (comma-joined; globs kept, relative to the job file)."""
+    if "model" in merged:
+        raise run_fail("models", "give either 'model' or 'models', not both")
+    merged["model"] = ",".join(
+        os.path.normpath(base / _expand(m)) if glob.has_magic(m) else _resolve("model", m, base)
+        for m in _check_field("models", merged.pop("models"), run_fail))
+
+
+def _guess_name(merged: dict) -> str | None:
+    """The name a run without ``name:`` gets, or None while its model or tasks are not valid (best effort, so that
+    later messages can name the run; the invalid field itself is reported by its check)."""
+    try:
+        return _derive_name(_string(merged.get("model")), _tasks(merged.get("tasks")))
+    except _Bad:
+        return None
+
+
+def _run_values(raw: dict, merged: dict, run_fail: _RunFail) -> dict:
+    """Every field of a run checked: unknown and missing ones refused, lm-eval-named ones gathered in ``lm_eval``."""
+    for key in raw:  # defaults' keys were checked already
+        if key not in _CHECKS and key not in _LM_EVAL_FIELDS:
+            raise run_fail(key, f"unknown field{_suggest(key, [*_CHECKS, *_LM_EVAL_FIELDS])}")
+    for field in _REQUIRED:
+        if merged.get(field) is None:
+            raise run_fail(field, "required field is missing")
+    values = {field: _check_field(field, value, run_fail) for field, value in merged.items()}
+    extras = {k: values.pop(k) for k in list(values) if k not in _CHECKS}
+    if extras:
+        try:
+            _check_lm_eval(extras)
+        except _Bad as exc:
+            raise run_fail("model_args", str(exc)) from None
+        values["lm_eval"] = FrozenDict(extras)
+    return values
+
+
+def _sweep_fields(values: dict, name: str | None, base: Path, run_fail: _RunFail) -> None:
+    """``peft`` resolved (paths or globs, relative to the job file as the models' are) and ``output`` defaulted; a
+    sweep (of checkpoints or of adapters, never both) writes one file per member, so its output needs ``{name}``."""
+    models_sweep = "," in values["model"] or glob.has_magic(values["model"])
+    peft = values.get("peft")
+    if peft is not None:
+        try:
+            values["peft"] = ",".join(os.path.normpath(base / _expand(p.strip())) for p in peft.split(","))
+        except _Bad as exc:
+            raise run_fail("peft", str(exc)) from None
+    adapters_sweep = peft is not None and ("," in peft or glob.has_magic(peft))
+    if models_sweep and adapters_sweep:
+        raise run_fail("peft", "a sweep of checkpoints ('models') and of adapters ('peft' list) together is not "
+                               "supported: sweep one of them per run")
+    sweep = models_sweep or adapters_sweep
+    values.setdefault("output", f"results/{name}/{{name}}.h5" if sweep else f"results/{name}.h5")
+    if sweep and "{name}" not in values["output"]:
+        what = "('peft' list) writes one file per adapter" if adapters_sweep else \
+            "('models') writes one file per checkpoint"
+        raise run_fail("output", f"a sweep {what}: use a pattern with {{name}}, e.g. results/{name}/{{name}}.h5")
 
 
 def _check_field(field: str, value: Any, fail: Callable[[str, str], JobFileError]) -> Any:

@@ -143,7 +143,7 @@ def memoize_task_loading(tm, memo: dict):
             memo[key] = original(tasks, *args, **kwargs)
         return memo[key]
 
-    return compat.replaced("load", load, on=tm)
+    return compat.replaced("lm_eval.tasks.TaskManager.load", load, on=tm)
 
 
 def weight_files(model: str) -> list[str]:
@@ -261,7 +261,7 @@ def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float, ke
 def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
     from mpitp import testing
-    from mpitp.parallel import comm as mpicomm
+    from mpitp.parallel.runtime import barrier_after_load
 
     t_start = time.perf_counter()
     checked = check_item(cfg, rt, state, f"checking {cfg.model}")
@@ -271,7 +271,7 @@ def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
         testing.report_io("before loading", rt.world)
         model = _load_everywhere(cfg, rt)
         testing.report_io("model loaded", rt.world)
-        mpicomm.barrier(rt.world.comm, rt.timeout, phase="model loading")
+        barrier_after_load(rt)
         state.prefetch = start_prefetch(next_model, rt)
         res = evaluate_item(model, cfg, rt, state, checked, t_start)
     ref = weakref.ref(model)

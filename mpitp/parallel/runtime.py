@@ -134,6 +134,21 @@ def warm_imports(world: World) -> None:
         import transformers.modeling_utils  # noqa: F401
 
 
+#: The least time a rank that has loaded the model waits at the barrier for the others, whatever ``--timeout`` says:
+#: on an oversubscribed node the ranks other than 0 import torch and transformers' model code during the load
+#: (:func:`warm_imports` leaves it to them there), which takes them seconds longer than rank 0 (measured: over 8 s
+#: with 4 ranks on 2 loaded cores). A short ``--timeout`` is meant for the request phases, not for that.
+LOAD_SKEW_S = 30.0
+
+
+def barrier_after_load(rt: Runtime) -> None:
+    """Every rank has its shard: a deadline from this rank's own end of loading (ranks load the same bytes and
+    finish close together, while a node whose link went down during the load would otherwise hold every rank here),
+    at least :data:`LOAD_SKEW_S`."""
+    deadline = None if rt.timeout is None else max(rt.timeout, LOAD_SKEW_S)
+    mpicomm.barrier(rt.world.comm, deadline, phase="model loading")
+
+
 def _device_plan(device: str | None, local_rank: int):
     """:func:`mpitp.parallel.device.plan_device` for this process; hides the GPUs (before CUDA starts) when it says
     so."""

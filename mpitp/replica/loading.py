@@ -160,7 +160,7 @@ def strided_shards_with_pread():
             return mapped
         return _ShardReads(mapped, pread)
 
-    with compat.replaced("safe_open", safe_open_shards):
+    with compat.replaced("transformers.modeling_utils.safe_open", safe_open_shards):
         yield
 
 

@@ -71,7 +71,7 @@ def _tp_plan_without_stubs():
                 if k in params or (k in modules and not isinstance(modules[k], PipelineIdentityLayer))}
         return original(model, mesh, kept)
 
-    with compat.replaced("apply_tensor_parallelism", apply):
+    with compat.replaced("transformers.distributed.mixin.apply_tensor_parallelism", apply):
         yield
 
 

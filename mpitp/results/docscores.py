@@ -67,7 +67,7 @@ def capture():
                 continue
         return original(eval_results_acc, *args, **kwargs)
 
-    with compat.replaced("_process_results", recording):
+    with compat.replaced("lm_eval.evaluator._process_results", recording):
         yield out
 
 

@@ -1,0 +1,125 @@
+"""The model half of ``mpitp check`` (:mod:`mpitp.jobs.readiness`): the model's config and tokenizer from local
+files only (a torch DCP checkpoint's from its assets, its ``.metadata`` checked as ``mpitp eval`` checks it), run
+here or in a child interpreter beside the task checks (:func:`start_model_check`)."""
+
+from __future__ import annotations
+
+import os
+
+from mpitp.errors import UsageError
+from mpitp.jobs.readiness_guard import block_network, quiet_libraries
+from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report, prefetch_command, why
+
+
+def check_model(spec: CheckSpec, report: Report) -> object | None:
+    """Config and tokenizer from local files only; the tokenizer, or None."""
+    if not spec.model:
+        return None
+    import transformers
+
+    kw = {"revision": spec.revision, "local_files_only": True, "trust_remote_code": spec.trust_remote_code}
+    fetch = prefetch_command(spec, model=True)
+    source, tokenizer = spec.model, spec.tokenizer or spec.model
+    dcp_path = os.path.expanduser(spec.model)
+    from mpitp.replica import dcp
+
+    is_dcp = dcp.is_dcp(dcp_path)
+    if is_dcp:  # torch DCP: config and tokenizer from its assets; its .metadata checked as mpitp eval checks it
+        try:
+            source = dcp.assets_dir(dcp_path, spec.hf_assets)
+        except UsageError as exc:
+            report.problems.append(Problem(str(exc)))
+            return None
+        tokenizer, fetch, kw = spec.tokenizer or source, None, {**kw, "revision": None}
+    elif spec.hf_assets:
+        report.problems.append(Problem(f"--hf-assets applies to torch DCP checkpoint folders only, and {spec.model} "
+                                       f"is not one (no {dcp.METADATA} file, or Hugging Face weights beside it)"))
+        return None
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, **kw)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the finding, spelled out
+        report.problems.append(Problem(f"model {spec.model}: config not available offline ({why(exc)})", fetch))
+        return None
+    if is_dcp:
+        try:
+            dcp.check(dcp_path, config, spec.trust_remote_code)
+        except UsageError as exc:
+            report.problems.append(Problem(str(exc)))
+    try:
+        return transformers.AutoTokenizer.from_pretrained(tokenizer, **kw)
+    except Exception as exc:  # noqa: BLE001
+        report.problems.append(Problem(f"tokenizer {tokenizer}: not available offline ({why(exc)})", fetch))
+        return None
+
+
+
+def start_model_check(spec: CheckSpec):
+    """:func:`check_model` in a child interpreter (:func:`model_check_child`), beside the task checks: importing
+    transformers' config code is about 2.5 s of a 6 s ``mpitp check --tasks mmlu`` on a 2-core machine, building
+    the tasks as long, and the tasks need the tokenizer only for a chat template. A new interpreter, not a fork:
+    by now this process has MPI's and other libraries' threads, which a fork would not copy. Isolated from the
+    working directory (:mod:`mpitp.isolated`: a ``json.py`` there must not run). The ``subprocess.Popen``, or None on
+    one core (nothing to gain)."""
+    import json
+    import subprocess
+    from dataclasses import asdict
+
+    from mpitp.isolated import python_argv
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if cores < 2:
+        return None
+    code = "from mpitp.jobs.readiness_model import model_check_child; model_check_child()"  # this process's path
+    try:
+        proc = subprocess.Popen(python_argv(code), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    except OSError:
+        return None
+    try:
+        with proc.stdin:
+            proc.stdin.write(json.dumps(asdict(spec)))
+    except OSError:  # it died at once: check the model here instead
+        proc.kill()
+        proc.communicate()
+        return None
+    return proc
+
+
+def model_check_child() -> None:
+    """The child of :func:`start_model_check`: a :class:`CheckSpec` as JSON on stdin, :func:`check_model` under the
+    same network guard, ``{"problems": [...], "tried": [...]}`` as the last line on stdout."""
+    import json
+    import sys
+
+    fields = json.loads(sys.stdin.read())
+    spec = CheckSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    report, tried = Report(), []
+    with quiet_libraries(), block_network(tried):
+        check_model(spec, report)
+    sys.stdout.write("\n" + json.dumps({"problems": [[p.what, p.fetch] for p in report.problems], "tried": tried})
+                     + "\n")
+
+
+def join_model_check(proc, spec: CheckSpec, tried: list[str]) -> list[Problem]:
+    """The child's problems (and the hosts it tried, added to ``tried``); :func:`check_model` here when the child
+    failed to say."""
+    import json
+
+    with proc.stdout:
+        out = proc.stdout.read()
+    proc.wait()
+    try:
+        if proc.returncode != 0:
+            raise ValueError(f"exit status {proc.returncode}")
+        data = json.loads(out.strip().splitlines()[-1])
+        found = [Problem(str(what), None if fetch is None else str(fetch)) for what, fetch in data["problems"]]
+        hosts = [str(h) for h in data["tried"]]
+    except (ValueError, TypeError, KeyError, IndexError):  # the child died before answering: ask again here
+        report = Report()
+        check_model(spec, report)
+        return report.problems
+    tried += [h for h in hosts if h not in tried]
+    return found
+

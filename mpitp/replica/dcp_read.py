@@ -1,0 +1,302 @@
+"""Reading a torch DCP folder without running its pickles: the ``.metadata`` index and exact slices of its chunks.
+
+torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load`` (a crafted file runs code as it is
+read): :func:`read_metadata` builds only the classes DCP's metadata holds. :class:`SliceReader` then ``pread``s only
+the bytes of this rank's region of each tensor, straight from the ``torch.save`` zip of each saved chunk (its layout
+read from the zip directory and a restricted unpickler), where DCP's own reader reads and deserialises every chunk
+that overlaps a request whole. Chunks it cannot parse are left to DCP's reader (:func:`storage_reader`, which reuses
+the metadata read here). torch is imported only inside functions.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import zipfile
+
+from mpitp.errors import UsageError
+
+METADATA = ".metadata"
+IGNORED_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+"""Top-level entries of a torchtitan full-state checkpoint that are not model weights."""
+
+
+class _MetadataPickle(pickle.Unpickler):
+    """``.metadata`` is a pickle (torch's ``FileSystemReader`` reads it with plain ``pickle.load``, so a crafted file
+    runs code as it is read). This one builds only what DCP's metadata holds: the classes of
+    ``torch.distributed.checkpoint.metadata``, ``_StorageInfo``, ``torch.Size``, dtypes, layouts and paths."""
+
+    def find_class(self, module, name):
+        import torch
+
+        if module == "torch.distributed.checkpoint.metadata":
+            import torch.distributed.checkpoint.metadata as md
+
+            obj = getattr(md, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+            from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+            return _StorageInfo
+        elif (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout")):
+            import torch.serialization
+
+            return torch.Size if name == "Size" else torch.serialization._get_layout
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            import pathlib
+
+            return getattr(pathlib, name)
+        elif (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata does not hold (refused: "
+                                     f"unpickling it could run code)")
+
+
+def read_metadata(path: str):
+    """The checkpoint's ``Metadata``, read with :class:`_MetadataPickle`; a :class:`UsageError` line otherwise."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    try:
+        with open(os.path.join(path, METADATA), "rb") as f:
+            metadata = _MetadataPickle(f).load()
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"it holds a {type(metadata).__name__}, not a torch DCP Metadata")
+    except Exception as exc:  # noqa: BLE001 - a damaged, foreign or hostile .metadata is the user's input
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"model path {path}: cannot read the torch DCP {METADATA} file: {first}") from None
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def storage_reader(path: str, metadata):
+    """torch's ``FileSystemReader`` for ``path`` that uses ``metadata`` (read by :func:`read_metadata`) instead of
+    unpickling ``.metadata`` itself."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
+def model_tensors(metadata) -> dict[str, tuple[tuple[int, ...], object]]:
+    """``{name: (global shape, dtype)}`` of the checkpoint's tensors, training state (optimizer, ...) left out."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.split(".", 1)[0] in IGNORED_SECTIONS or not isinstance(md, TensorStorageMetadata):
+            continue
+        out[key] = (tuple(md.size), md.properties.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ slice reads
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable file of their own (one saved chunk)."""
+
+    def __init__(self, f, offset: int, length: int):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos, whence=0):
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, buf):
+        n = max(0, min(len(buf), self.length - self.pos))
+        data = os.pread(self.f.fileno(), n, self.offset + self.pos)
+        buf[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads a ``torch.save``'d tensor's ``data.pkl`` for its layout only: dtype, storage offset, size, stride.
+    Nothing but the tensor-rebuild call, its storage type and an empty OrderedDict is accepted (no code runs)."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, int(offset), tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"unexpected {module}.{name} in a DCP tensor record")
+
+    def persistent_load(self, pid):
+        return pid  # ('storage', storage type name, key, location, numel)
+
+
+_STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
+                   "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
+"""``torch.save``'s storage type names (a record's pickle) -> dtype names; any other dtype goes to DCP's reader."""
+
+
+class SliceReader:
+    """Reads a region of a checkpoint tensor with ``pread``: only the bytes of the rows (or row segments) it covers.
+
+    DCP's ``FileSystemReader`` reads every saved chunk that overlaps a request whole and deserialises it
+    (``torch.load``) before cutting the slice out: at tp=2 each rank reads every byte of a checkpoint saved by one
+    process. A chunk saved in DCP's default format is a ``torch.save`` zip whose tensor data is one stored
+    (uncompressed) record, row major; this reads its layout from the zip directory and the small pickle, then
+    ``pread``s what the region needs straight into the parameter's local shard (for a shard of another dtype or on
+    a GPU: into a buffer of the region's size, then copied and converted). A chunk it cannot parse (compressed,
+    another serialisation, a non-contiguous layout) is left to DCP's reader.
+    """
+
+    def __init__(self, path: str, metadata):
+        self.path, self.metadata = path, metadata
+        self.files: dict[str, object] = {}
+        self.layouts: dict = {}
+        self.nbytes = 0
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+
+    def _layout(self, info):
+        """(absolute offset of the chunk's data, dtype, shape) or None when this chunk is not read here."""
+        import torch
+
+        key = (info.relative_path, info.offset)
+        if key in self.layouts:
+            return self.layouts[key]
+        layout = None
+        if not getattr(info, "transform_descriptors", None):
+            f = self.files.get(info.relative_path)
+            if f is None:
+                f = self.files[info.relative_path] = open(os.path.join(self.path, info.relative_path), "rb")
+            try:
+                layout = self._parse(f, info, torch)
+            except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, KeyError, TypeError, AttributeError,
+                    struct.error, EOFError):
+                layout = None
+        self.layouts[key] = layout
+        return layout
+
+    @staticmethod
+    def _parse(f, info, torch):
+        window = _Window(f, info.offset, info.length)
+        with zipfile.ZipFile(window) as zf:  # unbuffered: exact reads (a buffer would read ~8 KiB per chunk)
+            names = zf.namelist()
+            pkl = [n for n in names if n.endswith("/data.pkl")]
+            records = [n for n in names if "/data/" in n]
+            if len(pkl) != 1 or len(records) != 1:
+                return None
+            record = zf.getinfo(records[0])
+            if record.compress_type != zipfile.ZIP_STORED:
+                return None
+            storage, start, size, stride = _TensorPickle(io.BytesIO(zf.read(pkl[0]))).load()
+        dtype = _STORAGE_DTYPES.get(storage[1])
+        if dtype is None:
+            return None
+        dtype = getattr(torch, dtype)
+        numel = 1
+        for n in size:
+            numel *= n
+        row_major = tuple(torch.empty(size, device="meta").stride()) if size else ()
+        if start != 0 or tuple(stride) != row_major or record.file_size != numel * dtype.itemsize:
+            return None
+        header = os.pread(f.fileno(), 30, info.offset + record.header_offset)
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        return info.offset + record.header_offset + 30 + name_len + extra_len, dtype, size
+
+    def fill(self, key: str, target) -> bool:
+        """Fill ``target`` (a parameter's local tensor, or a DTensor: its local shard) with its region of checkpoint
+        tensor ``key``; False (nothing written) when a chunk it needs is not one this reader parses."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(target, DTensor):
+            regions = target.__create_chunk_list__()
+            local = target.to_local()
+            if len(regions) != 1 or tuple(regions[0].sizes) != tuple(local.shape) or not local.is_contiguous():
+                return False
+            lo = tuple(regions[0].offsets)
+        else:
+            local, lo = target, (0,) * target.dim()
+        return self.read_region(key, local, lo)
+
+    def read_region(self, key: str, local, lo: tuple) -> bool:
+        """Fill ``local`` with the region of tensor ``key`` that starts at global offsets ``lo`` (see :meth:`fill`)."""
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        md = self.metadata.state_dict_metadata[key]
+        shape = tuple(local.shape)
+        if local.dim() == 0:
+            return False
+        reads = []
+        for chunk in md.chunks:
+            box = [(max(a, c), min(a + n, c + m)) for a, n, c, m in zip(lo, shape, chunk.offsets, chunk.sizes)]
+            if any(b <= a for a, b in box):
+                continue
+            layout = self._layout(self.metadata.storage_data[MetadataIndex(key, chunk.offsets)])
+            if layout is None or tuple(layout[2]) != tuple(chunk.sizes) or any(
+                    a != c or b != c + m for (a, b), c, m in zip(box[2:], chunk.offsets[2:], chunk.sizes[2:])):
+                return False  # not parsed, or cut along a dimension after the second: DCP's reader
+            reads.append((chunk, box, layout))
+        for chunk, box, (data_at, dtype, size) in reads:
+            f = self.files[self.metadata.storage_data[MetadataIndex(key, chunk.offsets)].relative_path]
+            dest = local
+            for d, (a, b) in enumerate(box):
+                dest = dest.narrow(d, a - lo[d], b - a)
+            inner = dtype.itemsize
+            for n in size[2:]:
+                inner *= n
+            cols = size[1] if len(size) > 1 else 1
+            r0, r1 = box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0]
+            c0, c1 = ((box[1][0] - chunk.offsets[1], box[1][1] - chunk.offsets[1]) if len(size) > 1 else (0, 1))
+            row, whole_rows = cols * inner, c0 == 0 and c1 == cols
+            # Straight into the shard when it is host memory of the saved dtype (each row segment contiguous): no
+            # region buffer, whose transient copy was the load's peak RSS (the largest region: half the embedding).
+            direct = dest.device.type == "cpu" and dest.dtype == dtype and (
+                dest.is_contiguous() if whole_rows else all(dest[i].is_contiguous() for i in range(r1 - r0)))
+            part = dest if direct else torch.empty([b - a for a, b in box], dtype=dtype)
+            if whole_rows:  # one read
+                self._pread_into(f, _bytes(part), data_at + r0 * row)
+            else:
+                for i in range(r1 - r0):
+                    self._pread_into(f, _bytes(part[i]), data_at + (r0 + i) * row + c0 * inner)
+            if not direct:
+                with torch.no_grad():
+                    dest.copy_(part)  # to the shard's dtype and device (a GPU's: read into host memory first)
+        return True
+
+    def _pread_into(self, f, buf, offset: int) -> None:
+        view = memoryview(buf)
+        done = 0
+        while done < len(view):
+            n = os.preadv(f.fileno(), [view[done:]], offset + done)
+            if n <= 0:
+                raise UsageError(f"model path {self.path}: a .distcp shard ends early (truncated checkpoint)")
+            done += n
+        self.nbytes += done
+
+
+def _bytes(t):
+    """The bytes of contiguous host tensor ``t`` as a writable numpy array (any dtype: bfloat16 too)."""
+    import torch
+
+    return t.view(-1).view(torch.uint8).numpy()
+
