@@ -61,3 +61,31 @@ def test_restored_after_an_error():
         with strided_shards_with_pread():
             raise RuntimeError("boom")
     assert mu.safe_open is original
+
+
+def test_a_class_whose_plans_match_nothing_is_refused_before_loading_and_its_decoder_found():
+    """Issue 40: ``Llama4ForCausalLM`` names ``language_model`` as its ``base_model_prefix`` but keeps its decoder
+    under ``model``: transformers' TP/PP plans (applied under the prefix) split none of its layers, and its
+    ``base_model`` is the whole model (the head check got a ``MoeCausalLMOutputWithPast``: a traceback after loading).
+    Refused before loading at tp or pp > 1 in one line; its decoder is found for tp=1. Llama passes both."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig, LlamaConfig
+
+    from mpitp.errors import UsageError
+    from mpitp.replica.pipeline import base_model, check_plans_apply
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    llama4 = Llama4TextConfig(**small, intermediate_size_mlp=64, num_local_experts=2)
+    for tp, pp, layout in ((2, 1, "--tp 2"), (1, 2, "--pp 2"), (2, 2, "--tp 2 --pp 2")):
+        with pytest.raises(UsageError) as exc:
+            check_plans_apply(llama4, tp, pp)
+        assert str(exc.value) == (
+            f"model type 'llama4_text': transformers' parallel plans for Llama4ForCausalLM apply under "
+            f"'language_model', which it does not have, so {layout} would not split its layers; run it with --tp 1 "
+            f"--pp 1 (data parallel: more ranks)")
+    check_plans_apply(llama4, 1, 1)
+    check_plans_apply(LlamaConfig(**small), 2, 2)
+    with torch.device("meta"):
+        m4, m = AutoModelForCausalLM.from_config(llama4), AutoModelForCausalLM.from_config(LlamaConfig(**small))
+    assert m4.base_model is m4 and base_model(m4) is m4.model
+    assert base_model(m) is m.model is m.base_model

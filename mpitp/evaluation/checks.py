@@ -302,9 +302,10 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
 
             check_config(cfg.peft)
         check_tp(config, tp)
-        from mpitp.replica.pipeline import check_pp  # imports torch: after the checks that need neither
+        from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: after the others
 
         check_pp(config, pp)
+        check_plans_apply(config, tp, pp)
         # Resolving these imports torch and transformers' model code (seconds on a loaded node): after the input
         # checks, so that bad input is refused without them.
         compat.check(packages=("transformers", "torch"))

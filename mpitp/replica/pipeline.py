@@ -47,6 +47,48 @@ def check_pp(config, pp: int) -> None:
         raise UsageError(f"pp={pp} exceeds the model's {n} decoder layers (each stage needs at least one)")
 
 
+def base_model(model):
+    """The decoder stack without the LM head (``LlamaModel`` inside ``LlamaForCausalLM``, and so on). transformers'
+    ``base_model`` is the attribute ``base_model_prefix`` names, and a class may name one it does not have
+    (``Llama4ForCausalLM``: ``language_model``, while its decoder is ``model``): ``base_model`` is then the whole model,
+    whose output has no ``last_hidden_state`` (and ``get_decoder()`` returns it too); the stack is then the submodule
+    under the name transformers' causal LMs give it (``model``, GPT-2's ``transformer``)."""
+    base = model.base_model
+    if base is not model:
+        return base
+    for name in ("model", "transformer"):
+        found = getattr(model, name, None)
+        if isinstance(found, torch.nn.Module) and found is not model:
+            return found
+    return base
+
+
+def check_plans_apply(config, tp: int, pp: int) -> None:
+    """transformers applies a model's TP and PP plans under its ``base_model_prefix``; a class without an attribute of
+    that name (``Llama4ForCausalLM``) matches none of the rules, and its layers stay whole on every rank (transformers
+    only warns). Refused before loading, from the class built on the meta device with one decoder layer (no memory, no
+    weights read; models with remote code are not built here: their code runs only when loading)."""
+    if tp == 1 and pp == 1 or getattr(config, "auto_map", None):
+        return
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    text = cfg.get_text_config()
+    text.num_hidden_layers = 1
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:1]
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # noqa: BLE001 - a config this shortcut cannot build is left to the load, as before
+        return
+    if model.base_model is model:
+        layout = " ".join(f"--{k} {n}" for k, n in (("tp", tp), ("pp", pp)) if n > 1)
+        raise UsageError(f"model type '{config.model_type}': transformers' parallel plans for {type(model).__name__} "
+                         f"apply under '{type(model).base_model_prefix}', which it does not have, so {layout} would "
+                         f"not split its layers; run it with --tp 1 --pp 1 (data parallel: more ranks)")
+
+
 def describe_split(n_layers: int, pp: int) -> str:
     """``stage 0: layers 0-2 (3), stage 1: layers 3-4 (2)``: what ``mpitp info`` and the run log print."""
     parts = []
@@ -114,7 +156,7 @@ def compact(model, start: int, end: int) -> None:
     """Keep layers ``[start, end)`` only, renumbered from 0, under a config of that depth; undo the PP forward wrap."""
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
-    base = model.base_model
+    base = base_model(model)
     layers = list(base.layers)[start:end]
     if any(isinstance(layer, PipelineIdentityLayer) for layer in layers) or not layers:
         raise RuntimeError(f"stage layers {start}..{end - 1} were not loaded by transformers' pipeline split")

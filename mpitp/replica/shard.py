@@ -13,15 +13,10 @@ import torch
 
 from mpitp import testing
 from mpitp.replica.generation import chosen_token_logits
-from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, micro_batches
+from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, base_model, micro_batches
 from mpitp.replica.prefix import SPEC_KW, TreeSpec, flop_weights
 from mpitp.replica.scoring import TPOps, VocabParallelHead
 from mpitp.replica.stats import Stats
-
-
-def base_model(model):
-    """The decoder stack without the LM head (``LlamaModel`` inside ``LlamaForCausalLM``, and so on)."""
-    return model.base_model
 
 
 class ReplicaShard:
