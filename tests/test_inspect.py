@@ -48,6 +48,10 @@ GEN_METRICS = {"name": "syn_gen", "sample_len": 2, "exact_match,strict-match": 0
 STATS = [dict(busy_s=2.0, requests=4, tokens_scored=100, tokens_generated=10, forwards=4, tp_bytes=0, mpi_bytes=0),
          dict(busy_s=1.0, requests=5, tokens_scored=50, tokens_generated=20, forwards=5, tp_bytes=0, mpi_bytes=0)]
 
+#: rank 0's seconds per phase as the runner stores them (finish.write_results), totals included
+PHASES = {"checks": 1.5, "load": 0.5, "requests": 0.25, "dispatch": 6.0, "metrics": 0.75, "writing": 0.1,
+          "head_check": 0.07, "wall": 10.0, "max_group_busy": 2.0, "final_snapshot": 0.02}
+
 
 def _mc_rows():
     return [dict(doc_id=d, idx=i, kind="loglikelihood", loglikelihood=-1.0 - d - 0.125 * i, is_greedy=(i == 0),
@@ -73,6 +77,7 @@ def make_file(path, complete=True, samples=True):
                      samples=mc_samples if samples else None)
         w.write_task("syn_gen", dict(output_type="generate_until", num_fewshot=2, n_docs=2), GEN_METRICS)
         w.write_stats(STATS)
+        w.extra_attrs(phases_json=json.dumps(PHASES))
         w.finish({"results": {"syn_mc": {"alias": "syn_mc", **MC_METRICS},
                               "syn_gen": {"alias": "syn_gen", **GEN_METRICS}},
                   "configs": {"syn_mc": {"task": "syn_mc"}, "syn_gen": {"task": "syn_gen"}},
@@ -118,6 +123,10 @@ def test_table_synthetic_header_and_metrics(syn):
     # 9 requests and 180 tokens over 10 s; busy 2.0 and 1.0 s: max/mean 1.33
     assert "0.90 requests/s" in out and "18.0 tokens/s" in out
     assert "max/mean 1.33" in out
+    # where the time went: rank 0's phases in the run's order, what rank 0 spent with no group busy, device-seconds
+    assert "phases      checks 1.5 s, load 0.5 s, requests 0.2 s, dispatch 6.0 s, metrics 0.8 s, writing 0.1 s " \
+           "(rank 0)" in out
+    assert "cost        rank 0 alone 8.0 s (wall - busiest group), 40.0 device-seconds (4 ranks x 10.0 s)" in out
     lines = {tuple(line.split()[:3]): line for line in out.splitlines() if line.startswith("syn_")}
     assert ("syn_mc", "acc", "none") in lines and ("syn_mc", "acc_norm", "none") in lines
     acc = lines[("syn_mc", "acc", "none")].split()
@@ -334,6 +343,27 @@ def test_help_shows_both_forms(syn):
 def _edit(path, fn):
     with open_h5(path, "r+") as f:
         fn(f)
+
+
+def test_diff_compares_speed_and_hostile_phases_are_ignored(syn, tmp_path):
+    """``inspect diff`` says how much slower B ran (a regression between two versions or clusters, from the files
+    alone); a ``phases_json`` someone edited (not numbers, NaN, a name with a newline) is ignored or escaped."""
+    b = _copy(syn, tmp_path)
+
+    def slower(f):
+        f.attrs["wall_time_s"] = 20.0
+        f.attrs["phases_json"] = json.dumps({**PHASES, "checks": 3.0, "max_group_busy": 4.0, "load": "fast",
+                                             "metrics": float("nan"), "bad\nname": -1, "note\nx": 2.0})
+
+    _edit(b, slower)
+    r = invoke("diff", syn, b)
+    assert r.exit_code == 0, r.output  # the same numbers: speed is reported, not judged
+    assert ("speed       wall 10.0 s -> 20.0 s (2.00x), rank 0 alone 8.0 s -> 16.0 s (2.00x), device-seconds 40.0 "
+            "-> 80.0 (2.00x), tokens/s 18.0 -> 9.0 (0.50x)") in r.stdout
+    assert "phases      checks 1.5 s -> 3.0 s (2.00x), requests 0.2 s -> 0.2 s (1.00x), dispatch 6.0 s" in r.stdout
+    assert "load" not in r.stdout.split("phases", 1)[1].split("\n")[0]  # a phase only one side has as a number
+    out = invoke(b).stdout
+    assert "note\\nx 2.0 s" in out and "bad" not in out and "fast" not in out and "nan" not in out.lower()
 
 
 @pytest.mark.mpi

@@ -114,6 +114,8 @@ def test_size_bounds_are_stated_on_the_page(tmp_path):
     page = render(build([a], text_budget=10))
     assert "syn_mc: document texts left out (" in page and "question 1" not in page
     assert "question 1" in render(build([a]))
+    # how fast it ran (mpitp.results.speed): 2 ranks x the 1.0 s wall; no /stats, so no tokens/s (not a zero)
+    assert build([a]).runs[0].speed == "2.0 device-s"
 
 
 def test_unfinished_run_is_marked(tmp_path):

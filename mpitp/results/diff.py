@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from mpitp.results.reader import BadInput, RunFile, as_number, load_requests, one_line
-from mpitp.results.render import layout_line, short_text
+from mpitp.results.render import layout_line, short_text, stats_totals
+from mpitp.results.speed import compare_lines, speed
 from mpitp.results.texttable import text_table
 
 
@@ -129,6 +130,7 @@ def render_diff(a: RunFile, b: RunFile, diffs: list[TaskDiff], only: list[tuple[
         lines.append(f"same within {tol}: {sum(d.compared for d in diffs)} requests in {len(diffs)} task(s)")
     if a.status != b.status:
         lines.append(f"note: A is {a.status}, B is {b.status}")
+    lines += compare_lines(speed(a, stats_totals(a)), speed(b, stats_totals(b)))
     return "\n".join(lines), differ
 
 

@@ -10,6 +10,7 @@ import math
 import re
 
 from mpitp.results.reader import RunFile, as_number, load_requests, metric_rows, task_n_docs
+from mpitp.results.speed import speed, speed_lines
 from mpitp.results.texttable import text_table
 
 
@@ -24,7 +25,7 @@ def fmt_value(v) -> str:
     return f"{x:.4f}" if abs(x) < 1e7 else f"{x:.6g}"
 
 
-def _stats_totals(run: RunFile) -> dict | None:
+def stats_totals(run: RunFile) -> dict | None:
     import numpy as np
 
     from mpitp.results.schema import STATS_FIELDS
@@ -86,7 +87,7 @@ def header_lines(run: RunFile) -> list[str]:
         lines.append(f"test hooks  {a['test_hooks']} (a test run: results altered or steered on purpose)")
     wall = as_number(a.get("wall_time_s"))
     lines.append(f"wall time   {wall:.1f} s" if wall is not None else "wall time   n/a (run not finished)")
-    tot = _stats_totals(run)
+    tot = stats_totals(run)
     if tot is not None:
         tokens = tot.get("tokens_scored", 0.0) + tot.get("tokens_generated", 0.0)
         if wall and wall > 0:
@@ -94,6 +95,9 @@ def header_lines(run: RunFile) -> list[str]:
                          f"({tot.get('requests', 0):.0f} requests, {tokens:.0f} tokens)")
         lines.append(f"DP groups   {tot['groups']}: busy {tot['busy_min']:.2f} .. {tot['busy_max']:.2f} s "
                      f"(max/mean {tot['imbalance']:.2f})")
+    s = speed(run, tot)
+    if s is not None:
+        lines += speed_lines(s)
     return lines
 
 

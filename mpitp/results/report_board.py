@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 
 from mpitp.results.reader import RunFile, metric_rows
-from mpitp.results.render import fmt_value, layout_line
+from mpitp.results.render import fmt_value, layout_line, stats_totals
 from mpitp.results.report_model import Cell, LeaderRow, RunView, finite
+from mpitp.results.speed import speed
 
 
 def _wall(v) -> str:
@@ -24,7 +25,19 @@ def run_view(label: str, run: RunFile) -> RunView:
     return RunView(label=label, path=run.path, model=str(a.get("model", "?")),
                    fingerprint=hashlib.sha256(fp.encode()).hexdigest()[:12] if isinstance(fp, str) else "",
                    layout=layout_line(a), created=str(a.get("created", "")), wall_time=_wall(a.get("wall_time_s")),
-                   status=run.status, versions=versions)
+                   status=run.status, versions=versions, speed=_speed(run))
+
+
+def _speed(run: RunFile) -> str:
+    s = speed(run, stats_totals(run))
+    if s is None:
+        return ""
+    parts = [f"{s.tokens / s.wall:.1f} tokens/s"] if s.tokens else []  # no /stats: not counted, not zero
+    if s.alone is not None:
+        parts.append(f"rank 0 alone {s.alone:.1f} s")
+    if s.device_s is not None:
+        parts.append(f"{s.device_s:.1f} device-s")
+    return ", ".join(parts)
 
 
 def _parents(runs: list[RunFile]) -> dict[str, str]:

@@ -32,6 +32,7 @@ class RunView:
     wall_time: str  # the run's wall time; empty while it has not finished
     status: str
     versions: str
+    speed: str = ""  # tokens/s, rank 0 alone, device-seconds (mpitp.results.speed); empty while it has not finished
 
 
 @dataclass
