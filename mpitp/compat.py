@@ -24,6 +24,9 @@ from mpitp.errors import UsageError
 #: The attention implementation name mpitp's model runs under while prefix sharing is on (see the module docstring).
 TREE_ATTENTION = "mpitp_tree"
 
+#: torch's private function that says where a DTensor's local shard starts (called, never replaced)
+LOCAL_SHARD = "torch.distributed.tensor._utils.compute_local_shape_and_global_offset"
+
 # The supported ranges: pyproject.toml's (tests/test_compat.py checks that they agree).
 LM_EVAL = ">=0.4.13,<0.5"
 TRANSFORMERS = ">=5.24,<6"
@@ -72,6 +75,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("transformers", "transformers.masking_utils", "AttentionMaskInterface", TRANSFORMERS,
            "mpitp.replica.prefix"),
     Target("transformers", "transformers.masking_utils", "sdpa_mask", TRANSFORMERS, "mpitp.replica.prefix"),
+    # Not replaced, only called (private: where a DTensor's local shard sits in the whole tensor; :func:`attribute`)
+    Target("torch", "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", TORCH,
+           "mpitp.replica.scoring, mpitp.replica.adapters"),
 )}
 
 
@@ -111,6 +117,13 @@ def check(collective: bool = False, packages: tuple[str, ...] | None = None) -> 
     if lines:
         more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
         raise UsageError(lines[0] + more, collective=collective)
+
+
+def attribute(key: str):
+    """The object ``TARGETS[key]`` names (``key``: its full dotted name), for the private functions mpitp calls but
+    does not replace: one place names them, :func:`check` refuses an installation without them."""
+    owner, last = TARGETS[key].owner()
+    return getattr(owner, last)
 
 
 @contextlib.contextmanager

@@ -169,14 +169,15 @@ def _local_slice(param, full, name: str = "", path: str = ""):
     data = param.data
     if isinstance(data, DTensor):
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        from mpitp import compat
 
         odd = [pl for pl in data.placements if type(pl) not in (Shard, Replicate)]
         if odd:  # packed (strided) shards: a rank's part of the weight is not one slice of it
             raise _one_line(path, f"{name} is sharded as {odd[0]} under TP: adapters on packed/strided shards are "
                                   "not supported (use --tp 1)")
 
-        shape, offset = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
+        shape, offset = compat.attribute(compat.LOCAL_SHARD)(data.shape, data.device_mesh, data.placements)
         local = data.to_local()
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
         return local, full[index]

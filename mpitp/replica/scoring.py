@@ -208,9 +208,9 @@ def _local_rows(param: torch.Tensor, ops: TPOps) -> tuple[torch.Tensor, int]:
         placements = data.placements
         local = data.to_local()
         if any(isinstance(p, Shard) and p.dim == 0 for p in placements):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            from mpitp import compat
 
-            _, offsets = compute_local_shape_and_global_offset(data.shape, data.device_mesh, placements)
+            _, offsets = compat.attribute(compat.LOCAL_SHARD)(data.shape, data.device_mesh, placements)
             return local, int(offsets[0])
         data = local  # replicated: slice below
     rank = _rank(ops)
