@@ -49,9 +49,8 @@ def _stderr():
 def abort(code: int = 1) -> None:
     """Abort every rank of the MPI job (or just exit when MPI is not initialised)."""
     try:
-        from mpi4py import MPI
-
-        if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI = _mpi()
+        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
             sys.stdout.flush()
             sys.stderr.flush()
             _stderr().flush()
@@ -69,12 +68,17 @@ def abort(code: int = 1) -> None:
     os._exit(code)
 
 
+def _mpi():
+    """mpi4py's MPI module if this process imported it, else None: importing it initialises MPI (seconds under some
+    launchers), which commands that never use MPI (``inspect``, ``report``, ``--help``) must not pay for."""
+    return sys.modules.get("mpi4py.MPI")
+
+
 def world_rank() -> int:
     """This process's rank in COMM_WORLD (0 when MPI is not initialised)."""
+    MPI = _mpi()
     try:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+        return MPI.COMM_WORLD.Get_rank() if MPI is not None and MPI.Is_initialized() else 0
     except Exception:  # pragma: no cover
         return 0
 
@@ -89,14 +93,15 @@ def _peer_lost(exc: BaseException) -> bool:
 
 
 def _node_name() -> str:
+    MPI = _mpi()
     try:
-        from mpi4py import MPI
-
-        return MPI.Get_processor_name()
+        if MPI is not None:
+            return MPI.Get_processor_name()
     except Exception:  # pragma: no cover
-        import socket
+        pass
+    import socket
 
-        return socket.gethostname()
+    return socket.gethostname()
 
 
 def report_and_abort(exc: BaseException) -> None:
@@ -152,11 +157,8 @@ def exit_bound(phase: str, seconds: float = FINALIZE_WAIT_S):
 
 def finalize_within(seconds: float = FINALIZE_WAIT_S) -> None:
     """Finalize MPI now (if this process started it), or leave with status 1 and one line after ``seconds``."""
-    try:
-        from mpi4py import MPI
-    except ImportError:  # pragma: no cover
-        return
-    if not MPI.Is_initialized() or MPI.Is_finalized():
+    MPI = _mpi()
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
         return
     sys.stdout.flush()
     with exit_bound("MPI_Finalize", seconds):

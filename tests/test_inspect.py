@@ -544,6 +544,21 @@ def test_plot_with_matplotlib(syn, demo_file, tmp_path):
         assert "wrote" in r.stderr
 
 
+@pytest.mark.mpi  # it starts `python -m mpitp` (the guard cannot know that MPI is the thing it checks is absent)
+def test_commands_that_need_no_mpi_do_not_initialise_it(syn, tmp_path):
+    """Importing mpi4py.MPI initialises MPI (a singleton world: 0.1-1 s, a daemon under some MPIs). ``inspect``,
+    ``report`` and ``--help`` never use it, so they never import it (issue 41: a launch that costs seconds)."""
+    import subprocess
+    import sys
+
+    for args in (["inspect", syn], ["report", syn, "-o", str(tmp_path / "r.html")], ["--help"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "mpitp", *args], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "import time" in line}
+        assert "click" in imported and "mpi4py.MPI" not in imported, (args, sorted(imported)[:50])
+
+
 def test_every_command_is_registered_and_a_broken_import_fails_loudly(monkeypatch):
     """``mpitp.cli.register`` adds every command; a command module that cannot be imported is an ImportError at
     start-up, not a command that silently vanishes from ``mpitp --help`` (as ``inspect`` used to)."""

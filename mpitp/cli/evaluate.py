@@ -9,10 +9,6 @@ import sys
 
 import click
 
-from mpitp.jobs.orchestrate import run_config
-from mpitp.parallel.runtime import agree, setup_logging, start, stop
-from mpitp.parallel.world import world_from_comm
-
 
 @click.command(name="eval", add_help_option=False,
                context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
@@ -25,7 +21,10 @@ def eval_command(args):
 def eval_main(argv: list[str]) -> None:
     """Rank 0 parses (a ``--config`` or ``--samples`` file is read once) and every rank gets its verdict."""
     from mpitp.evaluation.lmeval_args import parse_eval_args
-    from mpitp.parallel.comm import DEFAULT_TIMEOUT
+    from mpitp.jobs.orchestrate import run_config
+    from mpitp.parallel import DEFAULT_TIMEOUT
+    from mpitp.parallel.runtime import agree, setup_logging, start, stop
+    from mpitp.parallel.world import world_from_comm
 
     world = world_from_comm()
     if world.rank == 0:

@@ -7,10 +7,6 @@ import logging
 import click
 
 from mpitp.cli.options import runtime_options
-from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.launch import oversubscription_warning
-from mpitp.parallel.runtime import setup_logging, start
-from mpitp.parallel.world import mpi_implementation, mpi_library_version
 from mpitp.results.texttable import format_table
 
 log = logging.getLogger("mpitp")
@@ -32,6 +28,7 @@ def info_command(tp, pp, device, threads, timeout, log_all_ranks, iface, model, 
 
 def layout_rows(rt) -> list[dict] | None:
     """Gather one row per rank on global rank 0 (None elsewhere)."""
+    from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.netaddr import node_network
 
     lay = rt.layout
@@ -84,7 +81,10 @@ def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: st
              iface: str | None = None, hf_assets: str | None = None) -> None:
     import torch
 
-    from mpitp.parallel.world import world_from_comm
+    from mpitp.parallel import comm as mpicomm
+    from mpitp.parallel.launch import oversubscription_warning
+    from mpitp.parallel.runtime import setup_logging, start
+    from mpitp.parallel.world import mpi_implementation, mpi_library_version, world_from_comm
 
     rank = world_from_comm().rank
     setup_logging(rank, log_all_ranks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mpitp.parallel.comm import DEFAULT_TIMEOUT
+from mpitp.parallel import DEFAULT_TIMEOUT
 
 
 def _positive_float(ctx, param, value):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from mpitp.results.speed import PHASE_ORDER
+
 
 class PhaseClock:
     """Rank 0's seconds per phase. lm-eval's request methods on the LM run inside :meth:`timing`: the time inside
     them minus the dispatch is tokenising (lm-eval's encoding, rolling windows),
     before the first call lm-eval loads tasks and builds requests, after the last it computes metrics."""
 
-    ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
+    ORDER = PHASE_ORDER
 
     def __init__(self):
         self.phases: dict[str, float] = {"writing": 0.0}

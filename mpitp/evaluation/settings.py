@@ -283,7 +283,7 @@ def _seed_identity(seed):
 
 
 def _default_timeout():
-    from mpitp.parallel.comm import DEFAULT_TIMEOUT  # imports mpi4py: only when the parser is built
+    from mpitp.parallel import DEFAULT_TIMEOUT
 
     return DEFAULT_TIMEOUT
 

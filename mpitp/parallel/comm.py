@@ -18,8 +18,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitp.errors import DeadlineError
+from mpitp.parallel import DEFAULT_TIMEOUT
 
-DEFAULT_TIMEOUT = 3600.0
 CHUNK = 1 << 30  # bytes per MPI call: well below the 2**31 - 1 element limit
 _HEADER_SLOTS = 16  # small messages fit their sizes in one fixed-size header
 

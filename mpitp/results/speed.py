@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+#: Rank 0's phases in the order a run passes through them (the stored dict's keys may come in another order).
+PHASE_ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
 #: Keys of ``phases_json`` that are totals rather than rank 0's phases (shown on their own).
 _TOTALS = ("wall", "max_group_busy", "final_snapshot", "head_check")
 _MAX_PHASES = 32
@@ -76,8 +78,10 @@ def speed(run, totals: dict | None) -> Speed | None:
     if busy is None and totals is not None:
         busy = totals.get("busy_max")
     totals = totals or {}
-    return Speed(wall=wall, ranks=int(ranks) if ranks else None,
-                 phases={k: v for k, v in phases.items() if k not in _TOTALS}, max_group_busy=busy,
+    order = {k: i for i, k in enumerate(PHASE_ORDER)}
+    ordered = sorted((k for k in phases if k not in _TOTALS), key=lambda k: order.get(k, len(order)))
+    return Speed(wall=wall, ranks=int(ranks) if ranks else None, phases={k: phases[k] for k in ordered},
+                 max_group_busy=busy,
                  requests=totals.get("requests", 0.0),
                  tokens=totals.get("tokens_scored", 0.0) + totals.get("tokens_generated", 0.0))
 
