@@ -74,13 +74,24 @@ def _mpi():
     return sys.modules.get("mpi4py.MPI")
 
 
+#: Where launchers put a task's rank (Hydra, Open MPI, PMIx, srun), read when MPI is not initialised.
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
 def world_rank() -> int:
-    """This process's rank in COMM_WORLD (0 when MPI is not initialised)."""
+    """This process's rank in COMM_WORLD. Before MPI is initialised (a command that never starts it, or its options
+    refused by click first): the rank its launcher gave it, so that a line meant for rank 0 is still printed once."""
     MPI = _mpi()
     try:
-        return MPI.COMM_WORLD.Get_rank() if MPI is not None and MPI.Is_initialized() else 0
+        if MPI is not None and MPI.Is_initialized():
+            return MPI.COMM_WORLD.Get_rank()
     except Exception:  # pragma: no cover
         return 0
+    for var in _RANK_VARIABLES:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 PEER_ABORT_WAIT_S = 5.0
