@@ -232,7 +232,7 @@ def test_peft_option_and_model_args_agree_or_are_refused():
     from mpitp.errors import UsageError
     from mpitp.evaluation.lmeval_args import parse_eval_args
 
-    cfg = parse_eval_args(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "t", "--peft", "ad"])[1]
+    cfg = parse_eval_args(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "t", "--peft", "ad"]).cfg
     assert cfg.peft == "ad" and cfg.model_args["peft"] == "ad"
     with pytest.raises(UsageError, match="--peft ad and --model_args peft=other disagree"):
         parse_eval_args(["--model", "hf", "--model_args", "pretrained=x,peft=other", "--tasks", "t", "--peft", "ad"])

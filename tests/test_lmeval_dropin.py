@@ -131,8 +131,9 @@ def test_parsed_as_lm_eval_parses(name, tmp_path, test_tasks):
 
     argv = dict(command_lines(STORIES, test_tasks, tmp_path, "p"))[name]
     ec = _lm_eval_config(argv)
-    kind, cfg, opts, _ = parse_eval_args([*argv, *layout(name)])
-    assert kind == "run" and opts["tp"] * opts["pp"] == 2
+    parsed = parse_eval_args([*argv, *layout(name)])
+    cfg, opts = parsed.cfg, parsed.runtime
+    assert opts.tp * opts.pp == 2
     assert cfg.model_args == ec.model_args and cfg.model == str(ec.model_args["pretrained"])
     assert cfg.tasks == ec.tasks
     for key in ("num_fewshot", "gen_kwargs", "system_instruction", "fewshot_as_multiturn", "apply_chat_template",
@@ -151,7 +152,7 @@ def test_dash_and_underscore_spellings_agree(test_tasks):
                         "--output_path o --apply_chat_template --fewshot_as_multiturn --gen_kwargs max_gen_toks=4")
     dash = [a.replace("_", "-") if a.startswith("--") else a for a in under]
     assert dash != under
-    a, b = parse_eval_args(under)[1], parse_eval_args(dash)[1]
+    a, b = parse_eval_args(under).cfg, parse_eval_args(dash).cfg
     assert a == b and a.batch_size == "auto:2" and a.max_batch_size == 8
 
 
@@ -188,9 +189,9 @@ def test_samples_without_output_path_go_to_the_hdf5_file():
     """lm-eval demands --output_path with --log_samples (nowhere else to put them); mpitp's HDF5 file holds them."""
     from mpitp.evaluation.lmeval_args import parse_eval_args
 
-    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --log-samples --output r.h5"))[1]
+    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --log-samples --output r.h5")).cfg
     assert cfg.log_samples and cfg.output_path is None and cfg.output == "r.h5"
-    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --predict_only"))[1]
+    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --predict_only")).cfg
     assert cfg.predict_only and cfg.log_samples and cfg.output_path is None
 
 
@@ -247,17 +248,17 @@ def test_resume_refuses_other_lm_eval_settings(tmp_path):
     from mpitp.evaluation.lmeval_args import parse_eval_args
 
     base = ["--model", "hf", "--model_args", f"pretrained={STORIES}", "--tasks", "arc_easy_local"]
-    cfg = parse_eval_args(base)[1]
+    cfg = parse_eval_args(base).cfg
     old_style = {k: v for k, v in cfg.identity().items()}  # what files written before these settings hold
     path = tmp_path / "r.h5"
     with h5py.File(path, "w") as f:
         f.attrs["config_json"] = json.dumps(old_style, sort_keys=True)
     check_resumable(str(path), cfg)  # lm-eval's default seeds, no metadata beyond model_args: the same identity
-    check_resumable(str(path), parse_eval_args([*base, "--seed", "0,1234,1234,1234"])[1])
+    check_resumable(str(path), parse_eval_args([*base, "--seed", "0,1234,1234,1234"]).cfg)
     for extra, named in ((["--system_instruction", "Be brief."], "system_instruction"),
                          (["--seed", "7"], "seed"), (["--metadata", "max_seq_lengths=[64]"], "metadata"),
                          (["--model_args", "add_bos_token=True"], "hflm_args"),
                          (["--samples", '{"arc_easy_local": [1]}'], "samples"),
                          (["--gen_kwargs", "max_gen_toks=4"], "gen_kwargs")):
         with pytest.raises(UsageError, match=f"different settings: {named}"):
-            check_resumable(str(path), parse_eval_args([*base, *extra])[1])
+            check_resumable(str(path), parse_eval_args([*base, *extra]).cfg)

@@ -52,9 +52,7 @@ def job(tmp_path):
 
 
 def _cli_config(*extra: str) -> EvalConfig:
-    parsed = parse_eval_args([*CLI, *extra])
-    assert parsed[0] == "run", parsed
-    return parsed[1]
+    return parse_eval_args([*CLI, *extra]).cfg
 
 
 def _lm_eval_docs(limit, n_docs: int = 10) -> int:
@@ -222,3 +220,15 @@ def test_job_file_readers_follow_the_declared_types():
     assert from_evaluator_config(by_name["trust_remote_code"], 0) is False
     assert from_evaluator_config(by_name["fewshot_as_multiturn"], None) is None
     assert from_evaluator_config(by_name["metadata"], {}) is None
+
+
+def test_runtime_options_are_the_runtime_settings():
+    """``mpitp eval``'s launch options reach the runtime typed (``RuntimeOptions``), one field per declared runtime
+    setting with its default: a setting added to ``RUNTIME`` without a field (or the reverse) fails here."""
+    from dataclasses import fields
+
+    from mpitp.evaluation.settings import RUNTIME, RuntimeOptions
+
+    assert [(f.name, f.default) for f in fields(RuntimeOptions)] == [(s.name, s.default) for s in RUNTIME]
+    opts = parse_eval_args([*CLI, "--tp", "2", "--pp", "2", "--timeout", "30", "--stage-dir", "/tmp/x"]).runtime
+    assert (opts.tp, opts.pp, opts.timeout, opts.stage_dir, opts.watch) == (2, 2, 30.0, "/tmp/x", None)

@@ -20,7 +20,7 @@ def eval_command(args):
 
 def eval_main(argv: list[str]) -> None:
     """Rank 0 parses (a ``--config`` or ``--samples`` file is read once) and every rank gets its verdict."""
-    from mpitp.evaluation.lmeval_args import parse_eval_args
+    from mpitp.evaluation.lmeval_args import ParsedExit, parse_eval_args
     from mpitp.jobs.orchestrate import run_config
     from mpitp.parallel import DEFAULT_TIMEOUT
     from mpitp.parallel.runtime import agree, setup_logging, start, stop
@@ -32,26 +32,26 @@ def eval_main(argv: list[str]) -> None:
 
         lm_eval_logging()  # as lm_eval's own entry point does first: its parse-time warnings look like its others
     parsed = agree(lambda: parse_eval_args(argv), world.comm, DEFAULT_TIMEOUT, "parsing the command line")
-    if parsed[0] == "exit":
-        if world.rank == 0 and parsed[2]:
-            (sys.stdout if parsed[1] == 0 else sys.stderr).write(parsed[2])
-        sys.exit(parsed[1])
-    _, cfg, opts, shown = parsed
-    if world.rank == 0 and shown:
-        sys.stdout.write(shown)  # lm-eval prints the settings read from --config
-    setup_logging(world.rank, opts["log_all_ranks"])
+    if isinstance(parsed, ParsedExit):
+        if world.rank == 0 and parsed.text:
+            (sys.stdout if parsed.status == 0 else sys.stderr).write(parsed.text)
+        sys.exit(parsed.status)
+    cfg, opts = parsed.cfg, parsed.runtime
+    if world.rank == 0 and parsed.shown:
+        sys.stdout.write(parsed.shown)  # lm-eval prints the settings read from --config
+    setup_logging(world.rank, opts.log_all_ranks)
     from mpitp.parallel.walltime import install
 
     install(world.rank)
     # torch starts after rank 0's checks (run_eval, run_sweep, run_watch): a refused run costs one rank's start-up.
-    rt = start(tp=opts["tp"], pp=opts["pp"], device=opts["device"], threads=opts["threads"], timeout=opts["timeout"],
-               world=world, init_torch=False, iface=opts.get("iface"), stage_dir=opts.get("stage_dir"))
+    rt = start(tp=opts.tp, pp=opts.pp, device=opts.device, threads=opts.threads, timeout=opts.timeout, world=world,
+               init_torch=False, iface=opts.iface, stage_dir=opts.stage_dir)
     try:
-        if opts.get("watch") is not None:
+        if opts.watch is not None:
             from mpitp.jobs.orchestrate import demo_config
             from mpitp.jobs.watch import run_watch
 
-            sys.exit(run_watch(demo_config(cfg, rt) if cfg.demo else cfg, rt, opts["watch"], opts["watch_idle"]))
+            sys.exit(run_watch(demo_config(cfg, rt) if cfg.demo else cfg, rt, opts.watch, opts.watch_idle))
         status = run_config(cfg, rt)
     finally:
         stop(rt)

@@ -17,6 +17,7 @@ import contextlib
 import io
 import os
 import re
+from dataclasses import dataclass
 
 from mpitp.errors import UsageError
 from mpitp.evaluation.setting_values import (
@@ -28,6 +29,8 @@ from mpitp.evaluation.setting_values import (
     limit_value,
 )
 from mpitp.evaluation.settings import (
+    EvalConfig,
+    RuntimeOptions,
     cli_options,
     cli_runtime_dests,
     cli_setting_dests,
@@ -195,17 +198,33 @@ def _captured_stdout():
         yield buf
 
 
-def parse_eval_args(argv: list[str]):
-    """``(EvalConfig, runtime options)`` for ``mpitp eval ARGV``; raises :class:`UsageError` on bad input.
+@dataclass(frozen=True)
+class ParsedRun:
+    """``mpitp eval ARGV`` to run: the evaluation, the launch's runtime options, and the settings lm-eval printed
+    while reading a ``--config`` file (shown once, by rank 0)."""
 
-    Returns ``("exit", status, text)`` for ``--help``. Runs on rank 0 (its verdict is shared), so a ``--config`` or
-    ``--samples`` file is read once.
+    cfg: EvalConfig
+    runtime: RuntimeOptions
+    shown: str = ""
+
+
+@dataclass(frozen=True)
+class ParsedExit:
+    """``mpitp eval ARGV`` ends at parsing (``--help``): the status and the text to print."""
+
+    status: int
+    text: str
+
+
+def parse_eval_args(argv: list[str]) -> ParsedRun | ParsedExit:
+    """What ``mpitp eval ARGV`` asks for; raises :class:`UsageError` on bad input. Runs on rank 0 (its verdict is
+    shared), so a ``--config`` or ``--samples`` file is read once.
     """
     p = build_parser()
     try:
         ns = p.parse_args(argv)
     except _Exit as exc:
-        return ("exit", exc.status, exc.text)
+        return ParsedExit(exc.status, exc.text)
     values = vars(ns)
     mine = {k: values.pop(k) for k in MPITPLM_KEYS if k in values}
     lm_ns = argparse.Namespace(**values)
@@ -244,9 +263,8 @@ def parse_eval_args(argv: list[str]):
         except BadValue as exc:
             raise UsageError(f"--batch_size: {exc}") from None
     cfg = to_eval_config(ec, mine)
-    runtime = {k: mine[k] for k in cli_runtime_dests()}
-    runtime["device"] = runtime_device(ec.device)
-    return ("run", cfg, runtime, shown.getvalue())
+    runtime = RuntimeOptions(**{k: mine[k] for k in cli_runtime_dests()}, device=runtime_device(ec.device))
+    return ParsedRun(cfg, runtime, shown.getvalue())
 
 
 MPITPLM_KEYS = MPITP_DESTS
@@ -327,8 +345,6 @@ def _merge_shorthand(model_args: dict, key: str, value) -> None:
 
 def to_eval_config(ec, mine: dict):
     """lm-eval's ``EvaluatorConfig`` plus mpitp's options as an :class:`mpitp.evaluation.settings.EvalConfig`."""
-    from mpitp.evaluation.settings import EvalConfig
-
     model_args = dict(ec.model_args or {})
     for key in cli_setting_dests(shorthand=True):
         _merge_shorthand(model_args, key, mine.get(key))

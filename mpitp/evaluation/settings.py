@@ -337,6 +337,23 @@ RUNTIME = (
 )
 
 
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """One ``mpitp eval`` launch's :data:`RUNTIME` settings, typed (what the command line gave; the defaults are the
+    declarations'). ``tests/test_settings.py`` keeps the two in step: a field per setting, the same defaults."""
+
+    tp: int = 1
+    pp: int = 1
+    threads: int | None = None
+    timeout: float | None = None
+    log_all_ranks: bool = False
+    iface: str | None = None
+    stage_dir: str | None = None
+    device: str | None = None
+    watch: str | None = None
+    watch_idle: float = 600.0
+
+
 # ------------------------------------------------------------------------------------------------- derived views
 
 
