@@ -18,7 +18,7 @@ import pytest
 
 from support import STORIES
 from support.launch import Launch, file_rows, inspect_diff
-from support.mpi import explain, run_mpi
+from support.mpi import explain, mpi_family, run_mpi
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
@@ -106,7 +106,11 @@ def _signal_mpiexec(sig):
 
 @pytest.mark.openmpi
 def test_sigkill_tp_worker_then_rank0_then_resume(reference, tmp_path):
-    """SIGKILL a TP worker (global rank 3, of DP group 1) mid-run; resume; SIGKILL global rank 0 mid-resume; resume."""
+    """SIGKILL a TP worker (global rank 3, of DP group 1) mid-run; resume; SIGKILL global rank 0 mid-resume; resume.
+    Under Open MPI (CI's second pass). Under MPICH the fault matrix kills a node's ranks mid-run and resumes
+    (tests/test_fault_matrix.py) and bench/drill_faults.py kills rank 0 at every instant: CI's 90 minutes."""
+    if os.environ.get("CI") and mpi_family() == "mpich":
+        pytest.skip("CI's MPICH pass: covered by the fault matrix's kills (this drill runs in the Open MPI pass)")
     out = tmp_path / "killed.h5"
     report: list[str] = []
     total = reference[1]
@@ -266,9 +270,9 @@ def test_oom_retry_gives_the_same_results(tmp_path):
 
 
 def test_stress_random_chunks_two_layouts(test_tasks, tmp_path):
-    """~2000 requests of all three kinds, random chunk sizes, dp 2 x tp 2 and dp 4: same results, no hang."""
+    """~1000 requests of all three kinds, random chunk sizes, dp 2 x tp 2 and dp 4: same results, no hang."""
     args = ["eval", "--demo", "--model", str(STORIES), "--include-path", test_tasks, "--tasks",
-            "arc_easy_local,lambada_openai_local,mpitp_demo_ppl,mpitp_demo_gen", "--limit", "400", "--batch-size", "8",
+            "arc_easy_local,lambada_openai_local,mpitp_demo_ppl,mpitp_demo_gen", "--limit", "200", "--batch-size", "8",
             "--bootstrap-iters", "0", "--timeout", "120"]
     outs = []
     for seed, tp in (("1", "2"), ("2", "1")):
@@ -276,7 +280,7 @@ def test_stress_random_chunks_two_layouts(test_tasks, tmp_path):
         proc = run_mpi(4, args + ["--tp", tp, "--output", str(out)], env={"MPITP_TEST_CHUNK_SEED": seed}, timeout=300)
         assert proc.returncode == 0, explain(proc)
         status, n = file_rows(out)
-        assert status == "complete" and n >= 2000, (status, n)
+        assert status == "complete" and n >= 1000, (status, n)
         print(f"stress seed {seed} tp {tp}: {n} requests, wall {proc.elapsed:.1f} s")
         outs.append(out)
     diff = inspect_diff(outs[0], outs[1], "--rtol", "1e-5")

@@ -49,13 +49,38 @@ LAYOUT_IDS = ["1rank", "dp4", "tp2xdp2", "tp4", "pp2", "pp2xdp2", "pp2xtp2"]
 OPENMPI_LAYOUTS = {"tp2xdp2", "tp4", "pp2xtp2"}  # CI's Open MPI pass: TP, the widest TP, and stages with TP
 
 
+@pytest.fixture(scope="module")
+def four_ranks(test_tasks, tmp_path_factory):
+    """The 4-rank layouts in one launch: a job file with one run per layout (``mpitp run``: the same world re-laid
+    out per run, as a campaign runs), so the suite pays the ranks' start-up once instead of five times (CI's 90
+    minutes). ``mpitp eval``'s own command line is the 1- and 2-rank layouts' (``_run_layout``)."""
+    import yaml
+
+    tmp = tmp_path_factory.mktemp("parity4")
+    runs = [dict(name=i, tp=tp, pp=pp, output=str(tmp / f"{i}.h5"))
+            for (n, tp, pp), i in zip(LAYOUTS, LAYOUT_IDS) if n == 4]
+    job = tmp / "layouts.yaml"
+    job.write_text(yaml.safe_dump(dict(defaults=dict(model=str(STORIES), tasks=TASKS, include_path=test_tasks,
+                                                     limit=LIMIT, batch_size=BATCH, gen_kwargs=GEN_KWARGS,
+                                                     bootstrap_iters=0, dtype="float32"), runs=runs), sort_keys=False))
+    proc = run_mpi(4, ["run", str(job)], timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    # the probe ran on every replica of every run, its cost shown
+    assert proc.stdout.count("head check: passed in") == len(runs), explain(proc)
+    return {r["name"]: r["output"] for r in runs}, proc
+
+
 @pytest.mark.parametrize("n,tp,pp", [pytest.param(*lay, id=i, marks=[pytest.mark.openmpi] if i in OPENMPI_LAYOUTS
                                                    else []) for lay, i in zip(LAYOUTS, LAYOUT_IDS)])
-def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path):
-    out = tmp_path / "out.h5"
-    proc = _run_layout(n, tp, test_tasks, out, pp)
-    assert proc.returncode == 0, explain(proc)
-    assert "head check: passed in" in proc.stdout, explain(proc)  # the probe ran on every replica, its cost shown
+def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path, request):
+    if n == 4:
+        outs, proc = request.getfixturevalue("four_ranks")
+        out = outs[request.node.callspec.id]
+    else:
+        out = tmp_path / "out.h5"
+        proc = _run_layout(n, tp, test_tasks, out, pp)
+        assert proc.returncode == 0, explain(proc)
+        assert "head check: passed in" in proc.stdout, explain(proc)  # the probe ran, its cost shown
     ref = reference_requests(reference["samples"])
     got = mpitp_requests(str(out), TASKS)
     worst, problems = compare_requests(ref, got)

@@ -135,8 +135,9 @@ class EvalConfig:
         "Keep every document's prompt, model output and scores (lm-eval's samples), in the results file too."))
     demo: bool = setting(False, cli=cli("--demo", group=RESULTS, action="store_true"),
                          doc="Built-in offline demo: tiny random Llama, three small tasks.")
-    bootstrap_iters: int = setting(100000, cli=cli("--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0)),
-                                   doc="Bootstrap iterations for stderr (default 100000, as lm-eval).")
+    bootstrap_iters: int = setting(100000, job=yaml_int_at_least(0, "an integer >= 0"), cli=cli(
+        "--bootstrap-iters", group=RESULTS, type=cli_int_at_least(0)),
+        doc="Bootstrap iterations for stderr (default 100000, as lm-eval).")
     trust_remote_code: bool = setting(False, identity=IF_SET, lm_eval=True, doc=(  # the model's code runs: recorded
         "Allow remote code from the Hugging Face Hub to run (a model's own Python, a dataset's script)."))
     no_prefix_sharing: bool = setting(False, job=yaml_bool, cli=cli(  # see mpitp.replica.prefix
