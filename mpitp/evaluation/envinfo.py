@@ -6,7 +6,7 @@ node) taken from the ranks at every launch, for a text that changes when package
 is kept in this user's cache (``<mpitp cache>/env-info``, one JSON file per key, the folder and the file this user's
 alone as for the task index: :mod:`mpitp.tasks.index`), keyed by the host name, the Python executable and version, and
 the modification time of every package folder on ``sys.path`` (installing or removing a package changes it), and
-recomputed after :data:`MAX_AGE_S` (drivers). ``MPITP_ENV_INFO_CACHE=0`` computes it every time.
+recomputed after :data:`MAX_AGE_S` (drivers). ``MPITP_ENV_INFO_CACHE=DIR`` moves it, ``=0`` computes it every time.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ def cache_file() -> Path | None:
     """This installation's cache file on this machine; None when the cache is off or its folder is not this user's
     alone (a record others can write would be stored in results as this run's environment)."""
     from mpitp.results.untrusted import private_dir
-    from mpitp.tasks.demo import default_cache_dir
+    from mpitp.tasks.demo import cache_folder
 
-    if os.environ.get("MPITP_ENV_INFO_CACHE", "") in ("0", "off", "false", "False"):
+    folder = cache_folder("MPITP_ENV_INFO_CACHE", "env-info")
+    if folder is None:
         return None
-    folder = Path(default_cache_dir()) / "env-info"
     problem = private_dir(str(folder), levels=2)
     if problem:
         log.info("environment record not cached: %s", problem)

@@ -53,14 +53,9 @@ counters: collections.Counter = collections.Counter()
 
 
 def cache_dir() -> Path | None:
-    v = os.environ.get("MPITP_TASK_INDEX_CACHE", "")
-    if v in ("0", "off", "false", "False"):
-        return None
-    if v:
-        return Path(v).expanduser()
-    from mpitp.tasks.demo import default_cache_dir
+    from mpitp.tasks.demo import cache_folder
 
-    return Path(default_cache_dir()) / "task-index"
+    return cache_folder("MPITP_TASK_INDEX_CACHE", "task-index")
 
 
 def _lm_eval_version() -> str:

@@ -55,6 +55,15 @@ def default_cache_dir() -> str:
     return str(Path(base).expanduser() / "mpitp")
 
 
+def cache_folder(variable: str, name: str) -> Path | None:
+    """One of mpitp's caches: the folder ``$VARIABLE`` names, None when it says ``0``/``off``/``false`` (the cache is
+    off), else ``<default_cache_dir()>/name``."""
+    v = os.environ.get(variable, "")
+    if v in ("0", "off", "false", "False"):
+        return None
+    return Path(v).expanduser() if v else Path(default_cache_dir()) / name
+
+
 def prepare_demo(
     cache_dir: str | os.PathLike | None = None, seed: int = 0
 ) -> tuple[str, str, list[str]]:
