@@ -46,11 +46,17 @@ def _stderr():
     return sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
 
 
-def abort(code: int = 1) -> None:
-    """Abort every rank of the MPI job (or just exit when MPI is not initialised)."""
+def abort(code: int = 1, join_peers: bool = False) -> None:
+    """Abort every rank of the MPI job (or just exit when MPI is not initialised).
+
+    ``join_peers``: a rank that fails before it started MPI (an import that breaks, a bug in start-up code) while its
+    launcher started others leaves them in ``MPI_Init`` waiting for it, forever under Hydra (measured: 5 min, then
+    killed by hand). Such a rank starts MPI itself, which completes their ``MPI_Init``, and aborts them; bounded, with
+    the launcher ended when even that cannot complete (a peer that is gone too)."""
     try:
         MPI = _mpi()
-        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        joining = MPI is None and join_peers and _launched_with_peers()
+        if joining or (MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()):
             sys.stdout.flush()
             sys.stderr.flush()
             _stderr().flush()
@@ -62,10 +68,21 @@ def abort(code: int = 1) -> None:
             with bounded(ABORT_WAIT_S, f"mpitp: rank {world_rank()}: MPI_Abort did not return within "
                                        f"{ABORT_WAIT_S:g} s; leaving without it", nudge=launcher_nudge(),
                          nudge_after=LAUNCHER_NUDGE_S, nudge_on_exit=True):
+                if joining:
+                    from mpi4py import MPI  # initialises MPI: the peers waiting in MPI_Init complete it
                 MPI.COMM_WORLD.Abort(code)
     except Exception:  # pragma: no cover - last resort
         pass
     os._exit(code)
+
+
+def _launched_with_peers() -> bool:
+    """The launcher started this process as one of several ranks (read from its variables, MPI not started)."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value) > 1
+    return False
 
 
 def _mpi():
@@ -135,7 +152,7 @@ def report_and_abort(exc: BaseException) -> None:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     # Leading newline: rank 0's progress bar may own the current terminal line.
     _stderr().write(f"\n[rank {rank}] mpitp: fatal {type(exc).__name__}: {exc}\n{tb}")
-    abort(1)
+    abort(1, join_peers=True)
 
 
 #: Seconds each blocking MPI call at the end of a command (``MPI_Finalize``, the replica's torch world torn down) may

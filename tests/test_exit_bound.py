@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi
+from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi, run_mpi_script
 
 STAND_IN = textwrap.dedent("""
     import ctypes, sys, time
@@ -103,3 +103,19 @@ def test_mpi_finalize_waiting_for_a_rank_is_bounded():
     assert "Traceback" not in err, explain(proc)
     assert took < 60, (took, explain(proc))
     print(f"MPI_Finalize blocked ({mpi_family()}): job gone {took:.1f} s after start (bound 3 s, rank 1 stalls 120 s)")
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi
+def test_a_rank_failing_before_mpi_started_ends_the_job():
+    """Rank 0 raises before it imports mpi4py.MPI; rank 1 waits for it in MPI_Init (then in a barrier with a one-hour
+    deadline). The failing rank starts MPI to abort its peers: the job ends in seconds with rank 0's report once (it
+    hung in MPI_Init until killed before: the failing rank exited without MPI, which no launcher here notices)."""
+    from support import REPO
+
+    proc = run_mpi_script(2, REPO / "tests" / "mpi" / "crash_before_mpi.py", timeout=120)
+    err = mpitp_stderr(proc.stderr)
+    assert proc.returncode != 0, explain(proc)
+    assert err.count("mpitp: fatal RuntimeError: deliberate failure before MPI started") == 1, explain(proc)
+    assert "got past the barrier" not in proc.stdout, explain(proc)
+    assert proc.elapsed < 30, (proc.elapsed, explain(proc))
