@@ -29,6 +29,7 @@ rank that drives ``generate`` (mpitp: the DP leader; lm-eval TP: every rank runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -138,7 +139,7 @@ def run_mpitp(argv: list[str]) -> None:
     finish = mpitp.evaluation.finish.finish_root
 
     def finish_root(state, all_stats, wall, *args, **kwargs):
-        captured["stats"] = all_stats
+        captured["stats"] = [dataclasses.asdict(s) for s in all_stats]  # mpitp.replica.stats.GroupStats
         captured["mpitp_wall_s"] = wall
         return finish(state, all_stats, wall, *args, **kwargs)
 

@@ -4,9 +4,10 @@ run per model) and compared request by request with single-process ``lm_eval --m
 
     python bench/arch_matrix.py [--work DIR] [--only a,b]
 
-Prints one row per architecture: its layouts and the largest relative |d ll| against lm-eval, a refusal
-(no TP / PP plan), or why it is not in the matrix (not a plain decoder, cannot be built at random, lm-eval cannot
-score it). CI runs a subset of this (tests/test_architectures.py).
+Prints one row per architecture: its TP plan (transformers' own: yes; mpitp's own, mpitp/replica/tp_plans.py:
+mpitp), its layouts and the largest relative |d ll| against lm-eval, a refusal (no TP / PP plan), or why it is not
+in the matrix (not a plain decoder, cannot be built at random, lm-eval cannot score it). CI runs a subset of this
+(tests/test_architectures.py).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def main() -> None:
     if args.only:
         archs = [a for a in archs if a.model_type in args.only.split(",")]
     for arch in archs:
-        row = rows[arch.model_type] = dict(tp_plan=arch.tp_plan, pp_plan=arch.pp_plan)
+        row = rows[arch.model_type] = dict(tp_plan="yes" if arch.tp_plan else "mpitp" if arch.own_plan else "no",
+                                           pp_plan=arch.pp_plan)
         why = A.not_plain_decoder(arch)
         if why:
             row["reason"] = f"not in matrix: {why}"
@@ -95,14 +97,18 @@ def main() -> None:
                 lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if f"{name}-tp{tp}-pp{pp} failed" in ln]
                 rows[name][key] = ("refused: " + lines[0].split("failed: ", 1)[-1][:90]) if lines else "no output"
                 continue
-            worst, problems = A.compare(refs[name], h5)
+            try:
+                worst, problems = A.compare(refs[name], h5)
+            except KeyError as exc:  # a run that died part-way (the launch's other models still get their row)
+                rows[name][key] = f"partial output: {exc}"
+                continue
             rows[name][key] = f"{worst:.1e}" + ("" if not problems else f" MISMATCH ({len(problems)})")
     (work / "matrix.json").write_text(json.dumps(rows, indent=1, default=str))
     print("\n| architecture | TP plan | PP plan | tp=1 | tp=2 | pp=2 | non-default options / reason |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         extra = r.get("reason") or ", ".join(f"{k}={v}" for k, v in (r.get("changed") or {}).items())
-        print(f"| {name} | {'yes' if r['tp_plan'] else 'no'} | {'yes' if r['pp_plan'] else 'no'} | "
+        print(f"| {name} | {r['tp_plan']} | {'yes' if r['pp_plan'] else 'no'} | "
               f"{r.get('tp1', '-')} | {r.get('tp2', '-')} | {r.get('pp2', '-')} | {extra} |")
 
 

@@ -230,9 +230,11 @@ def _run(cmd: list[str], env: dict, timeout: float, label: str) -> dict:
 
 def run_mpitp(n: int, model: str, tasks: str, *, tp: int = 1, batch_size: int = 1, limit=None,
               gen_kwargs: str | None = None, no_cache: bool = False, extra: list[str] | None = None,
-              timeout: float = 900, label: str | None = None, tree: str | None = None) -> dict:
+              timeout: float = 900, label: str | None = None, tree: str | None = None,
+              env: dict | None = None) -> dict:
     """``mpiexec -n N python bench/_driver.py mpitp -- eval ...`` ; returns times, peak RSS and mpitp's stats.
-    ``tree``: import mpitp from that checkout (``PYTHONPATH``) instead, e.g. a copy of an earlier commit."""
+    ``tree``: import mpitp from that checkout (``PYTHONPATH``) instead, e.g. a copy of an earlier commit; ``env``:
+    extra environment variables (e.g. ``MPITP_TESTING=1`` and an ``MPITP_TEST_*`` hook)."""
     out = CACHE / "out" / f"mpitp-{os.getpid()}-{time.monotonic_ns()}.h5"
     out.parent.mkdir(parents=True, exist_ok=True)
     args = ["eval", "--model", model, "--tasks", tasks, "--tp", str(tp), "--batch-size", str(batch_size),
@@ -243,8 +245,8 @@ def run_mpitp(n: int, model: str, tasks: str, *, tp: int = 1, batch_size: int = 
         args += ["--gen-kwargs", gen_kwargs]
     args += extra or []
     cmd = [MPIEXEC, "-n", str(n), PYTHON, DRIVER, "mpitp"] + (["--no-cache"] if no_cache else []) + ["--"] + args
-    env = bench_env(**({"PYTHONPATH": tree} if tree else {}))
-    r = _run(cmd, env, timeout, label or f"mpitp n={n} tp={tp}")
+    r = _run(cmd, bench_env(**({"PYTHONPATH": tree} if tree else {}), **(env or {})), timeout,
+             label or f"mpitp n={n} tp={tp}")
     root = r["ranks"][0]
     r["stats"] = root.get("stats")  # every DP group's counters, exact (incl. tp_score_bytes)
     r["mpitp_wall_s"] = root.get("mpitp_wall_s")

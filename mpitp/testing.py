@@ -17,6 +17,9 @@ its variable is unset. The environment is read once per process (:func:`hooks`).
 ``MPITP_TEST_IO_REPORT=1``                       :func:`report_io`: each rank prints its ``/proc/self/io`` counters
                                                  when the model is loaded (bench/README: bytes read per node)
 ``MPITP_TEST_FINALIZE_WAIT=<seconds>``           the bound on ``MPI_Finalize`` (``errors.FINALIZE_WAIT_S``)
+``MPITP_TEST_FORWARD_LOG=<path>``                :func:`log_forward`, :func:`install_generate_log`: each DP leader
+                                                 appends one JSON line per forward of its replica (the shape it
+                                                 fed) to ``path``: bench/bench_forward_limit.py replays them
 ===============================================  ==================================================================
 
 The hooks are live only when ``MPITP_TESTING=1`` is set too (the test suite sets it in ``tests/conftest.py``):
@@ -29,6 +32,7 @@ value is a usage error (one line, exit status 2), not a traceback.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import time
@@ -49,6 +53,7 @@ class Hooks:
     alter_head: float | None = None
     io_report: bool = False
     finalize_wait: float | None = None
+    forward_log: str | None = None
 
     @classmethod
     def from_env(cls, env=None) -> Hooks:
@@ -92,12 +97,13 @@ class Hooks:
                    alter_head=float(alter) if alter else None,
                    io_report=env.get("MPITP_TEST_IO_REPORT", "") not in ("", "0"),
                    finalize_wait=float(env["MPITP_TEST_FINALIZE_WAIT"]) if env.get("MPITP_TEST_FINALIZE_WAIT")
-                   else None)
+                   else None,
+                   forward_log=env.get("MPITP_TEST_FORWARD_LOG") or None)
 
 
 HOOK_VARS = ("MPITP_TEST_STALL", "MPITP_TEST_CHUNK_SEED", "MPITP_TEST_OOM_ABOVE", "MPITP_TEST_RAISE",
              "MPITP_TEST_RAISE_IN_FORWARD", "MPITP_TEST_ALTER_HEAD", "MPITP_TEST_IO_REPORT",
-             "MPITP_TEST_FINALIZE_WAIT")
+             "MPITP_TEST_FINALIZE_WAIT", "MPITP_TEST_FORWARD_LOG")
 
 
 def active() -> list[str]:
@@ -199,3 +205,48 @@ def report_io(phase: str, world) -> None:
     # writes: another rank's line could land between the two).
     sys.stderr.write(f"io: {phase}: rank={world.rank} node={world.node_name} local_rank={world.local_rank} {fields}\n")
     sys.stderr.flush()
+
+
+def log_forward(layout, kind: str, **shape: int) -> None:
+    """Under ``MPITP_TEST_FORWARD_LOG`` append ``{"kind": kind, "dp": <DP rank>, **shape}`` as one JSON line, on a
+    DP leader only (its workers run the same forward): the shapes a replica really fed, so that a benchmark can time
+    the same forwards alone and say how far mpitp's busy time is from pure compute. One ``write`` per line on an
+    ``O_APPEND`` descriptor, so the lines of several DP leaders sharing the file never interleave."""
+    path = hooks().forward_log
+    if path is None or not layout.is_leader:
+        return
+    line = json.dumps({"kind": kind, "dp": int(layout.dp_rank), **{k: int(v) for k, v in shape.items()}},
+                      separators=(",", ":"))
+    os.write(_log_fd(path), (line + "\n").encode())
+
+
+@functools.cache
+def _log_fd(path: str) -> int:
+    """The log's descriptor, opened once per process (a forward should not pay an ``open``)."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+
+def install_generate_log(model, layout) -> None:
+    """Under ``MPITP_TEST_FORWARD_LOG`` log every ``generate`` forward of the DP leader's ``model`` (the
+    top-level module HF ``generate`` calls, whatever mpitp puts behind it: its own forward, the mirrored one, the
+    stages' step) as a ``generate`` line: ``batch``, ``seq`` (input positions of this step: the prompt at prefill,
+    1 per decode step), ``past`` (positions already in the KV cache) and ``tokens`` (``batch * seq``).
+
+    Only forwards that carry a transformers ``Cache`` are generation steps: the head check calls the same module
+    without one (``use_cache=False``). Generation without a KV cache is therefore not logged."""
+    if hooks().forward_log is None or not layout.is_leader:
+        return
+
+    def hook(module, args, kwargs):
+        from transformers.cache_utils import Cache
+
+        cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if cache is None or ids is None:
+            return
+        b, s = int(ids.shape[0]), int(ids.shape[1])
+        log_forward(layout, "generate", batch=b, seq=s, past=int(cache.get_seq_length()), tokens=b * s)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -2,10 +2,10 @@
 by request with single-process ``lm_eval --model hf`` at tp=1, tp=2 and (where a PP plan exists) pp=2.
 
 The architectures are enumerated from the installed transformers (``tests/support/arch.py``); CI runs the subset
-:func:`support.arch.ci_subset` picks by rule (one per distinct head code, Cohere, Granite, Llama, and GPT-2/OPT without
-a TP plan); ``bench/arch_matrix.py`` runs all of them. Every scaling / capping / bias option of a config is set to a
-non-default value (Cohere's ``logit_scale``, Granite's ``logits_scaling`` ...). One MPI launch per layout (a job file
-with one run per model).
+:func:`support.arch.ci_subset` picks by rule (one per distinct head code, Cohere, Granite, Llama, GPT-2/OPT without
+a TP plan in transformers, and one family per fix-up of mpitp's own plans); ``bench/arch_matrix.py`` runs all of
+them. Every scaling / capping / bias option of a config is set to a non-default value (Cohere's ``logit_scale``,
+Granite's ``logits_scaling`` ...). One MPI launch per layout (a job file with one run per model).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_matrix_layout_matches_lm_eval(tp, pp, matrix, references, test_tasks, t
     for name in models:
         arch = matrix[name][0]
         out = tmp_path / f"{name}.h5"
-        if tp > 1 and not arch.tp_plan:
+        if tp > 1 and not (arch.tp_plan or arch.own_plan):
             refused = f"model type '{name}' has no tensor-parallel plan" in proc.stderr + proc.stdout
             if not refused or out.exists():
                 failures.append(f"{name}: expected a clear refusal at tp={tp}")
@@ -116,3 +116,57 @@ def test_matrix_layout_matches_lm_eval(tp, pp, matrix, references, test_tasks, t
     for name, r in table:
         print(f"  {name:20s} {r}")
     assert not failures, "\n".join(failures) + "\n" + explain(proc)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory, test_tasks):
+    """Two of the MoE shapes (:data:`support.arch.MOE_SHAPES`: Mixtral's plain top-k router and GPT-OSS's biased
+    experts), built tiny, with lm-eval's reference for each (all four held once at issue 40's close, in its note;
+    memory and traffic of all four: ``bench/bench_ep.py``)."""
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("moe")
+    archs = {a.model_type: a for a in A.architectures()}
+    built = {}
+    for name in ("mixtral", "gpt_oss"):
+        A.build(archs[name], root / name)
+        built[name] = root / name
+    tm = TaskManager(include_path=test_tasks)
+    return built, {name: A.reference(d, test_tasks, tm) for name, d in built.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(1800)
+def test_experts_spread_over_ranks_match_lm_eval(moe_models, test_tasks, tmp_path):
+    """``--ep 2`` at tp=2 (transformers' expert-parallel plan: each rank holds half of every layer's experts, whole,
+    and the group sums their outputs) on Mixtral- and GPT-OSS-shaped models, one launch: each matches lm-eval request
+    by request. A type without an expert-parallel plan is refused before loading."""
+    from support.mpi import run_mpi as launch
+
+    models, refs = moe_models
+    job = A.job_file(tmp_path / "ep.yaml", {**models, "llama-no-ep-plan": _llama(tmp_path)}, test_tasks, tmp_path,
+                     tp=2, pp=1, ep=2)
+    proc = launch(2, ["run", str(job)], timeout=1500)
+    failures = []
+    for name in models:
+        out = tmp_path / f"{name}.h5"
+        if not out.exists():
+            failures.append(f"{name}: no output")
+            continue
+        worst, problems = A.compare(refs[name], out)
+        print(f"  {name:12s} tp=2 ep=2 max rel |d ll| {worst:.1e}")
+        failures += [f"{name}: {p}" for p in problems[:5]]
+    assert "model type 'llama' has no expert-parallel plan in transformers; run it without --ep" in proc.stderr + \
+        proc.stdout, explain(proc)
+    assert not (tmp_path / "llama-no-ep-plan.h5").exists()
+    assert not failures, "\n".join(failures) + "\n" + explain(proc)
+
+
+def _llama(tmp_path):
+    """A dense model (no experts) for the refusal: built tiny, never loaded."""
+    archs = {a.model_type: a for a in A.architectures()}
+    A.build(archs["llama"], tmp_path / "llama")
+    return tmp_path / "llama"

@@ -1,5 +1,6 @@
-"""mpitp's reach into lm-eval, transformers and torch (mpitp.compat): every target exists in the installed versions,
-every patch is undone after use, and prefix sharing leaves transformers' global ``"sdpa"`` attention alone."""
+"""mpitp's reach into lm-eval, transformers, torch, click and Python (mpitp.compat): every target exists in the
+installed versions, every patch is undone after use, and prefix sharing leaves transformers' global ``"sdpa"``
+attention alone. That nothing reaches them elsewhere: tests/test_compat_scan.py."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_every_patch_is_undone_after_use_even_on_error():
     from mpitp.evaluation.eval_docs import listed_once
     from mpitp.evaluation.requestcache import used
     from mpitp.evaluation.templates import compiled_once
+    from mpitp.jobs.readiness_guard import block_network
     from mpitp.jobs.sweep import memoize_task_loading
     from mpitp.replica.loading import strided_shards_with_pread
     from mpitp.replica.pipeline import _tp_plan_without_stubs
@@ -63,7 +65,9 @@ def test_every_patch_is_undone_after_use_even_on_error():
               "torch.utils.collect_env.get_pretty_env_info": EnvInfoEarly,
               "transformers.modeling_utils.safe_open": strided_shards_with_pread,
               "transformers.distributed.mixin.apply_tensor_parallelism": _tp_plan_without_stubs,
-              load: lambda: memoize_task_loading(tm, {})}
+              load: lambda: memoize_task_loading(tm, {}),
+              **dict.fromkeys(("socket.socket.connect", "socket.socket.connect_ex", "socket.getaddrinfo"),
+                              lambda: block_network([]))}
     assert set(blocks) <= set(compat.TARGETS), set(blocks) - set(compat.TARGETS)
     for key, block in blocks.items():
         with contextlib.suppress(KeyError), block():
@@ -75,6 +79,33 @@ def test_every_patch_is_undone_after_use_even_on_error():
             raise KeyError(key)  # leaving by an exception restores too
         assert _originals() == before, key
         assert "load" not in vars(tm)
+
+
+def test_a_missing_private_name_of_an_instance_target_is_refused():
+    """An ``instance`` target is there only while the class's code still names every private attribute mpitp sets."""
+    there = compat.TARGETS["lm_eval.tasks.TaskManager"]
+    gone = compat.Target("lm-eval", "lm_eval.tasks", "TaskManager", compat.LM_EVAL, "mpitp.x", kind="instance",
+                         names=("_index", "_no_such_index"))
+    assert compat.missing({"a": there}) == []
+    lines = compat.missing({"b": gone})
+    assert len(lines) == 1 and "_no_such_index" in lines[0] and "mpitp.x" in lines[0], lines
+
+
+def test_instance_patches_are_undone_on_that_instance_only():
+    """The leader's mirrored forward and the greedy head are set on one model and put back, the class untouched."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    cls_forward, head = type(model).forward, model.get_output_embeddings()
+    with contextlib.suppress(KeyError), compat.replaced("torch.nn.Module.forward", lambda **kw: 1, on=model):
+        assert model.forward() == 1 and type(model).forward is cls_forward
+        raise KeyError
+    assert "forward" not in vars(model) and type(model).forward is cls_forward
+    other = torch.nn.Identity()
+    with contextlib.suppress(KeyError), compat.output_head_replaced(model, other) as original:
+        assert original is head and model.get_output_embeddings() is other
+        raise KeyError
+    assert model.get_output_embeddings() is head and head in dict(model.named_children()).values()
 
 
 def test_prefix_sharing_registers_its_own_attention_and_leaves_sdpa_alone():
@@ -129,5 +160,7 @@ def test_the_supported_ranges_are_pyprojects():
     with open(os.path.join(HERE, "..", "pyproject.toml"), "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
     for package, supported in (("lm-eval", compat.LM_EVAL), ("transformers", compat.TRANSFORMERS),
-                               ("torch", compat.TORCH)):
+                               ("torch", compat.TORCH), ("click", compat.CLICK)):
         assert f"{package}{supported}" in deps, (package, supported, deps)
+    with open(os.path.join(HERE, "..", "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["requires-python"] == compat.PYTHON

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,7 +56,9 @@ class _ShuffledDispatcher:
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
 
-    def run(self, kind, items, weights, on_chunk):
+    def run(self, kind, items, weights, on_chunk, owners=None):
+        assert owners is not None and len(owners) == len(items)  # each window says whose it is (speed_json)
+        self.owners = owners
         chunks = make_chunks(kind, items, weights, n_groups=3, per_group=2)
         self.rng.shuffle(chunks)
         for c in chunks:
@@ -88,8 +91,10 @@ def test_rolling_windows_reassemble_per_request(seed):
             for n in (3, 0, 1, 7, 2, 0, 12)]
     recorded = []
     disp, progress = _ShuffledDispatcher(seed), _Progress()
-    out = _run_windows(disp, progress, docs, lambda idx, res: recorded.extend(zip(idx, res)))
+    tasks = [SimpleNamespace(task_name=f"t{j % 2}") for j in range(len(docs))]
+    out = _run_windows(disp, progress, docs, lambda idx, res: recorded.extend(zip(idx, res)), tasks)
     assert disp.kind == KIND_WINDOW and disp.n == sum(len(d) for d in docs)
+    assert disp.owners == [(f"t{j % 2}", j, len(d)) for j, d in enumerate(docs) for _ in d]
     assert progress.total == progress.done == len(docs)  # the bar counts requests, not windows
     assert progress.tokens == sum(len(r[0]) for d in docs for r in d)
     want = [(math.fsum(-float(r[0][0]) for r in d), all(r[0][0] % 2 == 0 for r in d), sum(r[1] for r in d))

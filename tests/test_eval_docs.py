@@ -68,7 +68,7 @@ def _run(include_path, tasks, listed: bool):
     from lm_eval.api.task import Task
     from lm_eval.tasks import TaskManager
 
-    from mpitp.evaluation.eval_docs import listed_once
+    from mpitp.evaluation.eval_docs import fewshot_listed, listed_once
 
     seen = []
 
@@ -92,8 +92,11 @@ def _run(include_path, tasks, listed: bool):
 
     Task.eval_docs = property(counted)  # under listed_once: how often lm-eval's own property runs
     try:
-        with listed_once() if listed else contextlib.nullcontext():
-            res = lm_eval.simple_evaluate(model=Stand(), tasks=tasks, limit=40, log_samples=False,
+        with contextlib.ExitStack() as blocks:
+            if listed:
+                blocks.enter_context(listed_once())
+                blocks.enter_context(fewshot_listed())
+            res = lm_eval.simple_evaluate(model=Stand(), tasks=tasks, limit=40, log_samples=False, num_fewshot=2,
                                           task_manager=TaskManager(include_path=include_path,
                                                                    include_defaults=False))
     finally:
@@ -103,10 +106,30 @@ def _run(include_path, tasks, listed: bool):
 
 
 def test_same_requests_and_metrics_with_documents_listed_once(test_tasks):
+    """Two-shot, so the few-shot pool read in one arrow conversion (:func:`fewshot_listed`) is in every request."""
     tasks = ["hellaswag_local", "arc_easy_local"]
     plain = _run(test_tasks, tasks, listed=False)
     listed = _run(test_tasks, tasks, listed=True)
     assert len(plain[0]) > 200 and listed[0] == plain[0]
+    assert all(len(args[0]) > 300 for args in plain[0][:50])  # the contexts carry two examples each
     assert listed[1] == plain[1] and set(plain[1]) == set(tasks)
     assert sorted(listed[2]) == sorted(tasks)  # lm-eval's property ran once per task ...
     assert len(plain[2]) > 2 * len(tasks)  # ... where lm-eval alone reads it several times
+
+
+def test_fewshot_pool_is_the_same_documents_from_one_conversion(tmp_path):
+    """A plain-featured split becomes the list of the same dicts; a split whose features decode (an image) and a
+    formatted view stay as they are."""
+    import datasets
+
+    from mpitp.evaluation.eval_docs import _plain_list
+
+    rows = [{"q": f"q{i}", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "n": i} for i in range(50)]
+    ds = datasets.Dataset.from_list(rows)
+    listed = _plain_list(ds)
+    assert isinstance(listed, list) and listed == list(ds) == rows
+    assert _plain_list(ds.with_format("numpy")) is not None and not isinstance(_plain_list(ds.with_format("numpy")),
+                                                                                list)
+    img = datasets.Dataset.from_dict({"im": [None]}, features=datasets.Features({"im": datasets.Image()}))
+    assert _plain_list(img) is img
+    assert _plain_list(rows) is rows

@@ -270,17 +270,30 @@ def test_oom_retry_gives_the_same_results(tmp_path):
 
 
 def test_stress_random_chunks_two_layouts(test_tasks, tmp_path):
-    """~1000 requests of all three kinds, random chunk sizes, dp 2 x tp 2 and dp 4: same results, no hang."""
+    """~1000 requests of all three kinds, random chunk sizes, dp 2 x tp 2 and dp 4: same results, no hang. At
+    dp 2 x tp 2 the forward log (``MPITP_TEST_FORWARD_LOG``, bench/bench_forward_limit.py) holds one line per
+    forward each DP group counted in ``/stats`` (scoring and, with TP workers, every ``generate`` step)."""
+    import json
+
+    import h5py
+
     args = ["eval", "--demo", "--model", str(STORIES), "--include-path", test_tasks, "--tasks",
             "arc_easy_local,lambada_openai_local,mpitp_demo_ppl,mpitp_demo_gen", "--limit", "200", "--batch-size", "8",
             "--bootstrap-iters", "0", "--timeout", "120"]
     outs = []
     for seed, tp in (("1", "2"), ("2", "1")):
         out = tmp_path / f"seed{seed}-tp{tp}.h5"
-        proc = run_mpi(4, args + ["--tp", tp, "--output", str(out)], env={"MPITP_TEST_CHUNK_SEED": seed}, timeout=300)
+        log = tmp_path / f"forwards-tp{tp}.jsonl"
+        env = {"MPITP_TEST_CHUNK_SEED": seed, **({"MPITP_TEST_FORWARD_LOG": str(log)} if tp == "2" else {})}
+        proc = run_mpi(4, args + ["--tp", tp, "--output", str(out)], env=env, timeout=300)
         assert proc.returncode == 0, explain(proc)
         status, n = file_rows(out)
         assert status == "complete" and n >= 1000, (status, n)
+        if tp == "2":
+            with h5py.File(out, "r") as f:
+                counted = dict(zip(f["stats"]["dp_rank"][()].tolist(), f["stats"]["forwards"][()].tolist()))
+            logged = [json.loads(x)["dp"] for x in log.read_text().splitlines()]
+            assert {g: logged.count(g) for g in counted} == counted, counted
         print(f"stress seed {seed} tp {tp}: {n} requests, wall {proc.elapsed:.1f} s")
         outs.append(out)
     diff = inspect_diff(outs[0], outs[1], "--rtol", "1e-5")

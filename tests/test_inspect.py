@@ -158,6 +158,31 @@ def test_table_real_run(demo_file):
                 row = [line.split() for line in out.splitlines() if line.split()[:3] == [task, metric, filt]]
                 assert len(row) == 1, (task, key, out)
                 assert math.isclose(float(row[0][3]), value, rel_tol=1e-3, abs_tol=1e-4), (row, value)
+    _check_speed(demo_file, out)
+
+
+def _check_speed(path: str, out: str) -> None:
+    """Where the real run's time went (speed_json, tests/test_speed.py for each field): every task and both DP groups,
+    quantiles in order, per-task requests those the file stores, the groups' shares those /stats counts."""
+    from mpitp.results.speed import requests_of
+
+    run = load(path)
+    latency, tasks, groups = requests_of(run.attrs)
+    assert latency is not None and 0 < latency.p50 <= latency.p90 <= latency.p99 <= latency.max, latency
+    assert {t.name for t in tasks} == set(DEMO_TASKS), tasks
+    for t in tasks:  # no resume: every stored row was computed in this run, and timed
+        assert t.requests == run.tasks[t.name].n_rows and t.tokens > 0 and t.busy_s > 0, t
+        assert t.latency is not None and t.latency.p50 <= t.latency.p90 <= t.latency.p99 <= t.latency.max <= \
+            latency.max, t
+    assert len(groups) == int(run.attrs["dp"]) == 2
+    assert math.isclose(sum(g.requests for g in groups), sum(t.requests for t in tasks), rel_tol=1e-9)
+    for g, want, busy in zip(groups, run.stats["requests"], run.stats["busy_s"]):
+        assert math.isclose(g.requests, want, rel_tol=1e-6) and g.chunks >= 1, (g, want)
+        assert g.busy_s <= busy * 1.05 + 0.5, (g, busy)  # rank 0 times a chunk from outside the group's clock
+    assert math.isclose(sum(t.busy_s for t in tasks), sum(g.busy_s for g in groups), rel_tol=1e-3)
+    assert "latency     p50 " in out and "group 1     " in out
+    table = out.split("speed per task", 1)[1]
+    assert all(f"\n{task} " in table for task in DEMO_TASKS), table
 
 
 def test_running_file(syn_running):

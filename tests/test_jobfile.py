@@ -334,3 +334,13 @@ def test_no_prefix_sharing_in_job_files(tmp_path):
     job.write_text("runs:\n  - model: demo\n    tasks: [mpitp_demo_mc]\n    no_prefix_sharing: 1\n")
     with pytest.raises(JobFileError, match="'no_prefix_sharing': expected true or false, got 1"):
         load_job(job)
+
+
+def test_run_spec_fields_follow_the_declarations():
+    """``RunSpec`` is written out with real types, so a setting added to mpitp.evaluation.settings must be added to
+    it too: same names, order, defaults, and mappings left out of the hash."""
+    from mpitp.jobs.jobfile import RunSpec, declared_run_fields
+
+    have = [(f.name, f.default, f.hash is not False) for f in dataclasses.fields(RunSpec)]
+    assert have == declared_run_fields()
+    assert all(f.type != "Any" for f in dataclasses.fields(RunSpec))

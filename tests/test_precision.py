@@ -11,7 +11,7 @@ packed groups are not lm-eval's batches), and with tp=2 row-parallel matmuls sum
 each rank before the all-reduce. That is rounding of the body, not of the scoring, and it moves the error against the
 float32 result either way by tens of percent on a few requests (measured: fp16's own log-softmax came out *closer* to
 float32 than a float32 log-softmax of the same fp16 logits on lambada, 8.5e-4 vs 8.9e-4 mean over 25 requests). Those
-layouts are measured against lm-eval's float32 log-likelihoods, printed (ARCHITECTURE.md, "Correctness", has them),
+layouts are measured against lm-eval's float32 log-likelihoods, printed (docs/design.md, "Correctness", has them),
 and only held to a bound that a scoring defect would cross: finite, and a mean error per task within 2x lm-eval's;
 at tp=1 the greedy generations must still be lm-eval's in that dtype (measured: they are, in both). One MPI launch: a
 job file with one run per dtype and layout.

@@ -19,6 +19,7 @@ import sys  # noqa: E402
 
 import click  # noqa: E402
 
+from mpitp import compat  # noqa: E402
 from mpitp.errors import (  # noqa: E402
     FINALIZE_WAIT_S,
     USAGE_EXIT,
@@ -73,6 +74,9 @@ def main(argv=None) -> None:
     register(cli)
     try:
         hooks()  # MPITP_TEST_* read on every rank before any work: a malformed one is one usage error, together
+        # click's and Python's internals mpitp reaches (already imported: microseconds); lm-eval's, transformers' and
+        # torch's are checked where a command first imports them (mpitp.evaluation.checks.check_all)
+        compat.check(collective=True, packages=("click", "python"))
         code = cli.main(args=argv, prog_name="mpitp", standalone_mode=False)
     except UsageError as exc:
         if not exc.collective:

@@ -21,9 +21,9 @@ def eval_command(args):
 def eval_main(argv: list[str]) -> None:
     """Rank 0 parses (a ``--config`` or ``--samples`` file is read once) and every rank gets its verdict."""
     from mpitp.evaluation.lmeval_args import ParsedExit, parse_eval_args
-    from mpitp.jobs.orchestrate import run_config
+    from mpitp.jobs.orchestrate import Watch, run_config
     from mpitp.parallel import DEFAULT_TIMEOUT
-    from mpitp.parallel.runtime import agree, setup_logging, start, stop
+    from mpitp.parallel.runtime import agree, make_launch, setup_logging
     from mpitp.parallel.world import world_from_comm
 
     world = world_from_comm()
@@ -43,17 +43,10 @@ def eval_main(argv: list[str]) -> None:
     from mpitp.parallel.walltime import install
 
     install(world.rank)
-    # torch starts after rank 0's checks (run_eval, run_sweep, run_watch): a refused run costs one rank's start-up.
-    rt = start(tp=opts.tp, pp=opts.pp, device=opts.device, threads=opts.threads, timeout=opts.timeout, world=world,
-               init_torch=False, iface=opts.iface, stage_dir=opts.stage_dir)
-    try:
-        if opts.watch is not None:
-            from mpitp.jobs.orchestrate import demo_config
-            from mpitp.jobs.watch import run_watch
-
-            sys.exit(run_watch(demo_config(cfg, rt) if cfg.demo else cfg, rt, opts.watch, opts.watch_idle))
-        status = run_config(cfg, rt)
-    finally:
-        stop(rt)
+    # torch starts after rank 0's checks (orchestrate.prepare): a refused run costs one rank's start-up.
+    launch = make_launch(tp=opts.tp, pp=opts.pp, device=opts.device, threads=opts.threads, timeout=opts.timeout,
+                         world=world, iface=opts.iface, stage_dir=opts.stage_dir, ep=opts.ep)
+    watch = Watch(opts.watch, opts.watch_idle) if opts.watch is not None else None
+    status = run_config(cfg, launch, watch)
     if status:
         sys.exit(status)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import click
 
 from mpitp.cli.options import runtime_options
 from mpitp.results.texttable import format_table
+
+if TYPE_CHECKING:
+    from mpitp.parallel.runtime import Runtime
 
 log = logging.getLogger("mpitp")
 
@@ -26,7 +30,7 @@ def info_command(tp, pp, device, threads, timeout, log_all_ranks, iface, model, 
              model=model, iface=iface, hf_assets=hf_assets)
 
 
-def layout_rows(rt) -> list[dict] | None:
+def layout_rows(rt: Runtime) -> list[dict] | None:
     """Gather one row per rank on global rank 0 (None elsewhere)."""
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.netaddr import node_network
@@ -62,7 +66,7 @@ def node_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _stage_split(rt, model: str, hf_assets: str | None = None) -> str | None:
+def _stage_split(rt: Runtime, model: str, hf_assets: str | None = None) -> str | None:
     """The layer split of ``model`` over the stages (checked like ``mpitp eval`` checks it; a torch DCP folder's
     config from ``hf_assets``)."""
     from mpitp.parallel.runtime import agree
@@ -83,37 +87,39 @@ def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: st
 
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.launch import oversubscription_warning
-    from mpitp.parallel.runtime import setup_logging, start
+    from mpitp.parallel.runtime import make_launch, replica_world, setup_logging
     from mpitp.parallel.world import mpi_implementation, mpi_library_version, world_from_comm
 
     rank = world_from_comm().rank
     setup_logging(rank, log_all_ranks)
-    rt = start(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, iface=iface)
-    split = _stage_split(rt, model, hf_assets) if model else None
-    rows = layout_rows(rt)
-    # Prove the TP torch worlds are live: one all_reduce per TP group.
-    backend = rt.replica_group.backend if rt.replica_group.active else "none (tp=1)"
-    if rt.replica_group.active:
-        import torch.distributed as dist
+    launch = make_launch(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, iface=iface)
+    split = _stage_split(launch, model, hf_assets) if model else None
+    with replica_world(launch) as rt:
+        rows = layout_rows(rt)
+        # Prove the TP torch worlds are live: one all_reduce per TP group.
+        backend = rt.replica_group.backend if rt.replica_group.active else "none (tp=1)"
+        if rt.replica_group.active:
+            import torch.distributed as dist
 
-        t = torch.ones(1, device=rt.device)
-        dist.all_reduce(t)
-        assert int(t.item()) == rt.layout.replica_size
-    if rt.world.rank == 0:
-        lay = rt.layout
-        stages = f" x pp {lay.pp}" if lay.pp > 1 else ""
-        print(f"mpitp {__import__('mpitp').__version__}: world {rt.world.size} = dp {lay.dp}{stages} x tp {lay.tp} "
-              f"on {rt.world.n_nodes} node(s), launcher: {rt.world.launcher}")
-        impl = mpi_implementation()
-        print(f"MPI: {impl} ({mpi_library_version()})")
-        crowded = max(((r["node"], sum(1 for x in rows if x["node"] == r["node"])) for r in rows), key=lambda x: x[1])
-        warning = oversubscription_warning(crowded[1], rt.world.cores_per_node, impl, rt.world.launcher)
-        if warning:
-            print(f"warning: node {crowded[0]}: {warning}")
-        print(f"torch {torch.__version__}, TP backend: {backend}, timeout {rt.timeout:g} s")
-        print(format_table(node_rows(rows), ["node", "ranks", "address", "dp_groups", "pp_stages", "tp_groups"]))
-        print(format_table(rows, ["rank", "node", "local_rank", "dp_rank", "pp_rank", "tp_rank", "role", "device",
-                                  "threads"]))
-        if split:
-            print(f"pipeline split of {model}: {split}")
-    mpicomm.barrier(rt.world.comm, rt.timeout, phase="info end")
+            t = torch.ones(1, device=rt.device)
+            dist.all_reduce(t)
+            assert int(t.item()) == rt.layout.replica_size
+        if rt.world.rank == 0:
+            lay = rt.layout
+            stages = f" x pp {lay.pp}" if lay.pp > 1 else ""
+            print(f"mpitp {__import__('mpitp').__version__}: world {rt.world.size} = dp {lay.dp}{stages} x tp {lay.tp} "
+                  f"on {rt.world.n_nodes} node(s), launcher: {rt.world.launcher}")
+            impl = mpi_implementation()
+            print(f"MPI: {impl} ({mpi_library_version()})")
+            crowded = max(((r["node"], sum(1 for x in rows if x["node"] == r["node"])) for r in rows),
+                          key=lambda x: x[1])
+            warning = oversubscription_warning(crowded[1], rt.world.cores_per_node, impl, rt.world.launcher)
+            if warning:
+                print(f"warning: node {crowded[0]}: {warning}")
+            print(f"torch {torch.__version__}, TP backend: {backend}, timeout {rt.timeout:g} s")
+            print(format_table(node_rows(rows), ["node", "ranks", "address", "dp_groups", "pp_stages", "tp_groups"]))
+            print(format_table(rows, ["rank", "node", "local_rank", "dp_rank", "pp_rank", "tp_rank", "role", "device",
+                                      "threads"]))
+            if split:
+                print(f"pipeline split of {model}: {split}")
+        mpicomm.barrier(rt.world.comm, rt.timeout, phase="info end")

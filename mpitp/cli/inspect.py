@@ -20,6 +20,7 @@ import json
 
 import click
 
+from mpitp import compat
 from mpitp.results.diff import diff_runs, render_diff, render_statistics
 from mpitp.results.plot import figure_class, plot_run
 from mpitp.results.reader import BadInput, check_path, load, load_samples, one_line
@@ -91,10 +92,10 @@ class _InspectGroup(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] in self.commands:
             click.Command.parse_args(self, ctx, [])  # the FILE form's defaults, then the subcommand
-            ctx._protected_args, ctx.args = args[:1], args[1:]
+            compat.pending_subcommand(ctx, args[:1], args[1:])  # as click.Group.parse_args leaves it
             return ctx.args
         click.Command.parse_args(self, ctx, args)
-        ctx._protected_args, ctx.args = [], []
+        compat.pending_subcommand(ctx, [], [])
         return []
 
     def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

@@ -22,7 +22,9 @@ def _infer_tp(model) -> tuple[int, object]:
     tp = int(getattr(model, "tp_size", None) or 1)
     if tp > 1:
         return tp, None
-    if dist.is_available() and dist.is_initialized() and getattr(model, "_device_mesh", None) is not None:
+    from mpitp import compat
+
+    if dist.is_available() and dist.is_initialized() and compat.device_mesh(model) is not None:
         return dist.get_world_size(), None
     return 1, None
 
@@ -136,14 +138,14 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
     was_training = model.training
-    attention = getattr(model.config, "_attn_implementation", None)  # prefix sharing may switch it to tree attention
+    attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
     try:
         with torch.no_grad():
             result = evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
     finally:
         model.train(was_training)
-        if attention is not None and getattr(model.config, "_attn_implementation", None) != attention:
+        if attention is not None and compat.attention_implementation(model.config) != attention:
             model.set_attn_implementation(attention)  # the caller's model goes back exactly as it came
     # Only after success: a rank that failed mid-forward leaves its peers inside a torch collective, which no barrier
     # can reach; its exception must go straight to the caller (or the abort) instead of waiting out the timeout.

@@ -20,6 +20,8 @@ from mpitp.errors import UsageError
 from mpitp.results.untrusted import shown
 
 if TYPE_CHECKING:
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.parallel.runtime import Launch
     from mpitp.results.claim import OutputClaim
 
 log = logging.getLogger("mpitp")
@@ -60,7 +62,7 @@ def _refuse_unknown(tasks: list[str], known: set[str]) -> None:
             raise UsageError(f"unknown task '{t}'{hint}")
 
 
-def offline_include(cfg) -> list[str]:
+def offline_include(cfg: EvalConfig) -> list[str]:
     """With ``--data-dir``, write override YAMLs for the tasks it serves (:mod:`mpitp.tasks.layout`: any lm-eval task,
     groups expanded) and put them on the include path; its ``nltk_data`` folder goes first on nltk's path.
 
@@ -113,7 +115,7 @@ def default_output(model: str) -> str:
     return os.path.join("results", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.h5")
 
 
-def check_output(cfg) -> str:
+def check_output(cfg: EvalConfig) -> str:
     """Resolve the output path; refuse to overwrite silently and fail early when it cannot be written."""
     out = cfg.output or default_output(cfg.model)
     if cfg.resume and cfg.overwrite:
@@ -142,7 +144,7 @@ def check_output(cfg) -> str:
     return out
 
 
-def check_resumable(path: str, cfg) -> None:
+def check_resumable(path: str, cfg: EvalConfig) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings.
 
     The file may come from anyone: its settings, fingerprint and every stored row are read and checked here (types,
@@ -259,7 +261,7 @@ class Checked:
         self.release()
 
 
-def check_tasks_once(cfg) -> CheckedTasks:
+def check_tasks_once(cfg: EvalConfig) -> CheckedTasks:
     """Write the offline task YAMLs (``--data-dir``) and check every task name: lm-eval's TaskManager."""
     include = offline_include(cfg)
     try:
@@ -269,10 +271,10 @@ def check_tasks_once(cfg) -> CheckedTasks:
         raise
 
 
-def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> Checked:
+def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None = None, ep: int = 1) -> Checked:
     """Every check of one evaluation, on rank 0 before any rank loads the model; the last one claims the output.
     ``tasks`` skips checking the tasks again (a sweep checks them once for every checkpoint)."""
-    from mpitp.replica.loading import check_dtype, check_tp, load_config
+    from mpitp.replica.loading import check_dtype, check_ep, check_tp, load_config
 
     compat.check(packages=("lm-eval",))  # lm-eval still has every attribute mpitp replaces (torch's: below)
     if cfg.data_dir and not os.path.isdir(cfg.data_dir):
@@ -302,6 +304,7 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
 
             check_config(cfg.peft)
         check_tp(config, tp)
+        check_ep(config, ep, pp, getattr(cfg, "peft", None))
         from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: after the others
 
         check_pp(config, pp)
@@ -323,7 +326,7 @@ def check_all(cfg, tp: int, pp: int = 1, tasks: CheckedTasks | None = None) -> C
                    claim)
 
 
-def _check_dcp(cfg, config) -> None:
+def _check_dcp(cfg: EvalConfig, config) -> None:
     """A torch DCP checkpoint's tensor names and shapes against the config's model, read from its ``.metadata``
     only (seconds, before any rank loads): an unknown name or a wrong shape is refused naming the parameter."""
     from mpitp.replica import dcp
@@ -338,7 +341,8 @@ def _check_dcp(cfg, config) -> None:
              dcp.assets_dir(cfg.model, getattr(cfg, "hf_assets", None)))
 
 
-def check_on_root(cfg, rt, timeout: float | None, phase: str, tasks: CheckedTasks | None = None) -> Checked:
+def check_on_root(cfg: EvalConfig, rt: Launch, timeout: float | None, phase: str,
+                  tasks: CheckedTasks | None = None) -> Checked:
     """:func:`check_all` on rank 0, its verdict shared with every rank (:func:`mpitp.parallel.runtime.agree`).
     Rank 0 gets the whole :class:`Checked`; the other ranks its output path and tokenizer, the rest stays with rank 0
     (a TaskManager and a file lock do not travel)."""
@@ -347,7 +351,7 @@ def check_on_root(cfg, rt, timeout: float | None, phase: str, tasks: CheckedTask
     found: list[Checked] = []
 
     def check() -> tuple[str, str]:
-        found.append(check_all(cfg, rt.layout.tp, rt.layout.pp, tasks))
+        found.append(check_all(cfg, rt.layout.tp, rt.layout.pp, tasks, ep=rt.ep))
         return found[0].output, found[0].tokenizer
 
     out, tokenizer = agree(check, rt.world.comm, timeout, phase)

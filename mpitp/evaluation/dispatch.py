@@ -5,15 +5,20 @@ first minute, not the last hour) so that each carries about the same weight: cha
 leaders tokenise themselves, tokens for rolling windows. Every remote DP leader keeps
 ``prefetch`` chunks in flight; rank 0's own group computes a chunk whenever no result is waiting, so it works too
 without starving the others. A group that gets no chunk simply waits for the stop message.
+
+Each chunk's dispatch and landing go to the dispatcher's :class:`~mpitp.evaluation.requestlog.RequestLog` (a remote
+group sends its compute seconds with its results), which becomes the results file's ``speed_json``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from mpitp import testing
+from mpitp.evaluation.requestlog import RequestLog
 from mpitp.parallel import comm as mpicomm
 
 log = logging.getLogger("mpitp")
@@ -85,24 +90,29 @@ class Dispatcher:
         self.idle = idle  # releases rank 0's own TP workers from the deadline when a run ends (see serve_remote)
         self.handed_out = 0  # requests sent to a group or being computed here, and of those, landed: what a stop
         self.landed = 0  # abandons is the difference (mpitp.parallel.walltime reports it)
+        self.requests = RequestLog(self.n_groups)  # where each request went and how long it took; rank 0's stats
+        # carry its summary to the results file (mpitp.evaluation.finish), set after every run()
         from mpitp.parallel.walltime import watch
 
         watch(self)
 
-    def run(self, kind: str, items: list, weights: list[int], on_chunk=None) -> list:
-        """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land."""
+    def run(self, kind: str, items: list, weights: list[int], on_chunk=None, owners: list | None = None) -> list:
+        """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land.
+        ``owners``: each item's :data:`~mpitp.evaluation.requestlog.Owner` (its task), for the run's speed record."""
         per_group = testing.chunks_per_group(kind, len(items), self.per_group)
         chunks = make_chunks(kind, items, weights, self.n_groups, per_group, min_items=self.batch_size)
         results: list = [None] * len(items)
         queue = deque(chunks)
         outstanding = 0
 
-        def land(chunk_indices, res):
-            self.landed += len(chunk_indices)
-            for i, r in zip(chunk_indices, res):
+        def land(c: Chunk, res, busy_s=None):
+            self.requests.landed(c.cid, [owners[i] for i in c.indices] if owners else [None] * len(c.indices), res,
+                                 [weights[i] for i in c.indices], busy_s)
+            self.landed += len(c.indices)
+            for i, r in zip(c.indices, res):
                 results[i] = r
             if on_chunk is not None:
-                on_chunk(chunk_indices, res)
+                on_chunk(c.indices, res)
 
         by_cid = {c.cid: c for c in chunks}
         sends: list = []
@@ -114,6 +124,7 @@ class Dispatcher:
             c = queue.popleft()
             pending = mpicomm.isend_obj(("work", c.kind, c.cid, c.items), dest, TAG_WORK, self.comm)
             self.stats.mpi_bytes += pending.nbytes
+            self.requests.sent(c.cid, dest)
             sends.append(pending)
             outstanding += 1
             self.handed_out += len(c.indices)
@@ -128,10 +139,10 @@ class Dispatcher:
                 got = mpicomm.try_recv_obj(self.comm, tag=TAG_RESULT)
                 if got is None:
                     return False
-            (_, cid, res), src, _ = got
+            (_, cid, res, *busy), src, _ = got  # busy: the group's compute seconds for the chunk
             outstanding -= 1
             send_next(src)  # the group's next chunk first: recording this one must not keep it waiting
-            land(by_cid[cid].indices, res)
+            land(by_cid[cid], res, busy[0] if busy else None)
             return True
 
         def tick() -> None:
@@ -147,7 +158,8 @@ class Dispatcher:
             if queue:
                 c = queue.popleft()
                 self.handed_out += len(c.indices)
-                land(c.indices, self.compute(c.kind, c.items, tick))
+                self.requests.sent(c.cid, 0)
+                land(c, self.compute(c.kind, c.items, tick))
                 testing.stall("between_chunks")
             elif outstanding:
                 receive(block=True)
@@ -157,6 +169,8 @@ class Dispatcher:
             mpicomm.send_obj(("idle",), dest, TAG_WORK, self.comm, timeout=self.timeout, phase="releasing DP groups")
         if self.idle is not None:
             self.idle()
+        if self.stats is not None:
+            self.stats.speed = self.requests.summary()
         return results
 
     def shutdown(self) -> None:
@@ -190,10 +204,12 @@ def serve_remote(layout, compute, timeout: float, stats=None, idle=None) -> None
             continue
         busy = True
         _, kind, cid, items = msg
+        t0 = time.perf_counter()
         result = compute(kind, items, lambda: pending is None or pending.done())
+        busy_s = time.perf_counter() - t0  # rank 0 splits it over the chunk's tasks (mpitp.evaluation.requestlog)
         if pending is not None:
             pending.wait(timeout, "returning results to rank 0")
-        pending = mpicomm.isend_obj(("result", cid, result), 0, TAG_RESULT, comm)
+        pending = mpicomm.isend_obj(("result", cid, result, busy_s), 0, TAG_RESULT, comm)
         if stats is not None:
             stats.mpi_bytes += pending.nbytes
     if pending is not None:

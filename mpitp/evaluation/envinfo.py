@@ -17,14 +17,12 @@ import logging
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 log = logging.getLogger("mpitp")
 
 FORMAT = 1
 MAX_AGE_S = 24 * 3600.0
-_FILE_MODE = 0o644
 #: The record is a few KB (torch's text with its package list); a larger cache file is not ours.
 _MAX_BYTES = 1 << 20
 
@@ -60,20 +58,16 @@ def cache_file() -> Path | None:
 
 def cached(path: Path | None) -> str | None:
     """The text kept in ``path`` for this key, or None when missing, stale, not this user's alone, or malformed."""
-    from mpitp.results.untrusted import BadInput, load_json, open_regular, private_problem
+    from mpitp.results.privatefile import NotPrivate, read_private_json
+    from mpitp.results.untrusted import BadInput
 
-    if path is None or not os.path.lexists(path):
+    if path is None:
         return None
     try:
-        with os.fdopen(open_regular(str(path), "the environment record cache", follow=False), "rb") as fh:
-            st = os.fstat(fh.fileno())
-            problem = private_problem(st, f"environment record cache file {path}")
-            if problem:
-                log.warning("%s: ignored, recomputing it", problem)
-                return None
-            if st.st_size > _MAX_BYTES or time.time() - st.st_mtime > MAX_AGE_S:
-                return None
-            data = load_json(fh.read(_MAX_BYTES + 1), f"environment record cache {path}")
+        data = read_private_json(path, "environment record cache", max_bytes=_MAX_BYTES, max_age_s=MAX_AGE_S)
+    except NotPrivate as exc:
+        log.warning("%s: ignored, recomputing it", exc)
+        return None
     except (BadInput, OSError):
         return None
     if not isinstance(data, dict) or data.get("key") != _key() or not isinstance(data.get("text"), str):
@@ -82,14 +76,11 @@ def cached(path: Path | None) -> str | None:
 
 
 def _save(path: Path | None, text: str) -> None:
-    from mpitp.results.safefile import umask, write_replace
+    """Keep ``text`` for this key (:func:`mpitp.results.privatefile.write_private_json`: this user's alone)."""
+    from mpitp.results.privatefile import write_private_json
 
-    if path is None:
-        return
-    try:
-        write_replace(str(path), json.dumps({"key": _key(), "text": text}).encode(), mode=_FILE_MODE & ~umask())
-    except OSError as exc:  # a read-only or full cache costs the next launch a recomputation, nothing else
-        log.info("environment record cache %s not written: %s", path, exc)
+    if path is not None:
+        write_private_json(path, {"key": _key(), "text": text}, "environment record cache")
 
 
 def env_info() -> str:

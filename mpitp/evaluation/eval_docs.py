@@ -91,3 +91,38 @@ def listed_once():
 
     with compat.replaced("lm_eval.api.task.Task.eval_docs", property(eval_docs)):
         yield
+
+
+def _plain_list(docs):
+    """``docs`` as a list of the same dicts when it is a ``datasets.Dataset`` whose features need no decoding (text,
+    numbers, lists: one arrow conversion, about 20x faster than decoding row by row: 0.01 s against 0.2 s for
+    arc_easy's 2,251 training rows); anything else (images, audio, a task's own list) as it is."""
+    try:
+        from datasets import Dataset
+        from datasets.features.features import require_decoding
+    except ImportError:  # pragma: no cover - lm-eval requires datasets
+        return docs
+    if type(docs) is not Dataset or docs.format["type"] is not None:  # a formatted view (numpy ...) reads its own way
+        return docs
+    if any(require_decoding(feature) for feature in docs.features.values()):
+        return docs
+    return docs.to_list()
+
+
+@contextlib.contextmanager
+def fewshot_listed():
+    """Inside this block a task's few-shot pool is read from arrow in one conversion. ``ConfigurableTask.__init__``
+    turns ``fewshot_docs()`` into a list of dicts (its only caller), decoding the whole split row by row: every
+    task build paid it (hellaswag's 10,042 documents, arc_easy's 2,251: 2.8 s of ``mpitp check``'s 13 s in a profile).
+    The same documents, in the same order, as fresh dicts."""
+    from lm_eval.api.task import ConfigurableTask
+
+    from mpitp import compat
+
+    original = ConfigurableTask.__dict__["fewshot_docs"]
+
+    def fewshot_docs(task):
+        return _plain_list(original(task))
+
+    with compat.replaced("lm_eval.api.task.ConfigurableTask.fewshot_docs", fewshot_docs):
+        yield

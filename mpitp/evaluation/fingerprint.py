@@ -17,8 +17,12 @@ import glob
 import hashlib
 import json
 import os
+from typing import TYPE_CHECKING
 
 from mpitp.digest import sampled_sha, sha256_file
+
+if TYPE_CHECKING:
+    from mpitp.evaluation.settings import EvalConfig
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 SMALL_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
@@ -179,7 +183,7 @@ def stored_fingerprint(on_disk) -> dict:
     return on_disk
 
 
-def resume_differences(on_disk: dict | None, stored: dict, now: dict, cfg) -> list[str]:
+def resume_differences(on_disk: dict | None, stored: dict, now: dict, cfg: EvalConfig) -> list[str]:
     """What changed on disk since the file was written, as ``weights 'a' in the file, 'b' now; changed on disk:
     model.safetensors content differs`` parts; none for a file written before fingerprints existed.
 

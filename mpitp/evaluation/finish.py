@@ -11,10 +11,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpitp.errors import exit_bound
 from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.provenance import redact
+
+if TYPE_CHECKING:
+    from mpitp.replica.stats import GroupStats
 
 #: Seconds the final snapshot of the results file may take (it holds every row; seconds even for 40k requests).
 FINAL_WRITE_WAIT_S = 600.0
@@ -34,7 +38,7 @@ class RootResult:
     doc_scores: dict = field(default_factory=dict)
 
 
-def finish_root(result: RootResult, all_stats: list, wall: float, head_check_s: float | None = None,
+def finish_root(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
                 sharing: str | None = None, head_kept: bool = False) -> None:
     """Write the results (:func:`write_results`), then report them (:func:`report`)."""
     if head_check_s is not None and not head_kept:
@@ -43,7 +47,7 @@ def finish_root(result: RootResult, all_stats: list, wall: float, head_check_s: 
     report(result, all_stats, wall, head_check_s, sharing, head_kept)
 
 
-def write_results(result: RootResult, all_stats: list, wall: float) -> None:
+def write_results(result: RootResult, all_stats: list[GroupStats], wall: float) -> None:
     """The HDF5 file's tasks, per-document scores, stats and final snapshot, then lm-eval's output files."""
     res, writer, phases = result.results, result.writer, result.phases
     if writer is not None:
@@ -56,12 +60,15 @@ def write_results(result: RootResult, all_stats: list, wall: float) -> None:
                               samples=res.get("samples", {}).get(task))
             if task in result.doc_scores:
                 writer.write_doc_scores(task, result.doc_scores[task])
-        writer.write_stats(all_stats)
+        writer.write_stats([s.file_row() for s in all_stats])
         serialisable = {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better",
                                             "n-samples", "config", "groups", "group_subtasks") if k in res}
         phases["writing"] += writer.busy_s  # the writer thread's seconds, off the dispatch path
-        phases["wall"], phases["max_group_busy"] = wall, max((s["busy_s"] for s in all_stats), default=0.0)
+        phases["wall"], phases["max_group_busy"] = wall, max((s.busy_s for s in all_stats), default=0.0)
         writer.extra_attrs(phases_json=json.dumps({k: round(v, 4) for k, v in phases.items()}))
+        speed = all_stats[0].speed if all_stats else None  # rank 0's record (mpitp.evaluation.requestlog)
+        if speed is not None:
+            writer.extra_attrs(speed_json=json.dumps(speed))
         t0 = time.perf_counter()
         # The last write may sit in a hung shared filesystem holding the interpreter lock (h5py does): bounded from
         # outside the interpreter, so the job ends with one line instead of at walltime.
@@ -74,7 +81,7 @@ def write_results(result: RootResult, all_stats: list, wall: float) -> None:
         write_lm_eval_outputs(res, result.cfg, result.loggers)
 
 
-def report(result: RootResult, all_stats: list, wall: float, head_check_s: float | None = None,
+def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
            sharing: str | None = None, head_kept: bool = False) -> None:
     """The console report: lm-eval's header and tables (its loggers end after them, as under ``lm_eval``), one line
     per DP group, the totals, the head check, prefix sharing and rank 0's phases."""
@@ -92,12 +99,12 @@ def report(result: RootResult, all_stats: list, wall: float, head_check_s: float
         from mpitp.evaluation.outputs import finish_loggers
 
         finish_loggers(result.loggers)
-    total_busy = sum(s["busy_s"] for s in all_stats)
+    total_busy = sum(s.busy_s for s in all_stats)
     for g, s in enumerate(all_stats):
-        per_tok = s["tp_score_bytes"] / max(1, s["tokens_scored"])
-        stages = f", stage traffic {s['pp_bytes'] / 1e6:.2f} MB" if s.get("pp_bytes") else ""
-        print(f"DP group {g}: {s['requests']:.0f} requests, {s['tokens_scored']} tokens scored, "
-              f"{s['tokens_generated']} generated, busy {s['busy_s']:.1f} s, TP traffic {s['tp_bytes'] / 1e6:.2f} MB "
+        per_tok = s.tp_score_bytes / max(1, s.tokens_scored)
+        stages = f", stage traffic {s.pp_bytes / 1e6:.2f} MB" if s.pp_bytes else ""
+        print(f"DP group {g}: {s.requests:.0f} requests, {s.tokens_scored} tokens scored, "
+              f"{s.tokens_generated} generated, busy {s.busy_s:.1f} s, TP traffic {s.tp_bytes / 1e6:.2f} MB "
               f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
     where = f"; results: {writer.path}" if writer is not None else ""
     print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")
@@ -113,10 +120,14 @@ def report(result: RootResult, all_stats: list, wall: float, head_check_s: float
         else:
             print(f"head check: passed in {head_check_s:.2f} s (one extra forward of a {rows}x{cols}-token probe per "
                   f"replica)")
-    rows_in, read = sum(s.get("row_tokens", 0) for s in all_stats), sum(s.get("tokens_read", 0) for s in all_stats)
+    rows_in, read = sum(s.row_tokens for s in all_stats), sum(s.tokens_read for s in all_stats)
     if sharing is None:
         print(f"prefix sharing: on; the forwards read {read} input tokens for rows of {rows_in}"
               + (f" ({read / rows_in:.0%})" if rows_in else ""))
     else:
         print(f"prefix sharing: {sharing}")
     print(PhaseClock.describe(result.phases, wall, all_stats))
+    latency = (all_stats[0].speed or {}).get("latency") if all_stats else None
+    if latency:
+        print("request latency (dispatch to result on rank 0): "
+              + ", ".join(f"{k} {v:.3g} s" for k, v in latency.items()))

@@ -1,13 +1,14 @@
 """``mpitp eval``'s command line: lm-eval's own ``run`` parser, plus the layout and HDF5 options.
 
 The lm-eval flags are not re-declared here: :func:`build_parser` takes the parser lm-eval's CLI builds
-(``lm_eval._cli.run.Run``), so every flag keeps lm-eval's spelling, short form, ``nargs`` and parsing (``--tasks a b``
-or ``a,b``, ``--model_args k=v,k2=v2`` or a JSON object, ``--seed 0,None,8,52``), and lm-eval's ``EvaluatorConfig``
-turns the result into settings (``--config`` YAML, ``--predict_only`` implying ``--log_samples``, the few-shot
-multi-turn default, seeds, ``--samples`` files). Every long option is accepted with ``_`` or ``-`` alike. What this
-module adds: mpitp's own options (declared with the settings in :mod:`mpitp.evaluation.settings`), the translation
-to :class:`mpitp.evaluation.settings.EvalConfig`, and refusals of what cannot apply here (another backend, HFLM
-arguments that mean another way of placing the model).
+(``lm_eval._cli.run.Run``, a private module: a :mod:`mpitp.compat` target, as are the two argparse internals that add
+the ``-`` spellings), so every flag keeps lm-eval's spelling, short form, ``nargs`` and parsing (``--tasks a b`` or
+``a,b``, ``--model_args k=v,k2=v2`` or a JSON object, ``--seed 0,None,8,52``), and lm-eval's ``EvaluatorConfig`` turns
+the result into settings (``--config`` YAML, ``--predict_only`` implying ``--log_samples``, the few-shot multi-turn
+default, seeds, ``--samples`` files). Every long option is accepted with ``_`` or ``-`` alike. What this module adds:
+mpitp's own options (declared with the settings in :mod:`mpitp.evaluation.settings`), the translation to
+:class:`mpitp.evaluation.settings.EvalConfig`, and refusals of what cannot apply here (another backend, HFLM arguments
+that mean another way of placing the model).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.evaluation.setting_values import (
     BadValue,
@@ -127,7 +129,7 @@ MPITP_DESTS = tuple(dest for dest, _ in cli_options())
 
 
 def _add_mpitp_options(p: argparse.ArgumentParser) -> None:
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups: dict = {}  # group title -> argparse's argument group
     for _dest, spec in cli_options():
         if spec["group"] not in groups:
             groups[spec["group"]] = p.add_argument_group(spec["group"])
@@ -136,22 +138,20 @@ def _add_mpitp_options(p: argparse.ArgumentParser) -> None:
 
 def _add_dash_aliases(p: argparse.ArgumentParser) -> None:
     """Accept ``--batch-size`` for ``--batch_size`` and ``--data_dir`` for ``--data-dir``: both spellings."""
-    for action in list(p._actions):
+    for action in compat.parser_actions(p):
         for opt in list(action.option_strings):
             if not opt.startswith("--"):
                 continue
             for alias in (opt.replace("_", "-"), opt.replace("-", "_").replace("__", "--", 1)):
-                if alias != opt and alias not in p._option_string_actions:
-                    action.option_strings.append(alias)
-                    p._option_string_actions[alias] = action
+                if alias != opt:
+                    compat.add_option_alias(p, action, alias)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lm_eval._cli.run import Run
-
     holder = _Parser(prog="mpitp")
     subparsers = holder.add_subparsers(parser_class=_Parser)
-    p = Run(subparsers)._parser
+    compat.attribute("lm_eval._cli.run.Run")(subparsers)  # adds its "run" parser to ``subparsers``
+    p = subparsers.choices["run"]
     p.prog = "mpitp eval"
     p.usage = ("mpirun -n N mpitp eval --model hf --model_args pretrained=M --tasks T [lm-eval options] "
                "[--tp N] [--pp N] [--output F.h5]")
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--tasks hellaswag --batch_size auto --output_path out/ --log_samples --tp 2\n"
                 "  mpirun -n 2 mpitp eval --model ./my-model --tasks arc_easy --num-fewshot 5 --output arc.h5")
     docs = setting_docs()
-    for action in p._actions:
+    for action in compat.parser_actions(p):
         if action.dest in docs:  # lm-eval's flag for a setting: the setting's description, then mpitp's details
             action.help = " ".join(filter(None, (docs[action.dest], HELP_DETAILS.get(action.dest))))
         if action.dest == "batch_size":
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _no_option_help(p: argparse.ArgumentParser, docs: dict[str, str]) -> str:
     """The settings no option sets by itself (taken from --model and --model_args, recorded in the results file),
     each with its description, so that ``--help`` describes every setting."""
-    dests = {a.dest for a in p._actions}
+    dests = {a.dest for a in compat.parser_actions(p)}
     rest = [name for name in docs if name not in dests]
     head = "\n\nsettings without an option of their own (from --model/--model_args; kept in the results file):"
     return "".join([head] + [f"\n  {name}: {docs[name]}" for name in rest]) if rest else ""
@@ -394,7 +394,7 @@ def _opt_int(v):
     return None if v is None else int(v)
 
 
-def check_lm_eval_settings(cfg) -> None:
+def check_lm_eval_settings(cfg: EvalConfig) -> None:
     """Rank 0, before any model loads: the lm-eval settings that would otherwise fail only after the evaluation."""
     import importlib.util
 
@@ -420,16 +420,14 @@ def model_args_dict(args) -> dict:
     """``--model_args`` as lm-eval reads it: a mapping, or ``key=value,key2=value2`` (values typed as lm-eval types
     them)."""
     if isinstance(args, str):
-        from lm_eval._cli.utils import key_val_to_dict
-
         try:
-            return key_val_to_dict(args)
+            return compat.attribute("lm_eval._cli.utils.key_val_to_dict")(args)
         except ValueError as exc:
             raise UsageError(f"--model_args {args!r}: {exc}") from None
     return dict(args or {})
 
 
-def apply_lm_eval_settings(cfg, settings: dict) -> None:
+def apply_lm_eval_settings(cfg: EvalConfig, settings: dict) -> None:
     """A job file's lm-eval fields (named as lm-eval's EvaluatorConfig fields) onto ``cfg``, with the flags' meaning:
     model_args split and refused as for ``--model_args`` (the job file's tokenizer, revision, dtype and max_length
     merged into it as ``--dtype`` ... are), ``predict_only`` implying ``log_samples``, ``metadata`` merged over
@@ -466,9 +464,8 @@ def apply_lm_eval_settings(cfg, settings: dict) -> None:
     cfg.subfolder = _opt_str(loading.get("subfolder"))
     cfg.peft = _opt_str(loading.get("peft"))
     if "cache_requests" in settings:
-        from lm_eval._cli.utils import request_caching_arg_to_dict
-
-        settings["cache_requests"] = request_caching_arg_to_dict(str(settings["cache_requests"]).lower())
+        to_dict = compat.attribute("lm_eval._cli.utils.request_caching_arg_to_dict")
+        settings["cache_requests"] = to_dict(str(settings["cache_requests"]).lower())
     for key, value in settings.items():
         setattr(cfg, key, value)
     if cfg.predict_only:

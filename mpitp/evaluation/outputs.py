@@ -13,11 +13,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from typing import TYPE_CHECKING
+
+from mpitp import compat
+
+if TYPE_CHECKING:
+    from mpitp.evaluation.settings import EvalConfig
 
 log = logging.getLogger("mpitp")
 
 
-def start_loggers(cfg):
+def start_loggers(cfg: EvalConfig):
     """Rank 0, before the evaluation (as lm-eval): the tracker, and the W&B / Trackio runs when asked for."""
     from lm_eval.loggers import EvaluationTracker
 
@@ -37,7 +43,8 @@ def start_loggers(cfg):
     return dict(tracker=tracker, wandb=wandb_logger, trackio=trackio_logger)
 
 
-def as_lm_eval_ran(results: dict, cfg, *, num_parameters: int | None, device: str, loggers: dict | None) -> None:
+def as_lm_eval_ran(results: dict, cfg: EvalConfig, *, num_parameters: int | None, device: str,
+                   loggers: dict | None) -> None:
     """Record the run as ``lm_eval --model hf`` records it (see the module docstring). In place."""
     conf = results.get("config")
     if conf is None:
@@ -52,7 +59,7 @@ def as_lm_eval_ran(results: dict, cfg, *, num_parameters: int | None, device: st
         loggers["tracker"].general_config_tracker.model_source = cfg.model_source
 
 
-def write_lm_eval_outputs(results: dict, cfg, loggers: dict) -> None:
+def write_lm_eval_outputs(results: dict, cfg: EvalConfig, loggers: dict) -> None:
     """What lm-eval's ``run`` does with the results: show the config, log to W&B / Trackio, write the files."""
     from lm_eval.utils import handle_non_serializable
 
@@ -104,18 +111,18 @@ def hdf5_beside(output_path: str, model_args: dict, model: str) -> str:
     import time
     from pathlib import Path
 
-    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
     from lm_eval.utils import sanitize_model_name
 
     stamp = time.strftime("%Y-%m-%dT%H-%M-%S")
     path = Path(output_path)
     if path.suffix == ".json":
         return str(path.with_name(f"{path.stem}_{stamp}.h5"))
-    name = GeneralConfigTracker._get_model_name(model_args) or model
+    model_name = compat.attribute("lm_eval.loggers.evaluation_tracker.GeneralConfigTracker._get_model_name")
+    name = model_name(model_args) or model
     return str(path / sanitize_model_name(name) / f"results_{stamp}.h5")
 
 
-def header_line(cfg, results: dict) -> str:
+def header_line(cfg: EvalConfig, results: dict) -> str:
     """lm-eval's line above the table: ``hf (pretrained=...), gen_kwargs: (...), limit: ..., batch_size: ...``."""
     args = dict(cfg.model_args or {})
     args.pop("trust_remote_code", None)
@@ -125,7 +132,7 @@ def header_line(cfg, results: dict) -> str:
             f"num_fewshot: {cfg.num_fewshot}, batch_size: {cfg.batch_size}{f' ({sizes})' if sizes else ''}")
 
 
-def full_num_parameters(cfg, layout) -> int | None:
+def full_num_parameters(cfg: EvalConfig, layout) -> int | None:
     """The whole model's parameter count (what lm-eval records) when this rank holds only a TP shard or a stage:
     counted on a meta-device copy built from the config, so nothing is allocated. None when the rank has it all."""
     if layout.tp == 1 and layout.pp == 1:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from mpitp.results.speed import PHASE_ORDER
+
+if TYPE_CHECKING:
+    from mpitp.replica.stats import GroupStats
 
 
 class PhaseClock:
@@ -43,10 +47,10 @@ class PhaseClock:
                            dispatch=self.dispatch, metrics=end - last)
 
     @classmethod
-    def describe(cls, phases: dict, wall: float, all_stats: list) -> str:
+    def describe(cls, phases: dict[str, float], wall: float, all_stats: list[GroupStats]) -> str:
         """The run's closing line: seconds per phase and what rank 0 spent alone."""
         parts = [f"{k} {phases[k]:.1f} s" for k in cls.ORDER if k in phases]
-        busy = max((s["busy_s"] for s in all_stats), default=0.0)
+        busy = max((s.busy_s for s in all_stats), default=0.0)
         return (f"rank 0 phases: {', '.join(parts)} (writing: the results thread, off the dispatch path; final "
                 f"snapshot {phases.get('final_snapshot', 0.0):.1f} s); rank 0 alone (wall - max group busy) "
                 f"{wall - busy:.1f} s")

@@ -15,6 +15,11 @@ import json
 import re
 import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.parallel.runtime import Runtime
 
 REDACTED = "<redacted>"
 _SECRET_LAST_WORDS = {"token", "key", "secret", "password", "passwd", "apikey", "credential", "credentials", "pat"}
@@ -70,7 +75,7 @@ def redacted_command(argv: list[str]) -> str:
     return " ".join(out)
 
 
-def run_metadata(cfg, rt, tokenizer: str) -> dict:
+def run_metadata(cfg: EvalConfig, rt: Runtime, tokenizer: str) -> dict:
     """The root attributes of a new results file (:mod:`mpitp.results.schema`), secrets removed (:func:`redact`)."""
     import lm_eval
     import torch

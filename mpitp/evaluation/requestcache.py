@@ -30,6 +30,10 @@ import os
 import re
 import stat
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpitp.evaluation.settings import EvalConfig
 
 log = logging.getLogger("mpitp")
 
@@ -53,7 +57,7 @@ def _file_digest(h, path: str) -> None:
         h.update(name + b"\0missing")
 
 
-def request_key(cfg, task_manager, tokenizer_name: str) -> str | None:
+def request_key(cfg: EvalConfig, task_manager, tokenizer_name: str) -> str | None:
     """A hash of everything that shapes the requests of ``cfg.tasks``, or None when they cannot be keyed."""
     import lm_eval
 
@@ -83,7 +87,7 @@ def request_key(cfg, task_manager, tokenizer_name: str) -> str | None:
     return h.hexdigest()[:24]
 
 
-def cache_dir(cfg, task_manager, tokenizer_name: str) -> str | None:
+def cache_dir(cfg: EvalConfig, task_manager, tokenizer_name: str) -> str | None:
     """This run's request cache folder (None when the cache is off for it)."""
     root = cache_root()
     if root is None or cfg.limit is not None:
@@ -129,7 +133,7 @@ def _private(path: str) -> bool:
     return True
 
 
-def enable(cfg, task_manager, tokenizer_name: str) -> dict:
+def enable(cfg: EvalConfig, task_manager, tokenizer_name: str) -> dict:
     """``simple_evaluate`` keyword arguments for the request cache (empty when it is off for this run); lm-eval's
     cache directory is then set around the call by :func:`used`."""
     return {"cache_requests": True} if cache_dir(cfg, task_manager, tokenizer_name) else {}

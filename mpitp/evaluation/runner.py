@@ -1,8 +1,8 @@
 """One evaluation run: checks, sharded loading, lm-eval on rank 0, dispatch, TP serving and the HDF5 file.
 
-:func:`run_eval` is the single code path behind ``mpitp eval`` (and job files). Every rank calls it; roles follow
-from the layout: global rank 0 runs lm-eval and the dispatcher, other DP leaders serve chunks, TP workers mirror
-their leader's forwards.
+:func:`prepare_eval` (rank 0's checks, before torch) and :func:`run_eval` (inside the run's torch world) are the
+single code path behind ``mpitp eval`` (and job files). Every rank calls them; roles follow from the layout: global
+rank 0 runs lm-eval and the dispatcher, other DP leaders serve chunks, TP workers mirror their leader's forwards.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 
 from mpitp import testing
-from mpitp.evaluation.checks import check_on_root, check_tasks, offline_include, remove_generated
+from mpitp.evaluation import requestlog
+from mpitp.evaluation.checks import Checked, check_on_root, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.envinfo import EnvInfoEarly
 from mpitp.evaluation.finish import RootResult
 from mpitp.evaluation.phases import PhaseClock
@@ -23,7 +24,7 @@ from mpitp.evaluation.progress import make_progress
 from mpitp.evaluation.provenance import run_metadata
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import Runtime, barrier_after_load, start_torch, warm_imports
+from mpitp.parallel.runtime import Launch, Runtime, barrier_after_load, warm_imports
 
 log = logging.getLogger("mpitp")
 
@@ -79,36 +80,60 @@ class _Progress:
         self.bar.close()
 
 
-def run_eval(cfg: EvalConfig, rt: Runtime) -> dict | None:
-    """``mpitp eval``: check the input, load the model TP-sharded, evaluate. lm-eval's results on rank 0 only."""
+@dataclass
+class EvalPlan:
+    """One evaluation checked on rank 0 (every rank holds the verdict), before any torch starts: what
+    :func:`mpitp.jobs.orchestrate.run_config` runs inside the run's torch world. Leaving its ``with`` block gives back
+    rank 0's claim on the output and the task YAMLs ``--data-dir`` wrote, however the run ended."""
+
+    cfg: EvalConfig
+    checked: Checked
+    t_start: float
+    checks_s: float
+
+    def __enter__(self) -> EvalPlan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.checked.release()
+        if self.checked.tasks is not None:
+            remove_generated(self.checked.tasks.include)
+
+    def execute(self, rt: Runtime) -> int:
+        """Load the model TP-sharded and evaluate; lm-eval's results on rank 0 only. Exit status 0."""
+        run_eval(self, rt)
+        return 0
+
+
+def prepare_eval(cfg: EvalConfig, launch: Launch) -> EvalPlan:
+    """``mpitp eval``'s checks: rank 0 checks the input (the other ranks warm their imports where cores allow, then
+    wait for its verdict: no deadline, only rank 0 works)."""
     from mpitp.evaluation.quiet import quiet_integration
+
+    quiet_integration(cfg.verbosity, launch.world.rank == 0)
+    t_start = time.perf_counter()
+    warm_imports(launch.world)
+    checked = check_on_root(cfg, launch, None, "checking input")
+    return EvalPlan(cfg, checked, t_start, time.perf_counter() - t_start)
+
+
+def run_eval(plan: EvalPlan, rt: Runtime) -> dict | None:
+    """Load the checked model TP-sharded and evaluate it. lm-eval's results on rank 0 only."""
     from mpitp.replica.staging import staged_model
 
-    quiet_integration(cfg.verbosity, rt.world.rank == 0)
-    t_start = time.perf_counter()
-    lay = rt.layout
-    # No deadline: only rank 0 works here (lm-eval's task index), the others wait for its verdict.
-    warm_imports(rt.world)
-    checked = check_on_root(cfg, rt, None, "checking input")
-    phases = {"checks": time.perf_counter() - t_start}
-    start_torch(rt)
+    cfg, checked = plan.cfg, plan.checked
     testing.report_io("before loading", rt.world)
-    try:
-        with checked:  # rank 0's claim on the output, given back however the run ends
-            source = staged_model(cfg.model, rt.stage_dir, rt.world, rt.timeout, cfg.revision, cfg.subfolder)
-            model = load_for_layout(source, _with_assets(cfg, source), rt)
-            if lay.pp > 1 and lay.is_root:
-                from mpitp.replica.pipeline import describe_split, num_layers
+    source = staged_model(cfg.model, rt.stage_dir, rt.world, rt.timeout, cfg.revision, cfg.subfolder)
+    model = load_for_layout(source, _with_assets(cfg, source), rt)
+    if rt.layout.pp > 1 and rt.layout.is_root:
+        from mpitp.replica.pipeline import describe_split, num_layers
 
-                log.info("pipeline: %s", describe_split(num_layers(checked.config), lay.pp))
-            testing.report_io("model loaded", rt.world)
-            barrier_after_load(rt)
-            phases["load"] = time.perf_counter() - t_start - phases["checks"]
-            return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output,
-                                   task_manager=checked.task_manager, t_start=t_start, phases=phases)
-    finally:
-        if checked.tasks is not None:
-            remove_generated(checked.tasks.include)
+        log.info("pipeline: %s", describe_split(num_layers(checked.config), rt.layout.pp))
+    testing.report_io("model loaded", rt.world)
+    barrier_after_load(rt)
+    phases = {"checks": plan.checks_s, "load": time.perf_counter() - plan.t_start - plan.checks_s}
+    return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=checked.task_manager,
+                           t_start=plan.t_start, phases=phases)
 
 
 @dataclass
@@ -154,7 +179,7 @@ def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
     from mpitp.replica.loading import load_model
 
     return load_model(source, lay.tp, rt.device, cfg.dtype, cfg.revision, cfg.trust_remote_code,
-                      peft=cfg.peft, **cfg.load_kwargs())
+                      peft=cfg.peft, ep=rt.ep, **cfg.load_kwargs())
 
 
 def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
@@ -227,7 +252,7 @@ def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str 
             serve_remote(lay, lm.compute, rt.timeout, stats, idle=leader.idle)
         leader.stop()
         _merge_stage_stats(stats, lay, rt.timeout)
-        all_stats = mpicomm.gather_obj(stats.as_dict(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
+        all_stats = mpicomm.gather_obj(stats.snapshot(), lay.dp_leader_comm, root=0, timeout=rt.timeout,
                                        phase="gathering stats")
         if lay.is_root:
             finish.finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing,
@@ -257,7 +282,7 @@ def task_manager_for(cfg: EvalConfig):
     return check_tasks(cfg.tasks, offline_include(cfg))
 
 
-def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
+def _run_windows(dispatcher, progress, docs: list[list], record, instances: list) -> list:
     """Rolling requests dispatched window by window (see :data:`mpitp.evaluation.lm.KIND_WINDOW`); a request's result is
     recorded (``record(indices, results)``) and counted on the progress bar as soon as its last window lands, so a
     crash still loses at most the chunks in flight and the bar counts requests, as for the other kinds."""
@@ -294,7 +319,7 @@ def _run_windows(dispatcher, progress, docs: list[list], record) -> list:
             record(finished, [results[j] for j in finished])
         progress(len(finished), sum(weights[w] for w in indices))
 
-    dispatcher.run(KIND_WINDOW, windows, weights, on_windows)
+    dispatcher.run(KIND_WINDOW, windows, weights, on_windows, owners=requestlog.windows(docs, instances))
     return results
 
 
@@ -304,7 +329,7 @@ class _RootRun:
     dispatched over the DP groups, each chunk's rows recorded as it lands), then put lm-eval's outputs where
     ``lm_eval`` puts them. Seconds per phase go to a :class:`~mpitp.evaluation.phases.PhaseClock`."""
 
-    def __init__(self, cfg, rt: Runtime, lm, out: str | None, stats):
+    def __init__(self, cfg: EvalConfig, rt: Runtime, lm, out: str | None, stats):
         from mpitp.evaluation.dispatch import Dispatcher
 
         self.cfg, self.rt, self.lm, self.out = cfg, rt, lm, out
@@ -362,7 +387,7 @@ class _RootRun:
         keys = request_keys(instances)
         results, todo = self._reuse_stored(kind, keys)
         record = functools.partial(self._record, kind, instances, keys, todo)
-        for i, r in zip(todo, self._compute(kind, items, weights, todo, record)):
+        for i, r in zip(todo, self._compute(kind, items, weights, todo, record, [instances[i] for i in todo])):
             results[i] = r
         return results
 
@@ -388,16 +413,18 @@ class _RootRun:
             log.info("resume: reusing %d of %d %s results from %s", len(keys) - len(todo), len(keys), kind, self.out)
         return results, todo
 
-    def _compute(self, kind: str, items: list, weights: list, todo: list[int], record) -> list:
-        """The results of ``items[i]`` for ``i`` in ``todo``, dispatched over the DP groups."""
+    def _compute(self, kind: str, items: list, weights: list, todo: list[int], record, instances: list) -> list:
+        """The results of ``items[i]`` for ``i`` in ``todo`` (lm-eval's ``instances`` of them), dispatched over the DP
+        groups."""
         from mpitp.evaluation.lm import KIND_ROLLING
 
         if kind == KIND_ROLLING:
-            return _run_windows(self.dispatcher, self.progress, [items[i] for i in todo], record)
+            return _run_windows(self.dispatcher, self.progress, [items[i] for i in todo], record, instances)
         todo_weights = [weights[i] for i in todo]
         self.progress.add_total(len(todo))
         return self.dispatcher.run(kind, [items[i] for i in todo], todo_weights,
-                                   functools.partial(self._landed, record, todo_weights))
+                                   functools.partial(self._landed, record, todo_weights),
+                                   owners=requestlog.whole(instances))
 
     def _landed(self, record, weights: list, indices, res) -> None:
         record(indices, res)
@@ -438,7 +465,7 @@ class _RootRun:
         """(lm-eval's results, its per-document scores captured on the way)."""
         import lm_eval
 
-        from mpitp.evaluation.eval_docs import listed_once
+        from mpitp.evaluation.eval_docs import fewshot_listed, listed_once
         from mpitp.evaluation.requestcache import used
         from mpitp.evaluation.templates import compiled_once
         from mpitp.results.docscores import capture
@@ -446,7 +473,8 @@ class _RootRun:
         env_info = EnvInfoEarly()
         try:
             self.clock.t_eval = time.perf_counter()
-            with env_info, used(self.request_cache), compiled_once(), listed_once(), capture() as doc_scores:
+            with env_info, used(self.request_cache), compiled_once(), listed_once(), fewshot_listed(), \
+                    capture() as doc_scores:
                 res = lm_eval.simple_evaluate(model=self.lm, tasks=self.cfg.tasks, **kwargs)
             self.clock.eval_done()
         except BaseException:

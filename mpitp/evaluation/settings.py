@@ -308,6 +308,10 @@ RUNTIME = (
     RuntimeSetting("pp", 1, yaml_int_at_least(1, "a positive integer"), cli(
         "--pp", group=LAYOUT, type=cli_int_at_least(1), default=1),
         doc="Pipeline stages per model replica (TP inside each stage)."),
+    RuntimeSetting("ep", 1, yaml_int_at_least(1, "a positive integer"), cli(
+        "--ep", group=LAYOUT, type=cli_int_at_least(1), default=1),
+        doc="Expert parallelism for mixture-of-experts models: 1, or the --tp value to spread each layer's experts "
+            "over the TP group, each rank holding 1/tp of them whole (transformers' expert-parallel plan)."),
     RuntimeSetting("threads", None, None, cli(
         "--threads", group=LAYOUT, type=cli_int_at_least(1), default=None),
         doc="Torch threads per rank (default: cores per node / ranks per node)."),
@@ -345,6 +349,7 @@ class RuntimeOptions:
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     threads: int | None = None
     timeout: float | None = None
     log_all_ranks: bool = False

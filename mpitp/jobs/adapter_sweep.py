@@ -19,10 +19,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
 from mpitp.jobs.sweep import (
     LoadFailed,
+    PlanWithoutClaim,
     SweepState,
     _load_everywhere,
     check_item,
@@ -37,6 +40,10 @@ from mpitp.jobs.sweep import (
     summarise,
 )
 from mpitp.results.sweepsummary import Row
+
+if TYPE_CHECKING:
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.parallel.runtime import Launch, Runtime
 
 log = logging.getLogger("mpitp")
 
@@ -54,7 +61,7 @@ def check_one_kind(model: str | None, peft: str | None, collective: bool = False
 class BaseModel:
     """The base model, loaded and sharded on first use and kept for every adapter; ``loads`` counts the loads
     (the sweep summary records it: one, or none when every adapter was already complete)."""
-    cfg: object
+    cfg: EvalConfig
     rt: object
     model: object = None
     loads: int = 0
@@ -94,7 +101,7 @@ def head_parameters(model) -> frozenset:
     return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
 
 
-def _apply_everywhere(model, adapter: str, rt):
+def _apply_everywhere(model, adapter: str, rt: Runtime):
     """Every rank merges ``adapter`` into its shard, keeping the original values; if any rank fails, every rank
     restores what it changed and raises :class:`LoadFailed` (the sweep goes on with the base intact)."""
     from mpitp.replica import adapters
@@ -103,7 +110,7 @@ def _apply_everywhere(model, adapter: str, rt):
                       f"applying adapter {adapter}", undo=lambda done: done.restore())
 
 
-def run_adapter(cfg, rt, state: SweepState, base: BaseModel):
+def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel):
     """One adapter of the sweep: checks, merge into the base shards, evaluate, restore. Returns lm-eval's results."""
     t_start = time.perf_counter()
     checked = check_item(cfg, rt, state, f"checking {cfg.peft}")
@@ -122,32 +129,48 @@ def run_adapter(cfg, rt, state: SweepState, base: BaseModel):
                          restored)
 
 
-def run_adapters(cfg, rt, adapters: list[str], outputs: list[str], names: list[str], state: SweepState,
-                 base: BaseModel) -> list[Row]:
+def run_adapters(cfg: EvalConfig, rt: Runtime, adapters: list[str], outputs: list[str], names: list[str],
+                 state: SweepState, base: BaseModel) -> list[Row]:
     """Evaluate ``adapters`` one after another over ``base`` (every rank calls it); one :class:`Row` each."""
     return run_each(rt, "adapter", adapters, outputs, names, lambda a, out: item_config(cfg, "peft", a, out),
                     lambda i, cfg_i: run_adapter(cfg_i, rt, state, base))
 
 
-def run_adapter_sweep(cfg, rt) -> int:
-    """``mpitp eval --model BASE --peft 'glob,list'``: every rank calls it. Exit status 1 when an adapter failed."""
-    from mpitp.parallel.runtime import agree, start_torch, warm_imports
+@dataclass
+class AdapterSweepPlan(PlanWithoutClaim):
+    """``mpitp eval --model BASE --peft 'glob,list'``: the adapters expanded and named on rank 0, every rank holding
+    them."""
+
+    cfg: EvalConfig
+    adapters: list[str]
+    names: list[str]
+    outputs: list[str]
+
+    def execute(self, rt: Runtime) -> int:
+        """Every rank evaluates the adapters over one load of the base. Exit status 1 when an adapter failed."""
+        cfg = self.cfg
+        if rt.world.rank == 0:
+            log.info("adapter sweep: %d adapters over %s: %s", len(self.adapters), cfg.model, ", ".join(self.names))
+        t0 = time.perf_counter()
+        state = SweepState()
+        base = BaseModel(dataclasses.replace(cfg, peft=None), rt)
+        try:
+            rows = run_adapters(cfg, rt, self.adapters, self.outputs, self.names, state, base)
+        finally:
+            finish(state)
+        return summarise(rt, rows, self.outputs, t0, base=cfg.model, base_loads=base.loads)
+
+
+def prepare_adapter_sweep(cfg: EvalConfig, launch: Launch) -> AdapterSweepPlan:
+    """The adapters and their outputs, agreed before torch starts; pipeline stages refused."""
+    from mpitp.parallel.runtime import agree, warm_imports
 
     check_one_kind(cfg.model, cfg.peft, collective=True)
-    if rt.layout.pp > 1:
+    if launch.layout.pp > 1:
         raise UsageError(f"--peft {cfg.peft}: adapter sweeps run at --pp 1 (a pipeline stage renumbers its layers "
                          "after loading); use --tp or one launch per adapter", collective=True)
-    adapters = agree(lambda: expand_models(cfg.peft, "--peft"), rt.world.comm, rt.timeout, "expanding --peft")
-    names, outputs = name_outputs(cfg.output, adapters, rt)
-    start_torch(rt)
-    warm_imports(rt.world)  # the other ranks import the loading code while rank 0 checks the first adapter
-    if rt.world.rank == 0:
-        log.info("adapter sweep: %d adapters over %s: %s", len(adapters), cfg.model, ", ".join(names))
-    t0 = time.perf_counter()
-    state = SweepState()
-    base = BaseModel(dataclasses.replace(cfg, peft=None), rt)
-    try:
-        rows = run_adapters(cfg, rt, adapters, outputs, names, state, base)
-    finally:
-        finish(state)
-    return summarise(rt, rows, outputs, t0, base=cfg.model, base_loads=base.loads)
+    adapters = agree(lambda: expand_models(cfg.peft, "--peft"), launch.world.comm, launch.timeout,
+                     "expanding --peft")
+    names, outputs = name_outputs(cfg.output, adapters, launch)
+    warm_imports(launch.world)  # the other ranks import the loading code while rank 0 checks the first adapter
+    return AdapterSweepPlan(cfg, adapters, names, outputs)

@@ -65,33 +65,64 @@ class JobFileError(ValueError):
         self.path, self.run, self.run_name, self.field = path, run, run_name, field
 
 
-def _to_eval_kwargs(self) -> dict[str, Any]:
-    """Keyword arguments for the eval function, one per field, same names.
+@dataclass(frozen=True)
+class RunSpec:
+    """One fully validated evaluation run of a job file (paths are absolute strings): the run's own fields (name,
+    output), one field per job-file setting of :mod:`mpitp.evaluation.settings` read as itself (frozen: lists are
+    tuples, mappings :class:`FrozenDict`), the job-file runtime settings (tp, pp, timeout, iface, stage_dir, device) and
+    ``lm_eval``, the lm-eval-named settings as a read-only mapping. Mappings are excluded from the hash (equality still
+    compares them). ``tests/test_jobfile.py`` keeps the fields in step with the declarations: same names, order and
+    defaults."""
 
-    Returns plain mutable types (list of tasks, dict/list gen_kwargs) so the callee may modify them without touching
-    this frozen spec.
-    """
-    return {f.name: thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
+    name: str
+    model: str
+    tasks: tuple[str, ...]
+    output: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    num_fewshot: int | None = None
+    limit: int | float | None = None
+    batch_size: int | str = 1
+    max_length: int | None = None
+    gen_kwargs: str | FrozenDict | None = dataclasses.field(default=None, hash=False)
+    apply_chat_template: bool | str = False
+    include_path: str | tuple[str, ...] | None = None
+    seed: int | tuple[int | None, ...] | None = None
+    data_dir: str | None = None
+    log_samples: bool = False
+    bootstrap_iters: int = 100000
+    no_prefix_sharing: bool = False
+    peft: str | None = None
+    hf_assets: str | None = None
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    timeout: float | None = None
+    iface: str | None = None
+    stage_dir: str | None = None
+    device: str | None = None
+    lm_eval: FrozenDict | None = dataclasses.field(default=None, hash=False)
+
+    def to_eval_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the eval function, one per field, same names.
+
+        Returns plain mutable types (list of tasks, dict/list gen_kwargs) so the callee may modify them without
+        touching this frozen spec.
+        """
+        return {f.name: thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-def _run_spec_class():
-    """``RunSpec``: one fully validated evaluation run (paths are absolute strings), with one field per job-file
-    field of :mod:`mpitp.evaluation.settings` (the run's own: name, output; the settings read as themselves; the
-    runtime ones: tp, pp, device, timeout) and ``lm_eval``, the lm-eval-named settings as a read-only mapping.
-    Mappings are excluded from the hash (equality still compares them)."""
-    specs: list[tuple] = [("name", str), ("model", str), ("tasks", tuple), ("output", str)]
+def declared_run_fields() -> list[tuple[str, Any, bool]]:
+    """``(name, default, hashed)`` of every field :class:`RunSpec` must have, from the declarations: the run's own,
+    the job-file settings of :class:`mpitp.evaluation.settings.EvalConfig` (a mapping-typed one unhashed), the
+    job-file runtime settings, ``lm_eval``."""
+    out: list[tuple[str, Any, bool]] = [(n, dataclasses.MISSING, True) for n in ("name", "model", "tasks", "output")]
     for f in settings.eval_settings():
         if f.metadata.get("job") and f.name not in ("model", "tasks", "output"):
-            hashable = "dict" not in str(f.type)
-            specs.append((f.name, Any, dataclasses.field(default=settings.default(f), hash=hashable)))
-    specs += [(s.name, Any, dataclasses.field(default=s.default)) for s in settings.RUNTIME if s.job]
-    specs.append(("lm_eval", Any, dataclasses.field(default=None, hash=False)))
-    cls = dataclasses.make_dataclass("RunSpec", specs, frozen=True, namespace={"to_eval_kwargs": _to_eval_kwargs})
-    cls.__module__ = __name__  # pickled by reference: every rank receives the job's runs
-    return cls
-
-
-RunSpec = _run_spec_class()
+            out.append((f.name, settings.default(f), "dict" not in str(f.type)))
+    out += [(s.name, s.default, True) for s in settings.RUNTIME if s.job]
+    return out + [("lm_eval", None, False)]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from mpitp.evaluation.settings import EvalConfig, eval_settings
 from mpitp.jobs.orchestrate import run_config
 from mpitp.jobs.sweep import is_sweep
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import agree, setup_logging, start, stop
+from mpitp.parallel.runtime import agree, make_launch, setup_logging
 from mpitp.parallel.world import world_from_comm
 from mpitp.results.status import output_status
 
@@ -84,17 +84,16 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
             log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
                      f", pp={spec.pp}" if spec.pp > 1 else "",
                      " resuming" if state == "running" else "")
-        rt = None
         try:
             cfg = agree(lambda: eval_config(spec), world.comm, timeout, "reading the run's settings")
             cfg.resume = state == "running"
-            rt = start(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
-                       timeout=spec.timeout or timeout, world=world, init_torch=False,  # torch after the checks
-                       iface=spec.iface, stage_dir=spec.stage_dir)
+            launch = make_launch(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
+                                 timeout=spec.timeout or timeout, world=world, iface=spec.iface,
+                                 stage_dir=spec.stage_dir, ep=spec.ep)
             # a sweep of checkpoints or adapters: one file each; complete ones skipped, running ones resumed
             if is_sweep(cfg.model) or is_sweep(cfg.peft):
                 cfg.resume, cfg.overwrite = True, False
-            failed = run_config(cfg, rt) != 0
+            failed = run_config(cfg, launch) != 0  # its own torch world, torn down before the next run
             status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)" if failed else "complete"
             summary.append(RunOutcome(spec.name, spec.tp, status, time.perf_counter() - t0, spec.output, failed))
         except UsageError as exc:
@@ -106,9 +105,6 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
                 log.error("run %s failed: %s", spec.name, exc)
             if fail_fast:
                 break
-        finally:
-            if rt is not None:
-                stop(rt)
         mpicomm.barrier(world.comm, timeout, phase=f"end of run {spec.name}")
     if world.rank == 0:
         print_summary(job.path, summary)

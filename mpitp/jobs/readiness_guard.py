@@ -3,10 +3,12 @@ the offline variables set, and the libraries' own logging quieted while it check
 
 Why a guard in the process rather than trusting the offline variables: libraries reach the network by paths those
 variables do not cover (nltk's downloader, ``evaluate``'s Hub lookup), and some swallow the error. The guard catches
-every connection at the socket layer and records the host, so the report can name it."""
+every connection at the socket layer and records the host, so the report can name it. The patch is
+:mod:`mpitp.compat`'s, undone on leaving like every other."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -14,10 +16,16 @@ import os
 import socket
 from contextlib import contextmanager
 
+from mpitp import compat
+
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 EVALUATE_OFFLINE = "HF_EVALUATE_OFFLINE"
 """``evaluate`` asks the Hub for a metric's script before it looks in its cache unless this is set (read when
 ``evaluate`` is imported); the batch scripts set it as well."""
+#: The socket layer's entry points the guard replaces while it is on (:mod:`mpitp.compat` targets). Python's audit
+#: hooks (``socket.connect``, ``socket.getaddrinfo``) would see the same calls through public API, but a hook cannot
+#: be removed: the guard would outlive ``mpitp check`` in a process that imports it (the tests, a notebook).
+_SOCKET = ("socket.socket.connect", "socket.socket.connect_ex", "socket.getaddrinfo")
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
 
@@ -47,8 +55,7 @@ def block_network(tried: list[str]):
     for var in PROXY_VARS:  # a proxy on this host is a local address the guard would let through to the world
         os.environ.pop(var, None)
     os.environ["EVALUATE_VERBOSITY"] = "error"  # evaluate sets its logger's level when imported (here, by a task)
-    real_connect, real_connect_ex, real_getaddrinfo = socket.socket.connect, socket.socket.connect_ex, \
-        socket.getaddrinfo
+    real_connect, real_connect_ex, real_getaddrinfo = (compat.attribute(k) for k in _SOCKET)
 
     def refuse(host, port):
         where = f"{host}:{port}" if port is not None else str(host)
@@ -70,12 +77,12 @@ def block_network(tried: list[str]):
             refuse(host, port)
         return real_getaddrinfo(host, port, *args, **kwargs)
 
-    socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
     try:
-        yield tried
+        with contextlib.ExitStack() as patches:  # process-wide, put back on leaving (mpitp.compat)
+            for key, guard in zip(_SOCKET, (connect, connect_ex, getaddrinfo)):
+                patches.enter_context(compat.replaced(key, guard))
+            yield tried
     finally:
-        socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = real_connect, real_connect_ex, \
-            real_getaddrinfo
         os.environ.clear()
         os.environ.update(saved)
 

@@ -13,6 +13,7 @@ import re
 import tempfile
 from dataclasses import replace
 
+from mpitp import compat
 from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report, prefetch_command, why
 
 CHECK_LIMIT = 2
@@ -155,7 +156,7 @@ def unloaded_metrics(task) -> list[str]:
     with its own ``process_results`` keeps None for every metric by design: none then."""
     if getattr(getattr(task, "config", None), "process_results", None) is not None:
         return []
-    return [name for name, fn in (getattr(task, "_metric_fn_list", None) or {}).items()
+    return [name for name, fn in compat.metric_functions(task).items()
             if fn is None and isinstance(name, str)]
 
 
@@ -163,10 +164,14 @@ def _load(tm, leaf, groups: dict):
     """The built task of ``leaf``: by its name, or, for a member defined inline in a group (its data keys in the
     group's dict: :mod:`mpitp.tasks.layout`), from the built group (once per group: ``groups``), as the run builds
     it."""
+    from mpitp.evaluation.eval_docs import fewshot_listed
+
     if leaf.group is None:
-        return tm.load([leaf.name])["tasks"][leaf.name]
+        with fewshot_listed():
+            return tm.load([leaf.name])["tasks"][leaf.name]
     if leaf.group not in groups:
-        groups[leaf.group] = tm.load([leaf.group])["tasks"]
+        with fewshot_listed():
+            groups[leaf.group] = tm.load([leaf.group])["tasks"]
     tasks = groups[leaf.group]
     if leaf.name in tasks:
         return tasks[leaf.name]

@@ -41,6 +41,8 @@ from mpitp.results.sweepsummary import Row, natural_key, render_summary, summary
 
 if TYPE_CHECKING:
     from mpitp.evaluation.checks import CheckedTasks
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.parallel.runtime import Launch, Runtime
 
 # mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
 # ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
@@ -115,7 +117,7 @@ class SweepState:
     loaded_tasks: dict = field(default_factory=dict)  # TaskManager.load's results by arguments (memoize_task_loading)
 
 
-def tokenizer_key(cfg) -> str | None:
+def tokenizer_key(cfg: EvalConfig) -> str | None:
     """The files of the checkpoint's tokenizer (hashed): checkpoints with equal files share token ids."""
     from mpitp.evaluation.fingerprint import local_dir, tokenizer_files
     from mpitp.replica.dcp import tokenizer_source
@@ -155,7 +157,7 @@ def weight_files(model: str) -> list[str]:
     return sorted(p for pat in pats for p in glob.glob(os.path.join(model, pat)))
 
 
-def start_prefetch(model: str | None, rt) -> threading.Thread | None:
+def start_prefetch(model: str | None, rt: Runtime) -> threading.Thread | None:
     """Read ``model``'s weight files into the page cache in the background (node-local rank 0 only)."""
     if model is None or rt.world.local_rank != 0:
         return None
@@ -187,7 +189,7 @@ class LoadFailed(Exception):
     """The checkpoint could not be loaded on some rank (every rank raises it together)."""
 
 
-def _skip_complete(cfg) -> bool:
+def _skip_complete(cfg: EvalConfig) -> bool:
     """Rank 0: with --resume, a complete file made from this very checkpoint needs no work."""
     if not (cfg.resume and cfg.output and os.path.exists(cfg.output)):
         return False
@@ -200,7 +202,7 @@ def _skip_complete(cfg) -> bool:
     return True
 
 
-def everywhere(fn, rt, phase: str, undo=None):
+def everywhere(fn, rt: Runtime, phase: str, undo=None):
     """``fn()`` on every rank of the world; if it fails on any rank, every rank raises :class:`LoadFailed` with the
     first error (ranks where it succeeded first pass their result to ``undo``), so a bad checkpoint or adapter
     fails its row of the sweep together instead of leaving the other ranks in a collective."""
@@ -226,14 +228,14 @@ def everywhere(fn, rt, phase: str, undo=None):
     return result
 
 
-def _load_everywhere(cfg, rt):
+def _load_everywhere(cfg: EvalConfig, rt: Runtime):
     """Load on every rank; if any rank fails, every rank raises :class:`LoadFailed` with the first error."""
     from mpitp.evaluation.runner import load_for_layout
 
     return everywhere(lambda: load_for_layout(cfg.model, cfg, rt), rt, "loading the model")
 
 
-def check_item(cfg, rt, state: SweepState, phase: str):
+def check_item(cfg: EvalConfig, rt: Runtime, state: SweepState, phase: str):
     """Rank 0's checks of one checkpoint or adapter (the tasks checked by the first are reused), shared with all."""
     from mpitp.evaluation.checks import check_on_root
 
@@ -242,7 +244,7 @@ def check_item(cfg, rt, state: SweepState, phase: str):
     return checked
 
 
-def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float, kept=None):
+def evaluate_item(model, cfg: EvalConfig, rt: Runtime, state: SweepState, checked, t_start: float, kept=None):
     """:func:`mpitp.evaluation.runner.evaluate_loaded` with what a sweep keeps from one model to the next: lm-eval's
     loaded tasks (memoised) and the prompts' token ids per tokenizer; an adapter sweep's ``kept``
     (:class:`mpitp.evaluation.runner.KeptChecks`) for its one base."""
@@ -258,7 +260,7 @@ def evaluate_item(model, cfg, rt, state: SweepState, checked, t_start: float, ke
                                t_start=t_start, encode_cache=cache, kept=kept)
 
 
-def run_checkpoint(cfg, rt, state: SweepState, next_model: str | None = None):
+def run_checkpoint(cfg: EvalConfig, rt: Runtime, state: SweepState, next_model: str | None = None):
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
     from mpitp import testing
     from mpitp.parallel.runtime import barrier_after_load
@@ -311,7 +313,7 @@ def _metrics_from_file(path: str) -> dict:
         return {}
 
 
-def item_config(cfg, field: str, item: str, out: str):
+def item_config(cfg: EvalConfig, field: str, item: str, out: str):
     """The settings of one item of a sweep: ``field`` (``model`` or ``peft``) set to the checkpoint or adapter, its
     own output, and the same in ``--model_args`` (``pretrained=``, ``peft=``): lm-eval's output files name the item,
     not the sweep's glob."""
@@ -323,7 +325,7 @@ def item_config(cfg, field: str, item: str, out: str):
                                model_args=model_args or cfg.model_args)
 
 
-def run_each(rt, what: str, items: list[str], outputs: list[str], names: list[str], configure, evaluate,
+def run_each(rt: Runtime, what: str, items: list[str], outputs: list[str], names: list[str], configure, evaluate,
              rows: list[Row] | None = None) -> list[Row]:
     """The loop of every sweep (every rank calls it): for each checkpoint or adapter (``what`` names the kind), its
     settings (``configure(item, output)``, e.g. :func:`item_config`), a skip when ``--resume`` finds its file
@@ -356,8 +358,8 @@ def run_each(rt, what: str, items: list[str], outputs: list[str], names: list[st
     return rows
 
 
-def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str], state: SweepState | None = None,
-               rows: list[Row] | None = None) -> list[Row]:
+def run_models(cfg: EvalConfig, rt: Runtime, models: list[str], outputs: list[str], names: list[str],
+               state: SweepState | None = None, rows: list[Row] | None = None) -> list[Row]:
     """Evaluate ``models`` one after another (every rank calls it); one :class:`Row` each, in order."""
     state = state or SweepState()
 
@@ -378,26 +380,52 @@ def run_models(cfg, rt, models: list[str], outputs: list[str], names: list[str],
                     evaluate, rows)
 
 
-def run_sweep(cfg, rt) -> int:
-    """``mpitp eval --model 'glob,list'``: every rank calls it. Exit status 1 when a checkpoint failed."""
-    from mpitp.parallel.runtime import agree, start_torch, warm_imports
+class PlanWithoutClaim:
+    """A plan (:class:`mpitp.jobs.orchestrate.Plan`: checked before torch starts, run inside the run's torch world by
+    ``execute``) whose checks hold nothing to give back on leaving its ``with`` block (each item of a sweep claims
+    its own output; :class:`mpitp.evaluation.runner.EvalPlan` releases its claim there)."""
 
-    models = agree(lambda: expand_models(cfg.model), rt.world.comm, rt.timeout, "expanding --model")
-    names, outputs = name_outputs(cfg.output, models, rt)
-    start_torch(rt)
-    warm_imports(rt.world)  # the other ranks import the loading code while rank 0 checks the first checkpoint
-    if rt.world.rank == 0:
-        log.info("sweep: %d checkpoints: %s", len(models), ", ".join(names))
-    t0 = time.perf_counter()
-    state = SweepState()
-    try:
-        rows = run_models(cfg, rt, models, outputs, names, state)
-    finally:
-        finish(state)
-    return summarise(rt, rows, outputs, t0)
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
-def name_outputs(spec: str | None, items: list[str], rt) -> tuple[list[str], list[str]]:
+@dataclass
+class SweepPlan(PlanWithoutClaim):
+    """``mpitp eval --model 'glob,list'``: the checkpoints expanded and named on rank 0, every rank holding them."""
+
+    cfg: EvalConfig
+    models: list[str]
+    names: list[str]
+    outputs: list[str]
+
+    def execute(self, rt: Runtime) -> int:
+        """Every rank evaluates the checkpoints in order. Exit status 1 when one failed."""
+        if rt.world.rank == 0:
+            log.info("sweep: %d checkpoints: %s", len(self.models), ", ".join(self.names))
+        t0 = time.perf_counter()
+        state = SweepState()
+        try:
+            rows = run_models(self.cfg, rt, self.models, self.outputs, self.names, state)
+        finally:
+            finish(state)
+        return summarise(rt, rows, self.outputs, t0)
+
+
+def prepare_sweep(cfg: EvalConfig, launch: Launch) -> SweepPlan:
+    """The sweep's checkpoints and outputs, agreed before torch starts (the other ranks then import the loading code
+    while rank 0 checks the first checkpoint)."""
+    from mpitp.parallel.runtime import agree, warm_imports
+
+    models = agree(lambda: expand_models(cfg.model), launch.world.comm, launch.timeout, "expanding --model")
+    names, outputs = name_outputs(cfg.output, models, launch)
+    warm_imports(launch.world)
+    return SweepPlan(cfg, models, names, outputs)
+
+
+def name_outputs(spec: str | None, items: list[str], rt: Launch) -> tuple[list[str], list[str]]:
     """Each checkpoint's or adapter's short name and results file (``--output`` a directory or a pattern), the same
     on every rank."""
     from mpitp.parallel.runtime import agree
@@ -409,7 +437,7 @@ def name_outputs(spec: str | None, items: list[str], rt) -> tuple[list[str], lis
     return names, outputs
 
 
-def summarise(rt, rows: list[Row], outputs: list[str], t0: float, **extra) -> int:
+def summarise(rt: Runtime, rows: list[Row], outputs: list[str], t0: float, **extra) -> int:
     """Rank 0 writes ``sweep-summary.json`` (with ``extra``) and prints it. Exit status 1 when an item failed."""
     if rt.world.rank == 0:
         path = summary_path(outputs)

@@ -16,8 +16,15 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
+from mpitp.jobs.sweep import PlanWithoutClaim
+
+if TYPE_CHECKING:
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.parallel.runtime import Launch, Runtime
 
 log = logging.getLogger("mpitp")
 
@@ -91,11 +98,44 @@ def default_watch_dir(directory: str) -> str:
     return os.path.join("results", f"watch-{os.path.basename(os.path.normpath(directory)) or 'checkpoints'}")
 
 
-def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) -> int:
-    """Every rank calls it. Exit status 1 when a checkpoint failed, else 0."""
-    from mpitp.jobs.sweep import SweepState, finish
-    from mpitp.parallel.runtime import agree, start_torch
-    from mpitp.results.sweepsummary import render_summary, summary_path, write_summary
+@dataclass
+class WatchPlan(PlanWithoutClaim):
+    """``mpitp eval --watch DIR``: the directory and the settings checked on rank 0 before torch starts."""
+
+    cfg: EvalConfig
+    directory: str
+    idle_s: float
+    poll_s: float = POLL_S
+
+    def execute(self, rt: Runtime) -> int:
+        """Every rank evaluates each checkpoint that appears, until none has for ``idle_s``. Exit status 1 when a
+        checkpoint failed, else 0."""
+        from mpitp.jobs.sweep import SweepState, finish
+        from mpitp.results.sweepsummary import render_summary, summary_path, write_summary
+
+        cfg, directory = self.cfg, self.directory
+        cfg.resume = True  # a watch always continues its own files
+        state = SweepState()
+        t0 = time.monotonic()
+        if rt.world.rank == 0:
+            log.info("watching %s for checkpoints (ends after %.0f s without a new one)", directory, self.idle_s)
+        try:
+            rows = _watch_loop(cfg, rt, directory, self.idle_s, self.poll_s, default_watch_dir(directory), state)
+        finally:
+            finish(state)
+        if rt.world.rank == 0:
+            if rows:
+                path = summary_path([r.output for r in rows])
+                write_summary(path, rows, time.monotonic() - t0)
+                print(render_summary(rows, path))
+            else:
+                print(f"watch {directory}: no complete checkpoint appeared")
+        return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+def prepare_watch(cfg: EvalConfig, launch: Launch, directory: str, idle_s: float, poll_s: float = POLL_S) -> WatchPlan:
+    """Rank 0 checks the watched directory and the settings; every rank gets the verdict."""
+    from mpitp.parallel.runtime import agree
 
     def check():
         if not os.path.isdir(directory):
@@ -106,29 +146,11 @@ def run_watch(cfg, rt, directory: str, idle_s: float, poll_s: float = POLL_S) ->
             raise UsageError("--watch resumes what it finds (a complete file is skipped): --overwrite does not apply")
         return True
 
-    agree(check, rt.world.comm, rt.timeout, "checking --watch")
-    start_torch(rt)
-    cfg.resume = True  # a watch always continues its own files
-    base = default_watch_dir(directory)
-    state = SweepState()
-    t0 = time.monotonic()
-    if rt.world.rank == 0:
-        log.info("watching %s for checkpoints (ends after %.0f s without a new one)", directory, idle_s)
-    try:
-        rows = _watch_loop(cfg, rt, directory, idle_s, poll_s, base, state)
-    finally:
-        finish(state)
-    if rt.world.rank == 0:
-        if rows:
-            path = summary_path([r.output for r in rows])
-            write_summary(path, rows, time.monotonic() - t0)
-            print(render_summary(rows, path))
-        else:
-            print(f"watch {directory}: no complete checkpoint appeared")
-    return 1 if any(r.status == "failed" for r in rows) else 0
+    agree(check, launch.world.comm, launch.timeout, "checking --watch")
+    return WatchPlan(cfg, directory, idle_s, poll_s)
 
 
-def _watch_loop(cfg, rt, directory, idle_s, poll_s, base, state) -> list:
+def _watch_loop(cfg: EvalConfig, rt: Runtime, directory, idle_s, poll_s, base, state) -> list:
     from mpitp.jobs.sweep import output_for, run_models
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.runtime import agree

@@ -1,4 +1,5 @@
-"""Bring up a rank: MPI world, layout, device, thread count and the TP torch world, in that order.
+"""Bring up a rank: MPI world and layout (:func:`make_launch`), then device, thread count and the replica's torch world
+(:func:`replica_world`, the one owner of that world), in that order.
 
 Also the one pattern for bad input under MPI: :func:`agree` runs a check on rank 0 and broadcasts its verdict, so a
 usage error is printed once and every rank leaves with status 2 together instead of some ranks waiting forever.
@@ -9,7 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from mpitp.errors import UsageError, exit_bound
 from mpitp.parallel import comm as mpicomm
@@ -20,17 +23,44 @@ from mpitp.parallel.world import World, world_from_comm
 log = logging.getLogger("mpitp")
 
 
-@dataclass
-class Runtime:
-    """Everything a rank needs to take part in an evaluation. Passed explicitly; never stored globally."""
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """A rank's place in the job before torch starts: the MPI world, the dp x pp x tp layout and what was asked for
+    the torch side. Rank 0's input checks run with it, so a refused run never starts torch on any rank."""
 
     world: World
     layout: Layout
-    device: str | None  # the request (maybe None) until start_torch, then the device this rank runs on
+    device: str | None  # the request (None: a GPU per rank where there are enough, else the CPU)
     threads: int
     timeout: float
-    replica_group: ReplicaGroup | None = field(default=None)
+    ep: int = 1  # --ep: the TP group's ranks share each layer's experts (1: every rank a TP slice of every expert)
     stage_dir: str | None = None  # --stage-dir: where each node copies a local model before loading (None: in place)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime(Launch):
+    """Everything a rank needs to take part in an evaluation: a :class:`Launch` with its device picked and the
+    replica's torch world up. Built once by :func:`replica_world` (or :func:`start`) and passed explicitly, never
+    stored globally or changed; :meth:`close` tears its torch world down (also on leaving a ``with`` block)."""
+
+    device: str = "cpu"  # the device this rank runs on
+    replica_group: ReplicaGroup | None = None
+
+    def close(self) -> None:
+        """Tear down the replica's torch world so the next run may use another layout. Idempotent."""
+        from mpitp.parallel.replica_group import destroy_replica_group
+
+        if self.replica_group is not None:
+            # gloo/NCCL teardown talks to the replica's peers and holds the interpreter lock: bounded like
+            # MPI_Finalize.
+            with exit_bound("tearing down the replica's torch world"):
+                destroy_replica_group(self.replica_group)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class _RankFilter(logging.Filter):
@@ -78,19 +108,16 @@ def agree(check, comm, timeout: float, phase: str):
     return verdict[1]
 
 
-def start(tp: int = 1, device: str | None = None, threads: int | None = None,
-          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, init_torch: bool = True,
-          world: World | None = None, pp: int = 1, iface: str | None = None,
-          stage_dir: str | None = None) -> Runtime:
-    """Build the runtime. Collective over ``comm``: every rank must call it with the same arguments.
+def make_launch(tp: int = 1, pp: int = 1, device: str | None = None, threads: int | None = None,
+                timeout: float = mpicomm.DEFAULT_TIMEOUT, world: World | None = None, comm=None,
+                iface: str | None = None, stage_dir: str | None = None, ep: int = 1) -> Launch:
+    """The MPI side of a rank: its world (``world``, else one from ``comm``) and layout. Collective over it; every rank
+    calls it with the same arguments. A layout that does not fit the world is refused on every rank alike.
 
     Pass ``world`` to reuse one (a job file runs several layouts, one after another, in the same MPI world).
-    ``init_torch=False`` stops after the MPI layout: ``rt.device`` is still the request and torch is not even
-    imported, so rank 0 can refuse bad input before the other ranks spend seconds of a shared CPU starting torch
-    (:func:`start_torch` then finishes the job). ``iface`` names the network interface between nodes: it becomes
-    ``MPITP_IFACE`` (:mod:`mpitp.parallel.netaddr`), which the torch world reads when a replica spans nodes.
-    ``stage_dir`` (else ``MPITP_STAGE_DIR``) is where each node copies the model before loading
-    (:mod:`mpitp.replica.staging`).
+    ``iface`` names the network interface between nodes: it becomes ``MPITP_IFACE``
+    (:mod:`mpitp.parallel.netaddr`), which the torch world reads when a replica spans nodes. ``stage_dir`` (else
+    ``MPITP_STAGE_DIR``) is where each node copies the model before loading (:mod:`mpitp.replica.staging`).
     """
     if iface:
         os.environ["MPITP_IFACE"] = iface
@@ -99,34 +126,54 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
         layout = make_layout(world, tp, pp)
     except UsageError as exc:
         raise UsageError(str(exc), collective=True) from None
-    rt = Runtime(world=world, layout=layout, device=device, threads=threads or world.default_threads,
-                 timeout=timeout, stage_dir=stage_dir or os.environ.get("MPITP_STAGE_DIR") or None)
-    if init_torch:
-        start_torch(rt)
-    return rt
+    if ep not in (1, tp):
+        raise UsageError(f"--ep {ep}: the experts are spread over a TP group's ranks (transformers' expert-parallel "
+                         f"plan needs ep = tp), so --ep must be 1 or --tp {tp}", collective=True)
+    return Launch(world=world, layout=layout, device=device, threads=threads or world.default_threads,
+                  timeout=timeout, ep=ep, stage_dir=stage_dir or os.environ.get("MPITP_STAGE_DIR") or None)
 
 
-def start_torch(rt: Runtime) -> Runtime:
-    """Pick this rank's device, set torch's threads and bring up the replica's torch world. Collective; a no-op
-    when the runtime already has its torch world."""
-    if rt.replica_group is not None:
-        return rt
+def open_replica(launch: Launch) -> Runtime:
+    """Pick this rank's device, set torch's threads and bring up the replica's torch world. Collective over the
+    world; the caller owns the result (:meth:`Runtime.close`, or use :func:`replica_world`)."""
     import torch
 
-    plan = _device_plan(rt.device, rt.world.local_rank)
-    rt.device = plan.device
-    torch.set_num_threads(rt.threads)
-    if rt.device.startswith("cuda"):
+    plan = _device_plan(launch.device, launch.world.local_rank)
+    torch.set_num_threads(launch.threads)
+    if plan.device.startswith("cuda"):
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if plan.set_device:
-        torch.cuda.set_device(torch.device(rt.device))
-    rt.replica_group = init_replica_group(rt.layout, rt.device, rt.timeout)
-    return rt
+        torch.cuda.set_device(torch.device(plan.device))
+    group = init_replica_group(launch.layout, plan.device, launch.timeout)
+    return Runtime(world=launch.world, layout=launch.layout, device=plan.device, threads=launch.threads,
+                   timeout=launch.timeout, ep=launch.ep, stage_dir=launch.stage_dir, replica_group=group)
+
+
+@contextmanager
+def replica_world(launch: Launch) -> Iterator[Runtime]:
+    """The one owner of a run's torch world: built on entry (after rank 0's checks, which need only ``launch``),
+    torn down once on exit, however the run ends. Every path (``eval``, sweeps, adapter sweeps, ``--watch``, each
+    run of a job file) runs inside one of these."""
+    rt = open_replica(launch)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def start(tp: int = 1, device: str | None = None, threads: int | None = None,
+          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, world: World | None = None, pp: int = 1,
+          iface: str | None = None, stage_dir: str | None = None) -> Runtime:
+    """The public :func:`mpitp.start`: :func:`make_launch` and :func:`open_replica` in one call, for a script that
+    builds and evaluates its own model. Collective. Use the result in a ``with`` block (or call ``close()``) to tear
+    its torch world down."""
+    return open_replica(make_launch(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, world=world,
+                                    comm=comm, iface=iface, stage_dir=stage_dir))
 
 
 def warm_imports(world: World) -> None:
     """Ranks other than 0 import torch and transformers' model code before they wait for rank 0's checks, on a node
-    with a core for each rank: there the imports overlap the checks for free and :func:`start_torch` and the load
+    with a core for each rank: there the imports overlap the checks for free and :func:`open_replica` and the load
     find them done. On an oversubscribed node they would take CPU from rank 0's checks (and slow a refused run), so
     there the ranks wait idle."""
     if world.rank != 0 and world.cores_per_node >= world.local_size:
@@ -167,14 +214,3 @@ def _device_plan(device: str | None, local_rank: int):
                              "hidden from transformers' sharded loading; choose the device before using CUDA")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     return plan
-
-
-def stop(rt: Runtime) -> None:
-    """Tear down this runtime's TP torch world so the next run may use another layout."""
-    from mpitp.parallel.replica_group import destroy_replica_group
-
-    if rt.replica_group is not None:
-        # gloo/NCCL teardown talks to the replica's peers and holds the interpreter lock: bounded like MPI_Finalize.
-        with exit_bound("tearing down the replica's torch world"):
-            destroy_replica_group(rt.replica_group)
-        rt.replica_group = None

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import re
 
+from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.replica.dcp_load import config_params, fill, quiet_transformers, without_weight_init
 from mpitp.replica.dcp_names import Entry, Plan, hf_to_titan_names, hf_to_titan_rows, plan_loading, titan_to_hf_rows
@@ -127,8 +128,7 @@ def from_pretrained(path: str, hf_assets: str | None, distributed_config=None, d
     shards materialised), then :func:`fill` reads each local parameter's slice from the checkpoint.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.auto_factory import _get_model_class
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     if load_kwargs.pop("subfolder", None):
         raise UsageError(f"model path {path}: subfolder= does not apply to a torch DCP checkpoint folder")
@@ -138,7 +138,9 @@ def from_pretrained(path: str, hf_assets: str | None, distributed_config=None, d
     plan = plan_loading(model_tensors(metadata), config, config_params(config, trust_remote_code),
                         f"model path {path}")
     torch_dtype = plan.dtype if dtype == "auto" else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-    cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    # the class AutoModelForCausalLM would build: transformers' private lookup over its public mapping
+    model_class = compat.attribute("transformers.models.auto.auto_factory._get_model_class")
+    cls = model_class(config, MODEL_FOR_CAUSAL_LM_MAPPING)
     kwargs = dict(config=config, state_dict={}, dtype=torch_dtype, **load_kwargs)
     if distributed_config is not None:
         kwargs["distributed_config"] = distributed_config

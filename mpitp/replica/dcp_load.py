@@ -13,6 +13,7 @@ import contextlib
 import logging
 import warnings
 
+from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.replica.dcp_names import Plan
 from mpitp.replica.dcp_read import SliceReader, read_metadata, storage_reader
@@ -52,9 +53,8 @@ def without_weight_init(cls):
 
     class Filled(cls):
         def _initialize_missing_keys(self, *args, **kwargs):
-            for p in self.parameters():
-                p._is_hf_initialized = True
-            return super()._initialize_missing_keys(*args, **kwargs)
+            compat.mark_initialised(self.parameters())
+            return super()._initialize_missing_keys(*args, **kwargs)  # an override compat declares and checks
 
     Filled.__name__, Filled.__qualname__, Filled.__module__ = cls.__name__, cls.__qualname__, cls.__module__
     return Filled

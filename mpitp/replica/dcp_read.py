@@ -38,14 +38,13 @@ class _MetadataPickle(pickle.Unpickler):
             obj = getattr(md, name, None)
             if isinstance(obj, type) and obj.__module__ == module:
                 return obj
-        elif (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
-            from torch.distributed.checkpoint.filesystem import _StorageInfo
+        elif (module, name) in (("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                                ("torch.serialization", "_get_layout")):  # private names the pickle itself holds
+            from mpitp import compat
 
-            return _StorageInfo
-        elif (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout")):
-            import torch.serialization
-
-            return torch.Size if name == "Size" else torch.serialization._get_layout
+            return compat.attribute(f"{module}.{name}")
+        elif (module, name) == ("torch", "Size"):
+            return torch.Size
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):

@@ -15,8 +15,11 @@ Only the leader runs HF ``generate``; each of its forwards is mirrored by the wo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from mpitp import compat
 from mpitp.replica.scoring import CommCounter, VocabParallelHead
 
 CACHE = "__cache__"  # the forward's KV cache: each rank passes its own
@@ -55,14 +58,12 @@ class GenerationState:
         self.nonfinite_steps += 1
 
     def _swap_head(self):
-        """Replace the model's output embedding by :class:`GreedyHead`; returns the undo."""
-        model = self.shard.model
-        head = model.get_output_embeddings()
-        for name, child in model.named_children():
-            if child is head:
-                setattr(model, name, GreedyHead(self.shard.head, self.note_nonfinite))
-                return lambda: setattr(model, name, head)
-        raise RuntimeError("could not locate the LM head among the model's children")
+        """Replace the model's output embedding by :class:`GreedyHead` (:func:`mpitp.compat.output_head_replaced`:
+        on this model only); returns the undo."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(compat.output_head_replaced(self.shard.model,
+                                                        GreedyHead(self.shard.head, self.note_nonfinite)))
+        return stack.close
 
     def encode(self, kwargs: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         """Leader: a forward's keyword arguments as (plain values and markers, tensors to send)."""

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from mpitp import testing
+from mpitp import compat, testing
 from mpitp.replica.generation import GenerationState
 from mpitp.replica.prefix import next_batch, pack, plan
 from mpitp.replica.protocol import (
@@ -126,7 +126,6 @@ class ReplicaLeader:
         if self.has_workers:
             self.channel.send(OP_GEN_BEGIN, greedy=greedy)
         gen.begin(greedy)
-        patched = "forward" in vars(model)
         original = model.forward
 
         @functools.wraps(original)  # generate validates its kwargs against the forward's signature (Falcon-H1)
@@ -140,20 +139,17 @@ class ReplicaLeader:
                 return shard.generate_step(kwargs, gen.greedy, gen.note_nonfinite)
             return original(**kwargs)
 
-        if self.has_workers:
-            model.forward = mirrored_forward
+        # on this model only, put back (to the class's forward) on leaving: mpitp.compat
+        swap = compat.replaced("torch.nn.Module.forward", mirrored_forward, on=model) if self.has_workers \
+            else contextlib.nullcontext()
         ok = False
         try:
-            yield
+            with swap:
+                yield
             ok = True
         finally:
-            if self.has_workers:
-                if patched:
-                    model.forward = original
-                else:
-                    del model.forward  # back to the class's forward
-                if ok:  # after a failure the workers may sit in a collective of the failed forward: no message
-                    self.channel.send(OP_GEN_END)
+            if self.has_workers and ok:  # after a failure the workers may sit in a collective of the failed forward
+                self.channel.send(OP_GEN_END)
             gen.end()
 
     # ------------------------------------------------------------------ lifecycle

@@ -12,6 +12,7 @@ import contextlib
 import os
 
 from mpitp.errors import UsageError
+from mpitp.replica import tp_plans
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -53,20 +54,45 @@ def load_config(model: str, revision: str | None = None, trust_remote_code: bool
 
 
 def check_tp(config, tp: int) -> None:
-    """Refuse layouts transformers' TP cannot shard, with the arithmetic spelled out."""
+    """Refuse layouts transformers' TP cannot shard, with the arithmetic spelled out. A type transformers has no plan
+    for is checked against mpitp's own (:mod:`mpitp.replica.tp_plans`), and refused only where neither exists."""
     if tp == 1:
         return
     text = config.get_text_config()
     plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
     if not plan:
-        raise UsageError(f"model type '{config.model_type}' has no tensor-parallel plan in transformers; "
-                         f"run it with --tp 1")
+        own = tp_plans.for_config(config)
+        if own is None:
+            raise UsageError(f"model type '{config.model_type}' has no tensor-parallel plan in transformers; "
+                             f"run it with --tp 1")
+        tp_plans.check(config, own, tp)
+        return
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads
     if heads is not None and heads % tp:
         raise UsageError(f"tp={tp} does not divide the model's {heads} attention heads")
     if kv is not None and kv % tp:
         raise UsageError(f"tp={tp} does not divide the model's {kv} key/value heads")
+
+
+def check_ep(config, ep: int, pp: int = 1, peft: str | None = None) -> None:
+    """Refuse expert parallelism where transformers has no expert-parallel plan for the model or the experts do not
+    divide evenly; ``ep`` is 1 or tp (:func:`mpitp.parallel.runtime.make_launch` checked it)."""
+    if ep == 1:
+        return
+    if pp > 1:
+        raise UsageError(f"--ep {ep} with --pp {pp}: expert parallelism runs without pipeline stages; use --pp 1")
+    if peft:
+        raise UsageError(f"--ep {ep} with --peft: an adapter is merged into TP shards, not into experts spread over "
+                         "ranks; run it without --ep")
+    text = config.get_text_config()
+    if not (getattr(text, "base_model_ep_plan", None) or getattr(config, "base_model_ep_plan", None)):
+        raise UsageError(f"model type '{config.model_type}' has no expert-parallel plan in transformers; run it "
+                         f"without --ep (its experts are then split by --tp)")
+    experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(getattr(text, k, None), int)), None)
+    if experts is not None and experts % ep:
+        raise UsageError(f"--ep {ep} does not divide the model's {experts} experts per layer")
 
 
 def check_dtype(dtype: str) -> None:
@@ -165,11 +191,13 @@ def strided_shards_with_pread():
 
 
 def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False, peft: str | None = None, **load_kwargs):
+               trust_remote_code: bool = False, peft: str | None = None, ep: int = 1, **load_kwargs):
     """Load ``model`` for this rank: whole for tp=1, sharded by transformers' TP plan for tp > 1.
 
     ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``);
-    ``peft``: a LoRA adapter folder merged into this rank's shards (:mod:`mpitp.replica.adapters`). A torch DCP
+    ``peft``: a LoRA adapter folder merged into this rank's shards (:mod:`mpitp.replica.adapters`). ``ep`` = tp
+    spreads each layer's experts over the TP group (transformers' ``DistributedConfig(ep_size=tp)``: its expert-parallel
+    plan, every rank running its own experts on the batch the group shares and the outputs summed). A torch DCP
     checkpoint folder (``hf_assets`` in ``load_kwargs``: its config and tokenizer) is read by
     :func:`mpitp.replica.dcp.from_pretrained` with the same TP plan, each rank reading its own slices.
 
@@ -186,23 +214,38 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
     if dcp.is_dcp(model):
         distributed = None
         if tp > 1:
-            from transformers.distributed import DistributedConfig
-
-            distributed = DistributedConfig(tp_size=tp)
+            distributed = _distributed(model, tp, revision, trust_remote_code, hf_assets, load_kwargs, ep)
         m = dcp.from_pretrained(model, hf_assets, distributed, torch_dtype, trust_remote_code, **load_kwargs)
         if tp == 1:
             m = m.to(device)
+        tp_plans.fix_up(m, tp)
         return _finish(m, peft)
     kwargs = dict(dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code, **load_kwargs)
     if tp > 1:
-        from transformers.distributed import DistributedConfig
-
+        distributed = _distributed(model, tp, revision, trust_remote_code, hf_assets, load_kwargs, ep)
         with strided_shards_with_pread():
-            m = AutoModelForCausalLM.from_pretrained(model, distributed_config=DistributedConfig(tp_size=tp),
-                                                     **kwargs)
+            m = AutoModelForCausalLM.from_pretrained(model, distributed_config=distributed, **kwargs)
+        tp_plans.fix_up(m, tp)
     else:
         m = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device)
     return _finish(m, peft)
+
+
+def _distributed(model: str, tp: int, revision, trust_remote_code: bool, hf_assets, load_kwargs: dict, ep: int = 1):
+    """``DistributedConfig(tp_size=tp)``, with mpitp's own plan (:mod:`mpitp.replica.tp_plans`) where transformers has
+    none: the config is read first (a file read), since the plan depends on the type and, for some, its variant."""
+    from transformers import AutoConfig
+
+    from mpitp.replica import dcp
+
+    source = dcp.assets_dir(model, hf_assets) if dcp.is_dcp(model) else model
+    extra = {"subfolder": load_kwargs["subfolder"]} if load_kwargs.get("subfolder") and source == model else {}
+    try:
+        config = AutoConfig.from_pretrained(source, revision=None if source != model else revision,
+                                            trust_remote_code=trust_remote_code, **extra)
+    except Exception:  # noqa: BLE001 - the load itself then says what is wrong, as it did before
+        config = None
+    return tp_plans.distributed_config(config, tp, **({"ep_size": ep} if ep > 1 else {}))
 
 
 def _finish(m, peft: str | None):

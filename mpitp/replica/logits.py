@@ -5,20 +5,20 @@ calling the model's forward, so it must repeat every step the model class takes 
 ``logit_scale``, Granite divides by ``logits_scaling`` (and HyperCLOVAX multiplies by a config field of the same
 name), Falcon-H1 multiplies by ``lm_head_multiplier``, MiniCPM3 divides the hidden state, Gemma 2/3 soft-cap with
 ``tanh``. No table of model types could keep up with transformers, so :func:`head_transform` reads the statements of the
-class's own ``forward`` (parsed with :mod:`ast`) between the decoder output and the loss, evaluates the ``self...``
-attributes they name on the live model, and turns each into an elementwise step. Anything it cannot read is reported as
-``unknown`` (the run's head check, :mod:`mpitp.replica.headcheck`, then decides from numbers whether the head path is
-still right).
+class's own ``forward`` (parsed with :mod:`ast`: :func:`mpitp.compat.forward_tree`) between the decoder output and the
+loss, evaluates the ``self...`` attributes they name on the live model, and turns each into an elementwise step.
+Anything it cannot read is reported as ``unknown`` (the run's head check, :mod:`mpitp.replica.headcheck`, then decides
+from numbers whether the head path is still right).
 """
 
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 from dataclasses import dataclass, field
 
 import torch
+
+from mpitp import compat
 
 _LOGITS = frozenset({"logits", "lm_logits"})
 _SIGNS = {ast.Mult: "*", ast.Div: "/"}
@@ -284,7 +284,7 @@ def _ends_head(node) -> bool:
 
 def statements(forward) -> list[Statement]:
     """The head part of a CausalLM forward: from the statement that takes the decoder's output to the loss."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    tree = compat.forward_tree(forward)
     fn = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
     flat = list(_flat(fn.body))
     start = next((i for i, (_, n) in enumerate(flat) if n is not None and _decoder_assignment(n)), None)

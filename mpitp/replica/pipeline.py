@@ -23,6 +23,7 @@ import copy
 
 import torch
 
+from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.parallel.layout import split_layers
 
@@ -103,8 +104,6 @@ def _tp_plan_without_stubs():
     import transformers.distributed.mixin as mixin
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
-    from mpitp import compat
-
     original = mixin.apply_tensor_parallelism
 
     def apply(model, mesh, plan):
@@ -175,15 +174,14 @@ def compact(model, start: int, end: int) -> None:
     if start > 0:
         _embedding_steps_off(base)
     # transformers wraps the instance's forward with its naive PP forward; mpitp.replica.shard drives stages itself.
-    if "forward" in vars(model):
-        del model.forward
-    model._pp_forward_wrapped = False
+    compat.undo_pp_forward_wrap(model)
 
 
 def _embedding_steps_off(base) -> None:
     """On a stage after the first, ``inputs_embeds`` are the previous stage's activations, not embeddings: undo the
     scaling the decoder's forward applies to them (Granite and HyperCLOVAX: ``inputs_embeds = inputs_embeds *
-    self.embedding_multiplier``), read from the forward's source, or every later stage would scale them again."""
+    self.embedding_multiplier``), read from the forward's source, or every later stage would scale them again. The
+    stage model is mpitp's own and never handed back, so the attributes stay 1."""
     for attr in _embedding_scales(type(base).forward):
         value = getattr(base, attr, None)
         if isinstance(value, (int, float)):
@@ -193,13 +191,12 @@ def _embedding_steps_off(base) -> None:
 
 
 def _embedding_scales(forward) -> list[str]:
-    """The ``attr`` of every ``inputs_embeds = inputs_embeds * self.attr`` (or ``/``) in ``forward``, read with ast."""
+    """The ``attr`` of every ``inputs_embeds = inputs_embeds * self.attr`` (or ``/``) in ``forward``, read with ast
+    (:func:`mpitp.compat.forward_tree`: a declared fact per model type would miss the next family that scales)."""
     import ast
-    import inspect
-    import textwrap
 
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+        tree = compat.forward_tree(forward)
     except (OSError, TypeError, SyntaxError):
         return []
     out = []

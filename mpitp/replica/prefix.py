@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpitp import compat
+
 log = logging.getLogger("mpitp")
 
 SPEC_KW = "mpitp_tree"
@@ -339,8 +341,6 @@ def install(model) -> bool:
     """Run ``model`` (an ``sdpa`` model) under :func:`sdpa_or_tree`, registered as transformers' attention function
     :data:`mpitp.compat.TREE_ATTENTION`: this model only; transformers' ``"sdpa"`` and other models are untouched.
     False where transformers has no attention interface to register it with."""
-    from mpitp import compat
-
     try:
         compat.register_tree_attention(sdpa_or_tree)
     except ImportError:  # pragma: no cover
@@ -351,9 +351,7 @@ def install(model) -> bool:
 
 def uninstall(model) -> None:
     """Back to plain ``sdpa`` (the probe found that this model's forward does not honour trees)."""
-    from mpitp import compat
-
-    if getattr(model.config, "_attn_implementation", None) == compat.TREE_ATTENTION:
+    if compat.attention_implementation(model.config) == compat.TREE_ATTENTION:
         model.set_attn_implementation("sdpa")
 
 
@@ -405,10 +403,8 @@ def check_sharing(shard, enabled: bool = True) -> str | None:
     why = _attention_kind(shard.model.config.get_text_config())
     if why:
         return f"off: {why}"
-    from mpitp.compat import TREE_ATTENTION
-
-    impl = getattr(shard.model.config, "_attn_implementation", None)
-    if impl not in ("sdpa", TREE_ATTENTION):  # TREE_ATTENTION: this model was probed before (and runs sdpa inside)
+    impl = compat.attention_implementation(shard.model.config)
+    if impl not in ("sdpa", compat.TREE_ATTENTION):  # TREE_ATTENTION: probed before (and runs sdpa inside)
         return f"off: attention implementation {impl!r} (sharing runs on 'sdpa')"
     if not install(shard.model):
         return "off: transformers has no attention interface to register tree attention with"
@@ -448,7 +444,7 @@ def _probe_scores(shard, groups: list[Group], tree: bool = False):
     flat = flat.to(shard.device)
     spec = TreeSpec.from_packed(flat, **size) if tree else None
     shard.stats.forwards -= 1  # score() counts one: the probe is none of the run's forwards (nor a test hook's)
-    lp, _ = shard.score(flat, spec=spec, **size)
+    lp, _ = shard.score(flat, spec=spec, probe=True, **size)
     sums = torch.zeros(len(groups) and max(owner) + 1, dtype=torch.float64, device=lp.device)
     sums.index_add_(0, torch.tensor(owner, device=lp.device), lp.double())
     return (sums.cpu(), spec.calls) if tree else sums.cpu()

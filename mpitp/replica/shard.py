@@ -39,16 +39,20 @@ class ReplicaShard:
         self.attention_layers = 0  # set with it: the attention calls one forward makes
         self.flop_weights = flop_weights(model.config.get_text_config())  # to weigh a tree against plain rows
         testing.install_forward_fault(getattr(self.base, "layers", None), layout.rank, lambda: self.stats.forwards)
+        testing.install_generate_log(model, layout)
 
     @torch.no_grad()
-    def score(self, packed: torch.Tensor, b: int, t: int, n: int, r: int = 0, spec=None):
+    def score(self, packed: torch.Tensor, b: int, t: int, n: int, r: int = 0, spec=None, probe: bool = False):
         """(log p, is_greedy) of the ``n`` scored positions of a packed batch (:func:`mpitp.replica.prefix.pack`:
         ``b`` sequences of ``t`` input ids, the flat indices of the scored positions, their targets, and with ``r``
-        continuations a tree's tables): on every rank without stages, on the leader with."""
+        continuations a tree's tables): on every rank without stages, on the leader with. ``probe``: a start-up
+        check's forward, none of the run's (left out of the forward log of :func:`mpitp.testing.log_forward`)."""
         ids = packed[: b * t].view(b, t)
         sel = packed[b * t : b * t + n]
         tgt = packed[b * t + n : b * t + 2 * n]
         self.stats.forwards += 1
+        if not probe:  # b sequences of t positions fed, whether rows or trees (r > 0: continuations of their own)
+            testing.log_forward(self.layout, "score", batch=b, seq=t, tokens=b * t, scored=n, branches=r)
         if self.pipeline:
             return self._score_pipeline(ids, sel, tgt)
         if r:

@@ -52,12 +52,10 @@ def _higher(task) -> dict[str, bool]:
 @contextlib.contextmanager
 def capture():
     """Inside this block, every ``simple_evaluate`` leaves ``{task: DocScores}`` in the yielded dict."""
-    import lm_eval.evaluator as ev
-
     from mpitp import compat
 
     out: dict[str, DocScores] = {}
-    original = ev._process_results
+    original = compat.attribute("lm_eval.evaluator._process_results")
 
     def recording(eval_results_acc, *args, **kwargs):
         for name, acc in eval_results_acc.items():

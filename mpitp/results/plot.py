@@ -21,6 +21,23 @@ def figure_class():
     return Figure
 
 
+def error_bars(vals, errs, log: bool, shown=None):
+    """(yerr, y limits or None) for ``ax.errorbar``: each bar ``value ± stderr`` kept inside the axis. On a log axis
+    a lower end at or below zero has no place (matplotlib draws it off the bottom edge): it stops at the axis floor, a
+    tenth of the lowest positive value or end, and the limits are set to hold every end and every value in ``shown``
+    (the panel's bars). A linear axis already holds them (matplotlib's autoscale counts the error bars): the stderr
+    as it is."""
+    import numpy as np
+
+    if not log:
+        return errs, None
+    shown = vals if shown is None else shown
+    ends = np.concatenate([shown, vals - errs])
+    floor = float(ends[ends > 0].min()) / 10
+    lower = np.minimum(errs, vals - floor)
+    return np.vstack([lower, errs]), (floor, float(max(shown.max(), (vals + errs).max())) * 2)
+
+
 def plot_run(run: RunFile, out: str, task: str | None = None, Figure=None) -> None:
     """Bar charts of every metric (one panel per metric and filter, one bar per task, stderr as error bars) and
     of the busy seconds of each DP group (the dashed line is the mean: bars far from it mean load imbalance).
@@ -53,7 +70,10 @@ def plot_run(run: RunFile, out: str, task: str | None = None, Figure=None) -> No
         bars = ax.bar(x, np.where(finite, vals, 0.0), color="C0", log=log)
         ok = np.isfinite(errs) & finite
         if ok.any():
-            ax.errorbar(x[ok], vals[ok], yerr=errs[ok], fmt="none", ecolor="black", elinewidth=1, capsize=4)
+            yerr, limits = error_bars(vals[ok], errs[ok], log, vals[finite])
+            ax.errorbar(x[ok], vals[ok], yerr=yerr, fmt="none", ecolor="black", elinewidth=1, capsize=4)
+            if limits is not None:
+                ax.set_ylim(*limits)
         ax.bar_label(bars, labels=[f"{v:.3g}" if np.isfinite(v) else "nan" for v in vals], padding=2, fontsize=8)
         rotate = len(rows) > 3
         ax.set_xticks(x, [r.task for r in rows], rotation=45 if rotate else 0, ha="right" if rotate else "center",

@@ -10,7 +10,7 @@ import math
 import re
 
 from mpitp.results.reader import RunFile, as_number, load_requests, metric_rows, task_n_docs
-from mpitp.results.speed import speed, speed_lines
+from mpitp.results.speed import speed, speed_lines, task_table
 from mpitp.results.texttable import text_table
 
 
@@ -117,7 +117,9 @@ def render_summary(run: RunFile, task: str | None) -> str:
         out += text_table(["task", "metric", "filter", "value", "", "stderr", "n"], rows, right={3, 6})
     else:
         out += "(no tasks)"
-    return out
+    s = speed(run, stats_totals(run))
+    per_task = task_table(s) if s is not None else ""
+    return out + ("\n\n" + per_task if per_task else "")
 
 
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")

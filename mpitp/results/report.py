@@ -29,7 +29,15 @@ from mpitp.results.report_board import higher_is_better, leaderboard, run_view
 from mpitp.results.report_html import render, script_json
 from mpitp.results.report_model import DIFF_ITERS, PAIR_BOUND, DiffView, Report
 from mpitp.results.report_samples import SAMPLE_CAP, TEXT_BUDGET, TaskData, read_task, samples
-from mpitp.results.report_sweep import family, family_order, family_sweeps, sweep_panels, sweep_tests
+from mpitp.results.report_sweep import (
+    family,
+    family_order,
+    family_speed,
+    family_sweeps,
+    summary_speed,
+    sweep_panels,
+    sweep_tests,
+)
 from mpitp.results.untrusted import kind, shown
 
 __all__ = ["DIFF_ITERS", "PAIR_BOUND", "SAMPLE_CAP", "TEXT_BUDGET", "Report", "build", "expand", "family", "paired",
@@ -114,12 +122,14 @@ def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDG
                     leaderboard=leaderboard(runs, higher_is_better(runs)), samples=sample_data, left_out=left_out,
                     sweeps=[p for s in summaries for p in sweep_panels(s)],
                     sweep_tests=[t for s in summaries for t in sweep_tests(s)],
+                    sweep_speed=[t for s in summaries for t in summary_speed(s, runs)],
                     diffs=[DiffView(labels[i], labels[j], statistics_text(c)) for (i, j), c in comps.items()],
                     diff_bound=PAIR_BOUND, diff_iters=diff_iters)
     if not summaries:
         sweeps, tests = family_sweeps(runs, comps)
         report.sweeps += sweeps
         report.sweep_tests += tests
+        report.sweep_speed += family_speed(runs)
     return report
 
 

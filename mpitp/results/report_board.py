@@ -10,7 +10,7 @@ import hashlib
 from mpitp.results.reader import RunFile, metric_rows
 from mpitp.results.render import fmt_value, layout_line, stats_totals
 from mpitp.results.report_model import Cell, LeaderRow, RunView, finite
-from mpitp.results.speed import speed
+from mpitp.results.speed import group_text, speed, summary_text, task_rows
 
 
 def _wall(v) -> str:
@@ -25,19 +25,17 @@ def run_view(label: str, run: RunFile) -> RunView:
     return RunView(label=label, path=run.path, model=str(a.get("model", "?")),
                    fingerprint=hashlib.sha256(fp.encode()).hexdigest()[:12] if isinstance(fp, str) else "",
                    layout=layout_line(a), created=str(a.get("created", "")), wall_time=_wall(a.get("wall_time_s")),
-                   status=run.status, versions=versions, speed=_speed(run))
+                   status=run.status, versions=versions, **_speed_fields(run))
 
 
-def _speed(run: RunFile) -> str:
+def _speed_fields(run: RunFile) -> dict:
+    """The run's speed as inspect prints it (:mod:`mpitp.results.speed`'s formatters): the Runs table's cell, and
+    the Speed view's latency, per-task rows and per-group lines (empty for an older file or an unfinished run)."""
     s = speed(run, stats_totals(run))
     if s is None:
-        return ""
-    parts = [f"{s.tokens / s.wall:.1f} tokens/s"] if s.tokens else []  # no /stats: not counted, not zero
-    if s.alone is not None:
-        parts.append(f"rank 0 alone {s.alone:.1f} s")
-    if s.device_s is not None:
-        parts.append(f"{s.device_s:.1f} device-s")
-    return ", ".join(parts)
+        return {}
+    return dict(speed=summary_text(s), speed_latency=s.latency.text() if s.latency is not None else "",
+                speed_tasks=task_rows(s), speed_groups=[f"group {g.name}: {group_text(g)}" for g in s.groups])
 
 
 def _parents(runs: list[RunFile]) -> dict[str, str]:

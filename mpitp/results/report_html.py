@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict
 
 from mpitp.results.report_model import Report
+from mpitp.results.speed import CHECKPOINT_HEAD, TASK_HEAD
 
 
 def script_json(data) -> str:
@@ -32,4 +33,6 @@ def render(report: Report) -> str:
                  "bound": report.diff_bound, "iters": report.diff_iters,
                  "pairs": {f"{d.a}|{d.b}": d.text for d in report.diffs}}
     return env.get_template("report.html.j2").render(
-        report=report, board=[asdict(r) for r in report.leaderboard], samples=report.samples, diff_data=diff_data)
+        report=report, board=[asdict(r) for r in report.leaderboard], samples=report.samples, diff_data=diff_data,
+        task_head=TASK_HEAD, checkpoint_head=CHECKPOINT_HEAD,
+        timed=[r for r in report.runs if r.speed_tasks or r.speed_groups])  # runs whose files say where time went

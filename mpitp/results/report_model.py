@@ -32,7 +32,11 @@ class RunView:
     wall_time: str  # the run's wall time; empty while it has not finished
     status: str
     versions: str
-    speed: str = ""  # tokens/s, rank 0 alone, device-seconds (mpitp.results.speed); empty while it has not finished
+    speed: str = ""  # tokens/s, rank 0 alone, device-seconds, latency (mpitp.results.speed.summary_text); empty while
+    # it has not finished
+    speed_latency: str = ""  # every request's latency quantiles (files with speed_json; empty for older ones)
+    speed_tasks: list[list[str]] = field(default_factory=list)  # rows under mpitp.results.speed.TASK_HEAD
+    speed_groups: list[str] = field(default_factory=list)  # one line per DP group (mpitp.results.speed.group_text)
 
 
 @dataclass
@@ -66,6 +70,14 @@ class SweepPanel:
 
 
 @dataclass
+class SweepSpeed:
+    """A sweep's speed per checkpoint: rows under :data:`mpitp.results.speed.CHECKPOINT_HEAD`, in sweep order."""
+
+    title: str
+    rows: list[list[str]]
+
+
+@dataclass
 class DiffView:
     """The paired tests of run ``b`` against run ``a`` per task, the text ``mpitp inspect diff A B`` prints (the page
     holds each pair once, ``a`` the earlier run)."""
@@ -83,6 +95,7 @@ class Report:
     left_out: list[str]
     sweeps: list[SweepPanel]
     sweep_tests: list[str] = field(default_factory=list)  # the summary's paired tests between neighbours
+    sweep_speed: list[SweepSpeed] = field(default_factory=list)  # each sweep's speed per checkpoint
     diffs: list[DiffView] = field(default_factory=list)  # every pair (a first) up to diff_bound runs, else neighbours
     diff_bound: int = PAIR_BOUND
     diff_iters: int = DIFF_ITERS  # 0: no paired tests (as inspect diff)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 
 from mpitp.results.reader import BadInput, RunFile, metric_rows
-from mpitp.results.render import fmt_value
-from mpitp.results.report_model import SweepPanel, finite
-from mpitp.results.sweepsummary import natural_key, read_summary
+from mpitp.results.render import fmt_value, stats_totals
+from mpitp.results.report_model import SweepPanel, SweepSpeed, finite
+from mpitp.results.speed import checkpoint_row, speed
+from mpitp.results.sweepsummary import is_metric, natural_key, read_summary
 from mpitp.results.untrusted import load_json
 
 Z95 = 1.96  # the sweep plot's bars: value ± 1.96 · stderr, a 95% confidence interval under the normal approximation
@@ -53,7 +54,7 @@ def panels(checkpoints: list[tuple[str, dict]], prefix: str, width: int = 520, h
         for task, m in metrics.items():
             for key, v in (m.items() if isinstance(m, dict) else ()):
                 metric, _, filt = key.partition(",")
-                if "_stderr" in metric or finite(v) is None:
+                if not is_metric(key) or finite(v) is None:
                     continue
                 err = finite(m.get(f"{metric}_stderr,{filt}")) or 0.0
                 found.setdefault((task, key), SweepPanel(f"{prefix}{task}: {key}", [])).points.append(
@@ -70,11 +71,17 @@ def panels(checkpoints: list[tuple[str, dict]], prefix: str, width: int = 520, h
                 return height - 30 - (height - 50) * (val - lo) / span
 
             ci = f"95% CI [{fmt_value(v - Z95 * e)}, {fmt_value(v + Z95 * e)}]" if e else "no stderr"
-            p.svg_points.append(dict(x=round(x, 1), y=round(y(v), 1), y0=round(y(v - Z95 * e), 1),
-                                     y1=round(y(v + Z95 * e), 1), name=name, value=fmt_value(v), stderr=fmt_value(e),
-                                     ci=ci))
+            p.svg_points.append(dict(x=round(x, 1), y=round(y(v), 1), y0=_inside(y(v - Z95 * e), height),
+                                     y1=_inside(y(v + Z95 * e), height), name=name, value=fmt_value(v),
+                                     stderr=fmt_value(e), ci=ci))
         p.y_labels = [dict(y=round(height - 30, 1), text=fmt_value(lo)), dict(y=20.0, text=fmt_value(hi))]
     return list(found.values())
+
+
+def _inside(y: float, height: int) -> float:
+    """A bar's end kept inside the plot box (its axis runs from y=20 to ``height`` - 30): the scale holds every
+    interval, so this only guards against rounding, but a bar drawn over the checkpoint names is never possible."""
+    return round(min(max(y, 20.0), height - 30.0), 1)
 
 
 def _revision(run: RunFile) -> str:
@@ -127,6 +134,39 @@ def metrics_of(run: RunFile) -> dict:
         out.setdefault(r.task, {})[f"{r.metric},{r.filter}"] = r.value
         out[r.task][f"{r.metric}_stderr,{r.filter}"] = r.stderr
     return out
+
+
+def speed_table(title: str, checkpoints: list[tuple[str, float | None, RunFile | None]]) -> SweepSpeed | None:
+    """A sweep's speed per checkpoint (name, the summary's wall seconds, its results file when read), rows as the
+    text summary prints them (:func:`mpitp.results.speed.checkpoint_row`); None when no checkpoint has a file."""
+    rows, found = [], False
+    for name, wall, run in checkpoints:
+        s = speed(run, stats_totals(run)) if run is not None else None
+        found = found or s is not None
+        rows.append(checkpoint_row(name, wall, s))
+    return SweepSpeed(title, rows) if found else None
+
+
+def summary_speed(path: str, runs: list[RunFile]) -> list[SweepSpeed]:
+    """The speed of a sweep summary's checkpoints whose results files are among ``runs`` (the files the report was
+    given: it opens no path the summary names)."""
+    import os
+
+    by_path = {os.path.realpath(r.path): r for r in runs}
+    try:
+        rows = [r for r in read_summary(path)["checkpoints"] if isinstance(r, dict)]
+    except (KeyError, TypeError, ValueError):  # BadInput included: the charts said so already
+        return []
+    table = speed_table(f"sweep {path}", [
+        (str(r.get("name", "?")), finite(r.get("wall_s")),
+         by_path.get(os.path.realpath(r["output"])) if isinstance(r.get("output"), str) else None) for r in rows])
+    return [table] if table else []
+
+
+def family_speed(runs: list[RunFile]) -> list[SweepSpeed]:
+    """Each model family's speed per checkpoint (:func:`families`, in checkpoint order)."""
+    tables = [speed_table(name, [(family(runs[i])[1], None, runs[i]) for i in idx]) for name, idx in families(runs)]
+    return [t for t in tables if t is not None]
 
 
 def family_sweeps(runs: list[RunFile], comps: dict[tuple[int, int], list]) -> tuple[list[SweepPanel], list[str]]:

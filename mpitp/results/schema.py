@@ -27,7 +27,9 @@ Schema (stable; extend, don't break):
 - ``/tasks/<task>/samples`` (with ``--log-samples``): one JSON document per lm-eval sample record.
 - root attrs ``run_id`` (names the journal that belongs to this file) and ``journal_seq`` (the last journal record
   the snapshot holds); ``phases_json`` (rank 0's seconds per phase: checks, load, building requests, tokenising,
-  dispatch, metrics, writing; written at the end); ``test_hooks`` (only in a test run: the live ``MPITP_TEST_*`` hooks,
+  dispatch, metrics, writing; written at the end); ``speed_json`` (per task and per DP group: requests, tokens,
+  busy seconds, request latency quantiles; written at the end, absent from older files: :mod:`mpitp.results.speed`,
+  docs/results-format.md); ``test_hooks`` (only in a test run: the live ``MPITP_TEST_*`` hooks,
   :mod:`mpitp.testing`). ``command``, ``config_json``, ``eval_config_json`` and ``results_json`` hold no secrets
   (:mod:`mpitp.evaluation.provenance`).
 - ``<file>.journal`` beside the file while a run is going (or was killed): the rows landed since the last snapshot,

@@ -35,6 +35,14 @@ class Row:
     metrics: dict = field(default_factory=dict)  # task -> {metric key: value}
 
 
+def is_metric(key: str) -> bool:
+    """A metric's key (``acc,none``): not its stderr, nor what lm-eval keeps beside the metrics (``sample_len``)."""
+    from mpitp.results.reader import NON_METRIC_KEYS
+
+    metric, sep, _ = key.partition(",")
+    return bool(sep) and metric not in NON_METRIC_KEYS and not metric.endswith("_stderr")
+
+
 def summary_path(outputs: list[str]) -> str:
     """``sweep-summary.json`` beside the first results file."""
     return os.path.join(os.path.dirname(os.path.abspath(outputs[0])) if outputs else ".", SUMMARY_NAME)
@@ -91,7 +99,7 @@ def render_summary(rows: list[Row], path: str) -> str:
     for r in rows:
         for task, m in r.metrics.items():
             for k in m:
-                if "," in k and "_stderr" not in k and (task, k) not in keys:
+                if is_metric(k) and (task, k) not in keys:
                     keys.append((task, k))
     keys = keys[:6]  # the table stays readable; the JSON summary has them all
     table = []
@@ -104,6 +112,7 @@ def render_summary(rows: list[Row], path: str) -> str:
     for r in rows:
         if r.status == "failed":
             lines.append(f"  {r.name}: {r.error}")
+    lines += _speed_lines(rows, path)
     try:
         doc = read_summary(path)
         comps = doc.get("comparisons", []) if isinstance(doc, dict) else []
@@ -116,6 +125,36 @@ def render_summary(rows: list[Row], path: str) -> str:
     return "\n".join(lines)
 
 
+def _beside(output: str, path: str) -> bool:
+    return os.path.dirname(os.path.abspath(output)) == os.path.dirname(os.path.abspath(path))
+
+
+def _speed_lines(rows: list[Row], path: str) -> list[str]:
+    """Each checkpoint's speed (:func:`mpitp.results.speed.checkpoint_row`), read from its results file when that
+    lies beside the summary (a sweep writes them there; a summary from elsewhere names no other file mpitp opens),
+    through the checked reader; none of them readable: no lines."""
+    from mpitp.results.reader import load
+    from mpitp.results.render import stats_totals
+    from mpitp.results.speed import CHECKPOINT_HEAD, checkpoint_row, speed
+    from mpitp.results.texttable import text_table
+
+    table, found = [], False
+    for r in rows:
+        s = None
+        if r.status != "failed" and _beside(r.output, path) and os.path.isfile(r.output):
+            try:
+                run = load(r.output)
+                s = speed(run, stats_totals(run))
+            except ValueError:  # BadInput: not an mpitp file (any more); the row stays without its speed
+                s = None
+        found = found or s is not None
+        table.append(checkpoint_row(r.name, r.wall_s, s))
+    if not found:
+        return []
+    return ["", "speed per checkpoint (from each results file):",
+            text_table(CHECKPOINT_HEAD, table, right=set(range(1, len(CHECKPOINT_HEAD))))]
+
+
 def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
     """Metric vs checkpoint (one panel per task and metric, lm-eval's stderr as error bars) from a sweep summary.
     Returns the number of panels drawn."""
@@ -126,7 +165,7 @@ def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
     for r in rows:
         for t, m in r["metrics"].items():
             for k in m:
-                if "," in k and "_stderr" not in k and (t, k) not in keys and (task is None or t == task):
+                if is_metric(k) and (t, k) not in keys and (task is None or t == task):
                     keys.append((t, k))
     if not keys:
         raise ValueError(f"{path}: no metrics of evaluated checkpoints to plot")

@@ -14,17 +14,18 @@ file per tree:
 
 Each tree is indexed by lm-eval itself (``TaskIndex.build([tree])``) and the trees are merged as ``TaskIndex.build``
 merges them (a later tree's name replaces an earlier one's, with lm-eval's warning), so a cached index names the same
-tasks, groups and tags as a fresh ``TaskManager``. The one piece of lm-eval internals used is how a ``TaskManager``
-holds its index (:func:`_adopt`), checked against the installed version; anything else falls back to lm-eval's own
-``TaskManager``. An entry's parsed config (``Entry.cfg``, which lm-eval itself reads only for entries without a YAML)
-is read from its YAML on first use, as lm-eval parsed it.
+tasks, groups and tags as a fresh ``TaskManager``. The lm-eval internals used (how a ``TaskManager`` holds its index,
+``lm_eval.tasks._index``'s classes) are :mod:`mpitp.compat` targets, checked against the installed version; without
+them lm-eval's own ``TaskManager`` builds the index. An entry's parsed config (``Entry.cfg``, which lm-eval itself
+reads only for entries without a YAML) is read from its YAML on first use, as lm-eval parsed it.
 
 The cache files are plain JSON, and a cache file names which YAML of the tree a task name runs: one planted by
 someone else would quietly run another task under a name. So the cache folder must be this user's and writable by
 nobody else (created ``0o700``; otherwise the cache is not used, with one warning line), each cache file a regular
 file of this user's that nobody else can write (otherwise ignored with one warning line and rebuilt), and each is
 validated on load (size, depth, shape, kinds, every YAML path a ``.yaml`` file inside its tree): anything unexpected
-is rebuilt, never trusted. Writes go to an ``O_EXCL`` temporary file in the same folder (mode ``0o644`` less the
+is rebuilt, never trusted (the reading and writing are :mod:`mpitp.results.privatefile`'s, shared with the
+environment record). Writes go to an ``O_EXCL`` temporary file in the same folder (mode ``0o644`` less the
 umask, never group-writable), then ``os.replace``. ``MPITP_TASK_INDEX_CACHE`` = a
 directory (default ``<mpitp cache>/task-index``) or ``0`` (off: lm-eval builds the index every time).
 """
@@ -154,24 +155,18 @@ def _cache_file(root: Path) -> Path | None:
     return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
 
 
-_FILE_MODE = 0o644
-
-
 def _load(path: Path, root: Path, key: dict, yamls: set[str] | None) -> tuple[list, list] | None:
     """(deps, entries) stored in ``path`` for ``root`` under ``key``, or None when it is missing, stale or not
     ours."""
-    from mpitp.results.untrusted import BadInput, load_json, open_regular, private_problem
+    from mpitp.results.privatefile import NotPrivate, read_private_json
+    from mpitp.results.untrusted import BadInput
 
-    if not os.path.lexists(path):
-        return None
     try:
-        with os.fdopen(open_regular(str(path), "the task index cache", follow=False), "rb") as fh:  # no link, FIFO
-            problem = private_problem(os.fstat(fh.fileno()), f"task index cache file {path}")
-            if problem:
-                _warn_once(str(path), f"{problem}: ignored, rebuilding it")
-                counters["rebuilt"] += 1
-                return None
-            data = load_json(fh.read(), f"task index cache {path}")
+        data = read_private_json(path, "task index cache")
+    except NotPrivate as exc:
+        _warn_once(str(path), f"{exc}: ignored, rebuilding it")
+        counters["rebuilt"] += 1
+        return None
     except BadInput as exc:  # not a regular file, too large, too deep or not JSON
         log.info("task index cache %s refused (%s): rebuilding it", path, exc)
         counters["rebuilt"] += 1
@@ -179,6 +174,8 @@ def _load(path: Path, root: Path, key: dict, yamls: set[str] | None) -> tuple[li
     except OSError as exc:
         log.info("task index cache %s unreadable (%s): rebuilding it", path, exc)
         counters["rebuilt"] += 1
+        return None
+    if data is None:
         return None
     try:
         entries = _valid(data, root, key, yamls)
@@ -220,15 +217,11 @@ def _valid(data, root: Path, key: dict, yamls: set[str] | None) -> tuple[list, l
 
 
 def _save(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`mpitp.results.safefile.write_replace`), never group- or
-    world-writable whatever the umask (the next load refuses such a file)."""
-    from mpitp.results.safefile import umask, write_replace
+    """Write ``data`` to ``path`` atomically, never group- or world-writable whatever the umask (the next load
+    refuses such a file): :func:`mpitp.results.privatefile.write_private_json`."""
+    from mpitp.results.privatefile import write_private_json
 
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_replace(str(path), json.dumps(data, separators=(",", ":")).encode(), mode=_FILE_MODE & ~umask())
-    except OSError as exc:  # a read-only or full cache dir costs the next launch a rebuild, nothing else
-        log.info("task index cache %s not written: %s", path, exc)
+    write_private_json(path, data, "task index cache", make_folder=True)
 
 
 # ------------------------------------------------------------------------------------------------ one tree
@@ -244,15 +237,16 @@ def _from_json(entries: list, root: Path) -> dict:
     """Fresh entries (lm-eval may set an entry's ``cfg``), over YAML paths built once per cached list: a process
     that builds the index twice (``mpitp check`` resolves the ``--data-dir`` overrides, then makes its
     TaskManager) spends most of the second build on 14,000 ``Path`` joins otherwise."""
-    from lm_eval.tasks._index import Kind
+    from mpitp import compat
 
+    kind = compat.attribute(f"{compat.TASK_INDEX}.Kind")
     cls = _lazy_entry_class()
     held = _paths_memo.get(id(entries))
     if held is None or held[0] is not entries or held[1] != root:
         held = (entries, root, [None if rel is None else root / rel for _, _, rel, _ in entries])
         _paths_memo[id(entries)] = held
-    return {name: cls(name=name, kind=Kind[kind], yaml_path=path, tags=set(tags))
-            for (name, kind, _, tags), path in zip(entries, held[2])}
+    return {name: cls(name=name, kind=kind[k], yaml_path=path, tags=set(tags))
+            for (name, k, _, tags), path in zip(entries, held[2])}
 
 
 _paths_memo: dict = {}  # id(entries) -> (entries, root, their YAML paths); holding entries keeps the id theirs
@@ -330,7 +324,7 @@ def _listed(root: Path) -> dict | None:
 def tree_index(root: str | os.PathLike, *, stock: bool = False) -> dict:
     """``{name: Entry}`` of one tree, as ``TaskIndex.build([root])`` returns it, from the cache when it is current
     (or from the :data:`LISTING` of a folder mpitp wrote)."""
-    from lm_eval.tasks._index import TaskIndex
+    from mpitp import compat
 
     root = Path(root)
     if not stock and (listed := _listed(root)) is not None:
@@ -342,7 +336,7 @@ def tree_index(root: str | os.PathLike, *, stock: bool = False) -> dict:
         return _from_json(entries, root)
     counters["walks"] += 1
     deps = [] if path is None or yamls is None else [_stat(p) for p in _external_includes(root, yamls)]
-    index = TaskIndex.build([root])
+    index = compat.attribute(f"{compat.TASK_INDEX}.TaskIndex").build([root])
     if path is not None:
         entries = _to_json(index, root)
         _save(path, {"format": FORMAT, "root": str(root.resolve()), "key": key, "deps": deps, "entries": entries})
@@ -364,14 +358,15 @@ def is_cached(root: str | os.PathLike | None = None) -> bool:
 def merged_index(include_path=None, include_defaults: bool = True) -> dict:
     """``TaskIndex.build`` of lm-eval's tree (unless ``include_defaults`` is false) then each include path, merged
     as lm-eval merges them: a later tree's name replaces an earlier one's, with lm-eval's own warning."""
-    from lm_eval.tasks import _index as lm_index
+    from mpitp import compat
 
+    lm_index_log = compat.attribute(f"{compat.TASK_INDEX}.log")
     trees = ([(_stock_dir(), True)] if include_defaults else []) + [(Path(p), False) for p in _paths(include_path)]
     index: dict = {}
     for root, stock in trees:
         for name, entry in tree_index(root, stock=stock).items():
             if name in index:
-                lm_index.log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                lm_index_log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
                                      index[name].yaml_path)
             index[name] = entry
     return index
@@ -388,40 +383,31 @@ def task_manager(include_path=None, include_defaults: bool = True, metadata: dic
     (lm-eval's own constructor when the cache is off or the installed lm-eval holds its index differently)."""
     from lm_eval.tasks import TaskManager
 
+    from mpitp import compat
+
     if cache_dir() is None or not _supported():
         counters["walks"] += len(_paths(include_path)) + bool(include_defaults)
         return TaskManager(include_path=include_path or None, include_defaults=include_defaults, metadata=metadata)
     index = merged_index(include_path, include_defaults)
     tm = TaskManager(include_path=None, include_defaults=False, metadata=metadata)  # an empty index: no walk
     tm.include_path = include_path or None
-    _adopt(tm, index)
+    compat.adopt_task_index(tm, index)
     return tm
+
+
+#: The lm-eval internals the cached index needs (:mod:`mpitp.compat`); without one, lm-eval builds the index.
+_INTERNALS = ("lm_eval.tasks.TaskManager", "lm_eval.tasks._yaml_loader.load_yaml",
+              *(f"lm_eval.tasks._index.{n}" for n in ("TaskIndex", "Entry", "Kind", "log")))
 
 
 def _supported() -> bool:
     """lm-eval 0.4 with the ``TaskIndex`` / ``TaskManager._index`` layout (0.4.10 and later, checked on 0.4.13)."""
-    if not _lm_eval_version().startswith("0.4."):
+    from mpitp import compat
+
+    if not _lm_eval_version().startswith("0.4.") or not compat.available(*_INTERNALS):
         return False
-    try:
-        from lm_eval.tasks import TaskManager
-        from lm_eval.tasks._index import Entry, Kind, TaskIndex  # noqa: F401
-    except ImportError:
-        return False
-    names = TaskManager.__init__.__code__.co_names
-    return all(a in names for a in ("_index", "_all_tasks", "_all_subtasks", "_all_groups", "_all_tags")) and \
-        hasattr(TaskIndex, "build") and [f for f in Entry.__dataclass_fields__] == ["name", "kind", "yaml_path",
-                                                                                   "cfg", "tags"]
-
-
-def _adopt(tm, index: dict) -> None:
-    """Give ``tm`` ``index`` as ``TaskManager.__init__`` (lm-eval 0.4.13) sets it up after ``TaskIndex.build``."""
-    from lm_eval.tasks._index import Kind
-
-    tm._index = index
-    tm._all_tasks = sorted(index)
-    tm._all_subtasks = sorted(k for k, e in index.items() if e.kind in (Kind.TASK, Kind.PY_TASK))
-    tm._all_groups = sorted(k for k, e in index.items() if e.kind == Kind.GROUP)
-    tm._all_tags = sorted(k for k, e in index.items() if e.kind == Kind.TAG)
+    entry = compat.attribute(f"{compat.TASK_INDEX}.Entry")
+    return list(entry.__dataclass_fields__) == ["name", "kind", "yaml_path", "cfg", "tags"]
 
 
 _LAZY = None
@@ -431,13 +417,15 @@ def _lazy_entry_class():
     """lm-eval's ``Entry`` whose ``cfg`` is parsed from its YAML on first use, as ``TaskIndex.build`` parsed it."""
     global _LAZY
     if _LAZY is None:
-        from lm_eval.tasks._index import Entry, Kind
-        from lm_eval.tasks._yaml_loader import load_yaml
+        from mpitp import compat
 
-        class CachedEntry(Entry):
+        entry, kind = compat.attribute(f"{compat.TASK_INDEX}.Entry"), compat.attribute(f"{compat.TASK_INDEX}.Kind")
+        load_yaml = compat.attribute("lm_eval.tasks._yaml_loader.load_yaml")
+
+        class CachedEntry(entry):
             @property
             def cfg(self):
-                if self._cfg is None and self.yaml_path is not None and self.kind != Kind.TAG:
+                if self._cfg is None and self.yaml_path is not None and self.kind != kind.TAG:
                     self._cfg = load_yaml(self.yaml_path, resolve_func=False, recursive=True)
                 return self._cfg
 

@@ -137,7 +137,9 @@ def _int(value) -> int:
 
 def leaf_task(name: str, entry) -> LeafTask:
     """The :class:`LeafTask` of one index entry (a TASK or PY_TASK)."""
-    from lm_eval.tasks._index import Kind
+    from mpitp import compat
+
+    Kind = compat.attribute(f"{compat.TASK_INDEX}.Kind")  # noqa: N806 - lm-eval's enum, under its own name
 
     cfg = (entry.cfg or {}) if entry.kind == Kind.TASK else {}
     return _leaf(name, cfg, entry.yaml_path, entry.kind == Kind.TASK)
@@ -162,7 +164,9 @@ def expand(names, index: dict) -> list[LeafTask]:
     """The leaf tasks of ``names`` (tasks, groups, tags; nested), each once, in order; unknown names are skipped
     (the caller's name check reports them). A group member given as a dict that changes what it reads (or an inline
     task config) is a leaf of its own, with the dict's keys laid over the task's (see the module docstring)."""
-    from lm_eval.tasks._index import Kind
+    from mpitp import compat
+
+    Kind = compat.attribute(f"{compat.TASK_INDEX}.Kind")  # noqa: N806 - lm-eval's enum, under its own name
 
     out: dict[tuple, LeafTask] = {}
     seen: set[str] = set()

@@ -33,8 +33,9 @@ MAX_PARAMS = 30_000_000  # the GPT-2 vocabulary's embedding and head are 2 x 3.2
 class Arch:
     model_type: str
     class_name: str
-    tp_plan: bool
+    tp_plan: bool  # transformers' own
     pp_plan: bool
+    own_plan: bool = False  # mpitp's (mpitp.replica.tp_plans), where transformers has none
 
 
 def architectures() -> list[Arch]:
@@ -43,12 +44,15 @@ def architectures() -> list[Arch]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from mpitp.replica.tp_plans import PLANS
+
     out = []
     for mt, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         cfg_name = CONFIG_MAPPING_NAMES.get(mt)
         cfg_cls = getattr(transformers, cfg_name, None) if cfg_name else None
-        out.append(Arch(mt, cls_name, bool(getattr(cfg_cls, "base_model_tp_plan", None)),
-                        bool(getattr(cfg_cls, "base_model_pp_plan", None))))
+        tp_plan = bool(getattr(cfg_cls, "base_model_tp_plan", None))
+        out.append(Arch(mt, cls_name, tp_plan, bool(getattr(cfg_cls, "base_model_pp_plan", None)),
+                        not tp_plan and mt in PLANS))
     return out
 
 
@@ -161,7 +165,10 @@ def ci_subset(archs: list[Arch]) -> list[Arch]:
       scale, Granite's division, Gemma's soft-cap, Falcon-H1's multiplier, MiniCPM3's hidden division ...), the first
       in transformers' order, with Llama standing for the plain ``logits = lm_head(h)`` group;
     - Cohere and Granite, named in issue #13, whatever group they fall in;
-    - GPT-2 and OPT: no TP plan (refused at tp=2, parity at tp=1).
+    - GPT-2 and OPT: no TP plan in transformers (GPT-2 refused at tp=2; OPT split by mpitp's own plan);
+    - one per fix-up mechanism of mpitp's own plans (:mod:`mpitp.replica.tp_plans`): StableLM (separate q/k/v,
+      grouped key/value head counts), BLOOM (per-head fused qkv, ALiBi cut to each rank's heads), StarCoder 1
+      (``gpt_bigcode``: one shared key/value head, the query rows of a fused projection kept by hand).
     """
     plain = [a for a in archs if not_plain_decoder(a) is None]
     by_key: dict[tuple, Arch] = {}
@@ -172,7 +179,7 @@ def ci_subset(archs: list[Arch]) -> list[Arch]:
     llama = next(a for a in plain if a.model_type == "llama")
     plain_key = head_statements(llama)
     chosen.discard(by_key[plain_key].model_type)
-    chosen |= {"llama", "cohere", "granite", "gpt2", "opt"}
+    chosen |= {"llama", "cohere", "granite", "gpt2", "opt", "stablelm", "bloom", "gpt_bigcode"}
     return [a for a in plain if a.model_type in chosen]
 
 
@@ -190,12 +197,18 @@ def reference(model_dir: Path, include: str, task_manager=None) -> dict:
     return reference_requests(res["samples"])
 
 
-def job_file(path: Path, models: dict[str, Path], include: str, out_dir: Path, tp: int, pp: int) -> Path:
+#: Mixture-of-experts shapes whose experts ``--ep`` spreads over ranks (issue 40): Mixtral's, Qwen3-MoE's, OLMoE's
+#: and GPT-OSS's, each with transformers' expert-parallel plan (``base_model_ep_plan``).
+MOE_SHAPES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+
+
+def job_file(path: Path, models: dict[str, Path], include: str, out_dir: Path, tp: int, pp: int,
+             ep: int = 1) -> Path:
     """One job file running every model in ``models`` at this layout: one MPI launch for all of them."""
     import yaml
 
-    runs = [dict(name=f"{name}-tp{tp}-pp{pp}", model=str(d), tp=tp, pp=pp, output=str(out_dir / f"{name}.h5"))
-            for name, d in models.items()]
+    runs = [dict(name=f"{name}-tp{tp}-pp{pp}" + (f"-ep{ep}" if ep > 1 else ""), model=str(d), tp=tp, pp=pp,
+                 **({"ep": ep} if ep > 1 else {}), output=str(out_dir / f"{name}.h5")) for name, d in models.items()]
     doc = dict(defaults=dict(tasks=TASKS, include_path=include, limit=LIMIT, batch_size=BATCH, dtype="float32",
                              gen_kwargs=GEN_KWARGS), runs=runs)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -1,0 +1,283 @@
+"""mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
+
+transformers 5.24 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
+(``gpt_bigcode``) or Falcon, so ``--tp 2`` was refused for them. Each plan below is written in
+transformers' own vocabulary (``colwise``, ``rowwise``, ``embedding_rowwise`` ...) with names under the base model,
+as a config's ``base_model_tp_plan`` is, and handed to transformers as the ``tp_plan`` of its ``DistributedConfig``
+(:func:`distributed_config`): transformers shards every weight as it reads it, exactly as for a model with a plan of
+its own. A plan is only picked where transformers has none, for transformers' own classes (remote code is refused as
+before: its module names are its own), and only where the split is exact: every rank computes its own heads, and
+the one sum across ranks (``rowwise``) is the sum a single process computes, in another order.
+
+What a family needs beyond the plan is declared next to it, as data, and applied after loading (:func:`fix_up`):
+
+- ``heads``: attributes that hold a head count (or a width derived from it) a module's forward reshapes with
+  (StableLM's ``num_heads``, GPT-Neo's, BLOOM's ...): after a ``colwise`` split each rank holds ``1/tp`` of them;
+- ``head_lists``: per-head module lists (StableLM's per-head ``q_layernorm``): each rank keeps its own heads' entries
+  (``zip`` over a full list would silently pair rank 1's heads with rank 0's norms);
+- ``alibi``: forward keywords carrying an ALiBi bias for *every* head (BLOOM's ``alibi``, MPT's ``position_bias``,
+  Falcon's ``alibi``), built by the base model from the full head count: each rank's attention gets its heads' slice;
+- ``mqa_rows``: a fused ``[q | k | v]`` projection with one shared key/value head (StarCoder 1's ``c_attn``,
+  Falcon-7B's ``query_key_value``): no DTensor placement says "shard q, replicate k and v", so it loads whole and each
+  rank keeps its query heads' rows and the shared rows;
+- ``divides``: the config counts ``--tp`` must divide, checked before loading with the arithmetic spelled out;
+- ``refuse``: config values the split cannot reproduce (BLOOM's ``slow_but_exact`` re-slices the whole weight).
+
+Families left out, and why (they stay refused with "run it with --tp 1"): GPT-2 (``Conv1D`` stores weights
+transposed and has no ``in_features``/``out_features``, which transformers' ``colwise``/``rowwise`` shard and hook, and
+its fused ``c_attn`` is ``[q | k | v]``), JetMoE (mixture of attention heads: experts route per token inside the
+attention), DBRX (MoE experts in one fused parameter plus a GQA ``Wqkv`` of unequal blocks), Mamba (no heads: a
+depthwise convolution and a selective scan over a fused ``in_proj``), GPT-NeoX-Japanese (a plan fits it: per-head
+``query_key_value``; but mpitp cannot score it at tp=1 either, "could not locate the LM head among the model's
+children", so there is no parity to show).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from mpitp import compat
+from mpitp.errors import UsageError
+
+#: transformers' fused-projection style registered with three parts (q, k, v) instead of its default two.
+PACKED_QKV = "mpitp_packed_colwise_3"
+_STYLES = "transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES"
+_PACKED = "transformers.distributed.tensor_parallel.PackedColwiseParallel"
+
+_ATTN = ("num_attention_heads", "attention heads")
+
+
+@dataclass(frozen=True)
+class OwnPlan:
+    """One family's plan and fix-ups (see the module docstring). ``when``: config values this variant is for."""
+
+    plan: dict[str, str]
+    heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    head_lists: dict[str, str] = field(default_factory=dict)
+    alibi: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    mqa_rows: dict[str, str] = field(default_factory=dict)
+    divides: tuple[tuple[str, str], ...] = (_ATTN,)
+    refuse: tuple[tuple[str, object, str], ...] = ()
+    when: dict[str, object] = field(default_factory=dict)
+    head: str = "lm_head"
+
+
+def _mlp(layers: str, up: tuple[str, ...], down: str) -> dict[str, str]:
+    return {**{f"{layers}.{m}": "colwise" for m in up}, f"{layers}.{down}": "rowwise"}
+
+
+def _attn(attn: str, qkv: tuple[str, ...], out: str, style: str = "colwise") -> dict[str, str]:
+    return {**{f"{attn}.{m}": style for m in qkv}, f"{attn}.{out}": "rowwise"}
+
+
+_BIGCODE = {"wte": "embedding_rowwise", **_mlp("h.*.mlp", ("c_fc",), "c_proj"), "h.*.attn.c_proj": "rowwise"}
+_FALCON = {"word_embeddings": "embedding_rowwise",
+           **_mlp("h.*.mlp", ("dense_h_to_4h",), "dense_4h_to_h"), "h.*.self_attention.dense": "rowwise"}
+# Falcon bakes the bias into the mask too ([batch, heads, q, k] where ALiBi is on, [batch, 1, q, k] where not)
+_FALCON_ALIBI = {"h.*.self_attention": ("alibi", "attention_mask")}
+
+#: model_type -> its variants, the first whose ``when`` the config matches is used.
+PLANS: dict[str, tuple[OwnPlan, ...]] = {
+    "stablelm": (OwnPlan(
+        {"embed_tokens": "embedding_rowwise", **_attn("layers.*.self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+         **_mlp("layers.*.mlp", ("gate_proj", "up_proj"), "down_proj")},
+        heads={"layers.*.self_attn": ("num_heads", "num_key_value_heads"),
+               "layers.*.self_attn.q_layernorm": ("num_heads",), "layers.*.self_attn.k_layernorm": ("num_heads",)},
+        head_lists={"layers.*.self_attn.q_layernorm": "norms", "layers.*.self_attn.k_layernorm": "norms"},
+        divides=(_ATTN, ("num_key_value_heads", "key/value heads"))),),
+    "gpt_neo": (OwnPlan(
+        {"wte": "embedding_rowwise", **_attn("h.*.attn.attention", ("q_proj", "k_proj", "v_proj"), "out_proj"),
+         **_mlp("h.*.mlp", ("c_fc",), "c_proj")},
+        heads={"h.*.attn.attention": ("num_heads",)}),),
+    "opt": (OwnPlan(
+        {"decoder.embed_tokens": "embedding_rowwise",
+         **_attn("decoder.layers.*.self_attn", ("q_proj", "k_proj", "v_proj"), "out_proj"),
+         **_mlp("decoder.layers.*", ("fc1",), "fc2")},
+        heads={"decoder.layers.*.self_attn": ("num_heads",)}),),
+    # query_key_value is per head [heads, 3, head_dim]: a contiguous split gives each rank its heads' q, k and v
+    "persimmon": (OwnPlan(
+        {"embed_tokens": "embedding_rowwise", **_attn("layers.*.self_attn", ("query_key_value",), "dense"),
+         **_mlp("layers.*.mlp", ("dense_h_to_4h",), "dense_4h_to_h")},
+        heads={"layers.*.self_attn": ("num_heads",)}),),
+    "bloom": (OwnPlan(
+        {"word_embeddings": "embedding_rowwise", **_attn("h.*.self_attention", ("query_key_value",), "dense"),
+         **_mlp("h.*.mlp", ("dense_h_to_4h",), "dense_4h_to_h")},
+        heads={"h.*.self_attention": ("num_heads",)}, alibi={"h.*.self_attention": ("alibi",)},
+        refuse=(("slow_but_exact", True, "slow_but_exact re-slices the whole dense weights by pretraining_tp"),)),),
+    # Wqkv is [q | k | v], each hidden_size wide: transformers' packed style takes each rank's third of each
+    "mpt": (OwnPlan(
+        {"wte": "embedding_rowwise", **_attn("blocks.*.attn", ("Wqkv",), "out_proj", PACKED_QKV),
+         **_mlp("blocks.*.ffn", ("up_proj",), "down_proj")},
+        heads={"blocks.*.attn": ("n_heads",)}, alibi={"blocks.*.attn": ("position_bias",)}),),
+    "gpt_bigcode": (
+        OwnPlan(_BIGCODE, when={"multi_query": True}, mqa_rows={"h.*.attn.c_attn": "hidden_size"},
+                heads={"h.*.attn": ("num_heads", "embed_dim", "num_key_value_groups")}),
+        # without MQA c_attn is per head [heads, 3 * head_dim]
+        OwnPlan({**_BIGCODE, "h.*.attn.c_attn": "colwise"}, when={"multi_query": False},
+                heads={"h.*.attn": ("num_heads", "kv_heads", "kv_dim")}),
+    ),
+    "falcon": (
+        # Falcon-40B/180B/11B: [kv groups, q heads of the group + k + v, head_dim]: a contiguous split keeps groups
+        OwnPlan({**_FALCON, "h.*.self_attention.query_key_value": "colwise"}, when={"new_decoder_architecture": True},
+                heads={"h.*.self_attention": ("num_heads", "num_kv_heads")}, alibi=_FALCON_ALIBI,
+                divides=(_ATTN, ("num_kv_heads", "key/value heads"))),
+        # Falcon-7B: [q heads | k | v] with one key/value head
+        OwnPlan(_FALCON, when={"multi_query": True}, mqa_rows={"h.*.self_attention.query_key_value": "hidden_size"},
+                heads={"h.*.self_attention": ("num_heads",)}, alibi=_FALCON_ALIBI),
+        # Falcon-RW: per head [heads, 3, head_dim]
+        OwnPlan({**_FALCON, "h.*.self_attention.query_key_value": "colwise"}, when={"multi_query": False},
+                heads={"h.*.self_attention": ("num_heads", "num_kv_heads")}, alibi=_FALCON_ALIBI),
+    ),
+}
+
+
+def for_config(config) -> OwnPlan | None:
+    """mpitp's plan for ``config``'s model, or None: transformers has a plan of its own, the model runs remote code
+    (its modules are not the ones named here), or no variant is declared for it."""
+    text = config.get_text_config()
+    if getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None):
+        return None
+    if getattr(config, "auto_map", None):
+        return None
+    for variant in PLANS.get(config.model_type, ()):
+        if all(getattr(text, k, None) == v for k, v in variant.when.items()):
+            return variant
+    return None
+
+
+def check(config, own: OwnPlan, tp: int) -> None:
+    """Refuse, before loading, what the plan cannot split exactly, with the arithmetic spelled out."""
+    text, name = config.get_text_config(), config.model_type
+    for attr, value, why in own.refuse:
+        if getattr(text, attr, None) == value:
+            raise UsageError(f"{name}: {why}, which a tensor-parallel split cannot reproduce; run it with --tp 1")
+    for attr, what in own.divides:
+        n = getattr(text, attr, None)
+        if n is not None and n % tp:
+            raise UsageError(f"{name}: {n} {what} are not divisible by --tp {tp}")
+
+
+def full_plan(model_cls, own: OwnPlan) -> dict[str, str]:
+    """The plan under the causal LM's own names (``transformer.h.*.attn.q_proj``), as ``DistributedConfig`` wants
+    them: the base model's rules under its ``base_model_prefix``, and the LM head split by vocabulary (scoring reads
+    its rows where they lie: :mod:`mpitp.replica.scoring`)."""
+    prefix = model_cls.base_model_prefix
+    plan = {f"{prefix}.{k}": v for k, v in own.plan.items()}
+    return {**plan, own.head: "colwise_gather_output"}
+
+
+def causal_lm_class(config):
+    """transformers' causal-LM class for ``config`` (the one ``AutoModelForCausalLM`` builds)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])
+
+
+def distributed_config(config, tp: int, **sizes):
+    """``DistributedConfig(tp_size=tp, ...)``, carrying mpitp's plan where transformers has none for ``config``."""
+    from transformers.distributed import DistributedConfig
+
+    own = for_config(config) if tp > 1 and config is not None else None
+    if own is None:
+        return DistributedConfig(tp_size=tp, **sizes)
+    _register_styles()
+    return DistributedConfig(tp_size=tp, tp_plan=full_plan(causal_lm_class(config), own), **sizes)
+
+
+def _register_styles() -> None:
+    """Add :data:`PACKED_QKV` to transformers' registry of parallel styles: a new name, nothing replaced (the way
+    transformers registers its own styles), so nothing is undone."""
+    styles = compat.attribute(_STYLES)
+    if PACKED_QKV not in styles:
+        styles.register(PACKED_QKV, compat.attribute(_PACKED)(split_factor=3))
+
+
+def _rule(name: str) -> str:
+    """``h.3.attn`` -> ``h.*.attn``: a module's name as plan rules write it (transformers' own wildcarding)."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def _tp_rank(model, tp: int) -> int:
+    """This rank's place in the TP group, read from the mesh of any parameter transformers sharded."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            if p.device_mesh.size() != tp:
+                raise RuntimeError(f"sharded over {p.device_mesh.size()} ranks, expected --tp {tp}")
+            return p.device_mesh.get_local_rank()
+    raise RuntimeError("no parameter was sharded: the tensor-parallel plan matched nothing")
+
+
+def fix_up(model, tp: int) -> None:
+    """After a TP load with mpitp's plan: the declared head counts, per-head lists, ALiBi slices and MQA rows."""
+    own = for_config(model.config) if tp > 1 else None
+    if own is None:
+        return
+    rank = _tp_rank(model, tp)
+    text = model.config.get_text_config()
+    prefix = type(model).base_model_prefix + "."
+    for name, module in list(model.named_modules()):
+        if not name.startswith(prefix):
+            continue
+        rule = _rule(name[len(prefix):])
+        for attr in own.heads.get(rule, ()):
+            setattr(module, attr, _divided(module, attr, tp, model.config.model_type))
+        if rule in own.head_lists:
+            setattr(module, own.head_lists[rule], _own_entries(getattr(module, own.head_lists[rule]), tp, rank))
+        if rule in own.alibi:
+            heads = int(getattr(text, _ATTN[0]))
+            module.register_forward_pre_hook(_AlibiSlice(own.alibi[rule], heads, tp, rank), with_kwargs=True)
+        if rule in own.mqa_rows:
+            _keep_mqa_rows(module, int(getattr(text, own.mqa_rows[rule])), tp, rank)
+
+
+def _divided(module, attr: str, tp: int, model_type: str) -> int:
+    n = getattr(module, attr)
+    if n % tp:
+        raise UsageError(f"{model_type}: {n} ({type(module).__name__}.{attr}) is not divisible by --tp {tp}")
+    return n // tp
+
+
+def _own_entries(modules, tp: int, rank: int):
+    import torch
+
+    per = len(modules) // tp
+    return torch.nn.ModuleList(list(modules)[rank * per:(rank + 1) * per])
+
+
+class _AlibiSlice:
+    """A forward pre-hook: the ALiBi biases in keywords ``keys`` cut to this rank's heads. The slopes are the full
+    model's (each head keeps its own), only fewer of them. Layouts: 3-D head-major (``[batch * heads, 1, k]``, BLOOM;
+    ``[heads, 1, k]``, MPT) and 4-D ``[batch, heads, q, k]`` (Falcon); a 4-D mask with one head broadcasts, as is."""
+
+    def __init__(self, keys: tuple[str, ...], heads: int, tp: int, rank: int):
+        self.keys, self.heads = keys, heads
+        per = heads // tp
+        self.lo, self.hi = rank * per, (rank + 1) * per
+
+    def own(self, bias):
+        if bias.dim() == 4:
+            return bias[:, self.lo:self.hi] if bias.shape[1] == self.heads else bias
+        rest = tuple(bias.shape[1:])
+        return bias.reshape(-1, self.heads, *rest)[:, self.lo:self.hi].reshape(-1, *rest)
+
+    def __call__(self, module, args, kwargs):
+        cut = {k: self.own(kwargs[k]) for k in self.keys if kwargs.get(k) is not None}
+        return (args, {**kwargs, **cut}) if cut else None
+
+
+def _keep_mqa_rows(linear, q_width: int, tp: int, rank: int) -> None:
+    """``[q | k | v]`` loaded whole: keep this rank's ``q_width / tp`` query rows and every shared k/v row."""
+    import torch
+
+    per, dev = q_width // tp, linear.weight.device
+    rows = torch.cat([torch.arange(rank * per, (rank + 1) * per, device=dev),
+                      torch.arange(q_width, linear.weight.shape[0], device=dev)])
+    with torch.no_grad():
+        linear.weight = torch.nn.Parameter(linear.weight.index_select(0, rows).contiguous(), requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = torch.nn.Parameter(linear.bias.index_select(0, rows).contiguous(), requires_grad=False)
+    linear.out_features = int(rows.numel())

@@ -1,0 +1,134 @@
+"""mpitp's own tensor-parallel plans (mpitp.replica.tp_plans), checked without MPI: every rule of every plan and
+fix-up names something in the class built on the meta device, head counts divide, and what cannot be split is refused
+before loading with the arithmetic spelled out. Parity at tp=2 is tests/test_architectures.py's (and
+bench/arch_matrix.py's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpitp.errors import UsageError
+from mpitp.replica import tp_plans
+from mpitp.replica.loading import check_tp
+from support import arch as A
+
+VARIANTS = [(mt, i) for mt, variants in tp_plans.PLANS.items() for i in range(len(variants))]
+# Options that build the modules a fix-up names only when they are on (StableLM 2's per-head q/k norms)
+EVERY_MODULE = {"stablelm": {"qk_layernorm": True}}
+
+
+def _config(model_type: str, when: dict):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = A.Arch(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], False, False)
+    cfg, _ = A.tiny_config(arch, 128, 0)
+    for k, v in when.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("model_type,i", VARIANTS, ids=[f"{mt}-{i}" for mt, i in VARIANTS])
+def test_every_rule_names_a_module_of_the_class(model_type, i):
+    """A rule that matched nothing would leave a layer whole on every rank (transformers only warns) or, for a
+    fix-up, leave a head count undivided: each one must name a module (or parameter) of the meta-built class."""
+    from transformers import AutoModelForCausalLM
+
+    own = tp_plans.PLANS[model_type][i]
+    cfg = _config(model_type, {**EVERY_MODULE.get(model_type, {}), **own.when})
+    assert tp_plans.for_config(cfg) is own, "the variant's `when` must select it"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert type(model) is tp_plans.causal_lm_class(cfg)
+    modules = {tp_plans._rule(n): m for n, m in model.named_modules()}
+    names = set(modules) | {tp_plans._rule(n) for n, _ in model.named_parameters()}
+    plan = tp_plans.full_plan(type(model), own)
+    assert set(plan) <= names, sorted(set(plan) - names)
+    prefix = type(model).base_model_prefix
+    for rule, attrs in own.heads.items():
+        module = modules[f"{prefix}.{rule}"]
+        for attr in attrs:
+            n = getattr(module, attr)
+            assert isinstance(n, int) and n % 2 == 0, (rule, attr, n)
+    for rules in (own.head_lists, own.alibi, own.mqa_rows):
+        assert {f"{prefix}.{r}" for r in rules} <= set(modules), sorted(rules)
+    for rule, attr in own.head_lists.items():
+        assert isinstance(getattr(modules[f"{prefix}.{rule}"], attr), torch.nn.ModuleList)
+    for rule in own.mqa_rows:  # loaded whole, cut by hand: no plan rule may shard it too
+        assert f"{prefix}.{rule}" not in plan
+    assert all(style in _styles() for style in plan.values())
+
+
+def _styles():
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    tp_plans._register_styles()
+    return ALL_PARALLEL_STYLES
+
+
+def test_a_head_count_tp_does_not_divide_is_refused_with_the_arithmetic():
+    cfg = _config("stablelm", {})
+    cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads = 80, 5, 5
+    with pytest.raises(UsageError, match=r"^stablelm: 5 attention heads are not divisible by --tp 2$"):
+        check_tp(cfg, 2)
+    cfg = _config("stablelm", {})
+    cfg.num_key_value_heads = 1
+    with pytest.raises(UsageError, match=r"^stablelm: 1 key/value heads are not divisible by --tp 2$"):
+        check_tp(cfg, 2)
+    check_tp(_config("stablelm", {}), 2)  # 4 heads, 2 key/value heads
+
+
+def test_what_the_split_cannot_reproduce_is_refused():
+    cfg = _config("bloom", {})
+    cfg.slow_but_exact, cfg.pretraining_tp = True, 2
+    with pytest.raises(UsageError, match="bloom: slow_but_exact .* run it with --tp 1"):
+        check_tp(cfg, 2)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "jetmoe", "dbrx"])
+def test_types_with_neither_plan_are_refused_as_before(model_type):
+    from transformers import AutoConfig
+
+    with pytest.raises(UsageError, match=f"model type '{model_type}' has no tensor-parallel plan in transformers; "
+                                         f"run it with --tp 1"):
+        check_tp(AutoConfig.for_model(model_type), 2)
+
+
+def test_transformers_plan_and_remote_code_take_no_own_plan():
+    from transformers import AutoConfig
+
+    assert tp_plans.for_config(AutoConfig.for_model("llama")) is None
+    for model_type in tp_plans.PLANS:  # a transformers that ships a plan for one of them: its own is used
+        assert not AutoConfig.for_model(model_type).base_model_tp_plan, model_type
+    cfg = AutoConfig.for_model("mpt")
+    cfg.auto_map = {"AutoModelForCausalLM": "modeling_mpt.MPTForCausalLM"}  # MosaicML's own code: other names
+    assert tp_plans.for_config(cfg) is None
+    with pytest.raises(UsageError, match="no tensor-parallel plan"):
+        check_tp(cfg, 2)
+
+
+def test_alibi_slice_is_the_ranks_heads_of_every_sequence():
+    heads, b, k = 4, 3, 5
+    bias = torch.arange(b * heads * k, dtype=torch.float32).reshape(b * heads, 1, k)  # BLOOM/Falcon: [b * H, 1, k]
+    _, kw = tp_plans._AlibiSlice(("alibi",), heads, 2, 1)(None, (), {"alibi": bias})
+    assert torch.equal(kw["alibi"], bias.reshape(b, heads, 1, k)[:, 2:4].reshape(b * 2, 1, k))
+    mpt = torch.arange(heads * k, dtype=torch.float32).reshape(heads, 1, k)  # MPT: [H, 1, max_seq_len]
+    _, kw = tp_plans._AlibiSlice(("position_bias",), heads, 2, 0)(None, (), {"position_bias": mpt})
+    assert torch.equal(kw["position_bias"], mpt[:2])
+    falcon = bias.reshape(b, heads, 1, k)  # Falcon: [b, H, 1, k], and the mask it bakes the bias into [b, H, q, k]
+    mask, plain = torch.randn(b, heads, 3, k), torch.randn(b, 1, 3, k)
+    hook = tp_plans._AlibiSlice(("alibi", "attention_mask"), heads, 2, 1)
+    _, kw = hook(None, (), {"alibi": falcon, "attention_mask": mask})
+    assert torch.equal(kw["alibi"], falcon[:, 2:]) and torch.equal(kw["attention_mask"], mask[:, 2:])
+    _, kw = hook(None, (), {"alibi": falcon, "attention_mask": plain})
+    assert kw["attention_mask"] is plain  # one head: broadcast over every head, left as it is
+    assert hook(None, (), {"alibi": None, "attention_mask": None}) is None
+
+
+def test_mqa_rows_keep_the_ranks_queries_and_the_shared_key_value():
+    q, d = 8, 2
+    lin = torch.nn.Linear(4, q + 2 * d)
+    w, bias = lin.weight.detach().clone(), lin.bias.detach().clone()
+    tp_plans._keep_mqa_rows(lin, q, 2, 1)
+    rows = list(range(4, 8)) + list(range(8, 12))
+    assert torch.equal(lin.weight, w[rows]) and torch.equal(lin.bias, bias[rows]) and lin.out_features == 8
