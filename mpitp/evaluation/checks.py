@@ -81,7 +81,7 @@ def offline_include(cfg: EvalConfig) -> list[str]:
     out = tempfile.mkdtemp(prefix="mpitp-tasks-")
     try:
         write_overrides(cfg.tasks, cfg.data_dir, out, _paths(cfg.include_path) or None,
-                        getattr(cfg, "num_fewshot", None), strict=offline())
+                        cfg.num_fewshot, strict=offline())
     except BaseException:
         remove_generated([out])
         raise
@@ -265,7 +265,7 @@ def check_tasks_once(cfg: EvalConfig) -> CheckedTasks:
     """Write the offline task YAMLs (``--data-dir``) and check every task name: lm-eval's TaskManager."""
     include = offline_include(cfg)
     try:
-        return CheckedTasks(include, check_tasks(cfg.tasks, include, getattr(cfg, "metadata", None)))
+        return CheckedTasks(include, check_tasks(cfg.tasks, include, cfg.metadata))
     except BaseException:
         remove_generated(include)
         raise
@@ -297,14 +297,14 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         if cfg.trust_remote_code:  # from model_args or a job file's defaults: the user may not know it is on
             log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
                         shown(cfg.model))
-        config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, getattr(cfg, "hf_assets", None))
+        config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, cfg.hf_assets)
         _check_dcp(cfg, config)
-        if getattr(cfg, "peft", None):
+        if cfg.peft:
             from mpitp.replica.adapters import check_config
 
             check_config(cfg.peft)
         check_tp(config, tp)
-        check_ep(config, ep, pp, getattr(cfg, "peft", None))
+        check_ep(config, ep, pp, cfg.peft)
         from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: after the others
 
         check_pp(config, pp)
@@ -322,7 +322,7 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         raise
     from mpitp.replica.dcp import tokenizer_source
 
-    return Checked(out, tokenizer_source(cfg.model, cfg.tokenizer, getattr(cfg, "hf_assets", None)), config, tasks,
+    return Checked(out, tokenizer_source(cfg.model, cfg.tokenizer, cfg.hf_assets), config, tasks,
                    claim)
 
 
@@ -338,7 +338,7 @@ def _check_dcp(cfg: EvalConfig, config) -> None:
     plan = dcp.check(cfg.model, config, cfg.trust_remote_code)
     log.info("%s: torch DCP checkpoint, %s names%s, %d tensors, config from %s", shown(cfg.model), plan.naming,
              f" under '{plan.prefix}'" if plan.prefix else "", len(plan.entries),
-             dcp.assets_dir(cfg.model, getattr(cfg, "hf_assets", None)))
+             dcp.assets_dir(cfg.model, cfg.hf_assets))
 
 
 def check_on_root(cfg: EvalConfig, rt: Launch, timeout: float | None, phase: str,

@@ -192,9 +192,9 @@ def resume_differences(on_disk: dict | None, stored: dict, now: dict, cfg: EvalC
     """
     if not on_disk or "identity" not in on_disk:
         return []
-    d = detail(cfg.model, cfg.tokenizer, cfg.revision, getattr(cfg, "hf_assets", None))
+    d = detail(cfg.model, cfg.tokenizer, cfg.revision, cfg.hf_assets)
     before, after = on_disk["identity"], identity(cfg.model, cfg.tokenizer, cfg.revision, d,
-                                                  getattr(cfg, "peft", None))
+                                                  cfg.peft)
     skip = set()
     if stored.get("model") != now.get("model") or stored.get("revision") != now.get("revision"):
         skip.add("weights")

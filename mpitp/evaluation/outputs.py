@@ -142,7 +142,7 @@ def full_num_parameters(cfg: EvalConfig, layout) -> int | None:
 
     from mpitp.replica.loading import load_config  # a torch DCP checkpoint's config is in its --hf-assets
 
-    conf = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, getattr(cfg, "hf_assets", None))
+    conf = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, cfg.hf_assets)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.trust_remote_code)
     return model.num_parameters()

@@ -122,7 +122,7 @@ def tokenizer_key(cfg: EvalConfig) -> str | None:
     from mpitp.evaluation.fingerprint import local_dir, tokenizer_files
     from mpitp.replica.dcp import tokenizer_source
 
-    source = tokenizer_source(cfg.model, cfg.tokenizer, getattr(cfg, "hf_assets", None))  # DCP: its --hf-assets
+    source = tokenizer_source(cfg.model, cfg.tokenizer, cfg.hf_assets)  # DCP: its --hf-assets
     d = local_dir(source, cfg.revision if source == cfg.model else None)
     files = tokenizer_files(d) if d else {}
     return json.dumps(files, sort_keys=True) if files else None
