@@ -10,9 +10,18 @@ destroyed, no message left in flight (a closing barrier, after success), autogra
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.comm import DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from torch.distributed import ProcessGroup
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from mpitp.parallel.layout import Layout
 
 
 def _infer_tp(model) -> tuple[int, object]:
@@ -29,8 +38,10 @@ def _infer_tp(model) -> tuple[int, object]:
     return 1, None
 
 
-def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int = 1, limit=None,
-             num_fewshot: int | None = None, include_path=None, output: str | None = None,
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, tasks: str | Sequence[str], *,
+             layout: Layout | None = None, comm: MPI.Comm | None = None, batch_size: int = 1,
+             limit: int | float | None = None, num_fewshot: int | None = None,
+             include_path: str | list[str] | None = None, output: str | None = None,
              timeout: float = DEFAULT_TIMEOUT, max_length: int | None = None, device: str | None = None,
              overwrite: bool = True, **lm_eval_kwargs) -> dict | None:
     """Evaluate ``model`` (already on this rank, TP-sharded or whole) on lm-eval ``tasks``. Collective.
@@ -51,7 +62,8 @@ def evaluate(model, tokenizer, tasks, *, layout=None, comm=None, batch_size: int
 _LAYOUTS: list[tuple] = []  # (our duplicate of the caller's communicator, tp, layout), one per layout ever used
 
 
-def layout_for(model, comm=None, layout=None):
+def layout_for(model: PreTrainedModel, comm: MPI.Comm | None = None,
+               layout: Layout | None = None) -> tuple[Layout, ProcessGroup | None]:
     """``(layout, torch group)``: the caller's layout, or one inferred from the model's TP group over ``comm``.
 
     Building a layout creates MPI communicators, and MPICH has about 2,048 context ids per process: a training
@@ -86,7 +98,7 @@ def layout_for(model, comm=None, layout=None):
     return layout, group
 
 
-def check_torch_world(layout, group) -> None:
+def check_torch_world(layout: Layout, group: ProcessGroup | None) -> None:
     """mpitp runs a replica's TP collectives on the default torch world (``group`` None), so that world must be
     exactly the replica. A training script with one world over every rank and a (dp, tp) mesh would otherwise get
     broadcasts and reductions across replicas: a hang or garbage. Refused on every rank alike (collective)."""

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,9 @@ from mpitp.errors import UsageError
 from mpitp.results.untrusted import shown
 
 if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
+    from transformers import GenerationConfig
+
     from mpitp.evaluation.settings import EvalConfig
     from mpitp.parallel.runtime import Launch
     from mpitp.results.claim import OutputClaim
@@ -31,7 +35,8 @@ def _paths(include_path) -> list[str]:
     return [include_path] if isinstance(include_path, str) else list(include_path or [])
 
 
-def task_manager(tasks: list[str], include_path, metadata: dict | None = None):
+def task_manager(tasks: list[str], include_path: str | Sequence[str] | None,
+                 metadata: dict | None = None) -> TaskManager:
     """lm-eval's TaskManager for ``tasks``; refuses unknown names before the slow part.
 
     lm-eval's index of its ~14.7k stock task YAMLs takes 8-16 s to build, so it is kept in a cache
@@ -98,7 +103,8 @@ def remove_generated(include: list[str] | None) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def check_tasks(tasks: list[str], include_path, metadata: dict | None = None):
+def check_tasks(tasks: list[str], include_path: str | Sequence[str] | None,
+                metadata: dict | None = None) -> TaskManager:
     """Every task name must be known to lm-eval (with the extra include path); suggest close matches."""
     for path in _paths(include_path):
         if not os.path.isdir(path):
@@ -188,7 +194,7 @@ _CACHE_FORKING = {
 }
 
 
-def unsupported_generation(kwargs: dict, generation_config=None) -> str | None:
+def unsupported_generation(kwargs: dict, generation_config: GenerationConfig | None = None) -> str | None:
     """The first setting (from ``kwargs``, else the model's generation config) that makes ``generate`` reorder or
     fork the KV cache, as ``name=value``; None when generation is a plain left-to-right decode."""
     for name, bad in _CACHE_FORKING.items():
@@ -201,7 +207,8 @@ def unsupported_generation(kwargs: dict, generation_config=None) -> str | None:
     return None
 
 
-def refuse_unsupported_generation(kwargs: dict, generation_config, where: str, layout_desc: str) -> None:
+def refuse_unsupported_generation(kwargs: dict, generation_config: GenerationConfig | None, where: str,
+                                  layout_desc: str) -> None:
     found = unsupported_generation(kwargs, generation_config)
     if found:
         raise UsageError(f"{where}: {found} is not supported with {layout_desc}: that generate mode reorders or "
@@ -245,7 +252,7 @@ class Checked:
     claim: OutputClaim | None = None
 
     @property
-    def task_manager(self):
+    def task_manager(self) -> TaskManager | None:
         return self.tasks.task_manager if self.tasks is not None else None
 
     def release(self) -> None:

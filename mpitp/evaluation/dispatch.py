@@ -15,11 +15,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpitp import testing
 from mpitp.evaluation.requestlog import RequestLog
 from mpitp.parallel import comm as mpicomm
+
+if TYPE_CHECKING:
+    from mpitp.parallel.layout import Layout
+    from mpitp.replica.stats import Stats
+
+#: ``compute(kind, items, tick) -> results``: a chunk run on this DP group (``tick()`` between its batches)
+Compute = Callable[[str, list, Callable[[], object]], list]
 
 log = logging.getLogger("mpitp")
 
@@ -77,8 +86,8 @@ class Dispatcher:
     an MPI call, so without it a remote group would wait for rank 0's whole chunk before receiving its next one.
     """
 
-    def __init__(self, layout, compute, timeout: float, stats, prefetch: int = 2, per_group: int = 4,
-                 batch_size: int = 1, idle=None):
+    def __init__(self, layout: Layout, compute: Compute, timeout: float, stats: Stats | None, prefetch: int = 2,
+                 per_group: int = 4, batch_size: int = 1, idle: Callable[[], None] | None = None):
         self.comm = layout.dp_leader_comm
         self.n_groups = layout.dp
         self.compute = compute
@@ -96,7 +105,8 @@ class Dispatcher:
 
         watch(self)
 
-    def run(self, kind: str, items: list, weights: list[int], on_chunk=None, owners: list | None = None) -> list:
+    def run(self, kind: str, items: list, weights: list[int],
+            on_chunk: Callable[[tuple[int, ...], list], None] | None = None, owners: list | None = None) -> list:
         """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land.
         ``owners``: each item's :data:`~mpitp.evaluation.requestlog.Owner` (its task), for the run's speed record."""
         per_group = testing.chunks_per_group(kind, len(items), self.per_group)
@@ -105,7 +115,7 @@ class Dispatcher:
         queue = deque(chunks)
         outstanding = 0
 
-        def land(c: Chunk, res, busy_s=None):
+        def land(c: Chunk, res: list, busy_s: float | None = None) -> None:
             self.requests.landed(c.cid, [owners[i] for i in c.indices] if owners else [None] * len(c.indices), res,
                                  [weights[i] for i in c.indices], busy_s)
             self.landed += len(c.indices)
@@ -178,7 +188,8 @@ class Dispatcher:
             mpicomm.send_obj(("stop",), dest, TAG_WORK, self.comm, timeout=self.timeout, phase="stopping DP groups")
 
 
-def serve_remote(layout, compute, timeout: float, stats=None, idle=None) -> None:
+def serve_remote(layout: Layout, compute: Compute, timeout: float, stats: Stats | None = None,
+                 idle: Callable[[], None] | None = None) -> None:
     """A remote DP leader's loop: take chunks from rank 0, compute them, send results, until told to stop.
 
     The deadline applies only while rank 0 hands out work (between a run's chunks). Outside a run rank 0 does work

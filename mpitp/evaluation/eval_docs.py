@@ -13,6 +13,11 @@ function that edits a document in place sees the same input on every pass as wit
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lm_eval.api.task import ConfigurableTask, Task
 
 
 def _fresh(value):
@@ -28,7 +33,7 @@ class _Listed:
     """A sequence over an iterable that is consumed only as far as it has been read; ``len`` and other attributes
     come from the source (``len`` of a source without one reads it to the end)."""
 
-    def __init__(self, source):
+    def __init__(self, source: Iterable):
         self._source = source
         self._iter = None
         self._items: list = []
@@ -73,7 +78,7 @@ class _Listed:
 
 
 @contextlib.contextmanager
-def listed_once():
+def listed_once() -> Iterator[None]:
     """Inside this block each lm-eval task's ``eval_docs`` is computed once and then read from memory."""
     from lm_eval.api.task import Task
 
@@ -82,7 +87,7 @@ def listed_once():
     original = Task.__dict__["eval_docs"]
     listed: dict[int, tuple] = {}  # id(task) -> (task, docs): the task is held so its id is not reused meanwhile
 
-    def eval_docs(task):
+    def eval_docs(task: Task) -> _Listed:
         hit = listed.get(id(task))
         if hit is None:
             source = original.fget(task)
@@ -110,7 +115,7 @@ def _plain_list(docs):
 
 
 @contextlib.contextmanager
-def fewshot_listed():
+def fewshot_listed() -> Iterator[None]:
     """Inside this block a task's few-shot pool is read from arrow in one conversion. ``ConfigurableTask.__init__``
     turns ``fewshot_docs()`` into a list of dicts (its only caller), decoding the whole split row by row: every
     task build paid it (hellaswag's 10,042 documents, arc_easy's 2,251: 2.8 s of ``mpitp check``'s 13 s in a profile).
@@ -121,7 +126,7 @@ def fewshot_listed():
 
     original = ConfigurableTask.__dict__["fewshot_docs"]
 
-    def fewshot_docs(task):
+    def fewshot_docs(task: ConfigurableTask) -> Iterable:
         return _plain_list(original(task))
 
     with compat.replaced("lm_eval.api.task.ConfigurableTask.fewshot_docs", fewshot_docs):

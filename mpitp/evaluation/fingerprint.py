@@ -169,7 +169,7 @@ def record(model: str | None, tokenizer: str | None = None, revision: str | None
     return {"identity": identity(model, tokenizer, revision, d, adapter), **d}
 
 
-def stored_fingerprint(on_disk) -> dict:
+def stored_fingerprint(on_disk: object) -> dict:
     """A file's ``fingerprint_json`` checked for the shape :func:`resume_differences` reads (a file is untrusted):
     a mapping whose ``identity`` is a mapping and whose file lists map names to ``size:hash`` text."""
     from mpitp.results.untrusted import BadInput, mapping

@@ -20,11 +20,21 @@ import functools
 import hashlib
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lm_eval import utils as lm_utils
 from lm_eval.models.huggingface import HFLM
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from mpitp.evaluation.phases import PhaseClock
+    from mpitp.replica.batchsize import AutoBatch
+    from mpitp.replica.leader import ReplicaLeader
 
 KIND_SCORE = "loglikelihood"
 KIND_ROLLING = "loglikelihood_rolling"
@@ -64,12 +74,12 @@ class _Req:
     args: tuple
 
 
-def args_hash(args) -> str:
+def args_hash(args: tuple) -> str:
     """Stable hash of a request's arguments: part of the resume key (task, doc_id, idx, hash, repeat)."""
     return hashlib.sha1(repr(args).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def request_keys(instances) -> list[tuple]:
+def request_keys(instances: Sequence[Instance]) -> list[tuple]:
     """Each request's key ``(task, doc_id, idx, args_hash, repeat)``, in request order.
 
     A task with ``repeats: k`` (pass@k, self-consistency) hands lm-eval's model the same request k times in a row;
@@ -109,8 +119,9 @@ def _timed(method):
 class MPITPLM(HFLM):
     """``HFLM`` whose forwards run on TP-sharded replicas in DP groups. Built on every DP leader."""
 
-    def __init__(self, model, tokenizer, leader, *, batch_size: int = 1, max_length: int | None = None,
-                 auto=None, encode_cache: dict | None = None, seed: int | None = None, **hflm_kwargs):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, leader: ReplicaLeader, *,
+                 batch_size: int = 1, max_length: int | None = None, auto: AutoBatch | None = None,
+                 encode_cache: dict | None = None, seed: int | None = None, **hflm_kwargs):
         """``leader``: this DP group's :class:`~mpitp.replica.leader.ReplicaLeader` (it runs the forwards); ``auto``:
         a :class:`~mpitp.replica.batchsize.AutoBatch` with ``--batch_size auto``; ``encode_cache``: token ids a
         sweep shares among checkpoints with the same tokenizer; ``seed``: base of the per-request sampling seeds."""
@@ -142,7 +153,8 @@ class MPITPLM(HFLM):
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
     @contextmanager
-    def serving(self, serve_requests, clock):
+    def serving(self, serve_requests: Callable[[str, list, list, list[Instance]], list],
+                clock: PhaseClock) -> Iterator[MPITPLM]:
         """While lm-eval runs on rank 0: its requests go to ``serve_requests`` and are timed by ``clock``. Both are
         dropped on leaving, whatever happens: ``serve_requests`` leads back to :meth:`compute` (through the
         dispatcher), a cycle that would otherwise keep the model alive after the run (a sweep frees it before
@@ -154,7 +166,7 @@ class MPITPLM(HFLM):
             self.serve_requests = self.clock = None
 
     @_timed
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """Items are the requests' ``(context, continuation)`` texts, weighed by characters; the DP leader that gets
         a chunk tokenises it (:meth:`score_rows_of`)."""
         pairs = [tuple(req.args) for req in requests]
@@ -200,7 +212,7 @@ class MPITPLM(HFLM):
         return [((ctx + cont)[-(self.max_length + 1):], len(cont)) for ctx, cont in windows]
 
     @_timed
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         items = [self.rolling_rows(req.args[0]) for req in requests]
         weights = [sum(len(r[0]) for r in rows) for rows in items]
         out = self.serve_requests(KIND_ROLLING, items, weights, requests)
@@ -211,7 +223,7 @@ class MPITPLM(HFLM):
         return lls
 
     @_timed
-    def generate_until(self, requests, disable_tqdm: bool = False):
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         keys = request_keys(requests)
         items = [(*req.args, sample_seed(self.seed, key)) for req, key in zip(requests, keys)]
         # Weighed by characters (~4 per token, a balance proxy only) plus the tokens to generate: the DP leader that
@@ -221,7 +233,7 @@ class MPITPLM(HFLM):
         return [text for text, _ in out]
 
     # ------------------------------------------------------------------ every DP leader: compute a chunk
-    def compute(self, kind: str, items: list, tick=None) -> list:
+    def compute(self, kind: str, items: list, tick: Callable[[], object] | None = None) -> list:
         """Run one chunk on this DP group. Results: (ll, greedy, n) for scoring, (text, n_tokens) for generation."""
         t0 = time.perf_counter()
         try:
@@ -312,7 +324,7 @@ class MPITPLM(HFLM):
         return out
 
 
-def refuse_nonfinite(lls: list[float], instances) -> None:
+def refuse_nonfinite(lls: list[float], instances: Sequence[Instance] | None) -> None:
     """One line naming the first request whose log-likelihood is NaN or infinite (rank 0, after scoring)."""
     from mpitp.errors import UsageError
 
@@ -334,7 +346,7 @@ _PROCESSOR_DEFAULTS = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size"
                        "exponential_decay_length_penalty": (None,)}
 
 
-def plain_greedy(model, generation_kwargs: dict) -> bool:
+def plain_greedy(model: PreTrainedModel, generation_kwargs: dict) -> bool:
     """True when generation is greedy search with no logits processor, so a sharded argmax decides each token.
 
     Anything that edits logits before the argmax (repetition penalty, suppressed tokens, minimum length, beams)

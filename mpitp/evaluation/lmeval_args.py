@@ -18,7 +18,9 @@ import contextlib
 import io
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, NoReturn
 
 from mpitp import compat
 from mpitp.errors import UsageError
@@ -40,6 +42,9 @@ from mpitp.evaluation.settings import (
     lm_eval_named,
     setting_docs,
 )
+
+if TYPE_CHECKING:
+    from lm_eval.config.evaluate_config import EvaluatorConfig
 
 HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 """lm-eval's names for ``HFLM`` (``lm_eval.models.MODEL_MAPPING``): the one backend mpitp runs."""
@@ -113,14 +118,14 @@ class _Exit(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing and exiting, so rank 0 can decide and share the outcome."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         # "argument --batch_size/-b/--batch-size: must be >= 1" -> "--batch_size: must be >= 1"
         raise UsageError(re.sub(r"^argument (--?[\w-]+)(/\S+)*:", r"\1:", message))
 
-    def exit(self, status=0, message=None):
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         raise _Exit(status, message or "")
 
-    def print_help(self, file=None):
+    def print_help(self, file: IO[str] | None = None) -> NoReturn:
         raise _Exit(0, self.format_help())
 
 
@@ -343,7 +348,7 @@ def _merge_shorthand(model_args: dict, key: str, value) -> None:
     model_args[key] = value
 
 
-def to_eval_config(ec, mine: dict):
+def to_eval_config(ec: EvaluatorConfig, mine: dict) -> EvalConfig:
     """lm-eval's ``EvaluatorConfig`` plus mpitp's options as an :class:`mpitp.evaluation.settings.EvalConfig`."""
     model_args = dict(ec.model_args or {})
     for key in cli_setting_dests(shorthand=True):
@@ -416,7 +421,7 @@ def check_lm_eval_settings(cfg: EvalConfig) -> None:
         raise UsageError(f"--samples {samples!r}: expected a JSON object of task: [doc indices] or a JSON file")
 
 
-def model_args_dict(args) -> dict:
+def model_args_dict(args: str | Mapping | None) -> dict:
     """``--model_args`` as lm-eval reads it: a mapping, or ``key=value,key2=value2`` (values typed as lm-eval types
     them)."""
     if isinstance(args, str):

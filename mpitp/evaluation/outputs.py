@@ -18,12 +18,15 @@ from typing import TYPE_CHECKING
 from mpitp import compat
 
 if TYPE_CHECKING:
+    from lm_eval.loggers import EvaluationTracker
+
     from mpitp.evaluation.settings import EvalConfig
+    from mpitp.parallel.layout import Layout
 
 log = logging.getLogger("mpitp")
 
 
-def start_loggers(cfg: EvalConfig):
+def start_loggers(cfg: EvalConfig) -> dict:
     """Rank 0, before the evaluation (as lm-eval): the tracker, and the W&B / Trackio runs when asked for."""
     from lm_eval.loggers import EvaluationTracker
 
@@ -96,7 +99,7 @@ def finish_loggers(loggers: dict) -> None:
         loggers["trackio"].finish()
 
 
-def output_dir(output_path: str, tracker) -> str:
+def output_dir(output_path: str, tracker: EvaluationTracker) -> str:
     """Where lm-eval's tracker writes for ``output_path``: ``<path>/<model>/``, or the parent of a ``.json`` path."""
     from pathlib import Path
 
@@ -132,7 +135,7 @@ def header_line(cfg: EvalConfig, results: dict) -> str:
             f"num_fewshot: {cfg.num_fewshot}, batch_size: {cfg.batch_size}{f' ({sizes})' if sizes else ''}")
 
 
-def full_num_parameters(cfg: EvalConfig, layout) -> int | None:
+def full_num_parameters(cfg: EvalConfig, layout: Layout) -> int | None:
     """The whole model's parameter count (what lm-eval records) when this rank holds only a TP shard or a stage:
     counted on a meta-device copy built from the config, so nothing is allocated. None when the rank has it all."""
     if layout.tp == 1 and layout.pp == 1:

@@ -4,6 +4,7 @@ the HDF5 file's ``phases_json`` and the run's closing line."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ class PhaseClock:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     @contextmanager
-    def timing(self):
+    def timing(self) -> Iterator[None]:
         """Around one of lm-eval's request methods on the LM (:meth:`mpitp.evaluation.lm.MPITPLM.serving`)."""
         t0 = time.perf_counter()
         self.first = self.first or t0

@@ -11,6 +11,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import TextIO, TypeVar
+
+_Bar = TypeVar("_Bar")
 
 DEFAULT_INTERVAL = 30.0
 
@@ -22,7 +26,7 @@ def _clock(seconds: float) -> str:
 
 
 class LineProgress:
-    def __init__(self, interval: float | None = None, stream=None):
+    def __init__(self, interval: float | None = None, stream: TextIO | None = None):
         env = os.environ.get("MPITP_PROGRESS_INTERVAL")
         self.interval = interval if interval is not None else float(env) if env else DEFAULT_INTERVAL
         self.stream = stream or sys.stderr
@@ -58,7 +62,7 @@ class LineProgress:
             self._write()
 
 
-def make_progress(bar_factory):
+def make_progress(bar_factory: Callable[[], _Bar]) -> _Bar | LineProgress:
     """The tqdm bar (``bar_factory()``) on a terminal, :class:`LineProgress` otherwise."""
     stream = sys.stderr
     return bar_factory() if getattr(stream, "isatty", lambda: False)() else LineProgress(stream=stream)

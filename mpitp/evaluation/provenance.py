@@ -49,7 +49,7 @@ def redact_text(text: str) -> str:
     return _HF_TOKEN.sub(REDACTED, _KV.sub(pair, text))
 
 
-def redact(value):
+def redact(value: object) -> object:
     """A copy of ``value`` (mappings, lists, strings) with every secret replaced by ``<redacted>``."""
     if isinstance(value, dict):
         return {k: REDACTED if secret_name(k) and v not in (None, False, "") else redact(v) for k, v in value.items()}

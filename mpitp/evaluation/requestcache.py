@@ -30,9 +30,12 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
+
     from mpitp.evaluation.settings import EvalConfig
 
 log = logging.getLogger("mpitp")
@@ -57,7 +60,7 @@ def _file_digest(h, path: str) -> None:
         h.update(name + b"\0missing")
 
 
-def request_key(cfg: EvalConfig, task_manager, tokenizer_name: str) -> str | None:
+def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str) -> str | None:
     """A hash of everything that shapes the requests of ``cfg.tasks``, or None when they cannot be keyed."""
     import lm_eval
 
@@ -87,7 +90,7 @@ def request_key(cfg: EvalConfig, task_manager, tokenizer_name: str) -> str | Non
     return h.hexdigest()[:24]
 
 
-def cache_dir(cfg: EvalConfig, task_manager, tokenizer_name: str) -> str | None:
+def cache_dir(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str) -> str | None:
     """This run's request cache folder (None when the cache is off for it)."""
     root = cache_root()
     if root is None or cfg.limit is not None:
@@ -133,14 +136,14 @@ def _private(path: str) -> bool:
     return True
 
 
-def enable(cfg: EvalConfig, task_manager, tokenizer_name: str) -> dict:
+def enable(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str) -> dict:
     """``simple_evaluate`` keyword arguments for the request cache (empty when it is off for this run); lm-eval's
     cache directory is then set around the call by :func:`used`."""
     return {"cache_requests": True} if cache_dir(cfg, task_manager, tokenizer_name) else {}
 
 
 @contextlib.contextmanager
-def used(path: str | None):
+def used(path: str | None) -> Iterator[None]:
     """Inside this block lm-eval's request cache (``lm_eval.caching.cache.PATH``) is ``path``; put back after, and
     the files lm-eval wrote there made unwritable by group and others (it creates them with the umask's mode)."""
     from mpitp import compat

@@ -17,6 +17,7 @@ group only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from mpitp.results.speed import quantiles
 
@@ -62,7 +63,7 @@ class RequestLog:
     """One evaluation's record (a :class:`~mpitp.evaluation.dispatch.Dispatcher` keeps one): :meth:`sent` when a
     chunk leaves, :meth:`landed` when its results are back, :meth:`summary` for the file."""
 
-    def __init__(self, n_groups: int, clock=time.perf_counter):
+    def __init__(self, n_groups: int, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
         self.tasks: dict[str, _Counts] = {}
         self.groups = [_Counts() for _ in range(n_groups)]

@@ -22,9 +22,16 @@ import json
 import logging
 import os
 import shutil
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
 from mpitp.results.untrusted import BadInput, load_json, mapping, open_regular, shown
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import LM
+
+    from mpitp.results.docscores import DocScores
 
 log = logging.getLogger("mpitp")
 
@@ -35,7 +42,7 @@ class MissingRequests(Exception):
         self.kind, self.missing, self.total = kind, missing, total
 
 
-def stored_lm(rows: dict[tuple, dict]):
+def stored_lm(rows: dict[tuple, dict]) -> LM:
     """An lm-eval model whose every answer is a stored row; a request not in the file stops the run.
 
     Built by a function so that importing this module (``mpitp --help``) does not import lm-eval.
@@ -58,13 +65,13 @@ def stored_lm(rows: dict[tuple, dict]):
             self.served += len(found)
             return found
 
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
+        def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
             return [(float(r["loglikelihood"]), bool(r["is_greedy"])) for r in self._rows("loglikelihood", requests)]
 
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
             return [float(r["loglikelihood"]) for r in self._rows("loglikelihood_rolling", requests)]
 
-        def generate_until(self, requests, disable_tqdm: bool = False):
+        def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
             return [str(r["generation"]) for r in self._rows("generate_until", requests)]
 
     return StoredLM()
@@ -94,7 +101,7 @@ _JSON_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (st
                "list": (list,), "None": (type(None),), "Any": (object,)}
 
 
-def saved_settings(text) -> dict:
+def saved_settings(text: object) -> dict:
     """A file's recorded settings (``eval_config_json``), each of the type its :class:`EvalConfig` field declares:
     the file is untrusted, and a list where a string belongs would otherwise fail deep inside lm-eval."""
     from dataclasses import fields
@@ -156,7 +163,8 @@ def _shown(value) -> str:
     return ",".join(shlex.quote(str(v)) for v in ([value] if isinstance(value, str) else value))
 
 
-def rescore(path: str, include_path=None, data_dir=None, bootstrap_iters: int | None = None):
+def rescore(path: str, include_path: str | list[str] | None = None, data_dir: str | None = None,
+            bootstrap_iters: int | None = None) -> tuple[dict, dict[str, DocScores], int, int]:
     """lm-eval's results dict and the per-document scores for ``path``, from its stored rows only."""
     import lm_eval
 

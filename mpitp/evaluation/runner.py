@@ -13,6 +13,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpitp import testing
 from mpitp.evaluation import requestlog
@@ -25,6 +26,13 @@ from mpitp.evaluation.provenance import run_metadata
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import Launch, Runtime, barrier_after_load, warm_imports
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from mpitp.evaluation.lm import MPITPLM
+    from mpitp.replica.stats import Stats
 
 log = logging.getLogger("mpitp")
 
@@ -76,7 +84,7 @@ class _Progress:
                                  refresh=False)
         self.bar.update(n)
 
-    def close(self):
+    def close(self) -> None:
         self.bar.close()
 
 
@@ -164,7 +172,7 @@ def _with_assets(cfg: EvalConfig, source: str) -> EvalConfig:
     return dataclasses.replace(cfg, hf_assets=dcp.assets_dir(cfg.model))
 
 
-def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
+def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime) -> PreTrainedModel:
     """This rank's part of the model in ``source``: its pipeline stage's layers TP-sharded, or (pp=1) the whole model
     TP-sharded. The one loading path of ``mpitp eval`` and sweeps (:mod:`mpitp.jobs.sweep`)."""
     from mpitp.testing import stall
@@ -182,9 +190,10 @@ def load_for_layout(source: str, cfg: EvalConfig, rt: Runtime):
                       peft=cfg.peft, ep=rt.ep, **cfg.load_kwargs())
 
 
-def evaluate_loaded(model, tokenizer, cfg: EvalConfig, rt: Runtime, *, out: str | None,
-                    task_manager=None, extra_lm_eval: dict | None = None, t_start: float | None = None,
-                    phases: dict | None = None, encode_cache: dict | None = None, kept: KeptChecks | None = None):
+def evaluate_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, cfg: EvalConfig, rt: Runtime,
+                    *, out: str | None, task_manager: TaskManager | None = None, extra_lm_eval: dict | None = None,
+                    t_start: float | None = None, phases: dict | None = None, encode_cache: dict | None = None,
+                    kept: KeptChecks | None = None) -> dict | None:
     """The one evaluation path (CLI, job files and :func:`mpitp.evaluate`) for a model already on this rank.
 
     Every rank of ``rt`` calls it; roles follow from the layout: global rank 0 runs lm-eval and the dispatcher,
@@ -277,7 +286,7 @@ def _merge_stage_stats(stats, lay, timeout: float) -> None:
         stats.pp.calls = sum(p[3] for p in parts)
 
 
-def task_manager_for(cfg: EvalConfig):
+def task_manager_for(cfg: EvalConfig) -> TaskManager:
     """Check the tasks and build lm-eval's TaskManager (rank 0), for callers that skipped :func:`check_all`."""
     return check_tasks(cfg.tasks, offline_include(cfg))
 
@@ -306,7 +315,7 @@ def _run_windows(dispatcher, progress, docs: list[list], record, instances: list
         record(empty, [results[j] for j in empty])
         progress(len(empty), 0)
 
-    def on_windows(indices, res):
+    def on_windows(indices: tuple[int, ...], res: list) -> None:
         finished = []
         for w, r in zip(indices, res):
             j = owner[w]
@@ -329,7 +338,7 @@ class _RootRun:
     dispatched over the DP groups, each chunk's rows recorded as it lands), then put lm-eval's outputs where
     ``lm_eval`` puts them. Seconds per phase go to a :class:`~mpitp.evaluation.phases.PhaseClock`."""
 
-    def __init__(self, cfg: EvalConfig, rt: Runtime, lm, out: str | None, stats):
+    def __init__(self, cfg: EvalConfig, rt: Runtime, lm: MPITPLM, out: str | None, stats: Stats):
         from mpitp.evaluation.dispatch import Dispatcher
 
         self.cfg, self.rt, self.lm, self.out = cfg, rt, lm, out
@@ -431,7 +440,7 @@ class _RootRun:
         self.progress(len(indices), sum(weights[i] for i in indices))
 
     # -------------------------------------------------------------------------------------------------- lm-eval
-    def evaluate(self, tm, extra: dict) -> RootResult:
+    def evaluate(self, tm: TaskManager, extra: dict) -> RootResult:
         """Run lm-eval with every request served by :meth:`serve`; lm-eval's outputs written as ``lm_eval`` does.
         What it returns is for :func:`mpitp.evaluation.finish.finish_root` to write and report."""
         from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers

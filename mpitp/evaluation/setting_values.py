@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from mpitp.replica.loading import DTYPES
@@ -35,7 +35,7 @@ class FrozenDict(dict):
         return (FrozenDict, (dict(self),))
 
 
-def thaw(value):
+def thaw(value: Any) -> Any:
     """A frozen job-file value as plain mutable Python (dicts, lists), so the callee may change its copy."""
     if isinstance(value, dict):
         return {k: thaw(v) for k, v in value.items()}
@@ -47,7 +47,7 @@ def thaw(value):
 # ------------------------------------------------------------------------------------------- shared value rules
 
 
-def limit_value(v) -> int | float:
+def limit_value(v: object) -> int | float:
     """lm-eval's ``--limit``: a number < 1 is a fraction of each task's documents, one >= 1 a count of documents
     (``lm_eval.evaluator_utils.get_sample_size``: ``ceil(n * limit) if limit < 1.0 else int(limit)``), so 1.0 is
     one document. A whole count is kept as an int (the same meaning, and the spelling resume identities use)."""
@@ -66,7 +66,7 @@ def limit_value(v) -> int | float:
     return int(v) if v >= 1 and v == int(v) else v
 
 
-def batch_size_value(value) -> int | str:
+def batch_size_value(value: object) -> int | str:
     """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N`` (N >= 1)."""
     text = str(value).strip()
     if text == "auto":
@@ -95,7 +95,7 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def suggest(word: Any, options) -> str:
+def suggest(word: Any, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(str(word), list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -226,7 +226,7 @@ def yaml_mapping(v: Any) -> str | FrozenDict:
 
 def _cli(parse: Callable[[Any], Any]) -> Callable[[str], Any]:
     """A shared rule as an argparse ``type``: its refusal becomes ``--flag: reason``."""
-    def check(value: str):
+    def check(value: str) -> Any:
         try:
             return parse(value)
         except BadValue as exc:

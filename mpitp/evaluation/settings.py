@@ -18,7 +18,7 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from mpitp.evaluation.setting_values import (
@@ -62,8 +62,8 @@ def cli(*flags: str, group: str, shorthand: bool = False, **argparse_kwargs) -> 
 # ---------------------------------------------------------------------------------------------- the declaration
 
 
-def setting(default=None, *, doc: str, factory: Callable[[], Any] | None = None, identity: str | None = None,
-            job: Callable[[Any], Any] | None = None, lm_eval: bool = False, cli: dict | None = None):
+def setting(default: Any = None, *, doc: str, factory: Callable[[], Any] | None = None, identity: str | None = None,
+            job: Callable[[Any], Any] | None = None, lm_eval: bool = False, cli: dict | None = None) -> Any:
     """A field of :class:`EvalConfig` with what the rest of mpitp derives from it.
 
     ``doc``: one line saying what the setting means, shown in ``mpitp eval --help`` (see :func:`help_for`).
@@ -363,12 +363,12 @@ class RuntimeOptions:
 # ------------------------------------------------------------------------------------------------- derived views
 
 
-def eval_settings():
+def eval_settings() -> tuple[Field, ...]:
     """:class:`EvalConfig`'s fields (``dataclasses.Field``: name, type, default and the metadata above)."""
     return fields(EvalConfig)
 
 
-def default(f) -> Any:
+def default(f: Field) -> Any:
     return f.default_factory() if callable(f.default_factory) else f.default
 
 
@@ -379,7 +379,7 @@ def job_fields() -> dict[str, Callable[[Any], Any]]:
     return out
 
 
-def lm_eval_named():
+def lm_eval_named() -> list[Field]:
     """The settings named as lm-eval's ``EvaluatorConfig`` fields that mpitp takes over as they are (``lm_eval``):
     a job file names them so, and ``mpitp eval`` copies them from lm-eval's parsed command line."""
     return [f for f in eval_settings() if f.metadata.get("lm_eval")]
@@ -400,7 +400,7 @@ def _types(f) -> tuple[type, ...]:
                  if t is not type(None))
 
 
-def from_evaluator_config(f, value):
+def from_evaluator_config(f: Field, value: Any) -> Any:
     """``EvaluatorConfig``'s value for setting ``f`` in mpitp's spelling: a flag as a bool, an empty mapping as None."""
     if _hint(f) is bool:  # a plain flag; ``bool | None`` keeps None (lm-eval's "not given")
         return bool(value)

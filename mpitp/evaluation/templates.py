@@ -12,10 +12,11 @@ is then rendered with the document exactly as before.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def compiled_once():
+def compiled_once() -> Iterator[None]:
     """Inside this block ``lm_eval.utils.apply_template`` reuses each template string's compiled template."""
     import lm_eval.utils as lm_utils
 
