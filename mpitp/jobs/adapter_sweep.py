@@ -42,6 +42,8 @@ from mpitp.jobs.sweep import (
 from mpitp.results.sweepsummary import Row
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from mpitp.evaluation.settings import EvalConfig
     from mpitp.parallel.runtime import Launch, Runtime
 
@@ -69,7 +71,7 @@ class BaseModel:
     kept: object = None  # mpitp.evaluation.runner.KeptChecks: the tokenizer and checks kept between adapters
     head_names: frozenset = frozenset()  # the parameters of the output head (the head check re-runs if one changes)
 
-    def get(self):
+    def get(self) -> PreTrainedModel:
         if self.error is not None:  # a base that failed to load is not retried for every adapter
             raise LoadFailed(self.error)
         if self.model is None:
@@ -92,7 +94,7 @@ class BaseModel:
         return self.model
 
 
-def head_parameters(model) -> frozenset:
+def head_parameters(model: PreTrainedModel) -> frozenset:
     """Names of the parameters of ``model``'s output head (the tied input embedding's too, under its own name)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
@@ -110,7 +112,7 @@ def _apply_everywhere(model, adapter: str, rt: Runtime):
                       f"applying adapter {adapter}", undo=lambda done: done.restore())
 
 
-def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel):
+def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel) -> dict | None:
     """One adapter of the sweep: checks, merge into the base shards, evaluate, restore. Returns lm-eval's results."""
     t_start = time.perf_counter()
     checked = check_item(cfg, rt, state, f"checking {cfg.peft}")

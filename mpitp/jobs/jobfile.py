@@ -180,7 +180,7 @@ class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that rejects duplicate keys: PyYAML keeps the last one silently,
     which would turn a copy-paste slip into a quietly wrong run."""
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
         if isinstance(node, yaml.MappingNode):
             seen: set[Any] = set()
             for key_node, _ in node.value:

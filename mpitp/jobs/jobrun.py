@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
 from mpitp.evaluation.setting_values import thaw
@@ -21,6 +22,11 @@ from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import agree, make_launch, setup_logging
 from mpitp.parallel.world import world_from_comm
 from mpitp.results.status import output_status
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from mpitp.jobs.jobfile import RunSpec
 
 log = logging.getLogger("mpitp")
 
@@ -37,7 +43,7 @@ class RunOutcome:
     failed: bool = False
 
 
-def eval_config(spec) -> EvalConfig:
+def eval_config(spec: RunSpec) -> EvalConfig:
     """A job-file run as an :class:`EvalConfig` (``model: demo`` means the built-in demo): the settings the job file
     reads as themselves are copied (a ``gen_kwargs`` mapping stays a dict: lm-eval reads it as one), the lm-eval-named
     ones are applied with the flags' meaning."""
@@ -63,7 +69,8 @@ def _load(path):
         raise UsageError(str(exc)) from None
 
 
-def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ranks) -> int:
+def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | None, timeout: float,
+            log_all_ranks: bool) -> int:
     """Execute every run of the job file; returns the exit status (0 when every run completed or was skipped)."""
     from mpitp.parallel.walltime import install
 
@@ -111,7 +118,7 @@ def run_job(path: str, *, fail_fast: bool, device, threads, timeout, log_all_ran
     return 1 if any(r.failed for r in summary) else 0
 
 
-def print_summary(path, summary: list[RunOutcome]) -> None:
+def print_summary(path: Path, summary: list[RunOutcome]) -> None:
     from mpitp.results.texttable import format_table
 
     rows = [dict(run=r.name, tp=r.tp, status=r.status, wall=f"{r.wall_s:.1f}s", output=r.output) for r in summary]

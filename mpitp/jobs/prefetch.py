@@ -33,10 +33,18 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mpitp.results.safefile import temp_beside, write_replace
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from mpitp.jobs.readiness_spec import CheckSpec
+    from mpitp.tasks.layout import LeafTask
 
 PARQUET_REVISION = "refs/convert/parquet"
 MANIFEST = "mpitp-manifest.json"
@@ -67,7 +75,7 @@ def _commit_of(cached: str) -> str:
     return parts[parts.index("snapshots") + 1] if "snapshots" in parts else "?"
 
 
-def fetch_dataset(leaf, data_dir: Path, cache: str) -> list[ManifestEntry]:
+def fetch_dataset(leaf: LeafTask, data_dir: Path, cache: str) -> list[ManifestEntry]:
     """Every split ``leaf`` names, from the Hub's parquet conversion, into ``leaf.folder(data_dir)``."""
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.hf_api import RepoFile
@@ -174,7 +182,8 @@ def write_manifest(path: Path, entries: list[ManifestEntry]) -> None:
                                         indent=1).encode())
 
 
-def prefetch(spec, models_dir: str | None = None, echo=print) -> tuple[object, list[ManifestEntry]]:
+def prefetch(spec: CheckSpec, models_dir: str | None = None,
+             echo: Callable[[str], object] = print) -> tuple[CheckSpec, list[ManifestEntry]]:
     """Fetch what ``spec`` (:class:`mpitp.jobs.readiness.CheckSpec`) lacks; (the spec to check, entries)."""
     from dataclasses import replace
 
@@ -207,7 +216,7 @@ def _write_manifest(spec, models_dir, entries, echo) -> None:
         echo(f"manifest: {where / MANIFEST} ({len(entries)} files)")
 
 
-def check_argv(spec, json_out: str | None = None) -> list[str]:
+def check_argv(spec: CheckSpec, json_out: str | None = None) -> list[str]:
     """``python -m mpitp check`` with ``spec``'s options (and ``--json-out``), isolated from the working directory
     (:mod:`mpitp.isolated`)."""
     from mpitp.isolated import mpitp_argv
@@ -230,7 +239,8 @@ ROUNDS = 3
 metric module, then its nltk data)."""
 
 
-def fetch_until_ready(spec, models_dir: str | None, nltk_index: str | None, echo=print):
+def fetch_until_ready(spec: CheckSpec, models_dir: str | None, nltk_index: str | None,
+                      echo: Callable[[str], object] = print) -> subprocess.CompletedProcess[str]:
     """Run ``mpitp check`` (its own process: network blocked, offline variables) and fetch the metric modules and
     nltk data it names, until it names nothing new to fetch; the last check's ``CompletedProcess``."""
     import subprocess
@@ -266,7 +276,7 @@ def fetch_until_ready(spec, models_dir: str | None, nltk_index: str | None, echo
     return done
 
 
-def nltk_folder(spec) -> Path:
+def nltk_folder(spec: CheckSpec) -> Path:
     from mpitp.tasks.layout import nltk_folder as folder
 
     return folder(spec.data_dir)

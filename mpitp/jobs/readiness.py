@@ -26,6 +26,8 @@ and quiet logs (:mod:`~mpitp.jobs.readiness_guard`), the model (:mod:`~mpitp.job
 
 from __future__ import annotations
 
+import os
+
 from mpitp.errors import UsageError
 from mpitp.jobs.readiness_guard import block_network, quiet_libraries
 from mpitp.jobs.readiness_model import check_model, join_model_check, start_model_check
@@ -58,7 +60,7 @@ def check(spec: CheckSpec) -> Report:
     return report
 
 
-def job_specs(job_file) -> list[CheckSpec]:
+def job_specs(job_file: str | os.PathLike[str]) -> list[CheckSpec]:
     """One :class:`CheckSpec` per run of a job file that is not the built-in demo (offline by construction)."""
     from mpitp.jobs.jobfile import DEMO_MODEL, load_job
 
@@ -83,7 +85,7 @@ NO_CHECK_RISK = ("--no-check: not checked whether the job runs offline; a missin
                  "data or tokenizer file will fail the job on the compute node, after the queue wait")
 
 
-def require_ready(job_file) -> None:
+def require_ready(job_file: str | os.PathLike[str]) -> None:
     """``mpitp check JOB`` in its own process (its network guard and offline variables stay there), before a job is
     queued; raises :class:`NotReady` with its report. A job of demo runs only needs no check. The process is isolated
     from the working directory (:mod:`mpitp.isolated`): people submit from shared job folders."""

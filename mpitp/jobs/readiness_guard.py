@@ -14,7 +14,9 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, NoReturn
 
 from mpitp import compat
 
@@ -43,7 +45,7 @@ def _local(host) -> bool:
 
 
 @contextmanager
-def block_network(tried: list[str]):
+def block_network(tried: list[str]) -> Iterator[list[str]]:
     """Refuse connections to non-local addresses in this process, recording ``host:port`` in ``tried``.
 
     Set in the ``mpitp check`` process only (our own process, not a library under test): the guard sits on the
@@ -57,14 +59,15 @@ def block_network(tried: list[str]):
     os.environ["EVALUATE_VERBOSITY"] = "error"  # evaluate sets its logger's level when imported (here, by a task)
     real_connect, real_connect_ex, real_getaddrinfo = (compat.attribute(k) for k in _SOCKET)
 
-    def refuse(host, port):
+    def refuse(host: str | bytes | None, port: int | str | None) -> NoReturn:
         where = f"{host}:{port}" if port is not None else str(host)
         if where not in tried:
             tried.append(where)
         raise OSError(errno.ENETUNREACH, f"mpitp check: network blocked (compute nodes have none): {where}")
 
-    def guarded(real):  # socket.connect and connect_ex: the same test before the real call
-        def connect(sock, address):
+    def guarded(real: Callable[[socket.socket, Any], object]) -> Callable[[socket.socket, Any], object]:
+        # socket.connect and connect_ex: the same test before the real call
+        def connect(sock: socket.socket, address: Any) -> object:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
                 refuse(address[0], address[1])
             return real(sock, address)
@@ -72,7 +75,7 @@ def block_network(tried: list[str]):
 
     connect, connect_ex = guarded(real_connect), guarded(real_connect_ex)
 
-    def getaddrinfo(host, port, *args, **kwargs):
+    def getaddrinfo(host: str | bytes | None, port: int | str | None, *args, **kwargs) -> list:
         if not _local(host.decode() if isinstance(host, bytes) else host):
             refuse(host, port)
         return real_getaddrinfo(host, port, *args, **kwargs)
@@ -88,7 +91,7 @@ def block_network(tried: list[str]):
 
 
 @contextmanager
-def quiet_libraries():
+def quiet_libraries() -> Iterator[None]:
     """The libraries' own logging at ERROR while checking: what matters comes back as problems. lm-eval's metric
     registry logs an ``evaluate`` module it could not load as an error and keeps None, which the check reports as a
     problem with its fetch command (:func:`mpitp.jobs.readiness_tasks.unloaded_metrics`): that log line would say it

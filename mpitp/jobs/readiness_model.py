@@ -5,10 +5,14 @@ here or in a child interpreter beside the task checks (:func:`start_model_check`
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
 from mpitp.jobs.readiness_guard import block_network, quiet_libraries
 from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report, prefetch_command, why
+
+if TYPE_CHECKING:
+    import subprocess
 
 
 def check_model(spec: CheckSpec, report: Report) -> object | None:
@@ -53,7 +57,7 @@ def check_model(spec: CheckSpec, report: Report) -> object | None:
 
 
 
-def start_model_check(spec: CheckSpec):
+def start_model_check(spec: CheckSpec) -> subprocess.Popen[str] | None:
     """:func:`check_model` in a child interpreter (:func:`model_check_child`), beside the task checks: importing
     transformers' config code is about 2.5 s of a 6 s ``mpitp check --tasks mmlu`` on a 2-core machine, building
     the tasks as long, and the tasks need the tokenizer only for a chat template. A new interpreter, not a fork:
@@ -102,7 +106,7 @@ def model_check_child() -> None:
                      + "\n")
 
 
-def join_model_check(proc, spec: CheckSpec, tried: list[str]) -> list[Problem]:
+def join_model_check(proc: subprocess.Popen[str], spec: CheckSpec, tried: list[str]) -> list[Problem]:
     """The child's problems (and the hosts it tried, added to ``tried``); :func:`check_model` here when the child
     failed to say."""
     import json

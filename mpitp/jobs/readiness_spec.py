@@ -7,6 +7,7 @@ share one vocabulary without importing each other."""
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -64,7 +65,7 @@ def why(exc: BaseException) -> str:
     return text if len(text) <= 240 else text[:237] + "..."
 
 
-def prefetch_command(spec: CheckSpec, *, tasks=None, model: bool = False) -> str:
+def prefetch_command(spec: CheckSpec, *, tasks: Sequence[str] | None = None, model: bool = False) -> str:
     """The ``mpitp prefetch`` command that fetches ``tasks`` (or the model) for ``spec``."""
     argv = ["mpitp", "prefetch"]
     if model:

@@ -12,9 +12,14 @@ import os
 import re
 import tempfile
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report, prefetch_command, why
+
+if TYPE_CHECKING:
+    from lm_eval.api.task import Task
+    from transformers import PreTrainedTokenizerBase
 
 CHECK_LIMIT = 2
 """Docs per task whose requests and metrics are built: the code paths, not the numbers, are checked."""
@@ -25,7 +30,7 @@ _STAND_IN = {"loglikelihood": (-1.0, False), "loglikelihood_rolling": -1.0, "gen
              "multiple_choice": (-1.0, False)}
 
 
-def score_stand_ins(task) -> None:
+def score_stand_ins(task: Task) -> None:
     """Filters, ``process_results`` and every aggregation of ``task`` on stand-in outputs, as lm-eval's evaluator
     runs them; raises what they raise."""
     for inst in task.instances:
@@ -50,13 +55,13 @@ def _chat(tokenizer):
     if tokenizer is None:
         return None
 
-    def apply(messages, add_generation_prompt: bool = True):
+    def apply(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     return apply
 
 
-def check_tasks(spec: CheckSpec, report: Report, tokenizer) -> None:
+def check_tasks(spec: CheckSpec, report: Report, tokenizer: PreTrainedTokenizerBase | None) -> None:
     """Build each task and its requests, score stand-ins (see the module docstring)."""
     from mpitp.tasks import index
     from mpitp.tasks.layout import expand, resolve_all, write_configs
@@ -150,7 +155,7 @@ def _metric_missing(task: str, name: str) -> str:
     return f"task {task}: the evaluate metric module {name} is not in the HF cache (HF_HOME's modules)"
 
 
-def unloaded_metrics(task) -> list[str]:
+def unloaded_metrics(task: Task) -> list[str]:
     """The metrics of ``task``'s ``metric_list`` that lm-eval wanted from ``evaluate`` (``hf_evaluate: true``, or a
     name lm-eval does not know) and could not load: lm-eval logs the failure and keeps None in their place. A task
     with its own ``process_results`` keeps None for every metric by design: none then."""

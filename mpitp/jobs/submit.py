@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 import time as _time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -422,7 +422,8 @@ def job_state(scheduler: str, job_id: str) -> dict[str, str]:
                 elapsed=fields.get("resources_used.walltime", "?"))
 
 
-def wait_for(scheduler: str, job_id: str, poll: float = 5.0, echo=None) -> dict[str, str]:
+def wait_for(scheduler: str, job_id: str, poll: float = 5.0,
+             echo: Callable[[str], object] | None = None) -> dict[str, str]:
     """Poll until the job has ended (a requeued job is not ended: it is PENDING again)."""
     last = None
     while True:

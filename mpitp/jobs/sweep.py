@@ -32,17 +32,24 @@ import re
 import threading
 import time
 import weakref
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from mpitp.errors import UsageError
 from mpitp.results.sweepsummary import Row, natural_key, render_summary, summary_path, write_summary
 
 if TYPE_CHECKING:
-    from mpitp.evaluation.checks import CheckedTasks
+    from lm_eval.tasks import TaskManager
+    from transformers import PreTrainedModel
+
+    from mpitp.evaluation.checks import Checked, CheckedTasks
+    from mpitp.evaluation.runner import KeptChecks
     from mpitp.evaluation.settings import EvalConfig
     from mpitp.parallel.runtime import Launch, Runtime
+
+_T = TypeVar("_T")
 
 # mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
 # ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
@@ -128,7 +135,7 @@ def tokenizer_key(cfg: EvalConfig) -> str | None:
     return json.dumps(files, sort_keys=True) if files else None
 
 
-def memoize_task_loading(tm, memo: dict):
+def memoize_task_loading(tm: TaskManager, memo: dict) -> AbstractContextManager:
     """``TaskManager.load`` (datasets, documents, prompt templates) once per task list for the whole sweep: inside
     this block ``tm.load`` answers from ``memo`` (kept by the sweep from one checkpoint to the next).
 
@@ -139,7 +146,7 @@ def memoize_task_loading(tm, memo: dict):
 
     original = tm.load
 
-    def load(tasks, *args, **kwargs):
+    def load(tasks: object, *args, **kwargs) -> object:
         key = json.dumps([tasks, args, kwargs], sort_keys=True, default=str)
         if key not in memo:
             memo[key] = original(tasks, *args, **kwargs)
@@ -165,7 +172,7 @@ def start_prefetch(model: str | None, rt: Runtime) -> threading.Thread | None:
     if not files:
         return None
 
-    def read_all():
+    def read_all() -> None:
         for path in files:
             try:
                 with open(path, "rb", buffering=0) as f:
@@ -202,7 +209,7 @@ def _skip_complete(cfg: EvalConfig) -> bool:
     return True
 
 
-def everywhere(fn, rt: Runtime, phase: str, undo=None):
+def everywhere(fn: Callable[[], _T], rt: Runtime, phase: str, undo: Callable[[_T], object] | None = None) -> _T:
     """``fn()`` on every rank of the world; if it fails on any rank, every rank raises :class:`LoadFailed` with the
     first error (ranks where it succeeded first pass their result to ``undo``), so a bad checkpoint or adapter
     fails its row of the sweep together instead of leaving the other ranks in a collective."""
@@ -228,14 +235,14 @@ def everywhere(fn, rt: Runtime, phase: str, undo=None):
     return result
 
 
-def _load_everywhere(cfg: EvalConfig, rt: Runtime):
+def _load_everywhere(cfg: EvalConfig, rt: Runtime) -> PreTrainedModel:
     """Load on every rank; if any rank fails, every rank raises :class:`LoadFailed` with the first error."""
     from mpitp.evaluation.runner import load_for_layout
 
     return everywhere(lambda: load_for_layout(cfg.model, cfg, rt), rt, "loading the model")
 
 
-def check_item(cfg: EvalConfig, rt: Runtime, state: SweepState, phase: str):
+def check_item(cfg: EvalConfig, rt: Runtime, state: SweepState, phase: str) -> Checked:
     """Rank 0's checks of one checkpoint or adapter (the tasks checked by the first are reused), shared with all."""
     from mpitp.evaluation.checks import check_on_root
 
@@ -244,7 +251,8 @@ def check_item(cfg: EvalConfig, rt: Runtime, state: SweepState, phase: str):
     return checked
 
 
-def evaluate_item(model, cfg: EvalConfig, rt: Runtime, state: SweepState, checked, t_start: float, kept=None):
+def evaluate_item(model: PreTrainedModel, cfg: EvalConfig, rt: Runtime, state: SweepState, checked: Checked,
+                  t_start: float, kept: KeptChecks | None = None) -> dict | None:
     """:func:`mpitp.evaluation.runner.evaluate_loaded` with what a sweep keeps from one model to the next: lm-eval's
     loaded tasks (memoised) and the prompts' token ids per tokenizer; an adapter sweep's ``kept``
     (:class:`mpitp.evaluation.runner.KeptChecks`) for its one base."""
@@ -260,7 +268,8 @@ def evaluate_item(model, cfg: EvalConfig, rt: Runtime, state: SweepState, checke
                                t_start=t_start, encode_cache=cache, kept=kept)
 
 
-def run_checkpoint(cfg: EvalConfig, rt: Runtime, state: SweepState, next_model: str | None = None):
+def run_checkpoint(cfg: EvalConfig, rt: Runtime, state: SweepState,
+                   next_model: str | None = None) -> tuple[dict | None, bool]:
     """One checkpoint of a sweep: checks, load, evaluate, release. Returns (lm-eval results or None, released)."""
     from mpitp import testing
     from mpitp.parallel.runtime import barrier_after_load
@@ -313,7 +322,7 @@ def _metrics_from_file(path: str) -> dict:
         return {}
 
 
-def item_config(cfg: EvalConfig, field: str, item: str, out: str):
+def item_config(cfg: EvalConfig, field: str, item: str, out: str) -> EvalConfig:
     """The settings of one item of a sweep: ``field`` (``model`` or ``peft``) set to the checkpoint or adapter, its
     own output, and the same in ``--model_args`` (``pretrained=``, ``peft=``): lm-eval's output files name the item,
     not the sweep's glob."""
@@ -325,7 +334,8 @@ def item_config(cfg: EvalConfig, field: str, item: str, out: str):
                                model_args=model_args or cfg.model_args)
 
 
-def run_each(rt: Runtime, what: str, items: list[str], outputs: list[str], names: list[str], configure, evaluate,
+def run_each(rt: Runtime, what: str, items: list[str], outputs: list[str], names: list[str],
+             configure: Callable[[str, str], EvalConfig], evaluate: Callable[[int, EvalConfig], dict | None],
              rows: list[Row] | None = None) -> list[Row]:
     """The loop of every sweep (every rank calls it): for each checkpoint or adapter (``what`` names the kind), its
     settings (``configure(item, output)``, e.g. :func:`item_config`), a skip when ``--resume`` finds its file
@@ -363,7 +373,7 @@ def run_models(cfg: EvalConfig, rt: Runtime, models: list[str], outputs: list[st
     """Evaluate ``models`` one after another (every rank calls it); one :class:`Row` each, in order."""
     state = state or SweepState()
 
-    def evaluate(i: int, cfg_i):
+    def evaluate(i: int, cfg_i: EvalConfig) -> dict | None:
         model = cfg_i.model
         res, released = run_checkpoint(cfg_i, rt, state, models[i + 1] if i + 1 < len(models) else None)
         if rt.world.rank == 0:
@@ -385,7 +395,7 @@ class PlanWithoutClaim:
     ``execute``) whose checks hold nothing to give back on leaving its ``with`` block (each item of a sweep claims
     its own output; :class:`mpitp.evaluation.runner.EvalPlan` releases its claim there)."""
 
-    def __enter__(self):
+    def __enter__(self) -> PlanWithoutClaim:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -137,7 +137,7 @@ def prepare_watch(cfg: EvalConfig, launch: Launch, directory: str, idle_s: float
     """Rank 0 checks the watched directory and the settings; every rank gets the verdict."""
     from mpitp.parallel.runtime import agree
 
-    def check():
+    def check() -> bool:
         if not os.path.isdir(directory):
             raise UsageError(f"--watch {directory}: no such directory")
         if cfg.model:
