@@ -21,9 +21,14 @@ import json
 import math
 import os
 import re
+from typing import TYPE_CHECKING
 
 from mpitp.digest import update_file
 from mpitp.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -53,7 +58,7 @@ class LoraPair:
     scale: float
     transpose: bool
 
-    def delta(self):
+    def delta(self) -> torch.Tensor:
         import torch
 
         d = (self.b.to(torch.float32) @ self.a.to(torch.float32)) * self.scale
@@ -201,7 +206,7 @@ class Restore:
     changed: int = 0
     saved: dict = dataclasses.field(default_factory=dict)  # parameter name -> (local shard, its original values)
 
-    def keep(self, name: str, local) -> None:
+    def keep(self, name: str, local: torch.Tensor) -> None:
         if name not in self.saved:  # the first touch holds the base values
             self.saved[name] = (local, local.detach().clone())
 
@@ -217,7 +222,7 @@ class Restore:
         return n
 
 
-def apply(model, adapter: Adapter, stubbed: bool = False, keep: bool = False) -> Restore:
+def apply(model: PreTrainedModel, adapter: Adapter, stubbed: bool = False, keep: bool = False) -> Restore:
     """Merge ``adapter`` into ``model``'s (local shards of its) weights in place; returns what it changed.
 
     ``stubbed``: a pipeline stage, whose other stages' layers are stubs here: their updates are skipped (the stage
@@ -241,7 +246,7 @@ def _merge(model, adapter: Adapter, stubbed: bool, done: Restore, keep: bool) ->
     modules = dict(model.named_modules(remove_duplicate=False))
     owners = _param_owners(model)
 
-    def target(name: str, what: str):
+    def target(name: str, what: str) -> torch.nn.Parameter | None:
         p = params.get(name)
         if p is None:
             if stubbed:

@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from transformers import PreTrainedConfig
 
 log = logging.getLogger("mpitp")
 
@@ -31,7 +36,7 @@ GPU_SHARE = 0.85  # of the free device memory after loading
 SIZE_STEP = 64  # sizes are computed for row lengths rounded up to this many tokens (one size per step)
 
 
-def is_auto(batch_size) -> bool:
+def is_auto(batch_size: int | str) -> bool:
     return str(batch_size).startswith("auto")
 
 
@@ -56,14 +61,14 @@ def _mem_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def agreed_budget(comm, device: str, local_size: int) -> int:
+def agreed_budget(comm: MPI.Comm, device: str, local_size: int) -> int:
     """The smallest budget over ``comm`` (a replica's ranks): collective, every rank of ``comm`` calls it."""
     from mpi4py import MPI
 
     return int(comm.allreduce(local_budget(device, local_size), op=MPI.MIN))
 
 
-def row_bytes(config, tp: int, pp: int, dtype_bytes: int, tokens: int, new_tokens: int = 0) -> int:
+def row_bytes(config: PreTrainedConfig, tp: int, pp: int, dtype_bytes: int, tokens: int, new_tokens: int = 0) -> int:
     """Transient memory of one row of ``tokens`` tokens in a forward on one rank (plus its KV cache shard when
     generating ``new_tokens``): the estimate the batch size is cut from."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -83,7 +88,8 @@ def row_bytes(config, tp: int, pp: int, dtype_bytes: int, tokens: int, new_token
 class AutoBatch:
     """Batch sizes per length bucket for one model replica; built on a DP leader from its replica's agreed budget."""
 
-    def __init__(self, budget: int, config, tp: int, pp: int, dtype_bytes: int, max_batch_size: int | None = None):
+    def __init__(self, budget: int, config: PreTrainedConfig, tp: int, pp: int, dtype_bytes: int,
+                 max_batch_size: int | None = None):
         self.budget, self.config, self.tp, self.pp, self.dtype_bytes = budget, config, tp, pp, dtype_bytes
         self.max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
         self.chosen: dict[tuple[int, int], int] = {}

@@ -35,12 +35,18 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.replica.dcp_load import config_params, fill, quiet_transformers, without_weight_init
 from mpitp.replica.dcp_names import Entry, Plan, hf_to_titan_names, hf_to_titan_rows, plan_loading, titan_to_hf_rows
 from mpitp.replica.dcp_read import IGNORED_SECTIONS, METADATA, SliceReader, model_tensors, read_metadata
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig, PreTrainedModel
+    from transformers.distributed import DistributedConfig
 
 __all__ = [  # the public surface: defined here, or re-exported from the module of its job for callers and tests
     "is_dcp", "refuse_foreign", "assets_dir", "tokenizer_source", "check", "from_pretrained",  # defined here
@@ -113,14 +119,15 @@ def tokenizer_source(model: str | None, tokenizer: str | None, hf_assets: str | 
 # ------------------------------------------------------------------------------------------------ the plan and the load
 
 
-def check(model: str, config, trust_remote_code: bool = False) -> Plan:
+def check(model: str, config: PreTrainedConfig, trust_remote_code: bool = False) -> Plan:
     """Rank 0, before loading: the checkpoint's names and shapes against the config's model, from ``.metadata``."""
     tensors = model_tensors(read_metadata(model))
     return plan_loading(tensors, config, config_params(config, trust_remote_code), f"model path {model}")
 
 
-def from_pretrained(path: str, hf_assets: str | None, distributed_config=None, dtype="auto",
-                    trust_remote_code: bool = False, **load_kwargs):
+def from_pretrained(path: str, hf_assets: str | None, distributed_config: DistributedConfig | None = None,
+                    dtype: str | torch.dtype = "auto", trust_remote_code: bool = False,
+                    **load_kwargs) -> PreTrainedModel:
     """This rank's part of DCP checkpoint ``path``: what ``AutoModelForCausalLM.from_pretrained`` gives for an HF
     folder with the same ``distributed_config`` (TP shards as DTensors, only this pipeline stage's layers).
 

@@ -12,16 +12,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.replica.dcp_names import Plan
 from mpitp.replica.dcp_read import SliceReader, read_metadata, storage_reader
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from torch.distributed.checkpoint.metadata import Metadata
+    from transformers import PreTrainedConfig, PreTrainedModel
+
 log = logging.getLogger("mpitp")
 
 
-def config_params(config, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+def config_params(config: PreTrainedConfig, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of every parameter of the causal LM ``config`` builds, on the meta device (no memory)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -32,7 +39,7 @@ def config_params(config, trust_remote_code: bool = False) -> dict[str, tuple[in
 
 
 @contextlib.contextmanager
-def quiet_transformers():
+def quiet_transformers() -> Iterator[None]:
     """transformers warns that every weight of a model built without a checkpoint is "newly initialized": here they
     are all filled from the DCP folder right after, so the warning would be false."""
     from transformers.utils import logging as hf_logging
@@ -45,7 +52,7 @@ def quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def without_weight_init(cls):
+def without_weight_init(cls: type[PreTrainedModel]) -> type[PreTrainedModel]:
     """``cls`` whose ``from_pretrained`` skips the random initialisation of its parameters (every one is read from
     the checkpoint right after; random init of DTensor shards also warns on a CPU mesh), not of its non-persistent
     buffers (rotary frequencies), which the config defines: every parameter is marked initialised first, as
@@ -60,7 +67,8 @@ def without_weight_init(cls):
     return Filled
 
 
-def fill(model, path: str, plan: Plan, config, metadata=None) -> None:
+def fill(model: PreTrainedModel, path: str, plan: Plan, config: PreTrainedConfig,
+         metadata: Metadata | None = None) -> None:
     """Read each parameter this rank holds from ``path`` (DCP's own ``load``: a DTensor gets only its local slice),
     then put torchtitan's q/k rows into HF's rotary order, head by head on the local rows."""
     import torch

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig
 
 # torchtitan name -> (HF name, rotary permutation of rows: "q" / "k" / None), per HF model type. The layer number is
 # ``{}``. From torchtitan's models/llama3/model/state_dict_adapter.py and models/qwen3/model/state_dict_adapter.py
@@ -62,7 +67,7 @@ def _titan_to_hf(name: str, table: dict) -> tuple[str, str | None] | None:
     return table.get(name)
 
 
-def plan_loading(tensors: dict, config, params: dict[str, tuple[int, ...]], where: str) -> Plan:
+def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tuple[int, ...]], where: str) -> Plan:
     """Map every checkpoint tensor onto the parameters ``params`` (``{HF name: global shape}``, of the model the
     config builds); a :class:`UsageError` naming the first unknown, missing or mis-shaped parameter."""
     flat = [k for k in tensors if "_flat_param" in k or "_fsdp_wrapped_module" in k]
@@ -120,19 +125,19 @@ def plan_loading(tensors: dict, config, params: dict[str, tuple[int, ...]], wher
 # ------------------------------------------------------------------------------------------------ permutations
 
 
-def titan_to_hf_rows(w, heads: int):
+def titan_to_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """torchtitan's (Meta's interleaved) q/k rows in HF's rotate-half order: HF's conversion ``permute``."""
     rows, dim = w.shape
     return w.view(heads, rows // heads // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
-def hf_to_titan_rows(w, heads: int):
+def hf_to_titan_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """The inverse of :func:`titan_to_hf_rows` (torchtitan's ``from_hf``): what a torchtitan checkpoint holds."""
     rows, dim = w.shape
     return w.view(heads, 2, rows // heads // 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
-def hf_to_titan_names(state: dict, config) -> dict:
+def hf_to_titan_names(state: dict, config: PreTrainedConfig) -> dict:
     """An HF Llama/Qwen3 state dict in torchtitan's names and row order (the tests' checkpoints; torchtitan's
     ``from_hf``)."""
     text = config.get_text_config()

@@ -16,8 +16,14 @@ import os
 import pickle
 import struct
 import zipfile
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from mpitp.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA = ".metadata"
 IGNORED_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -29,7 +35,7 @@ class _MetadataPickle(pickle.Unpickler):
     runs code as it is read). This one builds only what DCP's metadata holds: the classes of
     ``torch.distributed.checkpoint.metadata``, ``_StorageInfo``, ``torch.Size``, dtypes, layouts and paths."""
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         import torch
 
         if module == "torch.distributed.checkpoint.metadata":
@@ -57,7 +63,7 @@ class _MetadataPickle(pickle.Unpickler):
                                      f"unpickling it could run code)")
 
 
-def read_metadata(path: str):
+def read_metadata(path: str) -> Metadata:
     """The checkpoint's ``Metadata``, read with :class:`_MetadataPickle`; a :class:`UsageError` line otherwise."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -74,20 +80,20 @@ def read_metadata(path: str):
     return metadata
 
 
-def storage_reader(path: str, metadata):
+def storage_reader(path: str, metadata: Metadata) -> FileSystemReader:
     """torch's ``FileSystemReader`` for ``path`` that uses ``metadata`` (read by :func:`read_metadata`) instead of
     unpickling ``.metadata`` itself."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class Reader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return Reader(path)
 
 
-def model_tensors(metadata) -> dict[str, tuple[tuple[int, ...], object]]:
+def model_tensors(metadata: Metadata) -> dict[str, tuple[tuple[int, ...], object]]:
     """``{name: (global shape, dtype)}`` of the checkpoint's tensors, training state (optimizer, ...) left out."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -105,23 +111,23 @@ def model_tensors(metadata) -> dict[str, tuple[tuple[int, ...], object]]:
 class _Window(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of an open file as a seekable file of their own (one saved chunk)."""
 
-    def __init__(self, f, offset: int, length: int):
+    def __init__(self, f: BinaryIO, offset: int, length: int):
         self.f, self.offset, self.length, self.pos = f, offset, length, 0
 
-    def readable(self):
+    def readable(self) -> bool:
         return True
 
-    def seekable(self):
+    def seekable(self) -> bool:
         return True
 
-    def tell(self):
+    def tell(self) -> int:
         return self.pos
 
-    def seek(self, pos, whence=0):
+    def seek(self, pos: int, whence: int = 0) -> int:
         self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
         return self.pos
 
-    def readinto(self, buf):
+    def readinto(self, buf: bytearray | memoryview) -> int:
         n = max(0, min(len(buf), self.length - self.pos))
         data = os.pread(self.f.fileno(), n, self.offset + self.pos)
         buf[:len(data)] = data
@@ -133,7 +139,7 @@ class _TensorPickle(pickle.Unpickler):
     """Reads a ``torch.save``'d tensor's ``data.pkl`` for its layout only: dtype, storage offset, size, stride.
     Nothing but the tensor-rebuild call, its storage type and an empty OrderedDict is accepted (no code runs)."""
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return lambda storage, offset, size, stride, *rest: (storage, int(offset), tuple(size), tuple(stride))
         if (module, name) == ("collections", "OrderedDict"):
@@ -142,7 +148,7 @@ class _TensorPickle(pickle.Unpickler):
             return name
         raise pickle.UnpicklingError(f"unexpected {module}.{name} in a DCP tensor record")
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: tuple) -> tuple:
         return pid  # ('storage', storage type name, key, location, numel)
 
 
@@ -164,13 +170,13 @@ class SliceReader:
     another serialisation, a non-contiguous layout) is left to DCP's reader.
     """
 
-    def __init__(self, path: str, metadata):
+    def __init__(self, path: str, metadata: Metadata):
         self.path, self.metadata = path, metadata
         self.files: dict[str, object] = {}
         self.layouts: dict = {}
         self.nbytes = 0
 
-    def close(self):
+    def close(self) -> None:
         for f in self.files.values():
             f.close()
 
@@ -221,7 +227,7 @@ class SliceReader:
         name_len, extra_len = struct.unpack("<HH", header[26:30])
         return info.offset + record.header_offset + 30 + name_len + extra_len, dtype, size
 
-    def fill(self, key: str, target) -> bool:
+    def fill(self, key: str, target: torch.Tensor) -> bool:
         """Fill ``target`` (a parameter's local tensor, or a DTensor: its local shard) with its region of checkpoint
         tensor ``key``; False (nothing written) when a chunk it needs is not one this reader parses."""
         from torch.distributed.tensor import DTensor
@@ -236,7 +242,7 @@ class SliceReader:
             local, lo = target, (0,) * target.dim()
         return self.read_region(key, local, lo)
 
-    def read_region(self, key: str, local, lo: tuple) -> bool:
+    def read_region(self, key: str, local: torch.Tensor, lo: tuple) -> bool:
         """Fill ``local`` with the region of tensor ``key`` that starts at global offsets ``lo`` (see :meth:`fill`)."""
         import torch
         from torch.distributed.checkpoint.metadata import MetadataIndex

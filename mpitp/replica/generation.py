@@ -16,11 +16,15 @@ Only the leader runs HF ``generate``; each of its forwards is mirrored by the wo
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpitp import compat
 from mpitp.replica.scoring import CommCounter, VocabParallelHead
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 CACHE = "__cache__"  # the forward's KV cache: each rank passes its own
 EXTEND_ONES = "__extend_ones__"  # the previous tensor of that name with a column of ones appended (the attention mask)
@@ -123,7 +127,7 @@ class GreedyHead(torch.nn.Module):
     the token the sharded argmax chose (torch.argmax's lowest-index rule), without gathering the vocabulary.
     """
 
-    def __init__(self, head: VocabParallelHead, on_nonfinite=None):
+    def __init__(self, head: VocabParallelHead, on_nonfinite: Callable[[], None] | None = None):
         super().__init__()
         self.head = head
         self.on_nonfinite = on_nonfinite
@@ -133,7 +137,8 @@ class GreedyHead(torch.nn.Module):
         return chosen_token_logits(ids, self.head.vocab_size, self.on_nonfinite)
 
 
-def chosen_token_logits(ids: torch.Tensor, vocab: int, on_nonfinite=None) -> torch.Tensor:
+def chosen_token_logits(ids: torch.Tensor, vocab: int,
+                        on_nonfinite: Callable[[], None] | None = None) -> torch.Tensor:
     """[batch, 1, vocab] logits that are 0 at ``ids`` and -inf elsewhere: HF's greedy search picks exactly ``ids``.
 
     An id past the vocabulary means no logit reached the row's maximum (NaN logits): token 0 stands in so the

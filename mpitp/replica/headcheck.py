@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,13 +24,16 @@ from mpitp import testing
 from mpitp.errors import UsageError
 from mpitp.parallel import comm as mpicomm
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 log = logging.getLogger("mpitp")
 
 PROBE_SHAPE = (2, 12)
 PARITY_REL = 1e-5  # the project's parity rule in float32
 
 
-def probe_ids(vocab: int, device) -> torch.Tensor:
+def probe_ids(vocab: int, device: str | torch.device) -> torch.Tensor:
     """The same probe on every rank, without a message: a fixed generator."""
     g = torch.Generator().manual_seed(1234)
     return torch.randint(0, vocab, PROBE_SHAPE, generator=g).to(device)
@@ -104,7 +108,8 @@ def _local_check(shard) -> tuple[float, float, str] | None:
     return _compare(head, h.reshape(-1, h.shape[-1]), ref, dtype)
 
 
-def check_head(shard, world_comm, timeout: float, skip: bool = False, passed: float | None = None) -> float | None:
+def check_head(shard, world_comm: MPI.Comm, timeout: float, skip: bool = False,
+               passed: float | None = None) -> float | None:
     """Run the probe on every replica and refuse the run when any head path differs. Collective over the world.
 
     Returns the seconds it took (the extra forwards), or None when skipped. ``passed``: the seconds of a check this

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,11 @@ from mpitp.replica.protocol import (
     ControlChannel,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from mpitp.replica.shard import ReplicaShard
+
 log = logging.getLogger("mpitp")
 _OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (RuntimeError,)
 
@@ -36,7 +42,7 @@ _OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (Run
 class ReplicaLeader:
     """Rank 0 of a replica: :meth:`score_rows`, :meth:`generating`, then :meth:`idle` or :meth:`stop` its workers."""
 
-    def __init__(self, shard, timeout: float):
+    def __init__(self, shard: ReplicaShard, timeout: float):
         self.shard = shard
         self.model = shard.model
         self.layout = shard.layout
@@ -61,7 +67,7 @@ class ReplicaLeader:
 
     # ------------------------------------------------------------------ scoring
     def score_rows(self, rows: list[tuple[list[int], int]], batch_size: int,
-                   tick=None) -> list[tuple[float, bool, int]]:
+                   tick: Callable[[], object] | None = None) -> list[tuple[float, bool, int]]:
         """Score token rows ``(input_tokens_plus_last_target, n_targets)`` -> ``(sum log p, all greedy, n)``.
 
         A row is lm-eval's ``(context + continuation)[-(max_length + 1):]``: the model reads all but the last token
@@ -116,7 +122,7 @@ class ReplicaLeader:
 
     # ------------------------------------------------------------------ generation
     @contextlib.contextmanager
-    def generating(self, greedy: bool = False):
+    def generating(self, greedy: bool = False) -> Iterator[None]:
         """While active, every forward the leader's model runs (HF ``generate``'s) is mirrored by the workers.
 
         ``greedy`` swaps the LM head for a vocab-parallel argmax on every TP rank

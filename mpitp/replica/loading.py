@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
 from mpitp.replica import tp_plans
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from safetensors import safe_open
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -23,7 +30,7 @@ def _looks_local(name: str) -> bool:
 
 
 def load_config(model: str, revision: str | None = None, trust_remote_code: bool = False,
-                hf_assets: str | None = None):
+                hf_assets: str | None = None) -> PreTrainedConfig:
     """The model's config, or a one-line :class:`UsageError` saying why it cannot be had. A torch DCP checkpoint
     folder's comes from ``hf_assets`` (or beside it: :func:`mpitp.replica.dcp.assets_dir`); formats that are neither
     are refused naming the conversion to use."""
@@ -53,7 +60,7 @@ def load_config(model: str, revision: str | None = None, trust_remote_code: bool
         raise UsageError(f"cannot load model config for {model!r}: {first}") from None
 
 
-def check_tp(config, tp: int) -> None:
+def check_tp(config: PreTrainedConfig, tp: int) -> None:
     """Refuse layouts transformers' TP cannot shard, with the arithmetic spelled out. A type transformers has no plan
     for is checked against mpitp's own (:mod:`mpitp.replica.tp_plans`), and refused only where neither exists."""
     if tp == 1:
@@ -75,7 +82,7 @@ def check_tp(config, tp: int) -> None:
         raise UsageError(f"tp={tp} does not divide the model's {kv} key/value heads")
 
 
-def check_ep(config, ep: int, pp: int = 1, peft: str | None = None) -> None:
+def check_ep(config: PreTrainedConfig, ep: int, pp: int = 1, peft: str | None = None) -> None:
     """Refuse expert parallelism where transformers has no expert-parallel plan for the model or the experts do not
     divide evenly; ``ep`` is 1 or tp (:func:`mpitp.parallel.runtime.make_launch` checked it)."""
     if ep == 1:
@@ -117,10 +124,10 @@ class _ShardReads:
     memory map transformers asked for, strided reads (dim >= 1 shards) through safetensors' ``pread`` backend.
     Everything else (``keys``, ``get_tensor``, ``metadata`` ...) is the mapped handle's."""
 
-    def __init__(self, mapped, pread):
+    def __init__(self, mapped: safe_open, pread: safe_open):
         self._mapped, self._pread = mapped, pread
 
-    def get_slice(self, name):
+    def get_slice(self, name: str) -> _ShardSlice:
         return _ShardSlice(self._mapped.get_slice(name), self._pread, name)
 
     def __getattr__(self, attr):
@@ -135,7 +142,7 @@ class _ShardReads:
 
 
 class _ShardSlice:
-    def __init__(self, mapped, pread, name):
+    def __init__(self, mapped: object, pread: safe_open, name: str):  # mapped: safetensors' slice handle
         self._mapped, self._pread, self._name = mapped, pread, name
 
     def __getitem__(self, index):
@@ -148,7 +155,7 @@ class _ShardSlice:
 
 
 @contextlib.contextmanager
-def strided_shards_with_pread():
+def strided_shards_with_pread() -> Iterator[None]:
     """While transformers loads a TP-sharded model, read strided shards with ``pread`` instead of from ``mmap``.
 
     transformers (5.x, ``modeling_utils``) opens every ``.safetensors`` file with ``safe_open(..., backend="mmap")``
@@ -176,7 +183,7 @@ def strided_shards_with_pread():
         yield
         return
 
-    def safe_open_shards(*args, **kwargs):
+    def safe_open_shards(*args, **kwargs) -> safe_open | _ShardReads:
         mapped = original(*args, **kwargs)
         try:
             pread = original(*args, **{**kwargs, "backend": "pread"})
@@ -191,7 +198,8 @@ def strided_shards_with_pread():
 
 
 def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False, peft: str | None = None, ep: int = 1, **load_kwargs):
+               trust_remote_code: bool = False, peft: str | None = None, ep: int = 1,
+               **load_kwargs) -> PreTrainedModel:
     """Load ``model`` for this rank: whole for tp=1, sharded by transformers' TP plan for tp > 1.
 
     ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``);

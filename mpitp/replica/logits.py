@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpitp import compat
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedModel
 
 _LOGITS = frozenset({"logits", "lm_logits"})
 _SIGNS = {ast.Mult: "*", ast.Div: "/"}
@@ -57,7 +63,7 @@ class HeadTransform:
         return logits
 
     def describe(self) -> str:
-        def fmt(steps):
+        def fmt(steps: list) -> str:
             return " ".join(f"{op}{'' if c is None else ' ' + (repr(c) if not callable(c) else type(c).__name__)}"
                             for op, c in steps)
 
@@ -282,7 +288,7 @@ def _ends_head(node) -> bool:
     return False
 
 
-def statements(forward) -> list[Statement]:
+def statements(forward: Callable) -> list[Statement]:
     """The head part of a CausalLM forward: from the statement that takes the decoder's output to the loss."""
     tree = compat.forward_tree(forward)
     fn = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
@@ -320,7 +326,7 @@ def _value(model, ref, local: dict | None = None):
     return obj
 
 
-def head_transform(model) -> HeadTransform:
+def head_transform(model: PreTrainedModel) -> HeadTransform:
     """The steps ``type(model).forward`` applies around its LM head, with this model's values filled in."""
     t = HeadTransform()
     try:
@@ -334,7 +340,7 @@ def head_transform(model) -> HeadTransform:
     skip_deeper, local = None, {}
     head = model.get_output_embeddings()
 
-    def step(sign, ref):
+    def step(sign: str, ref: tuple[str, object]) -> tuple[str, object]:
         return ("mul" if sign == "*" else "div", _value(model, ref, local))
 
     for s in stmts:

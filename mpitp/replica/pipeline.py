@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,15 +28,24 @@ from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.parallel.layout import split_layers
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    from mpitp.parallel.layout import Layout
+    from mpitp.replica.scoring import CommCounter
+
 # Keyword arguments of a CausalLM forward that a decoder stack (the base model) does not take.
 HEAD_ONLY_KWARGS = frozenset({"labels", "logits_to_keep", "return_dict"})
 
 
-def num_layers(config) -> int:
+def num_layers(config: PreTrainedConfig) -> int:
     return int(config.get_text_config().num_hidden_layers)
 
 
-def check_pp(config, pp: int) -> None:
+def check_pp(config: PreTrainedConfig, pp: int) -> None:
     """Refuse pipeline layouts the model cannot take, with the arithmetic spelled out."""
     if pp == 1:
         return
@@ -48,7 +58,7 @@ def check_pp(config, pp: int) -> None:
         raise UsageError(f"pp={pp} exceeds the model's {n} decoder layers (each stage needs at least one)")
 
 
-def base_model(model):
+def base_model(model: PreTrainedModel) -> torch.nn.Module:
     """The decoder stack without the LM head (``LlamaModel`` inside ``LlamaForCausalLM``, and so on). transformers'
     ``base_model`` is the attribute ``base_model_prefix`` names, and a class may name one it does not have
     (``Llama4ForCausalLM``: ``language_model``, while its decoder is ``model``): ``base_model`` is then the whole model,
@@ -64,7 +74,7 @@ def base_model(model):
     return base
 
 
-def check_plans_apply(config, tp: int, pp: int) -> None:
+def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int) -> None:
     """transformers applies a model's TP and PP plans under its ``base_model_prefix``; a class without an attribute of
     that name (``Llama4ForCausalLM``) matches none of the rules, and its layers stay whole on every rank (transformers
     only warns). Refused before loading, from the class built on the meta device with one decoder layer (no memory, no
@@ -99,14 +109,14 @@ def describe_split(n_layers: int, pp: int) -> str:
 
 
 @contextlib.contextmanager
-def _tp_plan_without_stubs():
+def _tp_plan_without_stubs() -> Iterator[None]:
     """While loading, drop TP plan entries that name modules the PP split replaced (see the module docstring)."""
     import transformers.distributed.mixin as mixin
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
     original = mixin.apply_tensor_parallelism
 
-    def apply(model, mesh, plan):
+    def apply(model: torch.nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> torch.nn.Module:
         modules, params = dict(model.named_modules()), dict(model.named_parameters())
         kept = {k: v for k, v in plan.items()
                 if k in params or (k in modules and not isinstance(modules[k], PipelineIdentityLayer))}
@@ -117,7 +127,7 @@ def _tp_plan_without_stubs():
 
 
 def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False, peft: str | None = None, **load_kwargs):
+               trust_remote_code: bool = False, peft: str | None = None, **load_kwargs) -> PreTrainedModel:
     """Load this rank's stage: its layers only, TP-sharded over its stage's ranks. Collective over the replica.
 
     ``load_kwargs`` go to ``from_pretrained`` (``attn_implementation``, ``subfolder`` from ``--model_args``);
@@ -151,7 +161,7 @@ def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", 
     return m
 
 
-def compact(model, start: int, end: int) -> None:
+def compact(model: PreTrainedModel, start: int, end: int) -> None:
     """Keep layers ``[start, end)`` only, renumbered from 0, under a config of that depth; undo the PP forward wrap."""
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
@@ -221,7 +231,7 @@ class StageLink:
     while the previous one travels; :meth:`flush` waits for them.
     """
 
-    def __init__(self, layout, counter=None):
+    def __init__(self, layout: Layout, counter: CommCounter | None = None):
         self.layout = layout
         self.counter = counter
         r = layout.replica_rank
@@ -238,7 +248,8 @@ class StageLink:
             self.counter.add(t)
         self._pending.append((dist.isend(t, dst=dst), t))  # keep t alive until sent
 
-    def recv(self, shape, dtype, device, src: int | None = None) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+             src: int | None = None) -> torch.Tensor:
         import torch.distributed as dist
 
         t = torch.empty(shape, dtype=dtype, device=device)
@@ -251,7 +262,7 @@ class StageLink:
         self.send(_spec_tensor(t), dst)
         self.send(t, dst)
 
-    def recv_activation(self, device, src: int | None = None) -> torch.Tensor:
+    def recv_activation(self, device: str | torch.device, src: int | None = None) -> torch.Tensor:
         """The next tensor :meth:`send_activation` sent to this rank, allocated from its spec."""
         spec = self.recv((_SPEC_LEN,), torch.long, device, src)
         dtype, shape = _from_spec(spec)

@@ -28,10 +28,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpitp import compat
+
+if TYPE_CHECKING:
+    from collections import deque
+    from collections.abc import Callable
+
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 log = logging.getLogger("mpitp")
 
@@ -65,7 +72,8 @@ class Group:
         return [Group(self.ctx, [r], [c]) for r, c in zip(self.rows, self.conts)]
 
 
-def group_rows(rows: list[tuple[list[int], int]], share: bool, keep=None) -> list[Group]:
+def group_rows(rows: list[tuple[list[int], int]], share: bool,
+               keep: Callable[[Group], bool] | None = None) -> list[Group]:
     """Rows ``(input plus last target, n_targets)`` grouped by their context ``tokens[:-n]`` (each alone when
     ``share`` is off), longest packed sequence first (as plain rows are sorted longest first). ``keep(group)``:
     whether a group of several rows stays a tree; the rows of one it rejects are scored alone."""
@@ -86,7 +94,7 @@ def group_rows(rows: list[tuple[list[int], int]], share: bool, keep=None) -> lis
     return out
 
 
-def next_batch(queue, batch_size: int) -> tuple[list[Group], int]:
+def next_batch(queue: deque[Group], batch_size: int) -> tuple[list[Group], int]:
     """Take the next batch off ``queue`` (a deque of groups): whole groups while their rows fit in ``batch_size``,
     else the first ``batch_size`` rows of a group larger than a batch (its rest goes back first). Returns the batch
     and its number of rows."""
@@ -126,7 +134,7 @@ class Cost:
         return self.positions * weights[0] + self.entries * weights[1]
 
 
-def flop_weights(config) -> tuple[float, float]:
+def flop_weights(config: PreTrainedConfig) -> tuple[float, float]:
     """Per layer, the multiply-adds of one position (attention projections + MLP) and of one attention entry
     (scores and weighted values over all heads), from a text config: enough to rank two plans of the same rows."""
     h = int(getattr(config, "hidden_size", 0) or 1)
@@ -170,7 +178,8 @@ def _no_more(a: Cost, b: Cost, weights) -> bool:
     return a.ints <= b.ints and a.flops(weights) <= b.flops(weights)
 
 
-def plan(rows: list[tuple[list[int], int]], batch_size: int, share: bool, weights=(1.0, 0.0)) -> list[Group]:
+def plan(rows: list[tuple[list[int], int]], batch_size: int, share: bool,
+         weights: tuple[float, float] = (1.0, 0.0)) -> list[Group]:
     """The groups to score ``rows`` as: trees only where they cost less.
 
     Sharing a context saves reading it once per extra row, but a tree is one long sequence (its context and every
@@ -239,7 +248,8 @@ class _Part:
     their outputs go (``dst``, from ``src`` of the call's flattened output), and the mask over
     ``[their contexts, padded to cmax | themselves]``."""
 
-    def __init__(self, ctx_len, group, start, length, t: int):
+    def __init__(self, ctx_len: torch.Tensor, group: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                 t: int):
         dev = ctx_len.device
         self.group = group
         self.r = group.numel()
@@ -292,7 +302,7 @@ class TreeSpec:
         return cls(ctx_len, br[0], br[1], br[2], t)
 
 
-def tree_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec: TreeSpec,
+def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec: TreeSpec,
                    dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Causal attention of each row of a packed tree with ``scaled_dot_product_attention``: the contexts (causal,
     by themselves) in one call, then each part of the continuations against their contexts and causally
@@ -326,7 +336,8 @@ def tree_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     return out, None
 
 
-def sdpa_or_tree(module, query, key, value, attention_mask, **kwargs):
+def sdpa_or_tree(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention function :data:`mpitp.compat.TREE_ATTENTION`: with a :class:`TreeSpec` in its keyword arguments
     :func:`tree_attention`, else exactly transformers' ``sdpa`` function."""
     spec = kwargs.pop(SPEC_KW, None)
@@ -337,7 +348,7 @@ def sdpa_or_tree(module, query, key, value, attention_mask, **kwargs):
     return tree_attention(module, query, key, value, spec, **kwargs)
 
 
-def install(model) -> bool:
+def install(model: PreTrainedModel) -> bool:
     """Run ``model`` (an ``sdpa`` model) under :func:`sdpa_or_tree`, registered as transformers' attention function
     :data:`mpitp.compat.TREE_ATTENTION`: this model only; transformers' ``"sdpa"`` and other models are untouched.
     False where transformers has no attention interface to register it with."""
@@ -349,7 +360,7 @@ def install(model) -> bool:
     return True
 
 
-def uninstall(model) -> None:
+def uninstall(model: PreTrainedModel) -> None:
     """Back to plain ``sdpa`` (the probe found that this model's forward does not honour trees)."""
     if compat.attention_implementation(model.config) == compat.TREE_ATTENTION:
         model.set_attn_implementation("sdpa")
@@ -380,7 +391,7 @@ def _probe_groups(vocab: int) -> list[Group]:
     alone (batched with trees, it is causal throughout)."""
     g = torch.Generator().manual_seed(4321)
 
-    def ids(n):
+    def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     return [Group(ids(9), [0, 1, 2], [ids(4), ids(1), ids(6)]), Group(ids(5), [3, 4], [ids(3), ids(2)]),

@@ -20,10 +20,17 @@ Operations (``op``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpitp.parallel import comm as mpicomm
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from mpitp.parallel.layout import Layout
+    from mpitp.replica.scoring import CommCounter
 
 OP_SCORE = "score"
 OP_GEN_BEGIN = "gen_begin"
@@ -54,7 +61,8 @@ class ControlChannel:
     this rank broadcasts.
     """
 
-    def __init__(self, layout, timeout: float, device, tp_group=None, counter=None):
+    def __init__(self, layout: Layout, timeout: float, device: str | torch.device,
+                 tp_group: ProcessGroup | None = None, counter: CommCounter | None = None):
         self.layout = layout
         self.timeout = timeout
         self.device = torch.device(device)
@@ -67,7 +75,7 @@ class ControlChannel:
         return self.size > 1
 
     def send(self, op: str, tensors: dict[str, torch.Tensor] | None = None, phase: str = "TP control",
-             **meta) -> None:
+             **meta: object) -> None:
         """Leader: send ``op`` with ``meta`` over MPI, then ``tensors`` (in their order) over torch."""
         tensors = {k: t.contiguous() for k, t in (tensors or {}).items()}
         specs = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()]
@@ -110,7 +118,7 @@ class BufferPool:
     Fast-LLM's reported problems). Leader and workers size their buffers the same way.
     """
 
-    def __init__(self, device):
+    def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
         self._buf: torch.Tensor | None = None
 

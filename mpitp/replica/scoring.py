@@ -15,10 +15,15 @@ vocabulary size. Rows are processed in blocks so the peak is bounded by ``block_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpitp.replica.logits import HeadTransform, head_transform
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import PreTrainedModel
 
 _INT_BIG = 2**31 - 1
 
@@ -44,7 +49,7 @@ class TPOps:
     (the O(tokens) traffic that must not grow with the vocabulary).
     """
 
-    def __init__(self, size: int = 1, group=None, counter: CommCounter | None = None,
+    def __init__(self, size: int = 1, group: ProcessGroup | None = None, counter: CommCounter | None = None,
                  reduce_counter: CommCounter | None = None):
         self.size = size
         self.group = group
@@ -60,17 +65,17 @@ class TPOps:
             dist.all_reduce(t, op=op, group=self.group)
         return t
 
-    def max(self, t):
+    def max(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         return self._reduce(t, dist.ReduceOp.MAX)
 
-    def sum(self, t):
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         return self._reduce(t, dist.ReduceOp.SUM)
 
-    def min(self, t):
+    def min(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         return self._reduce(t, dist.ReduceOp.MIN)
@@ -90,7 +95,7 @@ class VocabParallelHead:
     _wt: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def from_model(cls, model, ops: TPOps) -> VocabParallelHead:
+    def from_model(cls, model: PreTrainedModel, ops: TPOps) -> VocabParallelHead:
         """Take the local vocabulary shard of ``model``'s output embedding (sharded DTensor or a full weight), with
         the steps its forward takes around the head (:func:`mpitp.replica.logits.head_transform`)."""
         head = model.get_output_embeddings()

@@ -9,6 +9,8 @@ when generating, the chosen token ids) travel back to the leader.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mpitp import testing
@@ -18,6 +20,15 @@ from mpitp.replica.prefix import SPEC_KW, TreeSpec, flop_weights
 from mpitp.replica.scoring import TPOps, VocabParallelHead
 from mpitp.replica.stats import Stats
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch.distributed import ProcessGroup
+    from transformers import PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from mpitp.parallel.layout import Layout
+
 
 class ReplicaShard:
     """One per rank: the model shard it holds and the forwards it runs, whether it leads the replica or not.
@@ -25,7 +36,8 @@ class ReplicaShard:
     ``tp_group`` is the torch group of this rank's stage's TP ranks (None = the default world).
     """
 
-    def __init__(self, model, layout, device: str, stats: Stats | None = None, tp_group=None):
+    def __init__(self, model: PreTrainedModel, layout: Layout, device: str, stats: Stats | None = None,
+                 tp_group: ProcessGroup | None = None):
         self.model = model
         self.layout = layout
         self.device = torch.device(device)
@@ -42,7 +54,8 @@ class ReplicaShard:
         testing.install_generate_log(model, layout)
 
     @torch.no_grad()
-    def score(self, packed: torch.Tensor, b: int, t: int, n: int, r: int = 0, spec=None, probe: bool = False):
+    def score(self, packed: torch.Tensor, b: int, t: int, n: int, r: int = 0, spec: TreeSpec | None = None,
+              probe: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(log p, is_greedy) of the ``n`` scored positions of a packed batch (:func:`mpitp.replica.prefix.pack`:
         ``b`` sequences of ``t`` input ids, the flat indices of the scored positions, their targets, and with ``r``
         continuations a tree's tables): on every rank without stages, on the leader with. ``probe``: a start-up
@@ -99,7 +112,8 @@ class ReplicaShard:
         return None, None
 
     @torch.no_grad()
-    def generate_step(self, kwargs: dict, greedy: bool, on_nonfinite=None):
+    def generate_step(self, kwargs: dict, greedy: bool,
+                      on_nonfinite: Callable[[], None] | None = None) -> CausalLMOutputWithPast | None:
         """One ``generate`` forward through the stages, each with its own KV cache; returns the leader's output.
 
         The last stage picks the next token vocab-parallel (greedy) and sends only the ids to the leader, which

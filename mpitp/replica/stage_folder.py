@@ -35,9 +35,15 @@ import secrets
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 from mpitp import digest
 from mpitp.replica.stage_plan import SMALL, StagePlan
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+_T = TypeVar("_T")
 
 MARKER = ".mpitp-stage-complete"
 """Written last into a stage folder: JSON with the key, each file's size and the SHA-256 of the bytes copied into it
@@ -212,7 +218,7 @@ def is_complete(dfd: int, plan: StagePlan) -> bool:
     return all(recorded[rel] == sha for (rel, _), sha in zip(plan.files, found))
 
 
-def write_atomic(dfd: int, rel: str, fill):
+def write_atomic(dfd: int, rel: str, fill: Callable[[int], _T]) -> _T:
     """Create a temp file (``O_EXCL``, no symlink followed, mode 0600) beside ``rel``, ``fill(fd)`` it, fsync, rename
     it into place: a reader sees the old file or the whole new one, never a part. Returns what ``fill`` returns."""
     pfd = _parent(dfd, rel, create=True)

@@ -55,6 +55,7 @@ import json
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from mpitp.digest import sampled_sha
 from mpitp.errors import UsageError
@@ -68,6 +69,9 @@ from mpitp.replica.stage_folder import (
     write_atomic,
 )
 from mpitp.replica.stage_plan import StagePlan, expand_dir, model_files, plan_stage
+
+if TYPE_CHECKING:
+    from mpitp.parallel.world import World
 
 __all__ = [  # what callers and tests use from here; the folder's checks and the plan live in their own modules
     "MARKER", "TEMP_PREFIX", "StagePlan", "check_folder", "expand_dir", "model_files", "plan_stage", "stage",
@@ -148,7 +152,7 @@ def _why(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def staged_model(model: str, stage_dir: str | None, world, timeout: float, revision: str | None = None,
+def staged_model(model: str, stage_dir: str | None, world: World, timeout: float, revision: str | None = None,
                  subfolder: str | None = None) -> str:
     """The path every rank loads ``model`` from: its stage on this node's ``stage_dir``, or ``model`` itself when no
     stage is asked for or the model is not local. Collective over ``world.comm``.

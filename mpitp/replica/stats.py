@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 from mpitp.replica.scoring import CommCounter
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 @dataclass
@@ -28,7 +32,7 @@ class Stats:
     speed: dict | None = None
 
     @contextlib.contextmanager
-    def uncounted(self):
+    def uncounted(self) -> Iterator[None]:
         """The start-up checks' traffic (head check, prefix-sharing probe) is none of the run's, as their forwards
         are none of its forwards: the byte counters are put back as they were when the block ends. What the checks
         send is fixed by the probes' sizes (tests/test_traffic.py holds it), whatever the workload."""

@@ -36,9 +36,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig, PreTrainedModel
+    from transformers.distributed import DistributedConfig
 
 #: transformers' fused-projection style registered with three parts (q, k, v) instead of its default two.
 PACKED_QKV = "mpitp_packed_colwise_3"
@@ -132,7 +138,7 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
 }
 
 
-def for_config(config) -> OwnPlan | None:
+def for_config(config: PreTrainedConfig) -> OwnPlan | None:
     """mpitp's plan for ``config``'s model, or None: transformers has a plan of its own, the model runs remote code
     (its modules are not the ones named here), or no variant is declared for it."""
     text = config.get_text_config()
@@ -146,7 +152,7 @@ def for_config(config) -> OwnPlan | None:
     return None
 
 
-def check(config, own: OwnPlan, tp: int) -> None:
+def check(config: PreTrainedConfig, own: OwnPlan, tp: int) -> None:
     """Refuse, before loading, what the plan cannot split exactly, with the arithmetic spelled out."""
     text, name = config.get_text_config(), config.model_type
     for attr, value, why in own.refuse:
@@ -158,7 +164,7 @@ def check(config, own: OwnPlan, tp: int) -> None:
             raise UsageError(f"{name}: {n} {what} are not divisible by --tp {tp}")
 
 
-def full_plan(model_cls, own: OwnPlan) -> dict[str, str]:
+def full_plan(model_cls: type[PreTrainedModel], own: OwnPlan) -> dict[str, str]:
     """The plan under the causal LM's own names (``transformer.h.*.attn.q_proj``), as ``DistributedConfig`` wants
     them: the base model's rules under its ``base_model_prefix``, and the LM head split by vocabulary (scoring reads
     its rows where they lie: :mod:`mpitp.replica.scoring`)."""
@@ -167,7 +173,7 @@ def full_plan(model_cls, own: OwnPlan) -> dict[str, str]:
     return {**plan, own.head: "colwise_gather_output"}
 
 
-def causal_lm_class(config):
+def causal_lm_class(config: PreTrainedConfig) -> type[PreTrainedModel]:
     """transformers' causal-LM class for ``config`` (the one ``AutoModelForCausalLM`` builds)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -175,7 +181,7 @@ def causal_lm_class(config):
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])
 
 
-def distributed_config(config, tp: int, **sizes):
+def distributed_config(config: PreTrainedConfig | None, tp: int, **sizes: int) -> DistributedConfig:
     """``DistributedConfig(tp_size=tp, ...)``, carrying mpitp's plan where transformers has none for ``config``."""
     from transformers.distributed import DistributedConfig
 
@@ -211,7 +217,7 @@ def _tp_rank(model, tp: int) -> int:
     raise RuntimeError("no parameter was sharded: the tensor-parallel plan matched nothing")
 
 
-def fix_up(model, tp: int) -> None:
+def fix_up(model: PreTrainedModel, tp: int) -> None:
     """After a TP load with mpitp's plan: the declared head counts, per-head lists, ALiBi slices and MQA rows."""
     own = for_config(model.config) if tp > 1 else None
     if own is None:
@@ -258,7 +264,7 @@ class _AlibiSlice:
         per = heads // tp
         self.lo, self.hi = rank * per, (rank + 1) * per
 
-    def own(self, bias):
+    def own(self, bias: torch.Tensor) -> torch.Tensor:
         if bias.dim() == 4:
             return bias[:, self.lo:self.hi] if bias.shape[1] == self.heads else bias
         rest = tuple(bias.shape[1:])

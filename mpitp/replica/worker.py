@@ -7,6 +7,8 @@ Each message (:mod:`mpitp.replica.protocol`) names one operation; the worker run
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mpitp import testing
@@ -23,11 +25,14 @@ from mpitp.replica.protocol import (
     ControlChannel,
 )
 
+if TYPE_CHECKING:
+    from mpitp.replica.shard import ReplicaShard
+
 
 class ReplicaWorker:
     """A rank of a replica other than its leader; :meth:`serve` is all it does."""
 
-    def __init__(self, shard, timeout: float):
+    def __init__(self, shard: ReplicaShard, timeout: float):
         self.shard = shard
         self.layout = shard.layout
         self.stats = shard.stats
