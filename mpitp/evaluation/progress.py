@@ -62,6 +62,31 @@ class LineProgress:
             self._write()
 
 
+class TqdmProgress:
+    """One tqdm bar on rank 0 across all DP groups."""
+
+    def __init__(self):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=0, desc="mpitp", unit="req", dynamic_ncols=True, file=sys.stderr)
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add_total(self, n: int) -> None:
+        self.bar.total = (self.bar.total or 0) + n
+        self.bar.refresh()
+
+    def __call__(self, n: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.set_postfix_str(f"{self.tokens / max(1e-9, time.perf_counter() - self.t0):.0f} tok/s",
+                                 refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+
 def make_progress(bar_factory: Callable[[], _Bar]) -> _Bar | LineProgress:
     """The tqdm bar (``bar_factory()``) on a terminal, :class:`LineProgress` otherwise."""
     stream = sys.stderr

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,7 +20,7 @@ from mpitp.evaluation.checks import Checked, check_on_root, check_tasks, offline
 from mpitp.evaluation.envinfo import EnvInfoEarly
 from mpitp.evaluation.finish import RootResult
 from mpitp.evaluation.phases import PhaseClock
-from mpitp.evaluation.progress import make_progress
+from mpitp.evaluation.progress import TqdmProgress, make_progress
 from mpitp.evaluation.provenance import run_metadata
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
@@ -62,30 +61,6 @@ def _request_row(inst, result, kind: str, repeat: int = 0) -> dict:
     return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
                 is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args),
                 repeat=int(repeat))
-
-
-class _Progress:
-    """One tqdm bar on rank 0 across all DP groups."""
-
-    def __init__(self):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=0, desc="mpitp", unit="req", dynamic_ncols=True, file=sys.stderr)
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-
-    def add_total(self, n: int) -> None:
-        self.bar.total = (self.bar.total or 0) + n
-        self.bar.refresh()
-
-    def __call__(self, n: int, tokens: int) -> None:
-        self.tokens += tokens
-        self.bar.set_postfix_str(f"{self.tokens / max(1e-9, time.perf_counter() - self.t0):.0f} tok/s",
-                                 refresh=False)
-        self.bar.update(n)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 @dataclass
@@ -348,7 +323,7 @@ class _RootRun:
         t0 = time.perf_counter()
         self.writer, self.stored = self._open_writer()
         self.clock.add("writing", time.perf_counter() - t0)
-        self.progress = make_progress(_Progress)  # a line every few seconds in batch logs, a bar on a terminal
+        self.progress = make_progress(TqdmProgress)  # a line every few seconds in batch logs, a bar on a terminal
         self.dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
                                      idle=lm.leader.idle)
 
