@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import pickle
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
 
 from mpitp.errors import DeadlineError
 from mpitp.parallel import DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 CHUNK = 1 << 30  # bytes per MPI call: well below the 2**31 - 1 element limit
 _HEADER_SLOTS = 16  # small messages fit their sizes in one fixed-size header
@@ -107,8 +111,8 @@ def _sizes_from_header(head: np.ndarray) -> tuple[list[int], bool]:
 # broadcast
 
 
-def bcast_obj(obj, comm: MPI.Comm, root: int = 0, timeout: float | None = DEFAULT_TIMEOUT,
-              phase: str = "broadcast"):
+def bcast_obj(obj: object, comm: MPI.Comm, root: int = 0, timeout: float | None = DEFAULT_TIMEOUT,
+              phase: str = "broadcast") -> object:
     """Broadcast a Python object from ``root``; every rank returns it. Only the wait for the root is polled.
 
     Once the small header has arrived every rank is inside the collective, so the payload itself moves with blocking
@@ -158,7 +162,7 @@ class PendingSend:
             poller.sleep()
 
 
-def isend_obj(obj, dest: int, tag: int, comm: MPI.Comm) -> PendingSend:
+def isend_obj(obj: object, dest: int, tag: int, comm: MPI.Comm) -> PendingSend:
     """Start sending a Python object of any size to ``dest`` (framed: header, then chunked buffers, same tag).
 
     Non-blocking on purpose: two leaders that send each other large messages with blocking sends deadlock once the
@@ -178,7 +182,7 @@ def isend_obj(obj, dest: int, tag: int, comm: MPI.Comm) -> PendingSend:
     return PendingSend(reqs, keep, nbytes=int(head.nbytes) + sum(sizes))
 
 
-def send_obj(obj, dest: int, tag: int, comm: MPI.Comm, timeout: float | None = DEFAULT_TIMEOUT,
+def send_obj(obj: object, dest: int, tag: int, comm: MPI.Comm, timeout: float | None = DEFAULT_TIMEOUT,
              phase: str = "send") -> None:
     """Send a Python object and wait (polled, with a deadline) until it has been delivered."""
     isend_obj(obj, dest, tag, comm).wait(timeout, phase)
@@ -254,8 +258,8 @@ _SCATTER_TAG = 7001
 _GATHER_TAG = 7002
 
 
-def scatter_obj(items, comm: MPI.Comm, root: int = 0, timeout: float | None = DEFAULT_TIMEOUT,
-                phase: str = "scatter"):
+def scatter_obj(items: Sequence | None, comm: MPI.Comm, root: int = 0,
+                timeout: float | None = DEFAULT_TIMEOUT, phase: str = "scatter") -> object:
     """Root passes one item per rank; every rank returns its own item."""
     if comm.Get_rank() == root:
         if len(items) != comm.Get_size():
@@ -268,8 +272,8 @@ def scatter_obj(items, comm: MPI.Comm, root: int = 0, timeout: float | None = DE
     return obj
 
 
-def gather_obj(obj, comm: MPI.Comm, root: int = 0, timeout: float | None = DEFAULT_TIMEOUT,
-               phase: str = "gather"):
+def gather_obj(obj: object, comm: MPI.Comm, root: int = 0, timeout: float | None = DEFAULT_TIMEOUT,
+               phase: str = "gather") -> list | None:
     """Every rank passes an object; root returns the list in rank order, other ranks None."""
     if comm.Get_rank() != root:
         send_obj(obj, root, _GATHER_TAG, comm, timeout=timeout, phase=phase)

@@ -10,8 +10,12 @@ communication is possible between them: that is the problem).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 #: (variable holding the task count, variable that must be present as well for it to count, launcher name).
 #: SLURM's step variables are only set inside ``srun`` steps (a batch script's own shell has ``SLURM_NTASKS`` of
@@ -24,7 +28,7 @@ _SOURCES = (
 )
 
 
-def launcher_tasks(env=os.environ) -> list[tuple[int, str, str]]:
+def launcher_tasks(env: Mapping[str, str] = os.environ) -> list[tuple[int, str, str]]:
     """Every task count the environment states: ``(count, variable, launcher)``."""
     found = []
     for var, companion, who in _SOURCES:
@@ -48,7 +52,7 @@ def _fix(who: str, n: int, mpi_name: str) -> str:
     return f"the launcher and mpi4py use different MPI libraries ({mpi_name}): use the mpiexec of that MPI"
 
 
-def check_launch(world_size: int, mpi_name: str = "", env=os.environ) -> None:
+def check_launch(world_size: int, mpi_name: str = "", env: Mapping[str, str] = os.environ) -> None:
     """Refuse (:class:`UsageError`, collective: every process reaches the same verdict alone) when a launcher
     started more tasks than the MPI world has ranks."""
     for n, var, who in launcher_tasks(env):
@@ -62,7 +66,7 @@ def _truthy(value: str | None) -> bool:
 
 
 def oversubscription_warning(ranks_on_node: int, cores_on_node: int, mpi_name: str, launcher: str = "",
-                             env=os.environ) -> str | None:
+                             env: Mapping[str, str] = os.environ) -> str | None:
     """A warning when more ranks than cores share a node, naming the setting known to hurt there.
 
     Open MPI busy-polls in its progress engine unless ``mpi_yield_when_idle`` is on. Open MPI 5 turns it on by itself

@@ -17,9 +17,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.layout import Layout
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 LOOPBACK = "127.0.0.1"
 
@@ -56,7 +60,7 @@ def spans_nodes(layout: Layout) -> bool:
     return len({node[r] for r in layout.replica_ranks}) > 1
 
 
-def master_store(addr: str, size: int, timeout: timedelta):
+def master_store(addr: str, size: int, timeout: timedelta) -> TCPStore:
     """The replica leader's TCPStore, listening on ``addr`` only (loopback, or the node address peers use).
 
     Why a socket of our own: TCPStore given a host and port 0 binds every interface (``*:port``), so anybody who can

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from mpitp.errors import UsageError, exit_bound
 from mpitp.parallel import comm as mpicomm
@@ -20,7 +21,13 @@ from mpitp.parallel.layout import Layout, make_layout
 from mpitp.parallel.replica_group import ReplicaGroup, init_replica_group
 from mpitp.parallel.world import World, world_from_comm
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mpi4py import MPI
+
 log = logging.getLogger("mpitp")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +75,7 @@ class _RankFilter(logging.Filter):
         super().__init__()
         self.rank = rank
 
-    def filter(self, record):
+    def filter(self, record: logging.LogRecord) -> bool:
         record.rank = self.rank
         return True
 
@@ -94,7 +101,7 @@ def setup_logging(rank: int, all_ranks: bool, level: int = logging.INFO) -> None
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def agree(check, comm, timeout: float, phase: str):
+def agree(check: Callable[[], _T], comm: MPI.Comm, timeout: float, phase: str) -> _T:
     """Run ``check()`` on rank 0 only and share its result or its :class:`UsageError` with every rank."""
     verdict = None
     if comm.Get_rank() == 0:
@@ -109,7 +116,7 @@ def agree(check, comm, timeout: float, phase: str):
 
 
 def make_launch(tp: int = 1, pp: int = 1, device: str | None = None, threads: int | None = None,
-                timeout: float = mpicomm.DEFAULT_TIMEOUT, world: World | None = None, comm=None,
+                timeout: float = mpicomm.DEFAULT_TIMEOUT, world: World | None = None, comm: MPI.Comm | None = None,
                 iface: str | None = None, stage_dir: str | None = None, ep: int = 1) -> Launch:
     """The MPI side of a rank: its world (``world``, else one from ``comm``) and layout. Collective over it; every rank
     calls it with the same arguments. A layout that does not fit the world is refused on every rank alike.
@@ -162,8 +169,8 @@ def replica_world(launch: Launch) -> Iterator[Runtime]:
 
 
 def start(tp: int = 1, device: str | None = None, threads: int | None = None,
-          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm=None, world: World | None = None, pp: int = 1,
-          iface: str | None = None, stage_dir: str | None = None) -> Runtime:
+          timeout: float = mpicomm.DEFAULT_TIMEOUT, comm: MPI.Comm | None = None, world: World | None = None,
+          pp: int = 1, iface: str | None = None, stage_dir: str | None = None) -> Runtime:
     """The public :func:`mpitp.start`: :func:`make_launch` and :func:`open_replica` in one call, for a script that
     builds and evaluates its own model. Collective. Use the result in a ``with`` block (or call ``close()``) to tear
     its torch world down."""

@@ -13,8 +13,12 @@ instant: the flush and the abort therefore run on a thread of their own, and the
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
 from mpitp.errors import _stderr, abort
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 #: EX_TEMPFAIL: "stopped before the end, run me again". Distinct from 1 (a fault) and 2 (bad input).
 STOP_EXIT = 75
@@ -35,7 +39,7 @@ def listen_early() -> None:
     handler of its own in MPI_Init and calls the one it found, so this one still hears the signal after that.
     :func:`install` acts on a remembered signal at once.
     """
-    def remember(signum, frame):
+    def remember(signum: int, frame: FrameType | None) -> None:
         global _early
         _early = signum
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
-def detect_launcher(env=os.environ) -> str:
+
+def detect_launcher(env: Mapping[str, str] = os.environ) -> str:
     """Name the launcher that started this process, from the variables each one is known to set."""
     if "OMPI_COMM_WORLD_RANK" in env or "PRTE_LAUNCHED" in env:
         # Open MPI 5's mpirun/mpiexec are PRRTE's prterun; Open MPI 4's orterun set OMPI_* without PMIx's PRTE_*.
@@ -28,7 +32,7 @@ def detect_launcher(env=os.environ) -> str:
     return "singleton"
 
 
-def clean_mpi_string(text) -> str:
+def clean_mpi_string(text: str | bytes) -> str:
     """A string from the MPI library made safe to store: C strings can carry their NUL terminator (Open MPI's
     library version does) and HDF5's variable-length strings refuse embedded NULs; other control characters go too."""
     if isinstance(text, bytes):
