@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpitp.results.reader import BadInput, RunFile, as_number, load_requests, one_line
 from mpitp.results.render import layout_line, short_text, stats_totals
 from mpitp.results.speed import compare_lines, speed
 from mpitp.results.texttable import text_table
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mpitp.results.docscores import DocScores
 
 
 @dataclass
@@ -134,7 +140,8 @@ def render_diff(a: RunFile, b: RunFile, diffs: list[TaskDiff], only: list[tuple[
     return "\n".join(lines), differ
 
 
-def paired_comparisons(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed: int, scores=None) -> list:
+def paired_comparisons(a: RunFile, b: RunFile, tasks: list[str], iters: int, seed: int,
+                       scores: Callable[[str, str], DocScores | None] | None = None) -> list:
     """Paired tests of B against A per task and metric (:mod:`mpitp.results.compare`), lm-eval's higher_is_better
     of either file naming the better direction. ``scores``: see :func:`~mpitp.results.compare.compare_files`
     (``mpitp report`` compares every pair of its runs from one read of each file)."""

@@ -17,8 +17,14 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
+    import h5py
 
 
 @dataclass
@@ -50,14 +56,14 @@ def _higher(task) -> dict[str, bool]:
 
 
 @contextlib.contextmanager
-def capture():
+def capture() -> Iterator[dict[str, DocScores]]:
     """Inside this block, every ``simple_evaluate`` leaves ``{task: DocScores}`` in the yielded dict."""
     from mpitp import compat
 
     out: dict[str, DocScores] = {}
     original = compat.attribute("lm_eval.evaluator._process_results")
 
-    def recording(eval_results_acc, *args, **kwargs):
+    def recording(eval_results_acc: dict, *args: object, **kwargs: object) -> object:
         for name, acc in eval_results_acc.items():
             try:
                 out[name] = from_raw(acc["raw_metrics"], _aggregation_names(acc["task"]), _higher(acc["task"]))
@@ -88,7 +94,7 @@ def from_raw(raw_metrics: dict, aggregation: dict, higher: dict) -> DocScores:
 
 
 def _column(vals: list) -> np.ndarray:
-    def number(v):
+    def number(v: object) -> bool:
         return isinstance(v, (bool, int, float, np.number))
 
     if all(number(v) for v in vals):
@@ -99,7 +105,7 @@ def _column(vals: list) -> np.ndarray:
     return np.asarray([json.dumps(v, default=str) for v in vals], dtype=object)
 
 
-def write(group, ds: DocScores) -> None:
+def write(group: h5py.Group, ds: DocScores) -> None:
     """Write ``ds`` as ``group/doc_scores`` (``group`` is an open h5py group of one task)."""
     import h5py
 
@@ -125,7 +131,7 @@ def read(path: str, task: str, samples: list[dict] | None = None) -> DocScores |
     from mpitp.results.schema import open_h5
     from mpitp.results.untrusted import BadInput
 
-    def dataset(obj, what: str):
+    def dataset(obj: object, what: str) -> h5py.Dataset:
         if not isinstance(obj, h5py.Dataset) or obj.ndim not in (1, 2):
             raise BadInput(f"{what} is not a column of per-document values")
         return obj
@@ -163,7 +169,7 @@ def read(path: str, task: str, samples: list[dict] | None = None) -> DocScores |
     return None
 
 
-def parse_samples(texts) -> list[dict]:
+def parse_samples(texts: Iterable[object]) -> list[dict]:
     """lm-eval's logged sample records (JSON text, one per document, as stored) as dicts; a record that is not a JSON
     object is bad input (a file is untrusted)."""
     from mpitp.results.untrusted import load_json, mapping

@@ -35,7 +35,7 @@ def journal_path(results_path: str) -> str:
     return f"{results_path}.journal"
 
 
-def frame(obj) -> bytes:
+def frame(obj: object) -> bytes:
     payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
@@ -65,7 +65,7 @@ class Journal:
         self.fd = fd  # at the end of the header: every write appends (one writer)
         self.bytes = 0
 
-    def append(self, obj) -> None:
+    def append(self, obj: object) -> None:
         data = frame(obj)
         view = memoryview(data)
         while view:

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 from mpitp.results.reader import BadInput, MetricRow, RunFile, as_number, metric_rows
 from mpitp.results.render import layout_line
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-def figure_class():
+    import numpy as np
+    from matplotlib.figure import Figure
+
+
+def figure_class() -> type[Figure]:
     """matplotlib is an optional extra: import it only for ``--plot``."""
     try:
         from matplotlib.figure import Figure
@@ -21,7 +28,8 @@ def figure_class():
     return Figure
 
 
-def error_bars(vals, errs, log: bool, shown=None):
+def error_bars(vals: np.ndarray, errs: np.ndarray, log: bool,
+               shown: np.ndarray | None = None) -> tuple[np.ndarray, tuple[float, float] | None]:
     """(yerr, y limits or None) for ``ax.errorbar``: each bar ``value ± stderr`` kept inside the axis. On a log axis
     a lower end at or below zero has no place (matplotlib draws it off the bottom edge): it stops at the axis floor, a
     tenth of the lowest positive value or end, and the limits are set to hold every end and every value in ``shown``
@@ -38,7 +46,7 @@ def error_bars(vals, errs, log: bool, shown=None):
     return np.vstack([lower, errs]), (floor, float(max(shown.max(), (vals + errs).max())) * 2)
 
 
-def plot_run(run: RunFile, out: str, task: str | None = None, Figure=None) -> None:
+def plot_run(run: RunFile, out: str, task: str | None = None, Figure: Callable[..., Figure] | None = None) -> None:
     """Bar charts of every metric (one panel per metric and filter, one bar per task, stderr as error bars) and
     of the busy seconds of each DP group (the dashed line is the mean: bars far from it mean load imbalance).
 

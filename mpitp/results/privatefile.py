@@ -28,7 +28,8 @@ class NotPrivate(BadInput):
     """The file belongs to another user, or its group or others may write it: its content may be someone else's."""
 
 
-def read_private_json(path, what: str, max_bytes: int | None = None, max_age_s: float | None = None):
+def read_private_json(path: str | os.PathLike[str], what: str, max_bytes: int | None = None,
+                      max_age_s: float | None = None) -> object:
     """The JSON document in the regular file ``path``, or None when there is none (or it is larger than
     ``max_bytes`` or older than ``max_age_s``: stale, not broken).
 
@@ -49,7 +50,7 @@ def read_private_json(path, what: str, max_bytes: int | None = None, max_age_s: 
     return load_json(text, f"{what} {path}")
 
 
-def write_private_json(path, data, what: str, make_folder: bool = False) -> bool:
+def write_private_json(path: str | os.PathLike[str], data: object, what: str, make_folder: bool = False) -> bool:
     """Write ``data`` as compact JSON to ``path`` atomically (:func:`mpitp.results.safefile.write_replace`), mode
     :data:`FILE_MODE` less the umask; ``make_folder``: create the folder first. Whether it was written: a read-only or
     full cache folder costs the next run a recomputation, nothing else, so the error is logged, not raised."""

@@ -197,7 +197,7 @@ class MetricRow:
     n: int | None
 
 
-def as_number(v) -> float | None:
+def as_number(v: object) -> float | None:
     if isinstance(v, bool):
         return float(v)
     if isinstance(v, (int, float)):

@@ -14,7 +14,7 @@ from mpitp.results.speed import speed, speed_lines, task_table
 from mpitp.results.texttable import text_table
 
 
-def fmt_value(v) -> str:
+def fmt_value(v: object) -> str:
     x = as_number(v)
     if x is None:
         return "" if v is None else str(v)
@@ -126,7 +126,7 @@ _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:inf|nan)")
 
 
-def csv_cell(v) -> str:
+def csv_cell(v: object) -> str:
     """``v`` as a CSV cell that a spreadsheet cannot run: text from a file (a task, metric or filter name, a value
     stored as text) that starts with ``= + - @``, a tab or a carriage return gets a leading ``'`` (OWASP's advice
     against CSV injection: ``=HYPERLINK(...)``, ``=cmd|' /C calc'!A0``). Numbers stay numbers: ``-0.5`` is left as

@@ -22,6 +22,7 @@ import glob
 import logging
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from mpitp.results.diff import paired_comparisons, statistics_text
 from mpitp.results.reader import BadInput, RunFile, load
@@ -40,6 +41,11 @@ from mpitp.results.report_sweep import (
 )
 from mpitp.results.untrusted import kind, shown
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mpitp.results.docscores import DocScores
+
 __all__ = ["DIFF_ITERS", "PAIR_BOUND", "SAMPLE_CAP", "TEXT_BUDGET", "Report", "build", "expand", "family", "paired",
            "pairs", "render", "script_json", "write"]
 
@@ -48,7 +54,7 @@ log = logging.getLogger("mpitp")
 SUMMARY_NAME = "sweep-summary.json"
 
 
-def expand(inputs: list[str], warn=None) -> tuple[list[str], list[str]]:
+def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tuple[list[str], list[str]]:
     """Result files and sweep summaries named by ``inputs`` (a directory contributes its ``*.h5`` and summary).
 
     A directory may be shared: what is found there under those names but is not a regular file (a FIFO, whose open
@@ -98,7 +104,7 @@ def paired(runs: list[RunFile], data: dict[tuple[int, str], TaskData], iters: in
     draws), and one implementation of the statistics is one to keep right. The bound on pairs keeps the cost known."""
     by_path = {(runs[i].path, task): td.scores for (i, task), td in data.items()}
 
-    def scores(path: str, task: str):
+    def scores(path: str, task: str) -> DocScores | None:
         return by_path[path, task]
 
     if iters <= 0:  # as inspect diff: no paired tests at --bootstrap-iters 0
@@ -109,7 +115,7 @@ def paired(runs: list[RunFile], data: dict[tuple[int, str], TaskData], iters: in
 
 
 def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET,
-          diff_iters: int = DIFF_ITERS, warn=None) -> Report:
+          diff_iters: int = DIFF_ITERS, warn: Callable[[str], object] | None = None) -> Report:
     files, summaries = expand(inputs, warn)
     runs = [load(p) for p in files]
     if not summaries:  # files of one model family are a sweep (a summary, when given, is the sweep instead)
@@ -133,7 +139,8 @@ def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDG
     return report
 
 
-def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS, warn=None) -> int:
+def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS,
+          warn: Callable[[str], object] | None = None) -> int:
     """Write the page to ``out``; returns its size in bytes. ``warn``: where the one-line notes of files skipped in
     a directory go (the ``mpitp`` logger when None)."""
     from mpitp.results.safefile import write_replace

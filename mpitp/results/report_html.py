@@ -15,7 +15,7 @@ from mpitp.results.report_model import Report
 from mpitp.results.speed import CHECKPOINT_HEAD, TASK_HEAD
 
 
-def script_json(data) -> str:
+def script_json(data: object) -> str:
     """JSON safe inside ``<script type="application/json">``: no ``<``, ``>`` or ``&`` (so no ``</script>`` and no
     ``<!--``), and no NaN (not JSON)."""
     text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))

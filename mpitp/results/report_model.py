@@ -15,7 +15,7 @@ DIFF_ITERS = 10000  # bootstrap resamples of the paired tests, as ``mpitp inspec
 PAIR_BOUND = 12  # runs: up to this many every pair's paired tests are on the page (66 pairs), past it neighbours'
 
 
-def finite(v) -> float | None:
+def finite(v: object) -> float | None:
     """``v`` as a float when it is a finite number, else None (a NaN or a string is no point on a chart)."""
     x = as_number(v)
     return x if x is not None and math.isfinite(x) else None

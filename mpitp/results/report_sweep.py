@@ -67,7 +67,7 @@ def panels(checkpoints: list[tuple[str, dict]], prefix: str, width: int = 520, h
         for i, (name, v, e) in enumerate(p.points):
             x = 50 + (width - 100) * (i / (n - 1) if n > 1 else 0.5)  # room for the names under the first/last
 
-            def y(val):
+            def y(val: float) -> float:
                 return height - 30 - (height - 50) * (val - lo) / span
 
             ci = f"95% CI [{fmt_value(v - Z95 * e)}, {fmt_value(v + Z95 * e)}]" if e else "no stderr"

@@ -86,7 +86,8 @@ def _journal_tail(path: str, attrs: dict, tasks: set | None) -> tuple[dict[str, 
     return out, last
 
 
-def load_rows(path: str, tasks: set | None = None, with_task_attrs: bool = False, counts_only: bool = False):
+def load_rows(path: str, tasks: set | None = None, with_task_attrs: bool = False,
+              counts_only: bool = False) -> tuple[dict, dict]:
     """Root attrs and every request row of a results file: the HDF5 snapshot merged with the journal a running or
     killed run left beside it. Returns ``(attrs, {task: columns})`` (``{task: (task_attrs, columns)}`` with
     ``with_task_attrs``; ``{task: n_rows}`` with ``counts_only``). ``attrs["journal_seq"]`` is the last record read.

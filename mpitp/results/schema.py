@@ -101,7 +101,7 @@ def open_h5(path: str, mode: str = "r") -> h5py.File:
     return f
 
 
-def h5_attr(v):
+def h5_attr(v: object) -> object:
     """A value as an HDF5 attribute can hold it: None as "None", containers as JSON, other objects as text."""
     if v is None:
         return "None"
@@ -114,7 +114,7 @@ def h5_attr(v):
     return str(v)
 
 
-def py_value(v, errors: str = "surrogateescape"):
+def py_value(v: object, errors: str = "surrogateescape") -> object:
     """HDF5 value -> plain Python (bytes decoded, numpy scalars unwrapped, arrays as lists of those). Rows and resume
     keep undecodable bytes round-trippable (``surrogateescape``); what is only shown (``inspect``) passes
     ``errors="replace"`` so printing it cannot fail."""

@@ -19,6 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from mpitp.results.reader import RunFile
+
 
 #: Rank 0's phases in the order a run passes through them (the stored dict's keys may come in another order).
 PHASE_ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
@@ -38,7 +45,7 @@ TASK_HEAD = ("task", "requests", "tokens", "busy s", "req/s", "tok/s", "p50 s", 
 CHECKPOINT_HEAD = ("checkpoint", "wall s", "req/s", "tok/s", "p50 s", "p99 s", "rank 0 alone s")
 
 
-def quantiles(values) -> dict[str, float]:
+def quantiles(values: Iterable[float]) -> dict[str, float]:
     """``{p50, p90, p99, max}`` of ``values`` ({} when there are none): the nearest-rank quantile, the smallest value
     that at least that fraction of the values do not exceed. Why nearest rank: every number shown is a latency some
     request had (no interpolation between two chunks' times), and the same definition holds for any count."""
@@ -135,7 +142,7 @@ def phases_of(attrs: dict) -> dict[str, float]:
     return out
 
 
-def latency_of(d) -> Latency | None:
+def latency_of(d: object) -> Latency | None:
     """A stored ``{p50, p90, p99, max}``, or None unless each is a finite non-negative number, in that order."""
     if not isinstance(d, dict):
         return None
@@ -174,7 +181,7 @@ def requests_of(attrs: dict) -> tuple[Latency | None, tuple[Share, ...], tuple[S
     return latency_of(data.get("latency")), tuple(tasks_by_name), tuple(per_group)
 
 
-def speed(run, totals: dict | None) -> Speed | None:
+def speed(run: RunFile, totals: dict | None) -> Speed | None:
     """The run's :class:`Speed` (``totals``: the /stats sums the text view computes); None before the run ended."""
     wall = _number(run.attrs.get("wall_time_s"))
     if not wall:

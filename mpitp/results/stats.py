@@ -20,8 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 MCNEMAR_EXACT_BELOW = 25  # discordant pairs: below this the normal approximation is poor, use the exact binomial
 
@@ -59,7 +63,7 @@ def chi2_sf_1df(x: float) -> float:
     return math.erfc(math.sqrt(max(0.0, x) / 2.0))
 
 
-def mcnemar(a_correct, b_correct) -> McNemar:
+def mcnemar(a_correct: ArrayLike, b_correct: ArrayLike) -> McNemar:
     """McNemar's test on paired 0/1 outcomes (truthy = correct)."""
     a = np.asarray(a_correct, dtype=bool)
     b = np.asarray(b_correct, dtype=bool)
@@ -76,8 +80,8 @@ def mcnemar_counts(a_only: int, b_only: int) -> McNemar:
     return McNemar(a_only, b_only, chi2_sf_1df(stat), "chi-square, continuity-corrected", stat)
 
 
-def paired_bootstrap(a, b, aggregate: Callable[[np.ndarray], float] | None = None, iters: int = 10000,
-                     confidence: float = 0.95, seed: int = 1234) -> Bootstrap:
+def paired_bootstrap(a: ArrayLike, b: ArrayLike, aggregate: Callable[[np.ndarray], float] | None = None,
+                     iters: int = 10000, confidence: float = 0.95, seed: int = 1234) -> Bootstrap:
     """Paired bootstrap of ``aggregate(B) - aggregate(A)`` over documents.
 
     ``a`` and ``b`` are per-document scores in the same document order: 1-d (one number per document) or 2-d (one
@@ -143,7 +147,7 @@ AGGREGATES: dict[str, Callable[[np.ndarray], float]] = {
 ``weighted_perplexity``/``bits_per_byte`` metric are ``(loglikelihood, words or bytes)`` pairs."""
 
 
-def is_binary(x) -> bool:
+def is_binary(x: ArrayLike) -> bool:
     x = np.asarray(x, dtype=float)
     return x.ndim == 1 and bool(np.all((x == 0.0) | (x == 1.0)))
 

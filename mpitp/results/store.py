@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,6 +18,11 @@ from mpitp.results.journal import Journal, fsync_dir, journal_path
 from mpitp.results.rows import load_rows
 from mpitp.results.safefile import NOFOLLOW, new_mode, remove_own_temps, temp_name
 from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, h5_attr, open_h5, py_value
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mpitp.results.docscores import DocScores
 
 
 class ResultWriter:
@@ -162,7 +168,7 @@ class ResultWriter:
         if rows:
             self._queue.put(lambda: self._add_rows(task, rows))
 
-    def record(self, make_rows) -> None:
+    def record(self, make_rows: Callable[[], dict[str, list[dict]]]) -> None:
         """Queue a callable returning ``{task: rows}``, run on the writer thread: the caller pays O(1) per chunk."""
         self._check()
         self._queue.put(lambda: [self._add_rows(task, rows) for task, rows in make_rows().items() if rows])
@@ -176,7 +182,7 @@ class ResultWriter:
         self._check()
 
     def write_task(self, task: str, attrs: dict, metrics: dict, samples: list | None = None) -> None:
-        def op():
+        def op() -> None:
             t = self._task(task)
             t["attrs"].update({k: h5_attr(v) for k, v in attrs.items()})
             t["metrics"] = {k: h5_attr(v) for k, v in metrics.items()}
@@ -186,7 +192,7 @@ class ResultWriter:
         self._check()
         self._queue.put(op)
 
-    def write_doc_scores(self, task: str, scores) -> None:
+    def write_doc_scores(self, task: str, scores: DocScores) -> None:
         """lm-eval's per-document metric values (a :class:`mpitp.results.docscores.DocScores`), written with the
         file."""
         self._check()
@@ -196,14 +202,14 @@ class ResultWriter:
         self._check()
         self._queue.put(lambda: setattr(self, "stats", per_group))
 
-    def extra_attrs(self, **attrs) -> None:
+    def extra_attrs(self, **attrs: object) -> None:
         """Root attrs added to the next snapshot (e.g. ``phases_json``)."""
         self._check()
         self._queue.put(lambda: self.attrs.update({k: h5_attr(v) for k, v in attrs.items()}))
 
     def finish(self, results_json: dict, wall_time_s: float) -> None:
         """Write the complete file (status ``complete``) and remove the journal; stops the writer thread."""
-        def op():
+        def op() -> None:
             self.attrs["results_json"] = json.dumps(results_json, default=str)
             self.attrs["wall_time_s"] = float(wall_time_s)
             self.attrs["status"] = "complete"

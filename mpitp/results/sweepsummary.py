@@ -12,13 +12,19 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpitp.results.safefile import write_replace
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from matplotlib.figure import Figure
 
 SUMMARY_NAME = "sweep-summary.json"
 
 
-def natural_key(s: str):
+def natural_key(s: str) -> list[int | str]:
     """Sort key that orders numbers in names by value: step-2 before step-10. The order a sweep evaluates a glob in,
     and the order the report lays a model family's files out in, so it lives here, below both."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
@@ -71,7 +77,7 @@ def _comparisons(rows: list[Row], iters: int = 2000) -> list[dict]:
     return out
 
 
-def write_summary(path: str, rows: list[Row], wall_s: float, **extra) -> None:
+def write_summary(path: str, rows: list[Row], wall_s: float, **extra: object) -> None:
     """``extra``: what the kind of sweep adds (an adapter sweep: its base model and how often it was loaded)."""
     doc = dict(wall_time_s=wall_s, **extra, checkpoints=[dataclasses.asdict(r) for r in rows],
                comparisons=_comparisons(rows))
@@ -79,7 +85,7 @@ def write_summary(path: str, rows: list[Row], wall_s: float, **extra) -> None:
     write_replace(path, json.dumps(doc, indent=2, default=str).encode())  # never through a planted link
 
 
-def read_summary(path: str):
+def read_summary(path: str) -> object:
     """The JSON of the sweep summary at ``path``, read as untrusted input: a regular file only (a FIFO there would
     block the open forever) and JSON bounded in size and depth (:func:`mpitp.results.untrusted.load_json`); any
     failure is a one-line :class:`~mpitp.results.untrusted.BadInput`."""
@@ -155,7 +161,7 @@ def _speed_lines(rows: list[Row], path: str) -> list[str]:
             text_table(CHECKPOINT_HEAD, table, right=set(range(1, len(CHECKPOINT_HEAD))))]
 
 
-def plot_summary(path: str, out: str, Figure, task: str | None = None) -> int:
+def plot_summary(path: str, out: str, Figure: Callable[..., Figure], task: str | None = None) -> int:
     """Metric vs checkpoint (one panel per task and metric, lm-eval's stderr as error bars) from a sweep summary.
     Returns the number of panels drawn."""
     import math

@@ -15,7 +15,7 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], right: 
     cells = [[shown(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
-    def line(row):
+    def line(row: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
     out = [line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]

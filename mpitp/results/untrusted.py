@@ -25,8 +25,12 @@ from __future__ import annotations
 import os
 import re
 import stat
+from typing import TYPE_CHECKING
 
 from mpitp.escape import shown
+
+if TYPE_CHECKING:
+    import h5py
 
 __all__ = ["EXPANSION", "MAX_DATASET_BYTES", "MAX_JSON_CHARS", "MAX_JSON_DEPTH", "SMALL_DATASET_BYTES", "BadInput",
            "check_h5", "int_attr", "json_depth", "kind", "load_json", "mapping", "open_regular", "private_dir",
@@ -65,7 +69,7 @@ def _limit(size: int) -> int:
     return min(MAX_DATASET_BYTES, SMALL_DATASET_BYTES + EXPANSION * size)
 
 
-def check_h5(f, path: str) -> None:
+def check_h5(f: h5py.File, path: str) -> None:
     """Refuse (one-line :class:`BadInput`) an open h5py file that links to other files or objects, keeps data
     outside itself, or whose datasets declare more data in all than the file can hold. Walks every link once with
     HDF5's own visitor (links are looked at, never followed; low-level calls: a few microseconds per object, so
@@ -79,7 +83,7 @@ def check_h5(f, path: str) -> None:
     problems: list[str] = []
     total = [0, 0, ""]  # declared bytes of every dataset so far, the largest one's bytes and its description
 
-    def look(name: bytes, info) -> None:
+    def look(name: bytes, info: h5py.h5l.LinkInfo) -> None:
         where = shown("/" + name.decode("utf-8", "replace"))
         if info.type == h5l.TYPE_EXTERNAL:
             target = f.id.links.get_val(name)
@@ -94,7 +98,7 @@ def check_h5(f, path: str) -> None:
 
     damaged: list[BaseException] = []
 
-    def visit(name: bytes, info) -> int | None:
+    def visit(name: bytes, info: h5py.h5l.LinkInfo) -> int | None:
         try:
             look(name, info)
         except (OSError, RuntimeError, KeyError, ValueError) as exc:  # an exception must not cross HDF5's C visitor
@@ -294,7 +298,8 @@ def json_depth(text: str) -> int:
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 
 
-def load_json(text, what: str, max_chars: int | None = MAX_JSON_CHARS, max_depth: int = MAX_JSON_DEPTH):
+def load_json(text: object, what: str, max_chars: int | None = MAX_JSON_CHARS,
+              max_depth: int = MAX_JSON_DEPTH) -> object:
     """``json.loads(text)`` of untrusted text, every failure one-line :class:`BadInput` naming ``what``: not text,
     over ``max_chars`` (None: bounded by the caller, e.g. a journal record by its frame), nested deeper than
     ``max_depth``, or not JSON. Every reader of JSON from a results file, journal, sweep summary or cache uses it."""
@@ -328,7 +333,7 @@ def int_attr(attrs: dict, name: str, default: int = 0) -> int:
     return v
 
 
-def mapping(v, what: str) -> dict:
+def mapping(v: object, what: str) -> dict:
     """``v`` when it is a dict; else bad input naming ``what`` and the type found."""
     if not isinstance(v, dict):
         raise BadInput(f"{what} is a {type(v).__name__}, not a mapping")
