@@ -39,6 +39,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 log = logging.getLogger("mpitp")
 
@@ -290,7 +294,7 @@ kind, known when it was written, so the folder is indexed without lm-eval parsin
 again. Checked against the folder's YAMLs; anything else and lm-eval indexes the folder as usual."""
 
 
-def write_listing(root, entries: dict[str, tuple[str, str]]) -> None:
+def write_listing(root: str | Path, entries: dict[str, tuple[str, str]]) -> None:
     """Write the :data:`LISTING` of ``root``: ``{name: (kind, file name)}`` of every YAML in it."""
     from mpitp.results.safefile import write_replace
 
@@ -355,7 +359,7 @@ def is_cached(root: str | os.PathLike | None = None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ the manager
-def merged_index(include_path=None, include_defaults: bool = True) -> dict:
+def merged_index(include_path: str | list[str] | tuple[str, ...] | None = None, include_defaults: bool = True) -> dict:
     """``TaskIndex.build`` of lm-eval's tree (unless ``include_defaults`` is false) then each include path, merged
     as lm-eval merges them: a later tree's name replaces an earlier one's, with lm-eval's own warning."""
     from mpitp import compat
@@ -378,7 +382,8 @@ def _paths(include_path) -> list:
     return list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
 
 
-def task_manager(include_path=None, include_defaults: bool = True, metadata: dict | None = None):
+def task_manager(include_path: str | list[str] | tuple[str, ...] | None = None, include_defaults: bool = True,
+                 metadata: dict | None = None) -> TaskManager:
     """lm-eval's ``TaskManager(include_path=..., include_defaults=..., metadata=...)`` with its index from the cache
     (lm-eval's own constructor when the cache is off or the installed lm-eval holds its index differently)."""
     from lm_eval.tasks import TaskManager
@@ -424,13 +429,13 @@ def _lazy_entry_class():
 
         class CachedEntry(entry):
             @property
-            def cfg(self):
+            def cfg(self) -> dict | None:
                 if self._cfg is None and self.yaml_path is not None and self.kind != kind.TAG:
                     self._cfg = load_yaml(self.yaml_path, resolve_func=False, recursive=True)
                 return self._cfg
 
             @cfg.setter
-            def cfg(self, value):
+            def cfg(self, value: dict | None) -> None:
                 self._cfg = value
 
         _LAZY = CachedEntry

@@ -47,8 +47,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_unsafe
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
 
 EXTENSIONS = ("jsonl", "parquet")
 """File formats of the generic layout, in the order tried: ``<split>.jsonl`` wins over ``<split>.parquet``."""
@@ -160,7 +164,7 @@ def _members(entry) -> list:
     return members if isinstance(members, list) else [members]
 
 
-def expand(names, index: dict) -> list[LeafTask]:
+def expand(names: Iterable[str], index: dict) -> list[LeafTask]:
     """The leaf tasks of ``names`` (tasks, groups, tags; nested), each once, in order; unknown names are skipped
     (the caller's name check reports them). A group member given as a dict that changes what it reads (or an inline
     task config) is a leaf of its own, with the dict's keys laid over the task's (see the module docstring)."""
@@ -247,7 +251,7 @@ def group_override(group: str, entry, served: dict[int, dict]) -> dict:
     return {"include": str(entry.yaml_path), "group": group, "task": members}
 
 
-def resolve(names, data_dir: str | Path, index: dict, num_fewshot: int | None = None) -> Resolution:
+def resolve(names: Iterable[str], data_dir: str | Path, index: dict, num_fewshot: int | None = None) -> Resolution:
     """What DATA serves for ``names``: an override config per leaf task found there (see the module docstring)."""
     data = Path(data_dir).expanduser().resolve()
     refuse_unsafe(data, "--data-dir")  # a link in a group folder may point at any name
@@ -291,7 +295,8 @@ def resolve(names, data_dir: str | Path, index: dict, num_fewshot: int | None = 
     return res
 
 
-def prefetch_command(tasks, data_dir, include_path=()) -> str:
+def prefetch_command(tasks: Iterable[str], data_dir: str | Path,
+                     include_path: list[str] | tuple[str, ...] | None = ()) -> str:
     """The ``mpitp prefetch`` command that fetches ``tasks`` into ``data_dir``."""
     import shlex
 
@@ -301,7 +306,7 @@ def prefetch_command(tasks, data_dir, include_path=()) -> str:
     return shlex.join(argv)
 
 
-def require(res: Resolution, data_dir, include_path=()) -> None:
+def require(res: Resolution, data_dir: str | Path, include_path: list[str] | tuple[str, ...] | None = ()) -> None:
     """Raise :class:`DataDirError` listing every missing split (the run's check: all of them, not the first), with
     the command that fetches them."""
     if res.missing:
@@ -335,7 +340,7 @@ def in_hf_cache(leaf: LeafTask) -> bool:
     return any(os.path.isdir(os.path.expanduser(f)) for f in folders)
 
 
-def absent(res: Resolution, data_dir) -> list[MissingSplit]:
+def absent(res: Resolution, data_dir: str | Path) -> list[MissingSplit]:
     """The Hub-reading leaves of ``res`` that are neither in DATA nor in the HF cache: offline, lm-eval would fail on
     them only when it loads the tasks, after the launch."""
     out = []
@@ -348,12 +353,12 @@ def absent(res: Resolution, data_dir) -> list[MissingSplit]:
     return out
 
 
-def nltk_folder(data_dir) -> Path:
+def nltk_folder(data_dir: str | Path) -> Path:
     """Where nltk data lives in a data directory (``mpitp prefetch`` puts it there)."""
     return Path(data_dir).expanduser().resolve() / NLTK_FOLDER
 
 
-def use_nltk_data(data_dir) -> str | None:
+def use_nltk_data(data_dir: str | Path) -> str | None:
     """Put ``DATA/nltk_data`` first on nltk's search path: ``NLTK_DATA`` (read by nltk at import) and, when nltk is
     imported already, its documented ``nltk.data.path`` list. The folder, or None when DATA has none."""
     import sys
@@ -370,7 +375,8 @@ def use_nltk_data(data_dir) -> str | None:
     return str(folder)
 
 
-def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = None) -> Resolution:
+def resolve_all(names: Sequence[str], data_dir: str | Path, include_path: list[str] | tuple[str, ...] | None = None,
+                num_fewshot: int | None = None) -> Resolution:
     """:func:`resolve` over lm-eval's index plus ``include_path``, the six hand-described tasks of
     :mod:`mpitp.tasks.offline` read from their own folders (``DATA/arc_easy/...``, names as downloaded) first."""
     from mpitp.tasks import index as task_index
@@ -394,7 +400,8 @@ def resolve_all(names, data_dir, include_path=None, num_fewshot: int | None = No
     return res
 
 
-def write_overrides(names, data_dir, out_dir, include_path=None, num_fewshot: int | None = None,
+def write_overrides(names: Sequence[str], data_dir: str | Path, out_dir: str | Path,
+                    include_path: list[str] | tuple[str, ...] | None = None, num_fewshot: int | None = None,
                     strict: bool = False) -> dict[str, str]:
     """Write one override YAML per task DATA serves into ``out_dir``; ``{task: yaml_path}``. Raises
     :class:`DataDirError` naming every needed split that is missing, before writing anything; with ``strict``, also
@@ -406,7 +413,7 @@ def write_overrides(names, data_dir, out_dir, include_path=None, num_fewshot: in
     return write_configs(res.configs, out_dir, data_dir)
 
 
-def write_configs(configs: dict[str, dict], out_dir, data_dir) -> dict[str, str]:
+def write_configs(configs: dict[str, dict], out_dir: str | Path, data_dir: str | Path) -> dict[str, str]:
     """Write ``configs`` (:attr:`Resolution.configs`) as YAMLs into ``out_dir``, with the listing of their names and
     kinds (:func:`mpitp.tasks.index.write_listing`: the folder is indexed without parsing them again);
     ``{name: yaml_path}``. ``data_dir`` is not written into them (no name from it outside ``yaml.safe_dump``'s

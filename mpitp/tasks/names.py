@@ -16,6 +16,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
 
 _KEY = re.compile(r"""^['"]?(\w+)['"]?\s*:\s*(.*?)\s*(?:#.*)?$""")  # a top-level key
 _ITEM = re.compile(r"^\s*-\s+(.*?)\s*(?:#.*)?$")
@@ -33,7 +37,7 @@ def _values(text: str) -> list[str]:
     return [p.strip().strip("'\"") for p in parts]
 
 
-def key_values(path: str | Path, keys=("task", "group", "tag")) -> set[str]:
+def key_values(path: str | Path, keys: Collection[str] = ("task", "group", "tag")) -> set[str]:
     """The values of the top-level ``keys`` of one file, read line by line (no YAML parsing)."""
     found: set[str] = set()
     in_list = False

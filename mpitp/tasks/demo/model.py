@@ -24,9 +24,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpitp.digest import sha256_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -107,7 +110,7 @@ def recipe_hash(seed: int = 0) -> str:
 
 
 # --------------------------------------------------------------------------- tokenizer
-def build_demo_tokenizer():
+def build_demo_tokenizer() -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on the demo texts (no downloads)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

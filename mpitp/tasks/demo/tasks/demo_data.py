@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
 
 HERE = Path(__file__).resolve().parent
 
@@ -24,7 +27,7 @@ def read_jsonl(data_file: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_jsonl(data_file: str, split: str = "test", **_ignored: Any):
+def load_jsonl(data_file: str, split: str = "test", **_ignored: Any) -> datasets.DatasetDict:
     """Return a ``datasets.DatasetDict`` with one split built in memory.
 
     Extra keyword arguments (task metadata such as ``version`` or the model
