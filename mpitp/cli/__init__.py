@@ -16,6 +16,7 @@ from mpitp.parallel.walltime import finished, listen_early
 listen_early()  # first of all, before numpy and MPI load: a walltime signal while a rank starts must not be lost
 
 import sys  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import click  # noqa: E402
 
@@ -33,10 +34,13 @@ from mpitp.errors import (  # noqa: E402
 from mpitp.testing import hooks, stall  # noqa: E402
 from mpitp.version import __version__  # noqa: E402
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mpitp")
-def cli():
+def cli() -> None:
     """Evaluate Hugging Face models on lm-eval tasks under MPI: TP inside DP groups, results in HDF5."""
 
 
@@ -69,7 +73,7 @@ def _finalize_wait() -> float:
     return hooks().finalize_wait or FINALIZE_WAIT_S
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     install_excepthook()
     register(cli)
     try:

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-def spec_options(f):
+_F = TypeVar("_F", bound="Callable[..., object]")
+
+
+def spec_options(f: _F) -> _F:
     """The options ``mpitp check`` and ``mpitp prefetch`` share: the settings that decide what a run reads."""
     for decl, kw in reversed([
         (("--tasks",), {"help": "Comma-separated tasks, groups or tags."}),
@@ -27,8 +33,9 @@ def spec_options(f):
     return f
 
 
-def specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
-               apply_chat_template, trust_remote_code, hf_assets=None) -> list:
+def specs_from(job_file: str | None, tasks: str | None, model: str | None, tokenizer: str | None,
+               revision: str | None, data_dir: str | None, include_path: tuple[str, ...], num_fewshot: int | None,
+               apply_chat_template: bool, trust_remote_code: bool, hf_assets: str | None = None) -> list:
     """The :class:`CheckSpec` of the options, or one per (distinct) run of ``job_file``."""
     from mpitp.jobs.readiness import CheckSpec
 
@@ -71,8 +78,10 @@ def run_checks(specs: list) -> list:
 @spec_options
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write the problems as JSON to this file "
                                                                   "(what mpitp prefetch reads).")
-def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, hf_assets, revision, num_fewshot,
-                  apply_chat_template, trust_remote_code, json_out):
+def check_command(job_file: str | None, tasks: str | None, data_dir: str | None, include_path: tuple[str, ...],
+                  model: str | None, tokenizer: str | None, hf_assets: str | None, revision: str | None,
+                  num_fewshot: int | None, apply_chat_template: bool, trust_remote_code: bool,
+                  json_out: str | None) -> None:
     """Will these tasks (or every run of JOB.yaml) run with no network? Exit 0 when ready, 2 listing what is
     missing and how to fetch it."""
     if job_file and hf_assets:
@@ -109,8 +118,10 @@ def check_command(job_file, tasks, data_dir, include_path, model, tokenizer, hf_
 @click.option("--nltk-index", default=None, metavar="URL",
               help="nltk's data index (default: nltk's own, raw.githubusercontent.com); nltk data goes to "
                    "DATA/nltk_data.")
-def prefetch_command(tasks, data_dir, include_path, model, tokenizer, hf_assets, revision, num_fewshot,
-                     apply_chat_template, trust_remote_code, models_dir, nltk_index):
+def prefetch_command(tasks: str | None, data_dir: str | None, include_path: tuple[str, ...], model: str | None,
+                     tokenizer: str | None, hf_assets: str | None, revision: str | None, num_fewshot: int | None,
+                     apply_chat_template: bool, trust_remote_code: bool, models_dir: str | None,
+                     nltk_index: str | None) -> None:
     """On a node with network: fetch the datasets (into --data-dir, as plain parquet files), the model, the
     evaluate metric modules (into the HF modules cache) and the nltk data (into DATA/nltk_data) that a run of these
     tasks needs, write a manifest, then run `mpitp check` on the result."""

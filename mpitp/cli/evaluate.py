@@ -13,7 +13,7 @@ import click
 @click.command(name="eval", add_help_option=False,
                context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def eval_command(args):
+def eval_command(args: tuple[str, ...]) -> None:
     """Evaluate a model on lm-eval tasks: every lm_eval --model hf command line, plus --tp/--pp (mpitp eval -h)."""
     eval_main(list(args))
 

@@ -21,7 +21,8 @@ log = logging.getLogger("mpitp")
 @click.option("--model", default=None, help="With --pp: print which decoder layers each stage of this model holds.")
 @click.option("--hf-assets", "--hf_assets", "hf_assets", default=None,
               help="A torch DCP --model's config.json folder (as mpitp eval --hf-assets).")
-def info_command(tp, pp, device, threads, timeout, log_all_ranks, iface, model, hf_assets):
+def info_command(tp: int, pp: int, device: str | None, threads: int | None, timeout: float, log_all_ranks: bool,
+                 iface: str | None, model: str | None, hf_assets: str | None) -> None:
     """Print the dp x pp x tp layout, the nodes with the address each uses, the MPI library and the torch backend
     (rank 0 prints)."""
     if hf_assets and not model:
@@ -73,7 +74,7 @@ def _stage_split(rt: Runtime, model: str, hf_assets: str | None = None) -> str |
     from mpitp.replica.loading import load_config
     from mpitp.replica.pipeline import check_pp, describe_split, num_layers
 
-    def check():
+    def check() -> str:
         config = load_config(model, hf_assets=hf_assets)
         check_pp(config, rt.layout.pp)
         return describe_split(num_layers(config), rt.layout.pp)
@@ -81,8 +82,8 @@ def _stage_split(rt: Runtime, model: str, hf_assets: str | None = None) -> str |
     return agree(check, rt.world.comm, rt.timeout, "checking the model's stages")
 
 
-def run_info(tp, device, threads, timeout, log_all_ranks, pp: int = 1, model: str | None = None,
-             iface: str | None = None, hf_assets: str | None = None) -> None:
+def run_info(tp: int, device: str | None, threads: int | None, timeout: float, log_all_ranks: bool, pp: int = 1,
+             model: str | None = None, iface: str | None = None, hf_assets: str | None = None) -> None:
     import torch
 
     from mpitp.parallel import comm as mpicomm

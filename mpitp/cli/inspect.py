@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import TYPE_CHECKING
 
 import click
 
@@ -27,6 +28,9 @@ from mpitp.results.reader import BadInput, check_path, load, load_samples, one_l
 from mpitp.results.render import lm_eval_json, render_csv, render_requests, render_summary
 from mpitp.results.untrusted import load_json, shown
 
+if TYPE_CHECKING:
+    from typing import IO
+
 BAD_INPUT_EXIT = 2
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -36,7 +40,7 @@ class BadInputExit(click.ClickException):
 
     exit_code = BAD_INPUT_EXIT
 
-    def show(self, file=None) -> None:
+    def show(self, file: IO[str] | None = None) -> None:
         click.echo(f"mpitp: error: {shown(self.format_message())}", err=True, file=file)
 
 
@@ -49,7 +53,7 @@ class Negative(click.ClickException):
 
     exit_code = 1
 
-    def show(self, file=None) -> None:
+    def show(self, file: IO[str] | None = None) -> None:
         click.echo(f"mpitp: {shown(self.format_message())}", err=True, file=file)
 
 
@@ -63,7 +67,7 @@ def _bad_input_exits(command):
     """The library's :class:`BadInput` becomes click's exit-status-2 exception (one line, no traceback)."""
 
     @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: object, **kwargs: object) -> object:
         try:
             return command(*args, **kwargs)
         except BadInput as exc:
@@ -122,7 +126,8 @@ def _positive_int(ctx, param, value):
               help="Also write bar charts of the metrics and per-DP-group busy time (needs mpitp[plot]).")
 @click.pass_context
 @_bad_input_exits
-def inspect_command(ctx, file, task, show_requests, show_samples, limit, as_json, as_csv, plot):
+def inspect_command(ctx: click.Context, file: str | None, task: str | None, show_requests: bool, show_samples: bool,
+                    limit: int | None, as_json: bool, as_csv: bool, plot: str | None) -> None:
     """Show an mpitp results file: a metrics table with the run's status, model, layout and throughput.
 
     \b
@@ -246,7 +251,7 @@ def _summary_row(Row, r):
               help="Paired bootstrap resamples per metric (0: no statistics).")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the bootstrap resampling.")
 @_bad_input_exits
-def diff_command(a, b, atol, rtol, show, bootstrap_iters, seed):
+def diff_command(a: str, b: str, atol: float, rtol: float, show: int, bootstrap_iters: int, seed: int) -> None:
     """Compare two results files: metrics, and each request's loglikelihood, is_greedy and generation, matched by
     (task, doc_id, idx) whatever order the rows were stored in.
 

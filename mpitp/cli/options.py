@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeVar
+
 import click
 
 from mpitp.parallel import DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+_F = TypeVar("_F", bound="Callable[..., object]")
 
 
 def _positive_float(ctx, param, value):
@@ -19,7 +26,7 @@ def _positive_float(ctx, param, value):
     return v
 
 
-def runtime_options(f):
+def runtime_options(f: _F) -> _F:
     """Options shared by every subcommand that starts the MPI runtime."""
     f = click.option("--iface", default=None, metavar="NAME",
                      help="Network interface between nodes (sets MPITP_IFACE).")(f)

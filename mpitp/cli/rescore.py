@@ -21,7 +21,8 @@ from mpitp.errors import UsageError
               help="The offline data directory (required when the file names one; never taken from the file).")
 @click.option("--bootstrap-iters", type=click.IntRange(min=0), default=None,
               help="lm-eval's stderr bootstrap iterations (default: the run's).")
-def rescore_command(file, output, in_place, include_path, data_dir, bootstrap_iters):
+def rescore_command(file: str, output: str | None, in_place: bool, include_path: str | None, data_dir: str | None,
+                    bootstrap_iters: int | None) -> None:
     """Recompute lm-eval's metrics of FILE from its stored request results, without loading a model.
 
     Refused (exit 2) when the task's requests changed: only filters and metrics may differ from the run, and when

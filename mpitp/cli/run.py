@@ -14,7 +14,8 @@ import click
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True)
 @click.option("--log-all-ranks", is_flag=True)
-def run_command(job_file, fail_fast, device, threads, timeout, log_all_ranks):
+def run_command(job_file: str, fail_fast: bool, device: str | None, threads: int | None, timeout: float,
+                log_all_ranks: bool) -> None:
     """Run every evaluation of a job file in this MPI world (mpirun -n 4 mpitp run jobs/demo.yaml)."""
     from mpitp.jobs.jobrun import run_job
 

@@ -19,7 +19,7 @@ import click
 @click.option("--tasks", help="Tasks, groups or tags to look up (groups expanded); default: the six stock tasks.")
 @click.option("--num_fewshot", "--num-fewshot", "num_fewshot", type=click.IntRange(min=0),
               help="Few-shot examples: their split is then needed too.")
-def tasks_command(data_dir, tasks, num_fewshot):
+def tasks_command(data_dir: str, tasks: str | None, num_fewshot: int | None) -> None:
     """List the lm-eval tasks runnable offline from --data-dir, and what the others miss."""
     from mpitp.errors import UsageError
     from mpitp.results.untrusted import shown
