@@ -24,8 +24,22 @@ import contextlib
 import importlib
 import types
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from mpitp.errors import UsageError
+
+if TYPE_CHECKING:
+    import argparse
+    import ast
+    from collections.abc import Callable, Iterable, Iterator
+    from contextlib import AbstractContextManager
+
+    import click
+    import torch
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 #: The attention implementation name mpitp's model runs under while prefix sharing is on (see the module docstring).
 TREE_ATTENTION = "mpitp_tree"
@@ -80,7 +94,7 @@ class Target:
     def users(self) -> tuple[str, ...]:
         return tuple(u.strip() for u in self.user.split(",") if u.strip())
 
-    def owner(self):
+    def owner(self) -> tuple[object, str]:
         """(the object holding the attribute, its last name)."""
         obj = importlib.import_module(self.module)
         *path, last = self.attribute.split(".")
@@ -178,12 +192,12 @@ def _version(package: str) -> str:
     return "not installed"
 
 
-def code_names(obj) -> set[str]:
+def code_names(obj: object) -> set[str]:
     """Every name the code of ``obj`` (a function, or every function of a class and its bases) loads or stores as an
     attribute or global, nested functions included: how :func:`missing` checks an ``instance`` target's names."""
     out: set[str] = set()
 
-    def walk(code):
+    def walk(code: types.CodeType) -> None:
         out.update(code.co_names)
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
@@ -254,7 +268,7 @@ def format_table() -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3] for r in rows)
 
 
-def attribute(key: str):
+def attribute(key: str) -> Any:
     """The object ``TARGETS[key]`` names (``key``: its full dotted name), for the private functions mpitp calls but
     does not replace: one place names them, :func:`check` refuses an installation without them."""
     owner, last = TARGETS[key].owner()
@@ -278,7 +292,7 @@ def _swap(owner, last: str, value):
             delattr(owner, last)
 
 
-def replaced(key: str, value, on=None):
+def replaced(key: str, value: object, on: object | None = None) -> AbstractContextManager[Any]:
     """Inside this block ``TARGETS[key]`` (``key``: the target's full dotted name) is ``value`` (on ``on``, an
     instance, instead of the target's owner); the original is put back in ``finally``, whatever the block raises.
     Yields the original."""
@@ -287,7 +301,7 @@ def replaced(key: str, value, on=None):
 
 
 @contextlib.contextmanager
-def output_head_replaced(model, head):
+def output_head_replaced(model: PreTrainedModel, head: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Inside this block the child module ``model.get_output_embeddings()`` returns is ``head`` (on this model only:
     the greedy head of :mod:`mpitp.replica.generation`); put back after. Set both ways through torch's own
     ``setattr`` (a child lives in the module's ``_modules``, not its ``__dict__``)."""
@@ -303,7 +317,7 @@ def output_head_replaced(model, head):
 
 
 # ------------------------------------------------------------------------------------------------ private names
-def adopt_task_index(tm, index: dict) -> None:
+def adopt_task_index(tm: TaskManager, index: dict) -> None:
     """Give the ``TaskManager`` ``tm`` the task index ``index`` as ``TaskManager.__init__`` (lm-eval 0.4.13) sets it
     up after ``TaskIndex.build`` (:mod:`mpitp.tasks.index` builds it from its cache instead)."""
     kind = attribute(f"{TASK_INDEX}.Kind")
@@ -314,12 +328,12 @@ def adopt_task_index(tm, index: dict) -> None:
     tm._all_tags = sorted(k for k, e in index.items() if e.kind == kind.TAG)
 
 
-def metric_functions(task) -> dict:
+def metric_functions(task: Task) -> dict:
     """``{metric: function or None}`` of an lm-eval task (None where ``evaluate`` could not load it)."""
     return getattr(task, "_metric_fn_list", None) or {}
 
 
-def undo_pp_forward_wrap(model) -> None:
+def undo_pp_forward_wrap(model: PreTrainedModel) -> None:
     """Put back the class's ``forward`` on a model transformers' pipeline split wrapped with its naive PP forward
     (mpitp drives its stages itself), and clear the flag so a later split would wrap it again."""
     if "forward" in vars(model):
@@ -327,23 +341,23 @@ def undo_pp_forward_wrap(model) -> None:
     model._pp_forward_wrapped = False
 
 
-def mark_initialised(params) -> None:
+def mark_initialised(params: Iterable[torch.nn.Parameter]) -> None:
     """Mark each parameter initialised, as transformers marks the ones it loaded (its init then skips them)."""
     for p in params:
         p._is_hf_initialized = True
 
 
-def attention_implementation(config) -> str | None:
+def attention_implementation(config: PreTrainedConfig) -> str | None:
     """The attention implementation a transformers config runs under (None when it has none)."""
     return getattr(config, "_attn_implementation", None)
 
 
-def device_mesh(model):
+def device_mesh(model: PreTrainedModel) -> DeviceMesh | None:
     """The device mesh transformers' own TP loading left on ``model`` (None when it loaded it whole)."""
     return getattr(model, "_device_mesh", None)
 
 
-def forward_tree(fn):
+def forward_tree(fn: Callable) -> ast.Module:
     """The syntax tree (:mod:`ast`) of ``fn``'s source, dedented: how mpitp learns what a model class's forward does
     around its head (:mod:`mpitp.replica.logits`) and its embeddings (:mod:`mpitp.replica.pipeline`) without a
     table of model types. Raises ``OSError``/``TypeError`` without source, ``SyntaxError`` when unreadable."""
@@ -354,12 +368,12 @@ def forward_tree(fn):
     return ast.parse(textwrap.dedent(inspect.getsource(fn)))
 
 
-def parser_actions(parser) -> list:
+def parser_actions(parser: argparse.ArgumentParser) -> list:
     """The actions of an ``argparse`` parser, in order (argparse has no public list of them)."""
     return list(parser._actions)
 
 
-def add_option_alias(parser, action, alias: str) -> bool:
+def add_option_alias(parser: argparse.ArgumentParser, action: argparse.Action, alias: str) -> bool:
     """Make ``alias`` another option string of ``action`` (``--batch-size`` for ``--batch_size``) unless the parser
     already has it; whether it was added."""
     if alias in parser._option_string_actions:
@@ -369,13 +383,13 @@ def add_option_alias(parser, action, alias: str) -> bool:
     return True
 
 
-def pending_subcommand(ctx, name: list[str], args: list[str]) -> None:
+def pending_subcommand(ctx: click.Context, name: list[str], args: list[str]) -> None:
     """Leave ``name`` (a subcommand, or nothing) and its ``args`` on a click context as ``click.Group.parse_args``
     leaves them, for ``Group.invoke`` to dispatch (a group that parses its own arguments first)."""
     ctx._protected_args, ctx.args = name, args
 
 
-def register_tree_attention(fn) -> None:
+def register_tree_attention(fn: Callable) -> None:
     """Register ``fn`` as transformers' attention function :data:`TREE_ATTENTION`, with the ``sdpa`` mask (it runs
     ``sdpa`` whenever no tree is passed). Registration adds a name; it replaces nothing, so nothing is undone."""
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 BLOCK = 1 << 20
 
@@ -15,7 +19,7 @@ def update_file(h, path: str | os.PathLike) -> None:
         update_fileobj(h, f)
 
 
-def update_fileobj(h, f) -> None:
+def update_fileobj(h, f: BinaryIO) -> None:
     """Feed the rest of the open binary file ``f`` to ``h``: for a file opened by descriptor after checks on that
     descriptor (``O_NOFOLLOW``, owner), where opening its path again could reach another file."""
     for block in iter(lambda: f.read(BLOCK), b""):

@@ -14,6 +14,11 @@ import os
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+    from types import TracebackType
 
 USAGE_EXIT = 2
 
@@ -172,7 +177,7 @@ LAUNCHER_NUDGE_S = 10.0
 ABORT_WAIT_S = 10.0
 
 
-def exit_bound(phase: str, seconds: float = FINALIZE_WAIT_S):
+def exit_bound(phase: str, seconds: float = FINALIZE_WAIT_S) -> AbstractContextManager[None]:
     """A context manager: the block (a blocking call at exit, which may hold the interpreter lock) ends within
     ``seconds``, or the process leaves with status 1 and one line naming this rank, its node and ``phase``
     (:func:`mpitp.watchdog.bounded`: enforced outside the interpreter, since mpi4py holds the GIL in MPI_Finalize)."""
@@ -196,7 +201,7 @@ def finalize_within(seconds: float = FINALIZE_WAIT_S) -> None:
 def install_excepthook() -> None:
     """Make an uncaught exception on any rank abort the job instead of leaving the other ranks hanging."""
 
-    def hook(exc_type, exc, tb):
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if issubclass(exc_type, KeyboardInterrupt):
             _stderr().write(f"[rank {world_rank()}] interrupted\n")
             abort(130)

@@ -10,7 +10,7 @@ from __future__ import annotations
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def shown(text, keep_newlines: bool = False) -> str:
+def shown(text: object, keep_newlines: bool = False) -> str:
     """``text`` safe to print: every character that is not printable (C0/C1 controls, DEL, bidi overrides, line
     and paragraph separators...) as ``\\n``, ``\\xNN``, ``\\uNNNN`` or ``\\UNNNNNNNN``; newlines kept when asked
     (for text that is ours and spans lines). Plain printable text comes back unchanged, so a file cannot retitle

@@ -28,11 +28,11 @@ def child_path() -> list[str]:
     return [p for p in sys.path if p and os.path.isabs(p)]
 
 
-def python_argv(code: str, *args) -> list[str]:
+def python_argv(code: str, *args: object) -> list[str]:
     """The argv of an isolated ``python -c CODE ARGS``: CODE runs after :data:`BOOT` with ``sys.argv[1:] == ARGS``."""
     return [sys.executable, "-I", "-c", BOOT + code, *child_path(), "--", *map(str, args)]
 
 
-def mpitp_argv(*args) -> list[str]:
+def mpitp_argv(*args: object) -> list[str]:
     """The argv of an isolated ``python -m mpitp ARGS`` (``runpy``, as ``-m`` itself runs a module)."""
     return python_argv("import runpy; runpy.run_module('mpitp', run_name='__main__', alter_sys=True)", *args)

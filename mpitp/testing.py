@@ -37,6 +37,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    import torch
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("mpitp")
 
@@ -56,7 +63,7 @@ class Hooks:
     forward_log: str | None = None
 
     @classmethod
-    def from_env(cls, env=None) -> Hooks:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Hooks:
         """The hooks ``env`` sets, when it opts in with ``MPITP_TESTING=1``; else none (a warning names what was
         ignored). A value that does not parse is a :class:`~mpitp.errors.UsageError` naming the variable."""
         env = os.environ if env is None else env
@@ -157,7 +164,7 @@ def check_raise(rank: int, forwards: int) -> None:
         raise RuntimeError(f"test hook: injected failure on rank {rank} after {forwards} forwards")
 
 
-def install_forward_fault(layers, rank: int, forwards) -> None:
+def install_forward_fault(layers: torch.nn.ModuleList | None, rank: int, forwards: Callable[[], int]) -> None:
     """Under ``MPITP_TEST_RAISE_IN_FORWARD=<rank>:<n>[:oom]`` raise inside the forward of that rank's last decoder
     layer once it has run ``n`` forwards (``forwards()`` counts them): its TP peers are then inside a torch collective
     of the same forward (or, with stages, waiting for its activations), not at a message boundary."""
@@ -166,7 +173,7 @@ def install_forward_fault(layers, rank: int, forwards) -> None:
         return
     after, oom = spec[1], spec[2]
 
-    def hook(module, args):
+    def hook(module: torch.nn.Module, args: tuple) -> None:
         done = forwards()
         if done > after:
             where = f"inside a forward on rank {rank} after {done - 1} forwards"
@@ -226,7 +233,7 @@ def _log_fd(path: str) -> int:
     return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
 
-def install_generate_log(model, layout) -> None:
+def install_generate_log(model: PreTrainedModel, layout) -> None:
     """Under ``MPITP_TEST_FORWARD_LOG`` log every ``generate`` forward of the DP leader's ``model`` (the
     top-level module HF ``generate`` calls, whatever mpitp puts behind it: its own forward, the mirrored one, the
     stages' step) as a ``generate`` line: ``batch``, ``seq`` (input positions of this step: the prompt at prefill,
@@ -237,7 +244,7 @@ def install_generate_log(model, layout) -> None:
     if hooks().forward_log is None or not layout.is_leader:
         return
 
-    def hook(module, args, kwargs):
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         from transformers.cache_utils import Cache
 
         cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)

@@ -27,6 +27,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
 
 #: The watchdog process: print ``$1`` to stderr if a line arrives on stdin, then drain it (faulthandler must never
 #: block on a full pipe); leave on EOF. With a nudge (``$2``, a shell command), a detached subshell runs it ``$3`` s
@@ -64,7 +68,7 @@ def local_hydra_launcher() -> tuple[int, str] | None:
     return launcher if launcher is not None and launcher[1] in HYDRA_LAUNCHERS else None
 
 
-def launcher_nudge(env=None) -> str | None:
+def launcher_nudge(env: Mapping[str, str] | None = None) -> str | None:
     """The shell command that ends this job's launcher when it still waits for a node it cannot reach, or None:
 
     - a local Hydra ``mpiexec`` (:func:`local_hydra_launcher`): SIGTERM, if it is still there under the same name;
@@ -85,7 +89,7 @@ def launcher_nudge(env=None) -> str | None:
 
 @contextlib.contextmanager
 def bounded(seconds: float, message: str, nudge: str | None = None, nudge_after: float = 10.0,
-            nudge_on_exit: bool = False):
+            nudge_on_exit: bool = False) -> Iterator[None]:
     """Run the block; if it has not finished after ``seconds``, print ``message`` (one line) and end the process
     with status 1, even when the block is a C call that holds the interpreter lock.
 
