@@ -305,7 +305,7 @@ def output_head_replaced(model: PreTrainedModel, head: torch.nn.Module) -> Itera
     """Inside this block the child module ``model.get_output_embeddings()`` returns is ``head`` (on this model only:
     the greedy head of :mod:`mpitp.replica.generation`); put back after. Set both ways through torch's own
     ``setattr`` (a child lives in the module's ``_modules``, not its ``__dict__``)."""
-    current = attribute("transformers.modeling_utils.PreTrainedModel.get_output_embeddings")(model)
+    current = model.get_output_embeddings()  # the model's own: a family names its head (GPT-NeoX-Japanese: embed_out)
     name = next((n for n, child in model.named_children() if child is current), None)
     if name is None:
         raise RuntimeError("could not locate the LM head among the model's children")

@@ -74,3 +74,24 @@ def test_chosen_token_logits_pick_the_id_and_report_nan_rows():
     assert logits.shape == (2, 1, 11) and logits.argmax(-1).view(-1).tolist() == [3, 0]
     assert seen == [True]  # id 11 is past the vocabulary: no logit reached the maximum
     assert float(logits[0, 0, 3]) == 0.0 and bool(torch.isinf(logits[0, 0, :3]).all())
+
+
+def test_greedy_head_swaps_in_where_a_family_names_its_head_and_reads_its_dtype():
+    """The greedy stand-in replaces the head the model itself names (GPT-NeoX-Japanese's ``embed_out``, found through
+    the model's own ``get_output_embeddings``; the base class's answer missed it and generation died after the load)
+    and answers ``.weight`` (Mamba's forward casts its hidden state to ``lm_head.weight.dtype``). Both scored at tp=1
+    against lm-eval in bench/arch_matrix.py (3.5e-7, 1.1e-7)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mpitp import compat
+    from mpitp.replica.generation import GreedyHead
+
+    cfg = AutoConfig.for_model("gpt_neox_japanese", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                               intermediate_multiple_size=2, vocab_size=64, bos_token_id=0, eos_token_id=1)
+    model = AutoModelForCausalLM.from_config(cfg)
+    head = model.get_output_embeddings()
+    stand_in = GreedyHead(SimpleNamespace(weight=head.weight, vocab_size=64))
+    assert stand_in.weight is head.weight
+    with compat.output_head_replaced(model, stand_in) as replaced:
+        assert replaced is head and model.embed_out is stand_in
+    assert model.embed_out is head

@@ -132,6 +132,12 @@ class GreedyHead(torch.nn.Module):
         self.head = head
         self.on_nonfinite = on_nonfinite
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The head's (local) weight: a model's forward may read its head's dtype (Mamba casts its hidden state to
+        ``lm_head.weight.dtype`` before calling it)."""
+        return self.head.weight
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ids = self.head.argmax(hidden[:, -1, :], head_input=True)
         return chosen_token_logits(ids, self.head.vocab_size, self.on_nonfinite)
