@@ -170,3 +170,33 @@ def test_check_says_a_missing_metric_once_and_writes_it_for_prefetch(tmp_path):
         f"mpitp prefetch --tasks kobest_boolq --data-dir {tmp_path}"], p.stderr
     found = json.loads((tmp_path / "check.json").read_text())
     assert not found["ready"] and [q["metric"] for q in found["problems"]] == ["f1"]
+
+
+def test_check_refuses_a_layout_the_model_cannot_take(tmp_path):
+    """A job file's run at a tp, pp or ep its model type cannot be split by is refused by `mpitp check` (so `submit`
+    refuses it before the queue), with the line `mpitp eval` would print before loading; a layout that fits is not."""
+    from transformers import AutoConfig
+
+    from mpitp.jobs.readiness import job_specs
+    from mpitp.jobs.readiness_model import check_layout
+    from mpitp.jobs.readiness_spec import Report
+
+    config = AutoConfig.from_pretrained(str(STORIES))  # Llama, 8 attention heads, 5 layers, no experts
+    job = tmp_path / "job.yaml"
+    runs = "".join(f"  - {{name: {n}, tp: {tp}, pp: {pp}, ep: {ep}, output: {tmp_path / n}.h5}}\n"
+                   for n, tp, pp, ep in (("fits", 2, 1, 1), ("tp3", 3, 1, 1), ("pp6", 1, 6, 1), ("ep2", 2, 1, 2),
+                                         ("ep4", 2, 1, 4)))
+    job.write_text(f"defaults: {{model: {STORIES}, tasks: [arc_easy_local]}}\nruns:\n{runs}")
+    found = {}
+    for spec in job_specs(job):
+        report = Report()
+        check_layout(spec, config, report)
+        found[spec.label] = [p.what for p in report.problems]
+    assert found == {
+        "fits": [],
+        "tp3": ["tp=3 does not divide the model's 8 attention heads"],
+        "pp6": ["pp=6 exceeds the model's 5 decoder layers (each stage needs at least one)"],
+        "ep2": ["model type 'llama' has no expert-parallel plan in transformers; run it without --ep (its experts "
+                "are then split by --tp)"],
+        "ep4": ["ep=4: the experts are spread over a TP group's ranks, so ep must be 1 or tp (2)"],
+    }, found

@@ -73,7 +73,8 @@ def job_specs(job_file: str | os.PathLike[str]) -> list[CheckSpec]:
         out.append(CheckSpec(tasks=tuple(run.tasks), model=run.model, tokenizer=run.tokenizer, revision=run.revision,
                              data_dir=run.data_dir, include_path=tuple([inc] if isinstance(inc, str) else inc or ()),
                              num_fewshot=run.num_fewshot, apply_chat_template=bool(run.apply_chat_template),
-                             trust_remote_code=trust, hf_assets=getattr(run, "hf_assets", None), label=run.name))
+                             trust_remote_code=trust, hf_assets=getattr(run, "hf_assets", None), label=run.name,
+                             tp=run.tp, pp=run.pp, ep=run.ep))
     return out
 
 

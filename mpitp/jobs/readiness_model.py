@@ -49,12 +49,35 @@ def check_model(spec: CheckSpec, report: Report) -> object | None:
             dcp.check(dcp_path, config, spec.trust_remote_code)
         except UsageError as exc:
             report.problems.append(Problem(str(exc)))
+    check_layout(spec, config, report)
     try:
         return transformers.AutoTokenizer.from_pretrained(tokenizer, **kw)
     except Exception as exc:  # noqa: BLE001
         report.problems.append(Problem(f"tokenizer {tokenizer}: not available offline ({why(exc)})", fetch))
         return None
 
+
+
+def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
+    """The run's tp, pp and ep against the model's type, as ``mpitp eval`` checks them before loading: a type that
+    has no plan for the layout (or heads the tp does not divide) is refused here, so ``submit`` refuses it before the
+    queue instead of the job on the compute node."""
+    from mpitp.replica.loading import check_ep, check_tp
+
+    if spec.ep not in (1, spec.tp):
+        report.problems.append(Problem(f"ep={spec.ep}: the experts are spread over a TP group's ranks, so ep must be "
+                                       f"1 or tp ({spec.tp})"))
+        return
+    checks = [lambda: check_tp(config, spec.tp), lambda: check_ep(config, spec.ep, spec.pp)]
+    if spec.pp > 1:
+        from mpitp.replica.pipeline import check_pp  # imports torch: only for a pipeline layout
+
+        checks.append(lambda: check_pp(config, spec.pp))
+    for check in checks:
+        try:
+            check()
+        except UsageError as exc:
+            report.problems.append(Problem(str(exc)))
 
 
 def start_model_check(spec: CheckSpec) -> subprocess.Popen[str] | None:

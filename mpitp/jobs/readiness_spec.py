@@ -28,6 +28,10 @@ class CheckSpec:
     """A torch DCP checkpoint's config and tokenizer folder (``--hf-assets``)."""
     label: str = ""
     """The run's name in a job file (prefixed to its problems)."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    """The run's layout: a model type it cannot be split by is refused here too, before the queue."""
 
 
 @dataclass(frozen=True)
