@@ -62,11 +62,13 @@ def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
     """The run's tp, pp and ep against the model's type, as ``mpitp eval`` checks them before loading: a type that
     has no plan for the layout (or heads the tp does not divide) is refused here, so ``submit`` refuses it before the
     queue instead of the job on the compute node."""
+    from mpitp.parallel import check_ep as check_ep_size
     from mpitp.replica.loading import check_ep, check_tp
 
-    if spec.ep not in (1, spec.tp):
-        report.problems.append(Problem(f"ep={spec.ep}: the experts are spread over a TP group's ranks, so ep must be "
-                                       f"1 or tp ({spec.tp})"))
+    try:
+        check_ep_size(spec.ep, spec.tp)
+    except UsageError as exc:
+        report.problems.append(Problem(str(exc)))
         return
     checks = [lambda: check_tp(config, spec.tp), lambda: check_ep(config, spec.ep, spec.pp)]
     if spec.pp > 1:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from mpitp.errors import UsageError, exit_bound
+from mpitp.parallel import check_ep
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.layout import Layout, make_layout
 from mpitp.parallel.replica_group import ReplicaGroup, init_replica_group
@@ -133,9 +134,10 @@ def make_launch(tp: int = 1, pp: int = 1, device: str | None = None, threads: in
         layout = make_layout(world, tp, pp)
     except UsageError as exc:
         raise UsageError(str(exc), collective=True) from None
-    if ep not in (1, tp):
-        raise UsageError(f"--ep {ep}: the experts are spread over a TP group's ranks (transformers' expert-parallel "
-                         f"plan needs ep = tp), so --ep must be 1 or --tp {tp}", collective=True)
+    try:
+        check_ep(ep, tp)
+    except UsageError as exc:
+        raise UsageError(str(exc), collective=True) from None
     return Launch(world=world, layout=layout, device=device, threads=threads or world.default_threads,
                   timeout=timeout, ep=ep, stage_dir=stage_dir or os.environ.get("MPITP_STAGE_DIR") or None)
 
