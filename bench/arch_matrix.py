@@ -1,19 +1,23 @@
-"""The full architecture matrix: every causal-LM architecture of the installed transformers, built tiny and at
-random (tests/support/arch.py), scored by mpitp at tp=1, tp=2 and pp=2 (one MPI launch per layout, a job file with one
-run per model) and compared request by request with single-process ``lm_eval --model hf``.
+"""The full architecture matrix: every causal-LM type of the installed transformers, built tiny and at random
+(tests/support/arch.py), run by mpitp at tp=1 dp=2, tp=2 and pp=2 (two ranks; one MPI launch per layout, a job file
+with one run per model) and compared request by request with single-process lm-eval (``--model hf``).
 
-    python bench/arch_matrix.py [--work DIR] [--only a,b]
+    python bench/arch_matrix.py [--work DIR] [--only a,b] [--table docs/model-support.md]
 
-Prints one row per architecture: its TP plan (transformers' own: yes; mpitp's own, mpitp/replica/tp_plans.py:
-mpitp), its layouts and the largest relative |d ll| against lm-eval, a refusal (no TP / PP plan), or why it is not
-in the matrix (not a plain decoder, cannot be built at random, lm-eval cannot score it). CI runs a subset of this
-(tests/test_architectures.py).
+Prints one row per type: where its TP plan comes from (transformers, mpitp's own: mpitp/replica/tp_plans.py, none),
+its PP plan, and per layout parity (the largest relative |d ll| against lm-eval) or mpitp's one-line refusal, or why
+the type is not in the matrix (not a plain decoder, cannot be built small). A run that dies with a traceback ends
+its launch (a fatal error on one rank aborts the job); this script records it as ``failed`` and starts the layout's
+job again without it (finished runs are skipped: their results files are complete), so one failure never hides the
+rest. ``--table`` writes the generated support table (docs/model-support.md). CI runs the same matrix
+(tests/test_architectures.py) and fails on any failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +36,39 @@ def _mpirun(n: int, job: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
+def _last_started(output: str) -> str | None:
+    found = re.findall(r"=== run \d+/\d+: (\S+)", output)
+    return found[-1] if found else None
+
+
+def run_layout(models: dict[str, Path], refs: dict, layout: A.Layout, include: str, work: Path) -> dict:
+    """Every model at ``layout``; a launch that dies is started again without the run it died in."""
+    out = work / layout.key
+    out.mkdir(exist_ok=True)
+    todo, failed, logs, t0 = dict(models), {}, [], time.time()
+    while todo:
+        job = A.job_file(work / f"matrix-{layout.key}.yaml", todo, include, out, layout.tp, layout.pp)
+        proc = _mpirun(layout.ranks, job)
+        text = proc.stdout + proc.stderr
+        logs.append(text)
+        if proc.returncode == 0 or A.TRACEBACK not in text:
+            break
+        died = _last_started(text)
+        name = next((n for n in todo if layout.run_name(n) == died), None)
+        if name is None:
+            break
+        lines = [ln for ln in text.splitlines() if "mpitp: fatal" in ln]
+        failed[name] = A.Outcome("failed", "traceback: " + (lines[0].split("fatal ", 1)[-1][:150] if lines else "?"))
+        (out / f"{name}.h5").unlink(missing_ok=True)
+        todo = {n: d for n, d in todo.items() if n not in failed}
+    text = "\n".join(logs)
+    (work / f"log-{layout.key}.txt").write_text(text)
+    result = A.outcomes({n: d for n, d in models.items() if n not in failed}, refs, layout, text, out)
+    result.update(failed)
+    print(f"layout {layout.key}: {len(models)} models, {len(logs)} launch(es), {time.time() - t0:.0f} s", flush=True)
+    return result
+
+
 def main() -> None:
     import os
     import warnings
@@ -45,71 +82,64 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default=None)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--table", default=None, help="write the generated support table here (docs/model-support.md)")
+    ap.add_argument("--from-dump", default=None, help="only write the table, from a CI test run's MPITP_MATRIX_DUMP")
     args = ap.parse_args()
+    if args.from_dump:
+        return from_dump(Path(args.from_dump), args.table)
     work = Path(args.work or tempfile.mkdtemp(prefix="arch-matrix-"))
     work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
     from support.tasks import materialize_test_tasks
 
     include = materialize_test_tasks(work / "tasks")
-    rows: dict[str, dict] = {}
-    models: dict[str, Path] = {}
     archs = A.architectures()
     if args.only:
         archs = [a for a in archs if a.model_type in args.only.split(",")]
+    excluded, unbuilt, models = {}, {}, {}
     for arch in archs:
-        row = rows[arch.model_type] = dict(tp_plan="yes" if arch.tp_plan else "mpitp" if arch.own_plan else "no",
-                                           pp_plan=arch.pp_plan)
         why = A.not_plain_decoder(arch)
         if why:
-            row["reason"] = f"not in matrix: {why}"
+            excluded[arch.model_type] = why
             continue
-        d = work / "models" / arch.model_type
         try:
-            row["changed"] = A.build(arch, d)
+            A.build(arch, work / "models" / arch.model_type)
+            models[arch.model_type] = work / "models" / arch.model_type
         except Exception as exc:  # noqa: BLE001 - the reason is the row
-            row["reason"] = f"cannot build at random: {A.first_line(exc)}"
-            continue
-        models[arch.model_type] = d
-    from lm_eval.tasks import TaskManager
-
-    tm = TaskManager(include_path=include)
+            unbuilt[arch.model_type] = A.first_line(exc)
+    print(f"built {len(models)} models: {time.time() - t0:.0f} s", flush=True)
+    references = A.References(include)
     refs = {}
     for name, d in list(models.items()):
         try:
-            refs[name] = A.reference(d, include, tm)
+            refs[name] = references(d)
         except Exception as exc:  # noqa: BLE001
-            rows[name]["reason"] = f"lm-eval hf cannot score it: {A.first_line(exc)}"
+            unbuilt[name] = f"lm-eval hf cannot score it: {A.first_line(exc)}"
             del models[name]
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        todo = {n: d for n, d in models.items() if pp == 1 or rows[n]["pp_plan"]}
-        out = work / f"tp{tp}pp{pp}"
-        out.mkdir(exist_ok=True)
-        job = A.job_file(work / f"matrix-tp{tp}-pp{pp}.yaml", todo, include, out, tp, pp)
-        t0 = time.time()
-        proc = _mpirun(tp * pp, job)
-        print(f"layout tp={tp} pp={pp}: {len(todo)} models, {time.time() - t0:.0f} s, exit {proc.returncode}",
-              flush=True)
-        (work / f"log-tp{tp}-pp{pp}.txt").write_text(proc.stdout + proc.stderr)
-        for name in todo:
-            key = f"tp{tp}" if pp == 1 else f"pp{pp}"
-            h5 = out / f"{name}.h5"
-            if not h5.exists():
-                lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if f"{name}-tp{tp}-pp{pp} failed" in ln]
-                rows[name][key] = ("refused: " + lines[0].split("failed: ", 1)[-1][:90]) if lines else "no output"
-                continue
-            try:
-                worst, problems = A.compare(refs[name], h5)
-            except KeyError as exc:  # a run that died part-way (the launch's other models still get their row)
-                rows[name][key] = f"partial output: {exc}"
-                continue
-            rows[name][key] = f"{worst:.1e}" + ("" if not problems else f" MISMATCH ({len(problems)})")
-    (work / "matrix.json").write_text(json.dumps(rows, indent=1, default=str))
-    print("\n| architecture | TP plan | PP plan | tp=1 | tp=2 | pp=2 | non-default options / reason |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        extra = r.get("reason") or ", ".join(f"{k}={v}" for k, v in (r.get("changed") or {}).items())
-        print(f"| {name} | {r['tp_plan']} | {'yes' if r['pp_plan'] else 'no'} | "
-              f"{r.get('tp1', '-')} | {r.get('tp2', '-')} | {r.get('pp2', '-')} | {extra} |")
+    print(f"references: {time.time() - t0:.0f} s", flush=True)
+    cells: dict[str, dict[str, A.Outcome]] = {n: {} for n in models}
+    for layout in A.LAYOUTS:
+        for name, outcome in run_layout(models, refs, layout, include, work).items():
+            cells[name][layout.key] = outcome
+    (work / "matrix.json").write_text(json.dumps({n: {k: vars(o) for k, o in c.items()} for n, c in cells.items()},
+                                                 indent=1))
+    table = A.support_table(archs, excluded, unbuilt, cells)
+    print(f"\ntotal {time.time() - t0:.0f} s\n\n{table}")
+    if args.table:
+        Path(args.table).write_text(A.SUPPORT_HEADER + table)
+
+
+def from_dump(folder: Path, table_path: str | None) -> None:
+    """The table from ``MPITP_MATRIX_DUMP=DIR python -m pytest tests/test_architectures.py``: one run, both uses."""
+    reg = json.loads((folder / "registry.json").read_text())
+    cells: dict[str, dict[str, A.Outcome]] = {}
+    for layout in A.LAYOUTS:
+        for name, o in json.loads((folder / f"{layout.key}.json").read_text()).items():
+            cells.setdefault(name, {})[layout.key] = A.Outcome(**o)
+    table = A.support_table(A.architectures(), reg["excluded"], reg["unbuilt"], cells)
+    print(table)
+    if table_path:
+        Path(table_path).write_text(A.SUPPORT_HEADER + table)
 
 
 if __name__ == "__main__":

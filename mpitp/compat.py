@@ -306,14 +306,17 @@ def output_head_replaced(model: PreTrainedModel, head: torch.nn.Module) -> Itera
     the greedy head of :mod:`mpitp.replica.generation`); put back after. Set both ways through torch's own
     ``setattr`` (a child lives in the module's ``_modules``, not its ``__dict__``)."""
     current = model.get_output_embeddings()  # the model's own: a family names its head (GPT-NeoX-Japanese: embed_out)
-    name = next((n for n, child in model.named_children() if child is current), None)
+    # a child, or deeper (BERT-generation's lm_head.decoder): found by identity, set on its parent
+    name = next((n for n, mod in model.named_modules() if mod is current and n), None)
     if name is None:
-        raise RuntimeError("could not locate the LM head among the model's children")
-    setattr(model, name, head)
+        raise RuntimeError("could not locate the LM head among the model's modules")
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, head)
     try:
         yield current
     finally:
-        setattr(model, name, current)
+        setattr(parent, leaf, current)
 
 
 # ------------------------------------------------------------------------------------------------ private names

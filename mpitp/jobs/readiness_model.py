@@ -71,10 +71,10 @@ def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
         report.problems.append(Problem(str(exc)))
         return
     checks = [lambda: check_tp(config, spec.tp), lambda: check_ep(config, spec.ep, spec.pp)]
-    if spec.pp > 1:
-        from mpitp.replica.pipeline import check_pp  # imports torch: only for a pipeline layout
+    if spec.pp > 1 or spec.tp > 1:
+        from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: only for a split layout
 
-        checks.append(lambda: check_pp(config, spec.pp))
+        checks += [lambda: check_pp(config, spec.pp), lambda: check_plans_apply(config, spec.tp, spec.pp)]
     for check in checks:
         try:
             check()

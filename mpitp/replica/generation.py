@@ -88,6 +88,14 @@ class GenerationState:
                 raise TypeError(f"cannot mirror forward argument {k}={type(v).__name__} to TP workers")
         return plain, tensors
 
+    def keep_cache(self, cache: object) -> None:
+        """Worker: the cache the model's forward returned is the one the next step extends, as HF ``generate`` keeps
+        the output's ``cache`` on the leader. A model whose generate leaves the cache to the model (MiniMax
+        builds a ``MiniMaxCache``, with its linear-attention states, on the first forward) gets its own class here,
+        not the ``DynamicCache`` :meth:`decode` would make."""
+        if _is_cache(cache):
+            self._cache = cache
+
     def decode(self, plain: dict, tensors: dict[str, torch.Tensor]) -> dict:
         """Worker: the leader's forward's keyword arguments back from :meth:`encode`'s parts."""
         kwargs = dict(tensors)

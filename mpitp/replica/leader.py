@@ -142,7 +142,7 @@ class ReplicaLeader:
             self.channel.send(OP_GEN_FORWARD, tensors, plain=plain)
             self.stats.forwards += 1
             if shard.pipeline:
-                return shard.generate_step(kwargs, gen.greedy, gen.note_nonfinite)
+                return shard.generate_step(kwargs, gen.greedy, gen.note_nonfinite, gen.keep_cache)
             return original(**kwargs)
 
         # on this model only, put back (to the class's forward) on leaving: mpitp.compat

@@ -98,6 +98,38 @@ def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int) -> None:
         raise UsageError(f"model type '{config.model_type}': transformers' parallel plans for {type(model).__name__} "
                          f"apply under '{type(model).base_model_prefix}', which it does not have, so {layout} would "
                          f"not split its layers; run it with --tp 1 --pp 1 (data parallel: more ranks)")
+    if pp > 1:
+        _check_stage_split(config, model.base_model, pp)
+
+
+def _check_stage_split(config: PreTrainedConfig, base: torch.nn.Module, pp: int) -> None:
+    """What transformers' pipeline split can place: it cuts the decoder's ``layers`` (a PP plan that names its layer
+    list otherwise, CodeGen's and GPT-J's ``h``, dies in the load), and every module with weights must be one the PP
+    plan puts before or after the layers (DeepSeek-V4's and HY-V4's ``hc_head`` is in none: a stage would run it on
+    activations, or skip it)."""
+    layers_ok = isinstance(getattr(base, "layers", None), torch.nn.ModuleList)
+    stack = next((k for k in getattr(config.get_text_config(), "base_model_pp_plan", None) or {}
+                  if isinstance(getattr(base, k, None), torch.nn.ModuleList)), None)
+    if not layers_ok and stack:
+        raise UsageError(f"model type '{config.model_type}': transformers' pipeline split reads the decoder's "
+                         f"'layers', which {type(base).__name__} calls '{stack}', so --pp {pp} cannot split it; run it "
+                         f"with --pp 1 (--tp or data parallel instead)")
+    kinds = getattr(config.get_text_config(), "layer_types", None)
+    if isinstance(kinds, list) and any(_attends(k) for k in kinds):
+        for stage, (a, b) in enumerate(split_layers(len(kinds), pp)):
+            if not any(_attends(k) for k in kinds[a:b]):
+                raise UsageError(f"model type '{config.model_type}': --pp {pp} gives stage {stage} layers {a}-{b - 1} "
+                                 f"({', '.join(sorted(set(kinds[a:b])))}) and no attention layer, while generation's "
+                                 f"cache counts a stage's tokens in its attention layers; use a --pp whose stages "
+                                 f"each hold one, or --pp 1")
+    before, after = plan_sides(base)
+    unplaced = [n for n, mod in base.named_children()
+                if n not in [*before, *after, "layers"] and any(True for _ in mod.parameters())]
+    if unplaced or not layers_ok:
+        what = f"modules with weights its pipeline plan does not place on a stage ({', '.join(unplaced)})" \
+            if unplaced else "no decoder layer list 'layers'"
+        raise UsageError(f"model type '{config.model_type}': {type(base).__name__} has {what}, so --pp {pp} cannot "
+                         f"split it; run it with --pp 1 (--tp or data parallel instead)")
 
 
 def describe_split(n_layers: int, pp: int) -> str:
@@ -166,6 +198,7 @@ def compact(model: PreTrainedModel, start: int, end: int) -> None:
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
     base = base_model(model)
+    total = len(base.layers)
     layers = list(base.layers)[start:end]
     if any(isinstance(layer, PipelineIdentityLayer) for layer in layers) or not layers:
         raise RuntimeError(f"stage layers {start}..{end - 1} were not loaded by transformers' pipeline split")
@@ -183,8 +216,37 @@ def compact(model: PreTrainedModel, start: int, end: int) -> None:
     base.config = text
     if start > 0:
         _embedding_steps_off(base)
+    if end < total:
+        _after_layers_off(base)
     # transformers wraps the instance's forward with its naive PP forward; mpitp.replica.shard drives stages itself.
     compat.undo_pp_forward_wrap(model)
+
+
+def _attends(layer_type: str) -> bool:
+    """A layer type whose cache holds keys and values (``full_attention``, ``sliding_attention``), not a linear
+    attention, state-space, convolution or MLP-only layer."""
+    return "attention" in layer_type and "linear" not in layer_type
+
+
+def plan_sides(base: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """The base model's PP plan split around its layer list: (modules before it, modules after it), by the names the
+    plan gives (GPT-NeoX's ``final_layer_norm``, Phi's ``final_layernorm``, Llama's ``norm``)."""
+    plan = list(getattr(base.config, "base_model_pp_plan", None) or {})
+    at = next((i for i, k in enumerate(plan) if isinstance(getattr(base, k, None), torch.nn.ModuleList)), None)
+    return (plan, []) if at is None else (plan[:at], plan[at + 1:])
+
+
+def _after_layers_off(base) -> None:
+    """On a stage before the last, what the PP plan puts after the layers (the final norm) must not run: transformers'
+    split replaces only a module called ``norm`` (and ``embed_tokens``), so a final norm of another name (GPT-NeoX's
+    ``final_layer_norm``, Phi's ``final_layernorm``) stayed on stage 0 and normalised its activations before stage 1's
+    layers: every log-likelihood wrong at pp=2 (found by the registry-wide matrix). Each is replaced as transformers
+    replaces ``norm``."""
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    for name in plan_sides(base)[1]:
+        if isinstance(getattr(base, name, None), torch.nn.Module):
+            setattr(base, name, PipelineIdentityLayer())
 
 
 def _embedding_steps_off(base) -> None:

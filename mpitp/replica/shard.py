@@ -112,9 +112,12 @@ class ReplicaShard:
         return None, None
 
     @torch.no_grad()
-    def generate_step(self, kwargs: dict, greedy: bool,
-                      on_nonfinite: Callable[[], None] | None = None) -> CausalLMOutputWithPast | None:
+    def generate_step(self, kwargs: dict, greedy: bool, on_nonfinite: Callable[[], None] | None = None,
+                      keep_cache: Callable[[object], None] | None = None) -> CausalLMOutputWithPast | None:
         """One ``generate`` forward through the stages, each with its own KV cache; returns the leader's output.
+
+        Each stage keeps the cache its forward returned (``keep_cache``), and the leader hands it to HF: a model that
+        builds its own cache class on the first forward (MiniMax) gets that class on every stage.
 
         The last stage picks the next token vocab-parallel (greedy) and sends only the ids to the leader, which
         hands HF a logits tensor that is 0 at that id and -inf elsewhere; for sampling it sends the last
@@ -127,7 +130,10 @@ class ReplicaShard:
         if not lay.first_stage:
             kw.pop("input_ids")
             kw["inputs_embeds"] = link.recv_activation(self.device)
-        h = self.base(**kw).last_hidden_state
+        base_out = self.base(**kw)
+        h, cache = base_out.last_hidden_state, getattr(base_out, "cache", None)
+        if keep_cache is not None:
+            keep_cache(cache)
         if not lay.last_stage:
             link.send_activation(h)
             link.flush()
@@ -150,4 +156,4 @@ class ReplicaShard:
             logits = chosen_token_logits(tok, vocab, on_nonfinite)
         else:
             logits = link.recv((b, 1, vocab), torch.float32, self.device, src=lay.last_stage_leader)
-        return CausalLMOutputWithPast(logits=logits, cache=kw.get("cache"))
+        return CausalLMOutputWithPast(logits=logits, cache=cache if cache is not None else kw.get("cache"))

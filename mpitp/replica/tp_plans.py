@@ -138,6 +138,28 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
 }
 
 
+#: Types whose transformers TP plan loads but cannot compute at tp > 1 (found by the registry-wide matrix,
+#: ``bench/arch_matrix.py``, on transformers 5.24): refused by type before loading, with the reason, instead of a
+#: traceback after the load. Kept until a transformers release changes the plan (the matrix then shows it).
+UPSTREAM_BROKEN: dict[str, str] = {
+    "doge": "its attention takes a mask built for every head (its dynamic mask) while each rank computes 1/tp of "
+            "the heads (a shape error in the attention)",
+    "inkling_text": "its plan names MLP modules the model does not have, and its forward then fails in a DTensor "
+                    "reduction",
+    "hrm_text": "its log-likelihoods come out different at tp=2 (by 0.07 on a 2-layer model, the head check passing): "
+                "its recurrent H/L modules are not split the way the plan assumes",
+    "sarvam_moe": "its checkpoint's fused query/key/value is split after the TP shard is cut, so the split sizes no "
+                  "longer add up (the load fails in transformers' weight conversion)",
+}
+
+
+def check_upstream(config: PreTrainedConfig, tp: int) -> None:
+    """Refuse a type in :data:`UPSTREAM_BROKEN` at ``tp`` > 1."""
+    why = UPSTREAM_BROKEN.get(config.model_type) if tp > 1 else None
+    if why:
+        raise UsageError(f"model type '{config.model_type}': transformers' tensor-parallel plan fails at --tp {tp}: "
+                         f"{why}; run it with --tp 1 (data parallel: more ranks)")
+
 def for_config(config: PreTrainedConfig) -> OwnPlan | None:
     """mpitp's plan for ``config``'s model, or None: transformers has a plan of its own, the model runs remote code
     (its modules are not the ones named here), or no variant is declared for it."""

@@ -75,8 +75,9 @@ class ReplicaWorker:
     def _gen_forward(self, msg) -> None:
         kwargs = self.gen.decode(msg.meta["plain"], self.channel.recv_tensors(msg))
         if self.shard.pipeline:
-            self.shard.generate_step(kwargs, self.gen.greedy, self.gen.note_nonfinite)
+            self.shard.generate_step(kwargs, self.gen.greedy, self.gen.note_nonfinite, self.gen.keep_cache)
         else:
             with torch.no_grad():
-                self.shard.model(**kwargs)
+                out = self.shard.model(**kwargs)
+            self.gen.keep_cache(getattr(out, "cache", None))
         self.stats.forwards += 1
