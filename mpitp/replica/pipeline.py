@@ -108,8 +108,7 @@ def _check_stage_split(config: PreTrainedConfig, base: torch.nn.Module, pp: int)
     plan puts before or after the layers (DeepSeek-V4's and HY-V4's ``hc_head`` is in none: a stage would run it on
     activations, or skip it)."""
     layers_ok = isinstance(getattr(base, "layers", None), torch.nn.ModuleList)
-    stack = next((k for k in getattr(config.get_text_config(), "base_model_pp_plan", None) or {}
-                  if isinstance(getattr(base, k, None), torch.nn.ModuleList)), None)
+    stack = _layer_list(base)
     if not layers_ok and stack:
         raise UsageError(f"model type '{config.model_type}': transformers' pipeline split reads the decoder's "
                          f"'layers', which {type(base).__name__} calls '{stack}', so --pp {pp} cannot split it; run it "
@@ -232,8 +231,14 @@ def plan_sides(base: torch.nn.Module) -> tuple[list[str], list[str]]:
     """The base model's PP plan split around its layer list: (modules before it, modules after it), by the names the
     plan gives (GPT-NeoX's ``final_layer_norm``, Phi's ``final_layernorm``, Llama's ``norm``)."""
     plan = list(getattr(base.config, "base_model_pp_plan", None) or {})
-    at = next((i for i, k in enumerate(plan) if isinstance(getattr(base, k, None), torch.nn.ModuleList)), None)
-    return (plan, []) if at is None else (plan[:at], plan[at + 1:])
+    stack = _layer_list(base)
+    return (plan, []) if stack is None else (plan[:plan.index(stack)], plan[plan.index(stack) + 1:])
+
+
+def _layer_list(base: torch.nn.Module) -> str | None:
+    """The name the base model's PP plan gives its decoder layer list (the entry that is a ``ModuleList``)."""
+    return next((k for k in getattr(base.config, "base_model_pp_plan", None) or {}
+                 if isinstance(getattr(base, k, None), torch.nn.ModuleList)), None)
 
 
 def _after_layers_off(base) -> None:

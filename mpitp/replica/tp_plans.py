@@ -160,6 +160,7 @@ def check_upstream(config: PreTrainedConfig, tp: int) -> None:
         raise UsageError(f"model type '{config.model_type}': transformers' tensor-parallel plan fails at --tp {tp}: "
                          f"{why}; run it with --tp 1 (data parallel: more ranks)")
 
+
 def for_config(config: PreTrainedConfig) -> OwnPlan | None:
     """mpitp's plan for ``config``'s model, or None: transformers has a plan of its own, the model runs remote code
     (its modules are not the ones named here), or no variant is declared for it."""
