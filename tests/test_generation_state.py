@@ -95,3 +95,91 @@ def test_greedy_head_swaps_in_where_a_family_names_its_head_and_reads_its_dtype(
     with compat.output_head_replaced(model, stand_in) as replaced:
         assert replaced is head and model.embed_out is stand_in
     assert model.embed_out is head
+
+
+def _tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_growing_layer_holds_what_a_dynamic_layer_holds_and_adopts_outside_changes():
+    """Prefill, decode steps past the reserve (the buffer doubles), then a crop and a batch selection from outside
+    (new tensors in ``keys``): after each update the keys and values equal DynamicLayer's, as views of one buffer."""
+    from transformers.cache_utils import DynamicLayer
+
+    from mpitp.replica.generation import GrowingLayer
+
+    torch.manual_seed(0)
+    ours, theirs = GrowingLayer(reserve=2), DynamicLayer()
+    steps = [torch.randn(3, 2, 5, 4)] + [torch.randn(3, 2, 1, 4) for _ in range(4)]
+    for i, k in enumerate(steps):
+        if i == 3:
+            ours.crop(-1)
+            theirs.crop(-1)
+        if i == 4:
+            keep = torch.tensor([0, 2])
+            ours.batch_select_indices(keep)
+            theirs.batch_select_indices(keep)
+            k = k[:2]
+        got, want = ours.update(k, -k), theirs.update(k, -k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), i
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        assert got[0].data_ptr() == ours.buffers[0].data_ptr()  # a view of the buffer, no new copy
+    assert ours.buffers[0].shape[-2] >= 8  # 5 + reserve 2 = 7 was outgrown: doubled
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_growing_cache_generates_the_same_bits_as_dynamic_cache(batch):
+    """Greedy generation with :class:`GrowingCache` gives DynamicCache's tokens and the very same logits at every
+    step (bitwise), unpadded and left-padded (the attention reads views strided by the buffer's capacity)."""
+    from mpitp.replica.generation import GrowingCache
+
+    model = _tiny_llama()
+    torch.manual_seed(1)
+    ids = torch.randint(1, 97, (batch, 9))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[1, :3], mask[1, :3] = 0, 0  # left padding, as lm-eval's tok_batch_encode pads
+    kw = dict(input_ids=ids, attention_mask=mask, max_length=9 + 12, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True, use_cache=True)
+    with torch.no_grad():
+        ref = model.generate(**kw)
+        cache = GrowingCache(model.config, reserve=12)
+        got = model.generate(**kw, cache=cache)  # generate's name for a caller's cache
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, ref.scores))
+    assert cache.layers[0].buffers[0].shape[-2] == 9 + 12  # sized once: the reserve was exactly enough
+
+
+def test_greedy_decode_steps_ship_no_tensor():
+    """With the greedy head, a decode step's input ids are the tokens every rank's head just chose and its positions
+    the previous ones plus one: the leader sends markers only, the worker rebuilds the same tensors. A finished
+    row's pad token (not the head's choice) makes the ids travel as a tensor again."""
+    from mpitp.replica.generation import GREEDY_IDS, NEXT_POSITION
+
+    shard, _ = _shard()
+    leader, worker = GenerationState(shard), GenerationState(shard)
+    leader.begin(greedy=False)
+    worker.begin(greedy=False)
+    prompt = dict(input_ids=torch.arange(10).view(2, 5), cache_position=torch.arange(5),
+                  position_ids=torch.arange(5).repeat(2, 1))
+    plain, tensors = leader.encode(prompt)
+    worker.decode(plain, {k: v.clone() for k, v in tensors.items()})
+    assert set(tensors) == set(prompt)
+    for step, chosen in enumerate([torch.tensor([7, 3]), torch.tensor([4, 4])]):
+        for state in (leader, worker):  # GreedyHead.forward tells each rank's state the same ids
+            state.note_ids(chosen.clone())
+        kwargs = dict(input_ids=chosen.view(2, 1), cache_position=torch.tensor([5 + step]),
+                      position_ids=torch.tensor([[5 + step], [5 + step]]))
+        plain, tensors = leader.encode(kwargs)
+        assert tensors == {} and plain == dict(input_ids=GREEDY_IDS, cache_position=NEXT_POSITION,
+                                               position_ids=NEXT_POSITION)
+        got = worker.decode(plain, {})
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in kwargs.items())
+    leader.note_ids(torch.tensor([1, 2]))
+    plain, tensors = leader.encode(dict(input_ids=torch.tensor([[1], [0]])))  # row 1 finished: the pad token
+    assert "input_ids" in tensors

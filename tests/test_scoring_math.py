@@ -51,6 +51,11 @@ class FakeOps(TPOps):
     def min(self, t):
         return self._fake(t, lambda s: s.min(0).values)
 
+    def gather(self, t):
+        self.counter.add(t)
+        self.reduce_counter.add(t)
+        return self.g.reduce(self.rank, t, lambda s: s)
+
 
 def _shards(vocab: int, tp: int):
     per = -(-vocab // tp)
@@ -102,8 +107,20 @@ def test_matches_log_softmax(vocab, tp):
         torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
         assert torch.equal(greedy, ref_greedy)
         assert torch.equal(am, logits.argmax(-1))
-        if tp > 1:  # score: 4 + 8 + 4 bytes per token; argmax: 4 + 4
-            assert nbytes == n * 16 + n * 8
+        if tp > 1:  # score: 4 + 8 + 4 bytes per token; argmax: one gather of (max, index) as float64, 16
+            assert nbytes == n * 16 + n * 16
+
+
+def test_argmax_reports_nan_rows_past_the_vocabulary():
+    """A row whose logits hold NaN on any shard has no maximum: its id is past the vocabulary on every rank (the
+    greedy head then reports it: mpitp.replica.generation.chosen_token_logits)."""
+    vocab, tp, hidden = 10, 2, 4
+    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    weight[7] = float("nan")
+    h = torch.ones(2, hidden)
+    out = _run_sharded(weight, h, torch.tensor([0, 0]), tp)
+    for _lp, _greedy, am, _ in out.values():
+        assert (am >= vocab).all()
 
 
 def test_ties_take_the_lowest_index_like_torch_argmax():

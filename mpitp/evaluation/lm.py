@@ -306,7 +306,12 @@ class MPITPLM(HFLM):
                                           "generation_kwargs", f"tp={lay.tp} pp={lay.pp}")
         self.leader.nonfinite_steps = 0
         try:
-            with self.leader.generating(greedy=plain_greedy(self.model, generation_kwargs)):
+            # the KV cache sized for this call (mpitp.replica.generation.GrowingCache: no copy of it per step), as
+            # generate's ``cache`` argument (its older name past_key_values is deprecated)
+            reserve = max(0, int(max_length) - int(context.shape[1]))
+            with self.leader.generating(greedy=plain_greedy(self.model, generation_kwargs), reserve=reserve) as kv:
+                if kv is not None:
+                    generation_kwargs = {**generation_kwargs, "cache": kv}
                 out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         except RuntimeError as exc:  # torch.multinomial on a NaN/inf distribution (sampling)
             if "inf, nan" not in str(exc):

@@ -7,9 +7,15 @@ Only the leader runs HF ``generate``; each of its forwards is mirrored by the wo
   last position (two all-reduces of O(batch)), so no rank gathers full logits; HF's greedy search then picks that
   token. Sampling keeps transformers' gathered logits, and only the leader samples: workers are sent its tokens, so
   one seeded generator decides for the whole group;
-- the tensors of the previous forward, so a grown attention mask travels as "append a column of ones", and each
-  decode step ships only the new token ids;
-- on workers, their own KV-cache shard, kept in step with the leader's;
+- the tensors of the previous forward, so a grown attention mask travels as "append a column of ones", positions
+  (``cache_position``, ``position_ids``) as "the last one plus one" and, with the greedy head, the new token ids as
+  "the tokens the head just chose" (every rank knows them): a greedy decode step ships no tensor at all, only its
+  small message;
+- on workers, their own KV-cache shard, kept in step with the leader's; on every rank (without pipeline stages) a
+  :class:`GrowingCache`: transformers' ``DynamicCache`` concatenates each layer's keys and values anew at every
+  decode step (the whole cache copied per token: at 960 cached positions and batch 16, 0.2 GB per step and rank of
+  the 74M bench model), this one writes the new positions into a buffer sized once for the call and hands out views
+  of it, the same numbers in the same layout;
 - the scoring counter set aside, since argmax reductions are not scoring traffic.
 """
 
@@ -19,6 +25,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from mpitp import compat
 from mpitp.replica.scoring import CommCounter, VocabParallelHead
@@ -28,6 +35,8 @@ if TYPE_CHECKING:
 
 CACHE = "__cache__"  # the forward's KV cache: each rank passes its own
 EXTEND_ONES = "__extend_ones__"  # the previous tensor of that name with a column of ones appended (the attention mask)
+NEXT_POSITION = "__next_position__"  # the last column of the previous tensor of that name, plus one (positions)
+GREEDY_IDS = "__greedy_ids__"  # the ids the greedy head chose at the previous forward, as one column (decode input)
 
 
 class GenerationState:
@@ -37,20 +46,25 @@ class GenerationState:
         self.shard = shard
         self.greedy = False
         self.nonfinite_steps = 0  # greedy steps whose logits held NaN (no token reached the maximum)
+        self.last_ids: torch.Tensor | None = None  # the greedy head's last choice, the same on every rank
+        self.reserve = 0
         self._sent: dict[str, torch.Tensor] = {}
         self._cache = None
         self._restore_head = None
         self._scoring_counter: CommCounter | None = None
 
-    def begin(self, greedy: bool) -> None:
+    def begin(self, greedy: bool, reserve: int = 0) -> None:
+        """A ``generate`` call starts; ``reserve``: the most positions it adds to its prompt (the KV cache's spare
+        room, :class:`GrowingCache`)."""
         shard = self.shard
-        self._sent, self._cache = {}, None
+        self._sent, self._cache, self.last_ids = {}, None, None
         self.greedy = greedy
+        self.reserve = reserve
         self._scoring_counter, shard.ops.reduce_counter = shard.ops.reduce_counter, CommCounter()  # argmax != scoring
         self._restore_head = self._swap_head() if greedy and not shard.pipeline else None
 
     def end(self) -> None:
-        self._sent, self._cache = {}, None
+        self._sent, self._cache, self.last_ids = {}, None, None
         if self._restore_head is not None:
             self._restore_head()
             self._restore_head = None
@@ -61,12 +75,24 @@ class GenerationState:
     def note_nonfinite(self) -> None:
         self.nonfinite_steps += 1
 
+    def note_ids(self, ids: torch.Tensor) -> None:
+        self.last_ids = ids
+
+    def cache(self) -> DynamicCache:
+        """This rank's KV cache for the current call: a :class:`GrowingCache` (a plain ``DynamicCache`` with pipeline
+        stages, whose step code builds its own per stage), made on first use. The leader hands it to ``generate``
+        (its ``cache`` argument), a worker to the forwards it mirrors."""
+        if self._cache is None:
+            config = self.shard.model.config
+            self._cache = DynamicCache(config=config) if self.shard.pipeline else GrowingCache(config, self.reserve)
+        return self._cache
+
     def _swap_head(self):
         """Replace the model's output embedding by :class:`GreedyHead` (:func:`mpitp.compat.output_head_replaced`:
         on this model only); returns the undo."""
         stack = contextlib.ExitStack()
-        stack.enter_context(compat.output_head_replaced(self.shard.model,
-                                                        GreedyHead(self.shard.head, self.note_nonfinite)))
+        stack.enter_context(compat.output_head_replaced(
+            self.shard.model, GreedyHead(self.shard.head, self.note_nonfinite, self.note_ids)))
         return stack.close
 
     def encode(self, kwargs: dict) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -77,6 +103,10 @@ class GenerationState:
                 prev = self._sent.get(k)
                 if prev is not None and _extends_with_ones(prev, v):
                     plain[k] = EXTEND_ONES  # the grown attention mask: workers append the column
+                elif k == "input_ids" and _is_column_of(self.last_ids, v):
+                    plain[k] = GREEDY_IDS  # a decode step's input: the tokens every rank's greedy head just chose
+                elif prev is not None and _next_position(prev, v):
+                    plain[k] = NEXT_POSITION  # cache_position, position_ids: one step on
                 else:
                     tensors[k] = v
                 self._sent[k] = v
@@ -101,14 +131,14 @@ class GenerationState:
         kwargs = dict(tensors)
         for k, v in plain.items():
             if v == CACHE:
-                if self._cache is None:
-                    from transformers import DynamicCache
-
-                    self._cache = DynamicCache(config=self.shard.model.config)
-                v = self._cache
+                v = self.cache()
             elif v == EXTEND_ONES:
                 prev = self._sent[k]
                 v = torch.cat([prev, torch.ones_like(prev[..., :1])], dim=-1)
+            elif v == GREEDY_IDS:
+                v = self.last_ids.view(-1, 1)
+            elif v == NEXT_POSITION:
+                v = self._sent[k][..., -1:] + 1
             kwargs[k] = v
         self._sent.update({k: v for k, v in kwargs.items() if torch.is_tensor(v)})
         return kwargs
@@ -128,6 +158,78 @@ def _extends_with_ones(prev: torch.Tensor, new: torch.Tensor) -> bool:
             and bool((new[..., -1] == 1).all()) and torch.equal(new[..., :-1], prev))
 
 
+def _is_column_of(ids: torch.Tensor | None, new: torch.Tensor) -> bool:
+    """``new`` is ``ids`` as one column ``[batch, 1]``, same dtype (HF's next decode input after a greedy step; a
+    finished row's pad token makes it differ, and then the tensor is sent)."""
+    return (ids is not None and new.dim() == 2 and new.shape == (ids.shape[0], 1) and new.dtype == ids.dtype
+            and new.device == ids.device and torch.equal(new.view(-1), ids))
+
+
+def _next_position(prev: torch.Tensor, new: torch.Tensor) -> bool:
+    """``new`` is the last column of ``prev`` plus one (how generate advances ``cache_position`` and
+    ``position_ids`` by a decode step)."""
+    return (new.dim() == prev.dim() >= 1 and new.shape[-1] == 1 and new.shape[:-1] == prev.shape[:-1]
+            and new.dtype == prev.dtype and prev.shape[-1] >= 1 and torch.equal(new, prev[..., -1:] + 1))
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in one buffer per call, handed out as views of its filled part.
+
+    ``DynamicLayer.update`` concatenates (``torch.cat``) the cached keys and values with the new ones at every step,
+    copying the whole cache per generated token. Here the first update allocates room for its positions plus
+    ``reserve`` more (the tokens the call may add), and each later update copies only its new positions in. The
+    attention reads the same numbers with the same shape ``[batch, heads, positions, head_dim]`` (a view whose
+    positions are strided by the capacity: the kernels index by stride, so the results are the same bits,
+    ``tests/test_generation_state.py``). Whatever replaces :attr:`keys` from outside (``crop``, ``reorder_cache``,
+    ``batch_select_indices``: new tensors) is adopted into a new buffer at the next update.
+    """
+
+    def __init__(self, reserve: int = 0):
+        super().__init__()
+        self.reserve = max(0, int(reserve))
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.handed: torch.Tensor | None = None  # the keys view last returned: anything else was set from outside
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions (dim -2) and return all cached keys and values, as ``DynamicLayer.update``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        have = self.keys if self.keys is not None and self.keys.numel() else None
+        length = 0 if have is None else int(have.shape[-2])
+        n = length + int(key_states.shape[-2])
+        buf = self.buffers
+        if (buf is None or have is not self.handed or n > buf[0].shape[-2]
+                or buf[0].shape[:-2] != key_states.shape[:-2] or buf[1].shape[:-2] != value_states.shape[:-2]):
+            grown = 0 if buf is None else 2 * buf[0].shape[-2]  # past the reserve (a caller's longer call): double
+            cap = max(n + self.reserve, grown)
+            kb = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
+            vb = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            if have is not None:
+                kb[..., :length, :].copy_(have)
+                vb[..., :length, :].copy_(self.values)
+            buf = self.buffers = (kb, vb)
+        kb, vb = buf
+        kb[..., length:n, :].copy_(key_states)
+        vb[..., length:n, :].copy_(value_states)
+        self.keys, self.values = kb[..., :n, :], vb[..., :n, :]
+        self.handed = self.keys
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self.buffers = self.handed = None
+        super().reset()
+
+
+class GrowingCache(DynamicCache):
+    """``DynamicCache(config=config)`` with its full-attention layers (plain ``DynamicLayer``) made
+    :class:`GrowingLayer`; sliding-window and other layer kinds stay transformers' own."""
+
+    def __init__(self, config, reserve: int = 0):
+        super().__init__(config=config)
+        self.layers = [GrowingLayer(reserve) if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+
 class GreedyHead(torch.nn.Module):
     """Stands in for the LM head during greedy generation: vocab-parallel argmax of the last position.
 
@@ -135,10 +237,13 @@ class GreedyHead(torch.nn.Module):
     the token the sharded argmax chose (torch.argmax's lowest-index rule), without gathering the vocabulary.
     """
 
-    def __init__(self, head: VocabParallelHead, on_nonfinite: Callable[[], None] | None = None):
+    def __init__(self, head: VocabParallelHead, on_nonfinite: Callable[[], None] | None = None,
+                 on_ids: Callable[[torch.Tensor], None] | None = None):
+        """``on_ids``: told the ids HF's greedy search will pick (NaN rows as token 0), on every rank alike."""
         super().__init__()
         self.head = head
         self.on_nonfinite = on_nonfinite
+        self.on_ids = on_ids
 
     @property
     def weight(self) -> torch.Tensor:
@@ -148,6 +253,8 @@ class GreedyHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ids = self.head.argmax(hidden[:, -1, :], head_input=True)
+        if self.on_ids is not None:
+            self.on_ids(torch.where(ids >= self.head.vocab_size, torch.zeros_like(ids), ids))
         return chosen_token_logits(ids, self.head.vocab_size, self.on_nonfinite)
 
 

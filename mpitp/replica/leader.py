@@ -33,6 +33,8 @@ from mpitp.replica.protocol import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    from transformers import DynamicCache
+
     from mpitp.replica.shard import ReplicaShard
 
 log = logging.getLogger("mpitp")
@@ -122,16 +124,18 @@ class ReplicaLeader:
 
     # ------------------------------------------------------------------ generation
     @contextlib.contextmanager
-    def generating(self, greedy: bool = False) -> Iterator[None]:
+    def generating(self, greedy: bool = False, reserve: int = 0) -> Iterator[DynamicCache | None]:
         """While active, every forward the leader's model runs (HF ``generate``'s) is mirrored by the workers.
 
         ``greedy`` swaps the LM head for a vocab-parallel argmax on every TP rank
-        (:class:`mpitp.replica.generation.GenerationState`).
+        (:class:`mpitp.replica.generation.GenerationState`). Yields the KV cache to hand ``generate``
+        (its ``cache`` argument; :class:`~mpitp.replica.generation.GrowingCache` with room for ``reserve`` new
+        positions), or None with pipeline stages (their step code keeps ``generate``'s own).
         """
         model, shard, gen = self.model, self.shard, self.gen
         if self.has_workers:
-            self.channel.send(OP_GEN_BEGIN, greedy=greedy)
-        gen.begin(greedy)
+            self.channel.send(OP_GEN_BEGIN, greedy=greedy, reserve=reserve)
+        gen.begin(greedy, reserve)
         original = model.forward
 
         @functools.wraps(original)  # generate validates its kwargs against the forward's signature (Falcon-H1)
@@ -151,7 +155,7 @@ class ReplicaLeader:
         ok = False
         try:
             with swap:
-                yield
+                yield None if shard.pipeline else gen.cache()
             ok = True
         finally:
             if self.has_workers and ok:  # after a failure the workers may sit in a collective of the failed forward
