@@ -48,6 +48,9 @@ TREE_ATTENTION = "mpitp_tree"
 LOCAL_SHARD = "torch.distributed.tensor._utils.compute_local_shape_and_global_offset"
 #: the source of a model's ``forward``, read as syntax (:func:`forward_tree`); checked on Llama's
 FORWARD_SOURCE = "transformers.models.llama.modeling_llama.LlamaForCausalLM.forward"
+#: ``torch.distributed`` as transformers' TP layers name it: replaced while a replica runs on CPU, so their
+#: all-reduces go over MPI (:mod:`mpitp.parallel.cpu_reduce`, :meth:`mpitp.replica.shard.ReplicaShard.tp_reductions`)
+TP_DIST = "transformers.distributed.tensor_parallel.dist"
 #: lm-eval's task index module (private): its names are read through :func:`attribute` with this prefix
 TASK_INDEX = "lm_eval.tasks._index"
 
@@ -143,6 +146,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("torch", "torch.serialization", "_get_layout", TORCH, "mpitp.replica.dcp_read", kind="read"),
     Target(_TP, "transformers.modeling_utils", "safe_open", TRANSFORMERS, "mpitp.replica.loading", optional=True),
     Target(_TP, "transformers.distributed.mixin", "apply_tensor_parallelism", TRANSFORMERS, "mpitp.replica.pipeline"),
+    Target(_TP, "transformers.distributed.tensor_parallel", "dist", TRANSFORMERS, "mpitp.replica.shard"),
     Target(_TP, "transformers.distributed.pipeline_parallel", "apply_pipeline_parallelism", TRANSFORMERS,
            "mpitp.replica.pipeline", kind="instance", names=("_pp_forward_wrapped",)),
     Target(_TP, "transformers.models.llama.modeling_llama", "LlamaForCausalLM.forward", TRANSFORMERS,

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from mpitp.evaluation.lm import MPITPLM
+    from mpitp.replica.shard import ReplicaShard
     from mpitp.replica.stats import Stats
 
 log = logging.getLogger("mpitp")
@@ -175,20 +176,32 @@ def evaluate_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase |
     other DP leaders serve chunks, TP workers mirror their leader's forwards. ``out=None`` writes no file.
     ``kept``: an adapter sweep's :class:`KeptChecks` for the base ``model`` (filled by the first evaluation).
     """
+    from mpitp.replica.shard import ReplicaShard
+    from mpitp.replica.stats import Stats
+
+    t_start = time.perf_counter() if t_start is None else t_start
+    group = rt.replica_group.tp_group if rt.replica_group is not None else None
+    stats = Stats()
+    shard = ReplicaShard(model, rt.layout, rt.device, stats, tp_group=group, timeout=rt.timeout)
+    with shard.tp_reductions():  # while it runs, its TP collectives of CPU tensors go over MPI (parallel.cpu_reduce)
+        return _evaluate_shard(shard, tokenizer, cfg, rt, stats, out=out, task_manager=task_manager,
+                               extra_lm_eval=extra_lm_eval, t_start=t_start, phases=phases,
+                               encode_cache=encode_cache, kept=kept)
+
+
+def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | str, cfg: EvalConfig, rt: Runtime,
+                    stats: Stats, *, out: str | None, task_manager: TaskManager | None, extra_lm_eval: dict | None,
+                    t_start: float, phases: dict | None, encode_cache: dict | None,
+                    kept: KeptChecks | None) -> dict | None:
+    """:func:`evaluate_loaded` once this rank's :class:`~mpitp.replica.shard.ReplicaShard` is built."""
     from mpitp.evaluation import finish
     from mpitp.evaluation.dispatch import serve_remote
     from mpitp.replica.batchsize import AutoBatch, agreed_budget, is_auto
+    from mpitp.replica.headcheck import check_head
     from mpitp.replica.leader import ReplicaLeader
-    from mpitp.replica.shard import ReplicaShard
-    from mpitp.replica.stats import Stats
     from mpitp.replica.worker import ReplicaWorker
 
-    t_start = time.perf_counter() if t_start is None else t_start
-    lay = rt.layout
-    group = rt.replica_group.tp_group if rt.replica_group is not None else None
-    stats = Stats()
-    shard = ReplicaShard(model, lay, rt.device, stats, tp_group=group)
-    from mpitp.replica.headcheck import check_head
+    model, lay = shard.model, rt.layout
 
     reuse_head = kept is not None and kept.head_check_s is not None and not kept.recheck_head
     head_check_s = check_head(shard, rt.world.comm, rt.timeout, skip=cfg.skip_head_check,

@@ -9,11 +9,13 @@ when generating, the chosen token ids) travel back to the leader.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 
-from mpitp import testing
+from mpitp import compat, testing
+from mpitp.parallel.cpu_reduce import MPIReductions, TorchDistributedOverMPI
 from mpitp.replica.generation import chosen_token_logits
 from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, base_model, micro_batches
 from mpitp.replica.prefix import SPEC_KW, TreeSpec, flop_weights
@@ -22,6 +24,7 @@ from mpitp.replica.stats import Stats
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
     from torch.distributed import ProcessGroup
     from transformers import PreTrainedModel
@@ -37,12 +40,17 @@ class ReplicaShard:
     """
 
     def __init__(self, model: PreTrainedModel, layout: Layout, device: str, stats: Stats | None = None,
-                 tp_group: ProcessGroup | None = None):
+                 tp_group: ProcessGroup | None = None, timeout: float | None = None):
+        """``timeout``: the deadline of a wait inside a TP collective that goes over MPI (:meth:`tp_reductions`)."""
         self.model = model
         self.layout = layout
         self.device = torch.device(device)
         self.stats = stats or Stats()
-        self.ops = TPOps(size=layout.tp, group=tp_group, counter=self.stats.tp, reduce_counter=self.stats.tp_score)
+        # On CPU a TP group reduces over MPI (mpitp.parallel.cpu_reduce): gloo's loopback was the decode step's cost
+        self.mpi = (MPIReductions(tp_group, layout.tp_comm, timeout)
+                    if layout.tp > 1 and self.device.type == "cpu" else None)
+        self.ops = TPOps(size=layout.tp, group=tp_group, counter=self.stats.tp, reduce_counter=self.stats.tp_score,
+                         mpi=self.mpi)
         self.pipeline = layout.pp > 1
         self.link = StageLink(layout, self.stats.pp) if self.pipeline else None
         self.head = VocabParallelHead.from_model(model, self.ops) if layout.last_stage else None
@@ -52,6 +60,14 @@ class ReplicaShard:
         self.flop_weights = flop_weights(model.config.get_text_config())  # to weigh a tree against plain rows
         testing.install_forward_fault(getattr(self.base, "layers", None), layout.rank, lambda: self.stats.forwards)
         testing.install_generate_log(model, layout)
+
+    def tp_reductions(self) -> AbstractContextManager[object]:
+        """While active, the all-reduces transformers' TP layers make (``tensor_parallel.dist.all_reduce``) of CPU
+        tensors go over this TP group's MPI communicator (:class:`mpitp.parallel.cpu_reduce.TorchDistributedOverMPI`,
+        put back on leaving: :func:`mpitp.compat.replaced`); on GPU, or at tp=1, nothing changes."""
+        if self.mpi is None:
+            return contextlib.nullcontext()
+        return compat.replaced(compat.TP_DIST, TorchDistributedOverMPI(self.mpi))
 
     @torch.no_grad()
     def score(self, packed: torch.Tensor, b: int, t: int, n: int, r: int = 0, spec: TreeSpec | None = None,
