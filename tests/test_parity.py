@@ -37,11 +37,41 @@ def reference(test_tasks):
     return res
 
 
-def _run_layout(n, tp, test_tasks, out, pp=1):
+def _run_layout(n, tp, test_tasks, out, pp=1, env=None):
     return run_mpi(n, ["eval", "--model", str(STORIES), "--tasks", ",".join(TASKS), "--include-path", test_tasks,
                        "--limit", str(LIMIT), "--batch-size", str(BATCH), "--gen-kwargs", GEN_KWARGS,
                        "--bootstrap-iters", "0", "--dtype", "float32", "--tp", str(tp), "--pp", str(pp),
-                       "--output", str(out)])
+                       "--output", str(out)], env=env)
+
+
+MAX_GEN = int(GEN_KWARGS.split("=")[1])
+
+
+def _check_generation_forwards(log, reference, out):
+    """The forwards generation ran, from the forward log (``MPITP_TEST_FORWARD_LOG``): the 3 gsm8k questions in one
+    batch (``BATCH`` 4, as lm-eval batches them), one prefill of the prompts left-truncated to 512 - 32 positions
+    (stories260K's 5-shot prompts are all longer), then one forward per decode step of one position per row, the
+    cache growing by one each; the tokens generated are the batch times the positions the call added."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    gen = [json.loads(line) for line in open(log) if '"generate"' in line]
+    prefill = [g for g in gen if g["past"] == 0]
+    decode = [g for g in gen if g["past"] > 0]
+    seq = 512 - MAX_GEN
+    tok = AutoTokenizer.from_pretrained(str(STORIES))
+    lengths = [len(tok(s["arguments"][0][0], add_special_tokens=False)["input_ids"])
+               for s in reference["samples"]["gsm8k_local"]]
+    assert min(lengths) > seq, lengths
+    assert [(g["batch"], g["seq"], g["tokens"]) for g in prefill] == [(LIMIT, seq, LIMIT * seq)], prefill
+    assert 1 <= len(decode) <= MAX_GEN - 1, len(decode)
+    assert [(g["batch"], g["seq"], g["past"]) for g in decode] == [(LIMIT, 1, seq + i) for i in range(len(decode))]
+    assert gen[0]["past"] == 0 and len(gen) == 1 + len(decode)
+    with h5py.File(out, "r") as f:
+        generated = int(f["stats/tokens_generated"][()].sum())
+    assert generated == LIMIT * (len(decode) + 1), (generated, len(decode))
+    return len(gen), LIMIT * seq
 
 
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)]
@@ -78,9 +108,14 @@ def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path, requ
         out = outs[request.node.callspec.id]
     else:
         out = tmp_path / "out.h5"
-        proc = _run_layout(n, tp, test_tasks, out, pp)
+        log = tmp_path / "forwards.jsonl"  # one rank: generate's forwards counted (_check_generation_forwards)
+        env = {"MPITP_TESTING": "1", "MPITP_TEST_FORWARD_LOG": str(log)} if n == 1 else None
+        proc = _run_layout(n, tp, test_tasks, out, pp, env=env)
         assert proc.returncode == 0, explain(proc)
         assert "head check: passed in" in proc.stdout, explain(proc)  # the probe ran, its cost shown
+        if n == 1:
+            forwards, prefill_tokens = _check_generation_forwards(log, reference, out)
+            print(f"gsm8k generation: {forwards} forwards, {prefill_tokens} prefill tokens")
     ref = reference_requests(reference["samples"])
     got = mpitp_requests(str(out), TASKS)
     worst, problems = compare_requests(ref, got)
