@@ -18,6 +18,7 @@ deadline of every other wait in mpitp (:class:`mpitp.parallel.comm.Poller`): a l
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T,
              torch.int64: MPI.INT64_T}
 SPINS = 2000  # Test calls before sleeping (~20-50 us): a TP peer arrives within microseconds
+NAP_S = 2e-5  # then naps this short (the kernel's timer slack adds ~50 us)...
+NAPPING_S = 0.05  # ...for this long, before the Poller's longer naps and its deadline
 
 
 class MPIReductions:
@@ -75,7 +78,18 @@ class MPIReductions:
         return out
 
     def _wait(self, req: MPI.Request, phase: str) -> None:
+        """Spin, then sleep in short fixed naps for up to :data:`NAPPING_S`, then the Poller's backoff and deadline.
+
+        The naps stay short because a TP peer is late by about one uneven chunk of compute (a millisecond at a long
+        prefill): the Poller's doubling naps (up to 0.5 ms) woke a rank that long after its peer had arrived, that
+        rank was then the late one at the next reduction, and the two took turns waiting (bs=16 prefill: ~5 ms
+        per reduction on each rank, mostly asleep)."""
         for _ in range(SPINS):
+            if req.Test():
+                return
+        start = time.monotonic()
+        while time.monotonic() - start < NAPPING_S:
+            time.sleep(NAP_S)
             if req.Test():
                 return
         poller = Poller(self.timeout, phase)
