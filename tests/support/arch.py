@@ -51,8 +51,8 @@ def architectures() -> list[Arch]:
         cfg_name = CONFIG_MAPPING_NAMES.get(mt)
         cfg_cls = getattr(transformers, cfg_name, None) if cfg_name else None
         tp_plan = bool(getattr(cfg_cls, "base_model_tp_plan", None))
-        out.append(Arch(mt, cls_name, tp_plan, bool(getattr(cfg_cls, "base_model_pp_plan", None)),
-                        not tp_plan and mt in PLANS))
+        own = getattr(cfg_cls, "model_type", mt) in PLANS  # gpt-sw3's config is GPT-2's
+        out.append(Arch(mt, cls_name, tp_plan, bool(getattr(cfg_cls, "base_model_pp_plan", None)), not tp_plan and own))
     return out
 
 
