@@ -1,13 +1,14 @@
 """mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
 
 transformers 5.24 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
-(``gpt_bigcode``) or Falcon, so ``--tp 2`` was refused for them. Each plan below is written in
-transformers' own vocabulary (``colwise``, ``rowwise``, ``embedding_rowwise`` ...) with names under the base model,
-as a config's ``base_model_tp_plan`` is, and handed to transformers as the ``tp_plan`` of its ``DistributedConfig``
-(:func:`distributed_config`): transformers shards every weight as it reads it, exactly as for a model with a plan of
-its own. A plan is only picked where transformers has none, for transformers' own classes (remote code is refused as
-before: its module names are its own), and only where the split is exact: every rank computes its own heads, and
-the one sum across ranks (``rowwise``) is the sum a single process computes, in another order.
+(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese or BioGPT, so ``--tp 2`` was refused for them. Each
+plan below is written in transformers' own vocabulary (``colwise``, ``rowwise``, ``embedding_rowwise`` ...) with
+names under the base model, as a config's ``base_model_tp_plan`` is, and handed to transformers as the ``tp_plan``
+of its ``DistributedConfig`` (:func:`distributed_config`): transformers shards every weight as it reads it, exactly
+as for a model with a plan of its own. A plan is only picked where transformers has none, for transformers' own
+classes (remote code is refused as before: its module names are its own), and only where the split is exact: every
+rank computes its own heads, and the one sum across ranks (``rowwise``) is the sum a single process computes, in
+another order.
 
 What a family needs beyond the plan is declared next to it, as data, and applied after loading (:func:`fix_up`):
 
@@ -23,13 +24,20 @@ What a family needs beyond the plan is declared next to it, as data, and applied
 - ``divides``: the config counts ``--tp`` must divide, checked before loading with the arithmetic spelled out;
 - ``refuse``: config values the split cannot reproduce (BLOOM's ``slow_but_exact`` re-slices the whole weight).
 
-Families left out, and why (they stay refused with "run it with --tp 1"): GPT-2 (``Conv1D`` stores weights
-transposed and has no ``in_features``/``out_features``, which transformers' ``colwise``/``rowwise`` shard and hook, and
-its fused ``c_attn`` is ``[q | k | v]``), JetMoE (mixture of attention heads: experts route per token inside the
-attention), DBRX (MoE experts in one fused parameter plus a GQA ``Wqkv`` of unequal blocks), Mamba (no heads: a
-depthwise convolution and a selective scan over a fused ``in_proj``), GPT-NeoX-Japanese (a plan fits it: per-head
-``query_key_value``; but mpitp cannot score it at tp=1 either, "could not locate the LM head among the model's
-children", so there is no parity to show).
+GPT-2 and OpenAI GPT store their projections as ``Conv1D`` (the weight transposed): they are split by mpitp's
+``Conv1D`` styles (:mod:`mpitp.replica.conv1d_tp`), registered next to transformers' own. GPT-NeoX-Japanese and
+BioGPT name their LM head ``embed_out`` and ``output_projection`` (``head``).
+
+Families left out, and why (they stay refused with "run it with --tp 1"): JetMoE (mixture of attention heads:
+experts route per token inside the attention), DBRX (MoE experts in one fused parameter plus a GQA ``Wqkv`` of
+unequal blocks; transformers 5.24 cannot build its config at random either, so there is no parity to show), Mamba
+and Falcon-Mamba (no heads: a depthwise convolution and a selective scan over a fused ``in_proj``, and a cache
+transformers sizes from the config's full width), RWKV (the same: channels mixed by a recurrence whose state the
+model sizes), CTRL (its MLP is an ``nn.Sequential`` whose children are named ``0`` and ``2``: transformers reads
+every number in a rule's name as a layer index, so no rule can tell the two apart), BitNet (an RMS norm over the
+whole attention output and the whole MLP width sits between its column- and row-split projections, where a rank
+holds a part of that width), TrOCR and BERT-generation (decoders of encoder-decoder pairs, evaluated with their
+encoder, not as language models).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.errors import UsageError
+from mpitp.replica import conv1d_tp
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +92,9 @@ _FALCON = {"word_embeddings": "embedding_rowwise",
 # Falcon bakes the bias into the mask too ([batch, heads, q, k] where ALiBi is on, [batch, 1, q, k] where not)
 _FALCON_ALIBI = {"h.*.self_attention": ("alibi", "attention_mask")}
 
+_CONV1D = {"h.*.attn.c_attn": conv1d_tp.PACKED_QKV, "h.*.attn.c_proj": conv1d_tp.ROWWISE,
+           "h.*.mlp.c_fc": conv1d_tp.COLWISE, "h.*.mlp.c_proj": conv1d_tp.ROWWISE}
+
 #: model_type -> its variants, the first whose ``when`` the config matches is used.
 PLANS: dict[str, tuple[OwnPlan, ...]] = {
     "stablelm": (OwnPlan(
@@ -123,6 +135,21 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
         OwnPlan({**_BIGCODE, "h.*.attn.c_attn": "colwise"}, when={"multi_query": False},
                 heads={"h.*.attn": ("num_heads", "kv_heads", "kv_dim")}),
     ),
+    # Conv1D weights are [in, out] (mpitp.replica.conv1d_tp); c_attn is [q | k | v], each hidden_size wide
+    "gpt2": (OwnPlan(
+        {"wte": "embedding_rowwise", **_CONV1D}, heads={"h.*.attn": ("num_heads", "split_size", "embed_dim")},
+        refuse=(("add_cross_attention", True, "its cross-attention (an encoder-decoder use) is not split"),)),),
+    "openai-gpt": (OwnPlan({"tokens_embed": "embedding_rowwise", **_CONV1D},
+                           heads={"h.*.attn": ("n_head", "split_size")}),),
+    # query_key_value is per head [heads, 3 * head_dim]; dense's bias is a separate parameter the layer adds after
+    "gpt_neox_japanese": (OwnPlan(
+        {"embed_in": "embedding_rowwise", **_attn("layers.*.attention", ("query_key_value",), "dense"),
+         **_mlp("layers.*.mlp", ("dense_h_to_4h",), "dense_4h_to_h")},
+        heads={"layers.*.attention": ("num_attention_heads",)}, head="embed_out"),),
+    "biogpt": (OwnPlan(
+        {"embed_tokens": "embedding_rowwise", **_attn("layers.*.self_attn", ("q_proj", "k_proj", "v_proj"), "out_proj"),
+         **_mlp("layers.*", ("fc1",), "fc2")},
+        heads={"layers.*.self_attn": ("num_heads",)}, head="output_projection"),),
     "falcon": (
         # Falcon-40B/180B/11B: [kv groups, q heads of the group + k + v, head_dim]: a contiguous split keeps groups
         OwnPlan({**_FALCON, "h.*.self_attention.query_key_value": "colwise"}, when={"new_decoder_architecture": True},
@@ -216,11 +243,15 @@ def distributed_config(config: PreTrainedConfig | None, tp: int, **sizes: int) -
 
 
 def _register_styles() -> None:
-    """Add :data:`PACKED_QKV` to transformers' registry of parallel styles: a new name, nothing replaced (the way
-    transformers registers its own styles), so nothing is undone."""
+    """Add :data:`PACKED_QKV` and the ``Conv1D`` styles (:mod:`mpitp.replica.conv1d_tp`) to transformers' registry
+    of parallel styles: new names, nothing replaced (the way transformers registers its own styles), so nothing is
+    undone."""
     styles = compat.attribute(_STYLES)
     if PACKED_QKV not in styles:
         styles.register(PACKED_QKV, compat.attribute(_PACKED)(split_factor=3))
+    if conv1d_tp.COLWISE not in styles:
+        for name, style in conv1d_tp.styles().items():
+            styles.register(name, style)
 
 
 def _rule(name: str) -> str:

@@ -51,8 +51,8 @@ def architectures() -> list[Arch]:
         cfg_name = CONFIG_MAPPING_NAMES.get(mt)
         cfg_cls = getattr(transformers, cfg_name, None) if cfg_name else None
         tp_plan = bool(getattr(cfg_cls, "base_model_tp_plan", None))
-        out.append(Arch(mt, cls_name, tp_plan, bool(getattr(cfg_cls, "base_model_pp_plan", None)),
-                        not tp_plan and mt in PLANS))
+        own = getattr(cfg_cls, "model_type", mt) in PLANS  # gpt-sw3's config is GPT-2's
+        out.append(Arch(mt, cls_name, tp_plan, bool(getattr(cfg_cls, "base_model_pp_plan", None)), not tp_plan and own))
     return out
 
 
@@ -198,7 +198,8 @@ def ci_subset(archs: list[Arch]) -> list[Arch]:
       scale, Granite's division, Gemma's soft-cap, Falcon-H1's multiplier, MiniCPM3's hidden division ...), the first
       in transformers' order, with Llama standing for the plain ``logits = lm_head(h)`` group;
     - Cohere and Granite, named in issue #13, whatever group they fall in;
-    - GPT-2 and OPT: no TP plan in transformers (GPT-2 refused at tp=2; OPT split by mpitp's own plan);
+    - GPT-2 and OPT: no TP plan in transformers (both split by mpitp's own plan, GPT-2's ``Conv1D`` by its own
+      styles);
     - one per fix-up mechanism of mpitp's own plans (:mod:`mpitp.replica.tp_plans`): StableLM (separate q/k/v,
       grouped key/value head counts), BLOOM (per-head fused qkv, ALiBi cut to each rank's heads), StarCoder 1
       (``gpt_bigcode``: one shared key/value head, the query rows of a fused projection kept by hand).
