@@ -107,7 +107,17 @@ class Target:
 
 
 _TP = "transformers"
-TARGETS: dict[str, Target] = {t.name: t for t in (
+def _by_name(targets: tuple[Target, ...]) -> dict[str, Target]:
+    """The targets by full name; a name declared twice is an error (the later would silently replace the first)."""
+    out: dict[str, Target] = {}
+    for t in targets:
+        if t.name in out:
+            raise ValueError(f"mpitp.compat: {t.name} is declared twice")
+        out[t.name] = t
+    return out
+
+
+TARGETS: dict[str, Target] = _by_name((
     Target("lm-eval", "lm_eval.api.task", "Task.eval_docs", LM_EVAL, "mpitp.evaluation.eval_docs"),
     Target("lm-eval", "lm_eval.api.task", "ConfigurableTask.fewshot_docs", LM_EVAL,
            "mpitp.evaluation.eval_docs, mpitp.jobs.readiness_tasks"),
@@ -146,7 +156,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("torch", "torch.serialization", "_get_layout", TORCH, "mpitp.replica.dcp_read", kind="read"),
     Target(_TP, "transformers.modeling_utils", "safe_open", TRANSFORMERS, "mpitp.replica.loading", optional=True),
     Target(_TP, "transformers.distributed.mixin", "apply_tensor_parallelism", TRANSFORMERS, "mpitp.replica.pipeline"),
-    Target(_TP, "transformers.distributed.tensor_parallel", "dist", TRANSFORMERS, "mpitp.replica.shard"),
+    Target(_TP, "transformers.distributed.tensor_parallel", "dist", TRANSFORMERS,
+           "mpitp.replica.shard, mpitp.replica.conv1d_tp"),
     Target(_TP, "transformers.distributed.pipeline_parallel", "apply_pipeline_parallelism", TRANSFORMERS,
            "mpitp.replica.pipeline", kind="instance", names=("_pp_forward_wrapped",)),
     Target(_TP, "transformers.models.llama.modeling_llama", "LlamaForCausalLM.forward", TRANSFORMERS,
@@ -173,15 +184,13 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target(_TP, "transformers.distributed.tensor_parallel", "PackedColwiseParallel", TRANSFORMERS,
            "mpitp.replica.tp_plans", kind="read"),
     # the Conv1D styles (mpitp.replica.conv1d_tp): subclasses of transformers' style base, its local-parameter swap,
-    # and the ``dist`` its row-parallel layers reduce through (read at every call: mpitp may replace it)
+    # (the ``dist`` its row-parallel layers reduce through is TP_DIST's target, read at every call)
     Target(_TP, "transformers.distributed.tensor_parallel", "TensorParallelLayer", TRANSFORMERS,
            "mpitp.replica.conv1d_tp", kind="read"),
     Target("torch", "torch.distributed.tensor.placement_types", "_StridedShard", TORCH, "mpitp.replica.conv1d_tp",
            kind="read"),
     Target(_TP, "transformers.distributed.parallel_utils", "_use_local_dtensor_params", TRANSFORMERS,
            "mpitp.replica.conv1d_tp", kind="read"),
-    Target(_TP, "transformers.distributed.tensor_parallel", "dist", TRANSFORMERS, "mpitp.replica.conv1d_tp",
-           kind="read"),
     Target("click", "click.core", "Context", CLICK, "mpitp.cli.inspect", kind="instance", names=("_protected_args",)),
     Target("python", "argparse", "_ActionsContainer", PYTHON, "mpitp.evaluation.lmeval_args", kind="instance",
            names=("_actions", "_option_string_actions")),
@@ -189,7 +198,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("python", "socket", "socket.connect", PYTHON, "mpitp.jobs.readiness_guard"),
     Target("python", "socket", "socket.connect_ex", PYTHON, "mpitp.jobs.readiness_guard"),
     Target("python", "socket", "getaddrinfo", PYTHON, "mpitp.jobs.readiness_guard"),
-)}
+))
 
 
 def _version(package: str) -> str:

@@ -76,7 +76,7 @@ def styles() -> dict[str, object]:
                     w, b = module.weight, module.bias
                     out = (x.reshape(-1, x.shape[-1]) @ w).view(*x.shape[:-1], w.shape[-1])
                 # read at every call: mpitp routes it over MPI on CPU
-                compat.attribute(f"{_TP}.dist").all_reduce(out, group=group)
+                compat.attribute(compat.TP_DIST).all_reduce(out, group=group)
                 return out if b is None else out + b
 
             module.forward = forward
