@@ -51,6 +51,8 @@ FORWARD_SOURCE = "transformers.models.llama.modeling_llama.LlamaForCausalLM.forw
 #: ``torch.distributed`` as transformers' TP layers name it: replaced while a replica runs on CPU, so their
 #: all-reduces go over MPI (:mod:`mpitp.parallel.cpu_reduce`, :meth:`mpitp.replica.shard.ReplicaShard.tp_reductions`)
 TP_DIST = "transformers.distributed.tensor_parallel.dist"
+#: whether ``generate`` builds a model's cache as a ``DynamicCache`` (a classmethod, called, never replaced)
+DEFAULT_CACHE = "transformers.generation.utils.GenerationMixin._supports_default_dynamic_cache"
 #: lm-eval's task index module (private): its names are read through :func:`attribute` with this prefix
 TASK_INDEX = "lm_eval.tasks._index"
 
@@ -162,6 +164,8 @@ TARGETS: dict[str, Target] = _by_name((
            "mpitp.replica.pipeline", kind="instance", names=("_pp_forward_wrapped",)),
     Target(_TP, "transformers.models.llama.modeling_llama", "LlamaForCausalLM.forward", TRANSFORMERS,
            "mpitp.replica.logits, mpitp.replica.pipeline", kind="source"),
+    Target(_TP, "transformers.generation.utils", "GenerationMixin._supports_default_dynamic_cache", TRANSFORMERS,
+           "mpitp.replica.generation", kind="read"),
     Target(_TP, "transformers.modeling_utils", "PreTrainedModel.get_output_embeddings", TRANSFORMERS,
            "mpitp.replica.generation"),  # the child it returns, swapped on mpitp's model: output_head_replaced
     Target(_TP, "transformers.modeling_utils", "PreTrainedModel", TRANSFORMERS,

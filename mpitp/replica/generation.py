@@ -53,9 +53,10 @@ class GenerationState:
         self._restore_head = None
         self._scoring_counter: CommCounter | None = None
 
-    def begin(self, greedy: bool, reserve: int = 0) -> None:
+    def begin(self, greedy: bool, reserve: int | None = 0) -> None:
         """A ``generate`` call starts; ``reserve``: the most positions it adds to its prompt (the KV cache's spare
-        room, :class:`GrowingCache`)."""
+        room, :class:`GrowingCache`), None where the call keeps transformers' own kind of cache
+        (:func:`takes_growing_cache`)."""
         shard = self.shard
         self._sent, self._cache, self.last_ids = {}, None, None
         self.greedy = greedy
@@ -80,11 +81,12 @@ class GenerationState:
 
     def cache(self) -> DynamicCache:
         """This rank's KV cache for the current call: a :class:`GrowingCache` (a plain ``DynamicCache`` with pipeline
-        stages, whose step code builds its own per stage), made on first use. The leader hands it to ``generate``
-        (its ``cache`` argument), a worker to the forwards it mirrors."""
+        stages, whose step code builds its own per stage, or where the call keeps transformers' cache), made on first
+        use. The leader hands it to ``generate`` (its ``cache`` argument), a worker to the forwards it mirrors."""
         if self._cache is None:
             config = self.shard.model.config
-            self._cache = DynamicCache(config=config) if self.shard.pipeline else GrowingCache(config, self.reserve)
+            plain = self.shard.pipeline or self.reserve is None
+            self._cache = DynamicCache(config=config) if plain else GrowingCache(config, self.reserve)
         return self._cache
 
     def _swap_head(self):
@@ -228,6 +230,17 @@ class GrowingCache(DynamicCache):
     def __init__(self, config, reserve: int = 0):
         super().__init__(config=config)
         self.layers = [GrowingLayer(reserve) if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+
+def takes_growing_cache(model) -> bool:
+    """Whether ``generate`` would build the model's cache as ``DynamicCache(config=...)`` itself, so that a
+    :class:`GrowingCache` can stand in for it: not where the model makes its own (MiniMax's linear-attention cache,
+    RWKV's states: transformers' ``_supports_default_dynamic_cache``), nor where its generation config asks for
+    another kind (a static or quantised cache) or for none."""
+    gc = getattr(model, "generation_config", None)
+    if getattr(gc, "use_cache", True) is False or getattr(gc, "cache_implementation", None) not in (None, "dynamic"):
+        return False
+    return bool(compat.attribute(compat.DEFAULT_CACHE).__func__(type(model)))
 
 
 class GreedyHead(torch.nn.Module):

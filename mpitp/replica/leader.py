@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mpitp import compat, testing
-from mpitp.replica.generation import GenerationState
+from mpitp.replica.generation import GenerationState, takes_growing_cache
 from mpitp.replica.prefix import next_batch, pack, plan
 from mpitp.replica.protocol import (
     OP_GEN_BEGIN,
@@ -130,12 +130,14 @@ class ReplicaLeader:
         ``greedy`` swaps the LM head for a vocab-parallel argmax on every TP rank
         (:class:`mpitp.replica.generation.GenerationState`). Yields the KV cache to hand ``generate``
         (its ``cache`` argument; :class:`~mpitp.replica.generation.GrowingCache` with room for ``reserve`` new
-        positions), or None with pipeline stages (their step code keeps ``generate``'s own).
+        positions), or None with pipeline stages (their step code keeps ``generate``'s own) and where ``generate``
+        would not build a ``DynamicCache`` (:func:`~mpitp.replica.generation.takes_growing_cache`).
         """
         model, shard, gen = self.model, self.shard, self.gen
+        growing = not shard.pipeline and takes_growing_cache(model)
         if self.has_workers:
-            self.channel.send(OP_GEN_BEGIN, greedy=greedy, reserve=reserve)
-        gen.begin(greedy, reserve)
+            self.channel.send(OP_GEN_BEGIN, greedy=greedy, reserve=reserve if growing else None)
+        gen.begin(greedy, reserve if growing else None)
         original = model.forward
 
         @functools.wraps(original)  # generate validates its kwargs against the forward's signature (Falcon-H1)
@@ -155,7 +157,7 @@ class ReplicaLeader:
         ok = False
         try:
             with swap:
-                yield None if shard.pipeline else gen.cache()
+                yield gen.cache() if growing else None
             ok = True
         finally:
             if self.has_workers and ok:  # after a failure the workers may sit in a collective of the failed forward

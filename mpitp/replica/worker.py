@@ -60,7 +60,8 @@ class ReplicaWorker:
                 packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(packed_size(**size))})["packed"]
                 self.shard.score(packed, **size)
             elif op == OP_GEN_BEGIN:
-                self.gen.begin(bool(msg.meta.get("greedy")), int(msg.meta.get("reserve", 0)))
+                reserve = msg.meta.get("reserve")
+                self.gen.begin(bool(msg.meta.get("greedy")), None if reserve is None else int(reserve))
             elif op == OP_GEN_FORWARD:
                 self._gen_forward(msg)
             elif op == OP_GEN_END:
