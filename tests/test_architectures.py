@@ -28,9 +28,6 @@ from support.mpi import explain, run_mpi
 # line's distinctive part). Any other refusal of a type with a plan fails the test (a regression), and so does a type
 # without a plan that is not refused.
 EXPECTED_REFUSALS = {
-    ("modernbert-decoder", "dp2"): "head check failed",  # its head's output differs (by 10 in log-probability)
-    ("modernbert-decoder", "tp2"): "head check failed",
-    ("modernbert-decoder", "pp2"): "head check failed",
     ("doge", "tp2"): "transformers' tensor-parallel plan fails",
     ("inkling_text", "tp2"): "transformers' tensor-parallel plan fails",
     ("codegen", "pp2"): "pipeline split reads the decoder's 'layers'",  # its layer list is 'h'

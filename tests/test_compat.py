@@ -153,6 +153,30 @@ def test_model_source_is_read_as_syntax_not_lines():
     assert t.unknown == [] and t.logits == [("mul", 0.25)] and t.hidden == [], (t.unknown, t.describe())
 
 
+def test_a_module_before_the_head_is_a_hidden_step_and_scores_the_models_logits():
+    """``self.decoder(self.lm_head(hidden_states))`` (ModernBERT-decoder: a prediction head of dense, activation and
+    norm before the vocabulary projection) is read as a hidden-state step; the vocab-parallel head then computes the
+    model's own logits (one rank: the whole vocabulary)."""
+    import torch
+    from transformers import AutoConfig, ModernBertDecoderForCausalLM
+
+    from mpitp.replica.logits import head_transform
+    from mpitp.replica.scoring import TPOps, VocabParallelHead
+
+    cfg = AutoConfig.for_model("modernbert-decoder", vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = ModernBertDecoderForCausalLM(cfg).eval()
+    t = head_transform(model)
+    assert t.unknown == [] and t.hidden == [("module", model.lm_head)] and t.logits == [], t.describe()
+    ids = torch.randint(1, 64, (2, 5))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        head = VocabParallelHead.from_model(model, TPOps())
+        ours = head.local_logits(out.hidden_states[-1].reshape(10, -1))
+    torch.testing.assert_close(ours, out.logits.reshape(10, -1).float(), rtol=0, atol=1e-5)
+
+
 def test_the_supported_ranges_are_pyprojects():
     """The range a refusal names is the one pip enforces."""
     import tomllib

@@ -53,7 +53,8 @@ def tolerance(ref_lp: torch.Tensor, ref_logits: torch.Tensor, dtype: torch.dtype
       the registry-wide matrix at one thread per rank: entries near ``log p = -0.43`` off by 1.5-2.1e-5 with the
       logits bit-identical (1.06-1.47x the parity rule alone).
 
-    A head that is really different (a step missed) is off by orders of magnitude more (ModernBERT's decoder: 10.2).
+    A head that is really different (a step missed) is off by orders of magnitude more (ModernBERT's decoder before
+    its prediction head was read as a step: 10.2).
     """
     tol = PARITY_REL * ref_lp.abs().clamp(min=1.0)
     eps = torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else torch.finfo(torch.float32).eps

@@ -34,8 +34,10 @@ _SIGNS = {ast.Mult: "*", ast.Div: "/"}
 class HeadTransform:
     """Elementwise steps around ``lm_head``: ``hidden`` before it, ``logits`` after it (in float32, in order).
 
-    Each step is ``("mul", c)``, ``("div", c)``, ``("tanh", None)`` or ``("module", m)`` (an elementwise module of
-    the model, e.g. Inkling2's soft-cap, applied to this rank's vocabulary shard). ``vocab_limit`` cuts the
+    Each step is ``("mul", c)``, ``("div", c)``, ``("tanh", None)`` or ``("module", m)``: on the logits an elementwise
+    module of the model (e.g. Inkling2's soft-cap, applied to this rank's vocabulary shard), on the hidden state a
+    module the head's input passes through first (ModernBERT-decoder's prediction head, ``self.decoder(self.lm_head(
+    hidden_states))``: dense, activation, norm, whole on every rank). ``vocab_limit`` cuts the
     vocabulary (Inkling's padded head). ``unknown`` holds the statements that could not be read.
     """
 
@@ -47,7 +49,7 @@ class HeadTransform:
 
     def apply_hidden(self, h: torch.Tensor) -> torch.Tensor:
         for op, c in self.hidden:
-            h = h * c if op == "mul" else h / c
+            h = c(h) if op == "module" else h * c if op == "mul" else h / c
         return h
 
     def apply_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -140,20 +142,32 @@ def _binop(e):
     return None
 
 
+def _self_call(e):
+    """``self.NAME(x)`` (one argument): (NAME, x), else None."""
+    if isinstance(e, ast.Call) and len(e.args) == 1 and not e.keywords and isinstance(e.func, ast.Attribute) and \
+            _is_name(e.func.value, "self"):
+        return e.func.attr, e.args[0]
+    return None
+
+
 def _head_call(e):
-    """``self.NAME(hidden_states[...].to(...))`` with optional ``.float()``/``.contiguous()``: NAME, else None."""
+    """``self.NAME(hidden_states[...].to(...))`` with optional ``.float()``/``.contiguous()``, or
+    ``self.NAME(self.PRE(hidden_states))``: (NAME, PRE or None), else None."""
     if isinstance(e, ast.Call) and not e.args and isinstance(e.func, ast.Attribute) and \
             e.func.attr in ("float", "contiguous"):
         e = e.func.value
-    if not (isinstance(e, ast.Call) and len(e.args) == 1 and not e.keywords and isinstance(e.func, ast.Attribute)
-            and _is_name(e.func.value, "self")):
+    call = _self_call(e)
+    if call is None:
         return None
-    arg = e.args[0]
+    name, arg = call
+    pre = _self_call(arg)
+    if pre is not None:
+        pre, arg = pre
     if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "to":
         arg = arg.func.value
     if isinstance(arg, ast.Subscript):
         arg = arg.value
-    return e.func.attr if _is_name(arg, "hidden_states") else None
+    return (name, pre) if _is_name(arg, "hidden_states") else None
 
 
 def _if_kind(test):
@@ -199,11 +213,11 @@ def _assign_kind(target: str, v):
 
 def _logits_kind(v):
     op = _binop(v)
-    if (name := _head_call(v)) is not None:
-        return ("head", name, None, None)
-    if op and (name := _head_call(op[0])) is not None:
+    if (call := _head_call(v)) is not None:
+        return ("head", *call, None, None)
+    if op and (call := _head_call(op[0])) is not None:
         ref = _operand(op[2])
-        return ("head", name, op[1], ref) if ref else None
+        return ("head", *call, op[1], ref) if ref else None
     if op:
         left = op[0]
         if isinstance(left, ast.Call) and not left.args and isinstance(left.func, ast.Attribute) and \
@@ -231,9 +245,9 @@ def _logits_kind(v):
 
 def _kind(node):
     """What one statement does around the head: ``("neutral",)`` (nothing for the vocab-parallel head), ``("if_set",
-    bound name, ref)``, ``("local", name, ref)``, ``("hidden", sign, ref)``, ``("head", attribute, sign, ref)``,
-    ``("logit", sign, ref)``, ``("tanh",)``, ``("softcap", divisor, factor)``, ``("module", ref)``,
-    ``("vocab_cut",)``; None when it cannot be read."""
+    bound name, ref)``, ``("local", name, ref)``, ``("hidden", sign, ref)``, ``("head", attribute, pre-head
+    attribute, sign, ref)``, ``("logit", sign, ref)``, ``("tanh",)``, ``("softcap", divisor, factor)``, ``("module",
+    ref)``, ``("vocab_cut",)``; None when it cannot be read."""
     if isinstance(node, ast.If):
         return _if_kind(node.test)
     if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -364,7 +378,9 @@ def head_transform(model: PreTrainedModel) -> HeadTransform:
                 t.hidden.append(step(k[1], k[2]))
             elif k[0] == "head" and getattr(model, k[1], None) is head:
                 if k[2]:
-                    t.logits.append(step(k[2], k[3]))
+                    t.hidden.append(("module", getattr(model, k[2])))
+                if k[3]:
+                    t.logits.append(step(k[3], k[4]))
             elif k[0] == "logit":
                 t.logits.append(step(k[1], k[2]))
             elif k[0] == "tanh":

@@ -187,7 +187,7 @@ def head_statements(arch: Arch) -> tuple[str, ...]:
     for s in stmts:  # what is the same for every model (slicing, the bare head call) is left out of the key
         if s.kind == ("neutral",):
             continue
-        key.append("HEAD" if s.kind and s.kind[0] == "head" and not s.kind[2] else s.text)
+        key.append("HEAD" if s.kind and s.kind[0] == "head" and not s.kind[2] and not s.kind[3] else s.text)
     return tuple(key)
 
 
