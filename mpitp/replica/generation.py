@@ -236,7 +236,14 @@ def takes_growing_cache(model) -> bool:
     """Whether ``generate`` would build the model's cache as ``DynamicCache(config=...)`` itself, so that a
     :class:`GrowingCache` can stand in for it: not where the model makes its own (MiniMax's linear-attention cache,
     RWKV's states: transformers' ``_supports_default_dynamic_cache``), nor where its generation config asks for
-    another kind (a static or quantised cache) or for none."""
+    another kind (a static or quantised cache) or for none, nor where its forward takes no ``cache`` (OpenAI GPT:
+    ``generate`` builds one it never reads, but refuses one handed in, as it checks its arguments)."""
+    import inspect
+
+    takes = set(inspect.signature(model.prepare_inputs_for_generation).parameters) | \
+        set(inspect.signature(model.forward).parameters)
+    if "cache" not in takes:
+        return False
     gc = getattr(model, "generation_config", None)
     if getattr(gc, "use_cache", True) is False or getattr(gc, "cache_implementation", None) not in (None, "dynamic"):
         return False

@@ -202,7 +202,9 @@ def ci_subset(archs: list[Arch]) -> list[Arch]:
       styles);
     - one per fix-up mechanism of mpitp's own plans (:mod:`mpitp.replica.tp_plans`): StableLM (separate q/k/v,
       grouped key/value head counts), BLOOM (per-head fused qkv, ALiBi cut to each rank's heads), StarCoder 1
-      (``gpt_bigcode``: one shared key/value head, the query rows of a fused projection kept by hand).
+      (``gpt_bigcode``: one shared key/value head, the query rows of a fused projection kept by hand), BioGPT (an LM
+      head of another name);
+    - ModernBERT-decoder: a prediction head before the vocabulary projection (a hidden-state module step).
     """
     plain = [a for a in archs if not_plain_decoder(a) is None]
     by_key: dict[tuple, Arch] = {}
@@ -213,7 +215,8 @@ def ci_subset(archs: list[Arch]) -> list[Arch]:
     llama = next(a for a in plain if a.model_type == "llama")
     plain_key = head_statements(llama)
     chosen.discard(by_key[plain_key].model_type)
-    chosen |= {"llama", "cohere", "granite", "gpt2", "opt", "stablelm", "bloom", "gpt_bigcode"} | FOUND_BY_MATRIX
+    chosen |= {"llama", "cohere", "granite", "gpt2", "opt", "stablelm", "bloom", "gpt_bigcode", "biogpt",
+               "modernbert-decoder"} | FOUND_BY_MATRIX
     return [a for a in plain if a.model_type in chosen]
 
 
