@@ -132,3 +132,20 @@ def test_mqa_rows_keep_the_ranks_queries_and_the_shared_key_value():
     tp_plans._keep_mqa_rows(lin, q, 2, 1)
     rows = list(range(4, 8)) + list(range(8, 12))
     assert torch.equal(lin.weight, w[rows]) and torch.equal(lin.bias, bias[rows]) and lin.out_features == 8
+
+
+@pytest.mark.parametrize("model_type", ["bert-generation", "bert", "roberta", "reformer"])
+def test_a_decoder_only_with_is_decoder_is_refused_without_it(model_type):
+    """BERT-generation, BERT, RoBERTa ... as causal LMs attend both ways unless their config says is_decoder (their
+    class's __init__ tests it and only warns): refused before the load, and accepted once the config says it."""
+    from transformers import AutoConfig
+
+    from mpitp.replica.loading import check_decoder_mode
+
+    cfg = AutoConfig.for_model(model_type)
+    with pytest.raises(UsageError, match=f"model type '{model_type}': .* \"is_decoder\": true"):
+        check_decoder_mode(cfg)
+    cfg.is_decoder = True
+    check_decoder_mode(cfg)
+    for fine in ("llama", "gpt2", "bart"):  # decoders by construction (BART's causal LM sets the flag itself)
+        check_decoder_mode(AutoConfig.for_model(fine))

@@ -281,7 +281,7 @@ def check_tasks_once(cfg: EvalConfig) -> CheckedTasks:
 def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None = None, ep: int = 1) -> Checked:
     """Every check of one evaluation, on rank 0 before any rank loads the model; the last one claims the output.
     ``tasks`` skips checking the tasks again (a sweep checks them once for every checkpoint)."""
-    from mpitp.replica.loading import check_dtype, check_ep, check_tp, load_config
+    from mpitp.replica.loading import check_decoder_mode, check_dtype, check_ep, check_tp, load_config
 
     compat.check(packages=("lm-eval",))  # lm-eval still has every attribute mpitp replaces (torch's: below)
     if cfg.data_dir and not os.path.isdir(cfg.data_dir):
@@ -316,6 +316,7 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
 
         check_pp(config, pp)
         check_plans_apply(config, tp, pp)
+        check_decoder_mode(config)
         # Resolving these imports torch and transformers' model code (seconds on a loaded node): after the input
         # checks, so that bad input is refused without them.
         compat.check(packages=("transformers", "torch"))

@@ -63,14 +63,15 @@ def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
     has no plan for the layout (or heads the tp does not divide) is refused here, so ``submit`` refuses it before the
     queue instead of the job on the compute node."""
     from mpitp.parallel import check_ep as check_ep_size
-    from mpitp.replica.loading import check_ep, check_tp
+    from mpitp.replica.loading import check_decoder_mode, check_ep, check_tp
 
     try:
         check_ep_size(spec.ep, spec.tp)
     except UsageError as exc:
         report.problems.append(Problem(str(exc)))
         return
-    checks = [lambda: check_tp(config, spec.tp), lambda: check_ep(config, spec.ep, spec.pp)]
+    checks = [lambda: check_tp(config, spec.tp), lambda: check_ep(config, spec.ep, spec.pp),
+              lambda: check_decoder_mode(config)]
     if spec.pp > 1 or spec.tp > 1:
         from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: only for a split layout
 

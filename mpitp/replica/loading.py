@@ -83,6 +83,57 @@ def check_tp(config: PreTrainedConfig, tp: int) -> None:
         raise UsageError(f"tp={tp} does not divide the model's {kv} key/value heads")
 
 
+def check_decoder_mode(config: PreTrainedConfig) -> None:
+    """Refuse a checkpoint whose causal-LM class is a decoder only with ``is_decoder=True`` in its config (BERT,
+    RoBERTa, BERT-generation ... built as causal LMs: the class's ``__init__`` tests ``config.is_decoder``) when the
+    config does not say so. transformers then warns and builds it attending both ways: every position sees the tokens
+    after it, so the log-likelihood of a continuation is read off a model that was shown it, and a row's numbers move
+    with the padding beside it in a batch (found at dp=2 in the registry matrix). lm-eval scores it anyway; mpitp
+    cannot hold such numbers to anything, so it refuses them before the load."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_decoder", False) or getattr(config, "auto_map", None):
+        return
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if name is None or not _needs_is_decoder(config.model_type, name):
+        return
+    raise UsageError(f"model type '{config.model_type}': {name} predicts the next token only when its config has "
+                     f"\"is_decoder\": true, and this one does not (it would attend both ways, seeing the tokens it "
+                     f"scores); set it in config.json if the checkpoint is a causal decoder, or evaluate a causal LM")
+
+
+def _needs_is_decoder(model_type: str, class_name: str) -> bool:
+    """Whether transformers' ``class_name.__init__`` tests ``config.is_decoder`` (``if not config.is_decoder:`` with a
+    warning, or an ``assert``); classes that set it themselves (``config.is_decoder = True``: BART's decoder) do not
+    need it from the checkpoint. Read from the modeling file's syntax, not imported: the check runs before torch."""
+    import ast
+    import importlib.util
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    try:
+        spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (AttributeError, ImportError, OSError, TypeError, SyntaxError, ValueError):
+        return False
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) if cls else None
+
+    def is_decoder_flag(e) -> bool:
+        return isinstance(e, ast.Attribute) and e.attr == "is_decoder" and isinstance(e.value, ast.Name) and \
+            e.value.id == "config"
+
+    for node in ast.walk(init) if init else ():
+        if isinstance(node, ast.If) and isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not) \
+                and is_decoder_flag(node.test.operand):
+            return True
+        if isinstance(node, ast.Assert) and is_decoder_flag(node.test):
+            return True
+    return False
+
+
 def check_ep(config: PreTrainedConfig, ep: int, pp: int = 1, peft: str | None = None) -> None:
     """Refuse expert parallelism where transformers has no expert-parallel plan for the model or the experts do not
     divide evenly; ``ep`` is 1 or tp (:func:`mpitp.parallel.runtime.make_launch` checked it)."""
