@@ -108,7 +108,6 @@ class Target:
         return obj, last
 
 
-_TP = "transformers"
 def _by_name(targets: tuple[Target, ...]) -> dict[str, Target]:
     """The targets by full name; a name declared twice is an error (the later would silently replace the first)."""
     out: dict[str, Target] = {}
@@ -119,6 +118,7 @@ def _by_name(targets: tuple[Target, ...]) -> dict[str, Target]:
     return out
 
 
+_TP = "transformers"
 TARGETS: dict[str, Target] = _by_name((
     Target("lm-eval", "lm_eval.api.task", "Task.eval_docs", LM_EVAL, "mpitp.evaluation.eval_docs"),
     Target("lm-eval", "lm_eval.api.task", "ConfigurableTask.fewshot_docs", LM_EVAL,
@@ -187,8 +187,8 @@ TARGETS: dict[str, Target] = _by_name((
            "mpitp.replica.tp_plans", kind="register"),
     Target(_TP, "transformers.distributed.tensor_parallel", "PackedColwiseParallel", TRANSFORMERS,
            "mpitp.replica.tp_plans", kind="read"),
-    # the Conv1D styles (mpitp.replica.conv1d_tp): subclasses of transformers' style base, its local-parameter swap,
-    # (the ``dist`` its row-parallel layers reduce through is TP_DIST's target, read at every call)
+    # the Conv1D styles (mpitp.replica.conv1d_tp): transformers' style base class, the placement of a fused output
+    # and transformers' local-parameter swap (the ``dist`` their row split reduces through is TP_DIST's target above)
     Target(_TP, "transformers.distributed.tensor_parallel", "TensorParallelLayer", TRANSFORMERS,
            "mpitp.replica.conv1d_tp", kind="read"),
     Target("torch", "torch.distributed.tensor.placement_types", "_StridedShard", TORCH, "mpitp.replica.conv1d_tp",

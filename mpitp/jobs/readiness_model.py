@@ -60,8 +60,9 @@ def check_model(spec: CheckSpec, report: Report) -> object | None:
 
 def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
     """The run's tp, pp and ep against the model's type, as ``mpitp eval`` checks them before loading: a type that
-    has no plan for the layout (or heads the tp does not divide) is refused here, so ``submit`` refuses it before the
-    queue instead of the job on the compute node."""
+    has no plan for the layout (or heads the tp does not divide), or a BERT-family decoder whose config lacks
+    ``is_decoder``, is refused here, so ``submit`` refuses it before the queue instead of the job on the compute
+    node."""
     from mpitp.parallel import check_ep as check_ep_size
     from mpitp.replica.loading import check_decoder_mode, check_ep, check_tp
 

@@ -105,7 +105,9 @@ def check_decoder_mode(config: PreTrainedConfig) -> None:
 def _needs_is_decoder(model_type: str, class_name: str) -> bool:
     """Whether transformers' ``class_name.__init__`` tests ``config.is_decoder`` (``if not config.is_decoder:`` with a
     warning, or an ``assert``); classes that set it themselves (``config.is_decoder = True``: BART's decoder) do not
-    need it from the checkpoint. Read from the modeling file's syntax, not imported: the check runs before torch."""
+    need it from the checkpoint. Read from the modeling file's syntax (4-13 ms), not from the imported class
+    (:func:`mpitp.compat.forward_tree` of :func:`~mpitp.replica.tp_plans.causal_lm_class`): importing the modeling
+    module costs 1.1 s for Llama's, 2.2 s for BERT's, which ``mpitp check`` would pay for this one method."""
     import ast
     import importlib.util
 
