@@ -57,8 +57,8 @@ DEFAULT_CACHE = "transformers.generation.utils.GenerationMixin._supports_default
 TASK_INDEX = "lm_eval.tasks._index"
 
 # The supported ranges: pyproject.toml's (tests/test_compat.py checks that they agree).
-LM_EVAL = ">=0.4.13,<0.5"
-TRANSFORMERS = ">=5.24,<6"
+LM_EVAL = ">=0.4.13,<0.4.14"
+TRANSFORMERS = ">=5.24,<5.26"
 TORCH = ">=2.13,<2.14"
 CLICK = ">=8.2"
 PYTHON = ">=3.10"  # argparse's and socket's attributes: requires-python
@@ -164,6 +164,10 @@ TARGETS: dict[str, Target] = _by_name((
            "mpitp.replica.pipeline", kind="instance", names=("_pp_forward_wrapped",)),
     Target(_TP, "transformers.models.llama.modeling_llama", "LlamaForCausalLM.forward", TRANSFORMERS,
            "mpitp.replica.logits, mpitp.replica.pipeline", kind="source"),
+    # A checkpoint's conversions (a fused tensor split by transformers' Split after the TP shard is cut): read
+    Target(_TP, "transformers.conversion_mapping", "get_checkpoint_conversion_mapping", TRANSFORMERS,
+           "mpitp.replica.tp_plans", kind="read"),
+    Target(_TP, "transformers.core_model_loading", "Split", TRANSFORMERS, "mpitp.replica.tp_plans", kind="read"),
     Target(_TP, "transformers.generation.utils", "GenerationMixin._supports_default_dynamic_cache", TRANSFORMERS,
            "mpitp.replica.generation", kind="read"),
     Target(_TP, "transformers.modeling_utils", "PreTrainedModel.get_output_embeddings", TRANSFORMERS,

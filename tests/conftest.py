@@ -80,6 +80,18 @@ def test_tasks(tmp_path_factory, shared_dir) -> str:
     return materialize_test_tasks(tmp_path_factory.mktemp("tasks"))
 
 
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A ``torch.distributed`` gloo world of one rank (a file store), torn down after: the process-group calls of
+    a tensor-parallel layer, run in one process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
 
 @pytest.fixture(scope="session")
 def demo_file(tmp_path_factory) -> str:

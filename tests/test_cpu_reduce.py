@@ -4,7 +4,6 @@ with torch's own. The sums across ranks are exercised by the TP parity tests und
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -12,17 +11,7 @@ from mpi4py import MPI
 from mpitp.parallel.cpu_reduce import MPIReductions, TorchDistributedOverMPI
 
 
-@pytest.fixture
-def world(tmp_path):
-    """A gloo world of one rank (a file store), torn down after."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_cpu_tensors_of_mpi_dtypes_go_to_mpi_the_rest_to_torch(world, monkeypatch):
+def test_cpu_tensors_of_mpi_dtypes_go_to_mpi_the_rest_to_torch(gloo_world, monkeypatch):
     red = MPIReductions(None, MPI.COMM_SELF, timeout=5.0)
     seen = []
     real = dist.all_reduce
@@ -44,7 +33,7 @@ def test_cpu_tensors_of_mpi_dtypes_go_to_mpi_the_rest_to_torch(world, monkeypatc
     assert stand_in.get_world_size() == 1 and stand_in.ReduceOp is dist.ReduceOp  # every other name is torch's
 
 
-def test_max_min_and_gather(world):
+def test_max_min_and_gather(gloo_world):
     red = MPIReductions(None, MPI.COMM_SELF, timeout=5.0)
     t = torch.tensor([1.5, -2.0])
     red.all_reduce(t, dist.ReduceOp.MAX)

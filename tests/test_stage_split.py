@@ -49,9 +49,20 @@ def test_final_norm_found_by_the_plan_name(model_type, after):
     assert plan_sides(model.base_model)[1] == after
 
 
-@pytest.mark.parametrize("model_type", ["doge", "inkling_text", "sarvam_moe"])
+@pytest.mark.parametrize("model_type", ["doge", "inkling_text", "sarvam_moe", "param2moe"])
 def test_broken_upstream_tp_plans_refused_by_type(model_type):
+    """By hand (doge, inkling_text) or by rule (sarvam_moe, param2moe: a checkpoint conversion that ``Split``s a fused
+    tensor into sharded projections; lara_mini's ``Split`` feeds projections its plan does not shard, and it passes
+    the tp2 matrix, so it must not be refused)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"{model_type} is not registered in this transformers (param2moe: from 5.25)")
     with pytest.raises(UsageError, match=f"model type '{model_type}': transformers' tensor-parallel plan fails at "
                                          f"--tp 2: .*; run it with --tp 1"):
         check_tp(_config(model_type), 2)
     check_tp(_config(model_type), 1)
+
+
+def test_a_split_of_unsharded_projections_is_not_refused():
+    check_tp(_config("lara_mini"), 2)

@@ -12,6 +12,9 @@ transformers' own style interface, and registered under new names (nothing of tr
 - :data:`ROWWISE`: the input features split (weight ``Shard(0)``); the partial products summed over the TP group
   (``tensor_parallel.dist.all_reduce``, the call mpitp routes over MPI on CPU) and the bias added once, after.
 
+``shard_param`` and ``install_forward`` take transformers' keyword context (``config=``, ``mesh_manager=`` since 5.25,
+nothing in 5.24) and need none of it: ``**_context`` accepts whichever the installed release passes.
+
 Inference only: inputs and outputs stay plain local tensors, as transformers' own fast path for ``nn.Linear`` keeps
 them (no DTensor per forward, no gradient bookkeeping).
 """
@@ -48,12 +51,12 @@ def styles() -> dict[str, object]:
         def __init__(self, split_factor: int = 1):
             self.split_factor = split_factor
 
-        def shard_param(self, module, param, mesh) -> None:
+        def shard_param(self, module, param, mesh, **_context) -> None:
             dim = 1 if param == "weight" else 0  # weight [in, out], bias [out]
             place(module, param, mesh,
                   Shard(dim) if self.split_factor == 1 else strided(dim=dim, split_factor=self.split_factor))
 
-        def install_forward(self, module, mesh):
+        def install_forward(self, module, mesh, **_context):
             def forward(x):  # Conv1D.forward on this rank's columns (its own reads the full width from nf)
                 with local_params(module):
                     w, b = module.weight, module.bias
@@ -65,10 +68,10 @@ def styles() -> dict[str, object]:
     class Conv1DRowwise(base):
         """Input features split, the partial outputs summed over the group, the bias added once after the sum."""
 
-        def shard_param(self, module, param, mesh) -> None:
+        def shard_param(self, module, param, mesh, **_context) -> None:
             place(module, param, mesh, Replicate() if param == "bias" else Shard(0))
 
-        def install_forward(self, module, mesh):
+        def install_forward(self, module, mesh, **_context):
             group = mesh.get_group()
 
             def forward(x):

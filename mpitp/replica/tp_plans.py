@@ -14,6 +14,8 @@ What a family needs beyond the plan is declared next to it, as data, and applied
 
 - ``heads``: attributes that hold a head count (or a width derived from it) a module's forward reshapes with
   (StableLM's ``num_heads``, GPT-Neo's, BLOOM's ...): after a ``colwise`` split each rank holds ``1/tp`` of them;
+  a name ending in ``?`` is divided where the module has it (one a transformers release added: 5.25's Falcon keeps
+  ``num_key_value_groups`` for transformers' shared attention functions, 5.24's computed its attention itself);
 - ``head_lists``: per-head module lists (StableLM's per-head ``q_layernorm``): each rank keeps its own heads' entries
   (``zip`` over a full list would silently pair rank 1's heads with rank 0's norms);
 - ``alibi``: forward keywords carrying an ALiBi bias for *every* head (BLOOM's ``alibi``, MPT's ``position_bias``,
@@ -157,7 +159,7 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
                 divides=(_ATTN, ("num_kv_heads", "key/value heads"))),
         # Falcon-7B: [q heads | k | v] with one key/value head
         OwnPlan(_FALCON, when={"multi_query": True}, mqa_rows={"h.*.self_attention.query_key_value": "hidden_size"},
-                heads={"h.*.self_attention": ("num_heads",)}, alibi=_FALCON_ALIBI),
+                heads={"h.*.self_attention": ("num_heads", "num_key_value_groups?")}, alibi=_FALCON_ALIBI),
         # Falcon-RW: per head [heads, 3, head_dim]
         OwnPlan({**_FALCON, "h.*.self_attention.query_key_value": "colwise"}, when={"multi_query": False},
                 heads={"h.*.self_attention": ("num_heads", "num_kv_heads")}, alibi=_FALCON_ALIBI),
@@ -167,7 +169,8 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
 
 #: Types whose transformers TP plan loads but cannot compute at tp > 1 (found by the registry-wide matrix,
 #: ``bench/arch_matrix.py``, on transformers 5.24): refused by type before loading, with the reason, instead of a
-#: traceback after the load. Kept until a transformers release changes the plan (the matrix then shows it).
+#: traceback after the load. Kept until a transformers release changes the plan (the matrix then shows it). What a
+#: rule can find is refused by the rule instead (:func:`_split_after_shard`: SarvamMoE, Param2MoE).
 UPSTREAM_BROKEN: dict[str, str] = {
     "doge": "its attention takes a mask built for every head (its dynamic mask) while each rank computes 1/tp of "
             "the heads (a shape error in the attention)",
@@ -175,17 +178,40 @@ UPSTREAM_BROKEN: dict[str, str] = {
                     "reduction",
     "hrm_text": "its log-likelihoods come out different at tp=2 (by 0.07 on a 2-layer model, the head check passing): "
                 "its recurrent H/L modules are not split the way the plan assumes",
-    "sarvam_moe": "its checkpoint's fused query/key/value is split after the TP shard is cut, so the split sizes no "
-                  "longer add up (the load fails in transformers' weight conversion)",
 }
 
 
 def check_upstream(config: PreTrainedConfig, tp: int) -> None:
-    """Refuse a type in :data:`UPSTREAM_BROKEN` at ``tp`` > 1."""
-    why = UPSTREAM_BROKEN.get(config.model_type) if tp > 1 else None
+    """Refuse at ``tp`` > 1 a type in :data:`UPSTREAM_BROKEN`, or one whose checkpoint conversion splits a fused
+    tensor into projections the TP plan shards (:func:`_split_after_shard`)."""
+    if tp == 1:
+        return
+    why = UPSTREAM_BROKEN.get(config.model_type) or _split_after_shard(config)
     if why:
         raise UsageError(f"model type '{config.model_type}': transformers' tensor-parallel plan fails at --tp {tp}: "
                          f"{why}; run it with --tp 1 (data parallel: more ranks)")
+
+
+def _split_after_shard(config: PreTrainedConfig) -> str | None:
+    """Why the load fails at tp > 1, where the type's checkpoint conversion cuts a fused tensor (``query_key_value``)
+    into parameters the TP plan shards (``q_proj``, ``k_proj``, ``v_proj``) with transformers' ``Split``: it sizes the
+    pieces by the full parameters while each rank holds its shard of the fused tensor ("not TP-safe", its docstring
+    says), so the sizes no longer add up and the load raises. None where no such conversion exists. Read from
+    transformers' own conversion table, so a type that gains one is refused without an entry here."""
+    text = config.get_text_config()
+    plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
+    sharded = {rule.rsplit(".", 1)[-1] for rule, style in plan.items() if not style.startswith("replicated")}
+    split = compat.attribute("transformers.core_model_loading.Split")
+    for conv in compat.attribute("transformers.conversion_mapping.get_checkpoint_conversion_mapping")(
+            config.model_type) or ():
+        if not any(isinstance(op, split) for op in getattr(conv, "operations", None) or ()):
+            continue
+        cut = [t for t in conv.target_patterns if t.rsplit(".", 1)[-1] in sharded]
+        if cut:
+            return (f"its checkpoint's fused {'/'.join(conv.source_patterns)} is split into {', '.join(cut)} after "
+                    f"each rank's shard is cut, by the full sizes (transformers' Split is not tensor-parallel safe), "
+                    f"so the load fails")
+    return None
 
 
 def for_config(config: PreTrainedConfig) -> OwnPlan | None:
@@ -284,6 +310,9 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
             continue
         rule = _rule(name[len(prefix):])
         for attr in own.heads.get(rule, ()):
+            if attr.endswith("?"):
+                if not hasattr(module, attr := attr[:-1]):
+                    continue
             setattr(module, attr, _divided(module, attr, tp, model.config.model_type))
         if rule in own.head_lists:
             setattr(module, own.head_lists[rule], _own_entries(getattr(module, own.head_lists[rule]), tp, rank))
