@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpitp.evaluation.dispatch import make_chunks
+from mpitp.evaluation.dispatch import make_chunks, prefetch_order
 
 
 @pytest.mark.parametrize("n,groups,batch", [(1, 4, 1), (7, 2, 1), (100, 4, 4), (333, 3, 8), (50, 1, 16)])
@@ -102,3 +102,17 @@ def test_rolling_windows_reassemble_per_request(seed):
     assert out == want
     assert sorted(recorded) == sorted(enumerate(want))  # each request once, with its final value
     assert [j for j, _ in recorded[:2]] == [1, 5]  # the empty ones first, before any window lands
+
+
+@pytest.mark.parametrize("chunks,groups,prefetch,order", [
+    (2, 2, 2, [1]),  # 4 questions in two batches at dp=2: one each (sent ahead whole, rank 0's group sat idle)
+    (3, 2, 2, [1]),  # a second one ahead would leave rank 0 one and group 1 none after its first
+    (10, 2, 2, [1, 1]),  # a long queue: the full prefetch
+    (10, 4, 2, [1, 2, 3, 1, 2, 3]),
+    (5, 4, 2, [1, 2, 3]),
+    (2, 4, 2, [1, 2]),  # fewer chunks than groups: the remote ones first, as before
+    (0, 2, 2, []),
+    (7, 1, 2, []),  # one group: nothing remote
+])
+def test_prefetch_leaves_rank_0s_group_a_chunk(chunks, groups, prefetch, order):
+    assert prefetch_order(chunks, groups, prefetch) == order
