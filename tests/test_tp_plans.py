@@ -48,10 +48,7 @@ def test_every_rule_names_a_module_of_the_class(model_type, i):
     prefix = type(model).base_model_prefix
     for rule, attrs in own.heads.items():
         module = modules[f"{prefix}.{rule}"]
-        for attr in attrs:
-            if attr.endswith("?"):  # divided where the installed release has it
-                if not hasattr(module, attr := attr[:-1]):
-                    continue
+        for attr in tp_plans.head_attrs(module, attrs):  # a `?` name: where the installed release has it
             n = getattr(module, attr)
             assert isinstance(n, int) and n % 2 == 0, (rule, attr, n)
     for rules in (own.head_lists, own.alibi, own.mqa_rows):

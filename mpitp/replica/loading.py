@@ -74,7 +74,7 @@ def check_tp(config: PreTrainedConfig, tp: int) -> None:
                              f"run it with --tp 1")
         tp_plans.check(config, own, tp)
         return
-    tp_plans.check_upstream(config, tp)
+    tp_plans.check_upstream(config, tp, plan)
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads
     if heads is not None and heads % tp:

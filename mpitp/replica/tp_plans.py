@@ -181,29 +181,28 @@ UPSTREAM_BROKEN: dict[str, str] = {
 }
 
 
-def check_upstream(config: PreTrainedConfig, tp: int) -> None:
+def check_upstream(config: PreTrainedConfig, tp: int, plan: dict[str, str]) -> None:
     """Refuse at ``tp`` > 1 a type in :data:`UPSTREAM_BROKEN`, or one whose checkpoint conversion splits a fused
-    tensor into projections the TP plan shards (:func:`_split_after_shard`)."""
+    tensor into projections its TP plan (``plan``, the config's ``base_model_tp_plan``) shards
+    (:func:`_split_after_shard`)."""
     if tp == 1:
         return
-    why = UPSTREAM_BROKEN.get(config.model_type) or _split_after_shard(config)
+    why = UPSTREAM_BROKEN.get(config.model_type) or _split_after_shard(config.model_type, plan)
     if why:
         raise UsageError(f"model type '{config.model_type}': transformers' tensor-parallel plan fails at --tp {tp}: "
                          f"{why}; run it with --tp 1 (data parallel: more ranks)")
 
 
-def _split_after_shard(config: PreTrainedConfig) -> str | None:
+def _split_after_shard(model_type: str, plan: dict[str, str]) -> str | None:
     """Why the load fails at tp > 1, where the type's checkpoint conversion cuts a fused tensor (``query_key_value``)
     into parameters the TP plan shards (``q_proj``, ``k_proj``, ``v_proj``) with transformers' ``Split``: it sizes the
     pieces by the full parameters while each rank holds its shard of the fused tensor ("not TP-safe", its docstring
     says), so the sizes no longer add up and the load raises. None where no such conversion exists. Read from
     transformers' own conversion table, so a type that gains one is refused without an entry here."""
-    text = config.get_text_config()
-    plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
     sharded = {rule.rsplit(".", 1)[-1] for rule, style in plan.items() if not style.startswith("replicated")}
     split = compat.attribute("transformers.core_model_loading.Split")
     for conv in compat.attribute("transformers.conversion_mapping.get_checkpoint_conversion_mapping")(
-            config.model_type) or ():
+            model_type) or ():
         if not any(isinstance(op, split) for op in getattr(conv, "operations", None) or ()):
             continue
         cut = [t for t in conv.target_patterns if t.rsplit(".", 1)[-1] in sharded]
@@ -309,10 +308,7 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
         if not name.startswith(prefix):
             continue
         rule = _rule(name[len(prefix):])
-        for attr in own.heads.get(rule, ()):
-            if attr.endswith("?"):
-                if not hasattr(module, attr := attr[:-1]):
-                    continue
+        for attr in head_attrs(module, own.heads.get(rule, ())):
             setattr(module, attr, _divided(module, attr, tp, model.config.model_type))
         if rule in own.head_lists:
             setattr(module, own.head_lists[rule], _own_entries(getattr(module, own.head_lists[rule]), tp, rank))
@@ -321,6 +317,12 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
             module.register_forward_pre_hook(_AlibiSlice(own.alibi[rule], heads, tp, rank), with_kwargs=True)
         if rule in own.mqa_rows:
             _keep_mqa_rows(module, int(getattr(text, own.mqa_rows[rule])), tp, rank)
+
+
+def head_attrs(module, declared: tuple[str, ...]) -> list[str]:
+    """The attributes of ``module`` that a ``heads`` entry divides: every name as declared, and a name ending in
+    ``?`` only where the module has it (the ``?`` dropped)."""
+    return [a.rstrip("?") for a in declared if not a.endswith("?") or hasattr(module, a[:-1])]
 
 
 def _divided(module, attr: str, tp: int, model_type: str) -> int:
