@@ -190,15 +190,16 @@ TARGETS: dict[str, Target] = _by_name((
     Target(_TP, "transformers.distributed.parallel_utils", "ALL_PARALLEL_STYLES", TRANSFORMERS,
            "mpitp.replica.tp_plans", kind="register"),
     Target(_TP, "transformers.distributed.tensor_parallel", "PackedColwiseParallel", TRANSFORMERS,
-           "mpitp.replica.tp_plans", kind="read"),
-    # the Conv1D styles (mpitp.replica.conv1d_tp): transformers' style base class, the placement of a fused output
-    # and transformers' local-parameter swap (the ``dist`` their row split reduces through is TP_DIST's target above)
+           "mpitp.replica.channel_tp", kind="read"),
+    # the Conv1D and channel styles (mpitp.replica.conv1d_tp, channel_tp): transformers' style base class, the
+    # placement of a fused output and transformers' local-parameter swap (the ``dist`` their row split reduces
+    # through is TP_DIST's target above)
     Target(_TP, "transformers.distributed.tensor_parallel", "TensorParallelLayer", TRANSFORMERS,
-           "mpitp.replica.conv1d_tp", kind="read"),
-    Target("torch", "torch.distributed.tensor.placement_types", "_StridedShard", TORCH, "mpitp.replica.conv1d_tp",
-           kind="read"),
+           "mpitp.replica.conv1d_tp, mpitp.replica.channel_tp", kind="read"),
+    Target("torch", "torch.distributed.tensor.placement_types", "_StridedShard", TORCH,
+           "mpitp.replica.conv1d_tp, mpitp.replica.channel_tp", kind="read"),
     Target(_TP, "transformers.distributed.parallel_utils", "_use_local_dtensor_params", TRANSFORMERS,
-           "mpitp.replica.conv1d_tp", kind="read"),
+           "mpitp.replica.conv1d_tp, mpitp.replica.channel_tp", kind="read"),
     Target("click", "click.core", "Context", CLICK, "mpitp.cli.inspect", kind="instance", names=("_protected_args",)),
     Target("python", "argparse", "_ActionsContainer", PYTHON, "mpitp.evaluation.lmeval_args", kind="instance",
            names=("_actions", "_option_string_actions")),

@@ -86,7 +86,7 @@ def test_what_the_split_cannot_reproduce_is_refused():
         check_tp(cfg, 2)
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "jetmoe", "dbrx"])
+@pytest.mark.parametrize("model_type", ["rwkv", "jetmoe", "dbrx"])
 def test_types_with_neither_plan_are_refused_as_before(model_type):
     from transformers import AutoConfig
 
@@ -181,3 +181,39 @@ def test_conv1d_styles_take_the_calls_of_the_installed_transformers(style_name, 
     x = torch.randn(2, 5, 8)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
+def test_channel_split_runs_a_real_mixer_with_the_installed_transformers(model_type, gloo_world):
+    """The plan of a state-space mixer (:mod:`mpitp.replica.channel_tp`: ``in_proj`` packed with its bias strided,
+    ``conv1d``/``dt_proj`` by rows, the mixer's forward on local shards), applied to a real mixer the way the installed
+    transformers applies a plan (``apply_tensor_parallelism`` over a one-rank mesh): every parameter becomes a
+    ``DTensor`` with the declared placement, and the mixer computes what the unsharded one does. Parity at tp=2 is the
+    matrix's (a contiguous bias split was 0.03 off there)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    cfg = _config(model_type, {})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    ref.load_state_dict(model.state_dict())
+    own = tp_plans.for_config(cfg)
+    tp_plans._register_styles()
+    mesh = init_device_mesh("cpu", (1,))
+    model._mesh_manager = None
+    apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(tp_plans.full_plan(type(model), own)))
+    mixer = model.backbone.layers[0].mixer
+    assert isinstance(mixer.A_log, DTensor) and mixer.A_log.placements == (Shard(0),)
+    assert isinstance(mixer.conv1d.weight, DTensor) and mixer.conv1d.weight.placements == (Shard(0),)
+    assert isinstance(mixer.in_proj.bias, DTensor) and isinstance(mixer.in_proj.bias.placements[0], _StridedShard)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits,
+                                   rtol=0, atol=1e-5)

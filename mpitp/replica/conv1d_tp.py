@@ -22,6 +22,7 @@ them (no DTensor per forward, no gradient bookkeeping).
 from __future__ import annotations
 
 from mpitp import compat
+from mpitp.replica.channel_tp import place
 
 COLWISE = "mpitp_conv1d_colwise"
 PACKED_QKV = "mpitp_conv1d_packed_colwise_3"
@@ -33,17 +34,11 @@ _TP = "transformers.distributed.tensor_parallel"
 def styles() -> dict[str, object]:
     """The three styles by name, built on transformers' ``TensorParallelLayer`` (imported here, not at import)."""
     import torch
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard
 
     strided = compat.attribute("torch.distributed.tensor.placement_types._StridedShard")
     base = compat.attribute(f"{_TP}.TensorParallelLayer")
     local_params = compat.attribute("transformers.distributed.parallel_utils._use_local_dtensor_params")
-
-    def place(module, param: str, mesh, placement) -> None:
-        meta = getattr(module, param, None)
-        if meta is not None:
-            module.register_parameter(param, torch.nn.Parameter(
-                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad))
 
     class Conv1DColwise(base):
         """Output features split; ``split_factor`` > 1: a fused output of that many equal parts, each split."""

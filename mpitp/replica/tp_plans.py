@@ -28,15 +28,17 @@ What a family needs beyond the plan is declared next to it, as data, and applied
 
 GPT-2 and OpenAI GPT store their projections as ``Conv1D`` (the weight transposed): they are split by mpitp's
 ``Conv1D`` styles (:mod:`mpitp.replica.conv1d_tp`), registered next to transformers' own. GPT-NeoX-Japanese and
-BioGPT name their LM head ``embed_out`` and ``output_projection`` (``head``).
+BioGPT name their LM head ``embed_out`` and ``output_projection`` (``head``). Mamba and Falcon-Mamba have no heads:
+their mixers are split by inner channel with the styles of :mod:`mpitp.replica.channel_tp` (the channels are
+independent from ``in_proj`` to ``out_proj`` except in ``x_proj``, whose partial products are summed), their caches
+sized lazily from the rank's own tensors.
 
 Families left out, and why (they stay refused with "run it with --tp 1"): JetMoE (mixture of attention heads:
 experts route per token inside the attention), DBRX (MoE experts in one fused parameter plus a GQA ``Wqkv`` of
-unequal blocks; transformers 5.24 cannot build its config at random either, so there is no parity to show), Mamba
-and Falcon-Mamba (no heads: a depthwise convolution and a selective scan over a fused ``in_proj``, and a cache
-transformers sizes from the config's full width), RWKV (the same: channels mixed by a recurrence whose state the
-model sizes), CTRL (its MLP is an ``nn.Sequential`` whose children are named ``0`` and ``2``: transformers reads
-every number in a rule's name as a layer index, so no rule can tell the two apart), BitNet (an RMS norm over the
+unequal blocks; transformers 5.25 cannot build its config at random either, so there is no parity to show), RWKV
+(its channels are split the same way, but the model allocates the recurrent state from the config's full width),
+CTRL (its MLP is an ``nn.Sequential`` whose children are named ``0`` and ``2``: transformers reads every number in a
+rule's name as a layer index, so no rule can tell the two apart), BitNet (an RMS norm over the
 whole attention output and the whole MLP width sits between its column- and row-split projections, where a rank
 holds a part of that width), TrOCR and BERT-generation (decoders of encoder-decoder pairs, evaluated with their
 encoder, not as language models).
@@ -50,17 +52,16 @@ from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.errors import UsageError
-from mpitp.replica import conv1d_tp
+from mpitp.replica import channel_tp, conv1d_tp
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedConfig, PreTrainedModel
     from transformers.distributed import DistributedConfig
 
-#: transformers' fused-projection style registered with three parts (q, k, v) instead of its default two.
-PACKED_QKV = "mpitp_packed_colwise_3"
+#: transformers' fused-projection style with three parts (q, k, v) instead of its default two, the bias split alike.
+PACKED_QKV = channel_tp.PACKED_3
 _STYLES = "transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES"
-_PACKED = "transformers.distributed.tensor_parallel.PackedColwiseParallel"
 
 _ATTN = ("num_attention_heads", "attention heads")
 
@@ -96,6 +97,16 @@ _FALCON_ALIBI = {"h.*.self_attention": ("alibi", "attention_mask")}
 
 _CONV1D = {"h.*.attn.c_attn": conv1d_tp.PACKED_QKV, "h.*.attn.c_proj": conv1d_tp.ROWWISE,
            "h.*.mlp.c_fc": conv1d_tp.COLWISE, "h.*.mlp.c_proj": conv1d_tp.ROWWISE}
+
+# Mamba's mixer split by inner channel (mpitp.replica.channel_tp): in_proj is [x | gate], each intermediate_size wide
+_MAMBA = OwnPlan(
+    {"embeddings": "embedding_rowwise", "layers.*.mixer": channel_tp.LOCAL, "layers.*.mixer.A_log": channel_tp.ROWS,
+     "layers.*.mixer.D": channel_tp.ROWS,
+     "layers.*.mixer.in_proj": channel_tp.PACKED_2, "layers.*.mixer.conv1d": channel_tp.ROWS,
+     "layers.*.mixer.dt_proj": channel_tp.ROWS, "layers.*.mixer.x_proj": "rowwise",
+     "layers.*.mixer.out_proj": "rowwise"},
+    heads={"layers.*.mixer": ("intermediate_size",)},
+    divides=(("intermediate_size", "inner channels (intermediate_size)"),))
 
 #: model_type -> its variants, the first whose ``when`` the config matches is used.
 PLANS: dict[str, tuple[OwnPlan, ...]] = {
@@ -164,6 +175,8 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
         OwnPlan({**_FALCON, "h.*.self_attention.query_key_value": "colwise"}, when={"multi_query": False},
                 heads={"h.*.self_attention": ("num_heads", "num_kv_heads")}, alibi=_FALCON_ALIBI),
     ),
+    "mamba": (_MAMBA,),
+    "falcon_mamba": (_MAMBA,),  # its extra norms act on x_proj's summed output, the same on every rank
 }
 
 
@@ -268,15 +281,14 @@ def distributed_config(config: PreTrainedConfig | None, tp: int, **sizes: int) -
 
 
 def _register_styles() -> None:
-    """Add :data:`PACKED_QKV` and the ``Conv1D`` styles (:mod:`mpitp.replica.conv1d_tp`) to transformers' registry
-    of parallel styles: new names, nothing replaced (the way transformers registers its own styles), so nothing is
-    undone."""
+    """Add the styles of :mod:`mpitp.replica.channel_tp` (packed with bias, channel splits) and
+    :mod:`mpitp.replica.conv1d_tp` to transformers' registry of parallel styles: new names, nothing replaced (the way
+    transformers registers its own styles), so nothing is undone."""
     styles = compat.attribute(_STYLES)
-    if PACKED_QKV not in styles:
-        styles.register(PACKED_QKV, compat.attribute(_PACKED)(split_factor=3))
-    if conv1d_tp.COLWISE not in styles:
-        for name, style in conv1d_tp.styles().items():
-            styles.register(name, style)
+    for module in (channel_tp, conv1d_tp):
+        for name, style in module.styles().items():
+            if name not in styles:
+                styles.register(name, style)
 
 
 def _rule(name: str) -> str:

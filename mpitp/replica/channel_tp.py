@@ -1,0 +1,100 @@
+"""Tensor-parallel styles transformers lacks for layers split by channel or by packed part: a state-space mixer
+(Mamba, Falcon-Mamba) and a fused projection with a bias.
+
+A Mamba mixer has no heads, but its inner channels (``intermediate_size``) are independent from the input projection
+to the output projection: the depthwise convolution, the time step, the selective scan and the ``D`` skip are per
+channel. Only ``x_proj`` mixes them (into the time-step rank and the state's ``B``/``C``), so it is split by rows and
+its partial products summed over the group (transformers' ``rowwise``): every rank then holds the same ``B``, ``C``
+and time-step input, exactly as one process computes them (one sum in another order). Each rank computes its
+``1/tp`` of the channels; ``out_proj`` is ``rowwise`` again. What transformers' styles cannot express:
+
+- :data:`ROWS`: every parameter of a module split along its first dimension, its forward left alone. The mixer
+  reads ``conv1d.weight`` (``[channels, 1, kernel]``), ``dt_proj.weight``/``bias`` and its own ``A_log`` and ``D``
+  directly instead of calling the modules: no forward hook would run, and ``colwise`` shards a 3-D weight on the
+  wrong dimension and refuses a module without ``out_features``.
+- :data:`LOCAL`: the mixer's forward run with every sharded parameter of the module and its children swapped for the
+  rank's local tensor (transformers' own local-parameter swap, one module at a time): the direct reads above then see
+  plain tensors of the rank's channels. Its own parameters are left whole unless a rule names them (``A_log`` and
+  ``D`` are :data:`ROWS`).
+- :data:`PACKED_2` / :data:`PACKED_3`: transformers' ``packed_colwise`` (a fused output of 2 or 3 equal parts, each
+  split) with the bias split the same way. transformers splits a 1-D bias of a packed projection contiguously (rank
+  0 would add ``[x | first half of z]``'s bias to its ``x`` and ``z``): the weights' ``_StridedShard`` on the bias
+  too. (Mamba's ``in_proj`` is ``[x | z]``; MPT's ``Wqkv`` ``[q | k | v]`` has a bias where ``no_bias`` is False.)
+
+Registered under new names next to transformers' own (:func:`mpitp.replica.tp_plans._register_styles`), nothing of
+transformers' replaced. ``**_context``: the keyword context transformers passes (``config=``, ``mesh_manager=`` since
+5.25, nothing in 5.24).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from mpitp import compat
+
+ROWS = "mpitp_rows"
+LOCAL = "mpitp_local"
+PACKED_2 = "mpitp_packed_colwise_2"
+PACKED_3 = "mpitp_packed_colwise_3"
+
+_TP = "transformers.distributed.tensor_parallel"
+
+
+def place(module, param: str, mesh, placement) -> None:
+    """Replace ``module``'s parameter ``param`` (where it has one) by a DTensor of ``placement`` over ``mesh``, as
+    transformers' own styles do in ``shard_param`` (on the meta device: metadata only; the load fills each rank's
+    shard)."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    meta = getattr(module, param, None)
+    if meta is not None:
+        module.register_parameter(param, torch.nn.Parameter(
+            distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad))
+
+
+def styles() -> dict[str, object]:
+    """The styles by name, built on transformers' classes (imported here, not at import)."""
+    from torch.distributed.tensor import Shard
+
+    strided = compat.attribute("torch.distributed.tensor.placement_types._StridedShard")
+    base = compat.attribute(f"{_TP}.TensorParallelLayer")
+    packed = compat.attribute(f"{_TP}.PackedColwiseParallel")
+    local_params = compat.attribute("transformers.distributed.parallel_utils._use_local_dtensor_params")
+
+    class Rows(base):
+        """Every parameter ``Shard(0)``; the forward untouched (the parent reads the weights)."""
+
+        def shard_param(self, module, param, mesh, **_context) -> None:
+            place(module, param, mesh, Shard(0))
+
+        def install_forward(self, module, mesh, **_context):
+            return module
+
+    class Local(base):
+        """The forward run on the local shards of the whole subtree; nothing sharded by this rule."""
+
+        def install_forward(self, module, mesh, **_context):
+            original = module.forward
+
+            def forward(*args, **kwargs):
+                with contextlib.ExitStack() as stack:
+                    for m in module.modules():
+                        stack.enter_context(local_params(m))
+                    return original(*args, **kwargs)
+
+            module.forward = forward
+            return module
+
+    class PackedWithBias(packed):
+        """transformers' packed split, the bias strided like the weight."""
+
+        def shard_param(self, module, param, mesh, **context) -> None:
+            meta = getattr(module, param, None)
+            if meta is not None and meta.ndim == 1:
+                place(module, param, mesh, strided(dim=0, split_factor=self.split_factor))
+                return
+            super().shard_param(module, param, mesh, **context)
+
+    return {ROWS: Rows(), LOCAL: Local(), PACKED_2: PackedWithBias(split_factor=2),
+            PACKED_3: PackedWithBias(split_factor=3)}
