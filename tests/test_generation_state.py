@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpitp.replica.generation import CACHE, EXTEND_ONES, GenerationState, chosen_token_logits
+from mpitp.replica.generation import CACHE, EXTEND_ONES, STATE, GenerationState, chosen_token_logits
 from mpitp.replica.scoring import CommCounter
 
 
@@ -58,6 +58,25 @@ def test_forward_arguments_round_trip_with_mask_growth_and_cache():
     leader.begin(greedy=False)  # a new call starts from nothing: no stale mask to extend
     plain, tensors = leader.encode(dict(attention_mask=grown))
     assert "attention_mask" in tensors
+
+
+def test_a_recurrent_state_is_each_ranks_own():
+    """RWKV's ``generate`` passes back the ``state`` list its forward returned: it travels as a marker, and the worker
+    passes the state its own previous forward returned (with TP, its channels' part), never the leader's."""
+    shard, _ = _shard()
+    leader, worker = GenerationState(shard), GenerationState(shard)
+    leader.begin(greedy=False)
+    worker.begin(greedy=False)
+    plain, tensors = leader.encode(dict(input_ids=torch.arange(4).view(1, 4), state=None, use_cache=True))
+    assert plain["state"] is None and worker.decode(plain, tensors)["state"] is None  # the first forward: none yet
+    own = [torch.zeros(1, 3, 2) for _ in range(5)]
+    worker.keep_state(own)
+    plain, tensors = leader.encode(dict(input_ids=torch.tensor([[7]]), state=[torch.ones(1, 6, 2)] * 5))
+    assert plain["state"] == STATE and "state" not in tensors
+    assert worker.decode(plain, tensors)["state"] is own
+    worker.end()
+    worker.begin(greedy=False)  # a new call starts without the last call's state
+    assert worker.decode({"state": STATE}, {})["state"] is None
 
 
 def test_unmirrorable_argument_is_refused():

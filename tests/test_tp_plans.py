@@ -51,8 +51,12 @@ def test_every_rule_names_a_module_of_the_class(model_type, i):
         for attr in tp_plans.head_attrs(module, attrs):  # a `?` name: where the installed release has it
             n = getattr(module, attr)
             assert isinstance(n, int) and n % 2 == 0, (rule, attr, n)
-    for rules in (own.head_lists, own.alibi, own.mqa_rows):
+    for rules in (own.head_lists, own.alibi, own.mqa_rows, own.own_rows):
         assert {f"{prefix}.{r}" for r in rules} <= set(modules), sorted(rules)
+    for rule, attrs in own.own_rows.items():  # loaded whole, cut by hand: each a parameter no rule shards too
+        for attr in attrs:
+            assert isinstance(getattr(modules[f"{prefix}.{rule}"], attr), torch.nn.Parameter), (rule, attr)
+            assert f"{prefix}.{rule}.{attr}" not in plan
     for rule, attr in own.head_lists.items():
         assert isinstance(getattr(modules[f"{prefix}.{rule}"], attr), torch.nn.ModuleList)
     for rule in own.mqa_rows:  # loaded whole, cut by hand: no plan rule may shard it too
@@ -86,7 +90,7 @@ def test_what_the_split_cannot_reproduce_is_refused():
         check_tp(cfg, 2)
 
 
-@pytest.mark.parametrize("model_type", ["rwkv", "jetmoe", "dbrx"])
+@pytest.mark.parametrize("model_type", ["ctrl", "jetmoe", "dbrx"])
 def test_types_with_neither_plan_are_refused_as_before(model_type):
     from transformers import AutoConfig
 

@@ -37,6 +37,7 @@ CACHE = "__cache__"  # the forward's KV cache: each rank passes its own
 EXTEND_ONES = "__extend_ones__"  # the previous tensor of that name with a column of ones appended (the attention mask)
 NEXT_POSITION = "__next_position__"  # the last column of the previous tensor of that name, plus one (positions)
 GREEDY_IDS = "__greedy_ids__"  # the ids the greedy head chose at the previous forward, as one column (decode input)
+STATE = "__state__"  # a recurrent state list the model returned (RWKV's ``state``): each rank passes its own
 
 
 class GenerationState:
@@ -50,6 +51,7 @@ class GenerationState:
         self.reserve = 0
         self._sent: dict[str, torch.Tensor] = {}
         self._cache = None
+        self._state = None
         self._restore_head = None
         self._scoring_counter: CommCounter | None = None
 
@@ -58,14 +60,14 @@ class GenerationState:
         room, :class:`GrowingCache`), None where the call keeps transformers' own kind of cache
         (:func:`takes_growing_cache`)."""
         shard = self.shard
-        self._sent, self._cache, self.last_ids = {}, None, None
+        self._sent, self._cache, self._state, self.last_ids = {}, None, None, None
         self.greedy = greedy
         self.reserve = reserve
         self._scoring_counter, shard.ops.reduce_counter = shard.ops.reduce_counter, CommCounter()  # argmax != scoring
         self._restore_head = self._swap_head() if greedy and not shard.pipeline else None
 
     def end(self) -> None:
-        self._sent, self._cache, self.last_ids = {}, None, None
+        self._sent, self._cache, self._state, self.last_ids = {}, None, None, None
         if self._restore_head is not None:
             self._restore_head()
             self._restore_head = None
@@ -114,6 +116,8 @@ class GenerationState:
                 self._sent[k] = v
             elif _is_cache(v):
                 plain[k] = CACHE
+            elif k == "state" and isinstance(v, (list, tuple)) and all(torch.is_tensor(t) for t in v):
+                plain[k] = STATE  # a rank's own: with TP each holds its channels' part
             elif v is None or isinstance(v, (bool, int, float, str)):
                 plain[k] = v
             else:
@@ -128,12 +132,20 @@ class GenerationState:
         if _is_cache(cache):
             self._cache = cache
 
+    def keep_state(self, state: object) -> None:
+        """Worker: the recurrent state the model's forward returned (RWKV's ``state`` list, which HF ``generate``
+        passes back on the leader), for the next mirrored forward's :data:`STATE`."""
+        if state is not None:
+            self._state = state
+
     def decode(self, plain: dict, tensors: dict[str, torch.Tensor]) -> dict:
         """Worker: the leader's forward's keyword arguments back from :meth:`encode`'s parts."""
         kwargs = dict(tensors)
         for k, v in plain.items():
             if v == CACHE:
                 v = self.cache()
+            elif v == STATE:
+                v = self._state
             elif v == EXTEND_ONES:
                 prev = self._sent[k]
                 v = torch.cat([prev, torch.ones_like(prev[..., :1])], dim=-1)

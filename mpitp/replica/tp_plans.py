@@ -24,19 +24,25 @@ What a family needs beyond the plan is declared next to it, as data, and applied
   Falcon-7B's ``query_key_value``): no DTensor placement says "shard q, replicate k and v", so it loads whole and each
   rank keeps its query heads' rows and the shared rows;
 - ``divides``: the config counts ``--tp`` must divide, checked before loading with the arithmetic spelled out;
-- ``refuse``: config values the split cannot reproduce (BLOOM's ``slow_but_exact`` re-slices the whole weight).
+- ``refuse``: config values the split cannot reproduce (BLOOM's ``slow_but_exact`` re-slices the whole weight);
+- ``own_rows``: per-channel parameters loaded whole, of which each rank then keeps its ``1/tp`` rows (RWKV's
+  ``time_decay``/``time_first``: transformers' weight init computes with them and plain tensors during the load, so
+  they cannot be sharded DTensors then);
+- ``split_state``: which entries of a recurrent ``state`` list (RWKV's five ``[batch, width, layers]`` tensors) hold
+  per-channel attention state: the base model allocates all five at the config's full width, so a pre-hook on it
+  allocates them first, those entries at ``1/tp`` of it (the others, the previous token's hidden state, stay whole).
 
 GPT-2 and OpenAI GPT store their projections as ``Conv1D`` (the weight transposed): they are split by mpitp's
 ``Conv1D`` styles (:mod:`mpitp.replica.conv1d_tp`), registered next to transformers' own. GPT-NeoX-Japanese and
 BioGPT name their LM head ``embed_out`` and ``output_projection`` (``head``). Mamba and Falcon-Mamba have no heads:
 their mixers are split by inner channel with the styles of :mod:`mpitp.replica.channel_tp` (the channels are
 independent from ``in_proj`` to ``out_proj`` except in ``x_proj``, whose partial products are summed), their caches
-sized lazily from the rank's own tensors.
+sized lazily from the rank's own tensors. RWKV is split the same way (its WKV recurrence is per channel), its
+recurrent state allocated at the rank's width (``split_state``).
 
 Families left out, and why (they stay refused with "run it with --tp 1"): JetMoE (mixture of attention heads:
 experts route per token inside the attention), DBRX (MoE experts in one fused parameter plus a GQA ``Wqkv`` of
-unequal blocks; transformers 5.25 cannot build its config at random either, so there is no parity to show), RWKV
-(its channels are split the same way, but the model allocates the recurrent state from the config's full width),
+unequal blocks; transformers 5.25 cannot build its config at random either, so there is no parity to show),
 CTRL (its MLP is an ``nn.Sequential`` whose children are named ``0`` and ``2``: transformers reads every number in a
 rule's name as a layer index, so no rule can tell the two apart), BitNet (an RMS norm over the
 whole attention output and the whole MLP width sits between its column- and row-split projections, where a rank
@@ -79,6 +85,8 @@ class OwnPlan:
     refuse: tuple[tuple[str, object, str], ...] = ()
     when: dict[str, object] = field(default_factory=dict)
     head: str = "lm_head"
+    split_state: tuple[int, ...] = ()
+    own_rows: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _mlp(layers: str, up: tuple[str, ...], down: str) -> dict[str, str]:
@@ -175,6 +183,16 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
         OwnPlan({**_FALCON, "h.*.self_attention.query_key_value": "colwise"}, when={"multi_query": False},
                 heads={"h.*.self_attention": ("num_heads", "num_kv_heads")}, alibi=_FALCON_ALIBI),
     ),
+    # RWKV-4: key/value/receptance per channel, the WKV recurrence per channel with time_decay/time_first; the
+    # feed-forward's receptance gate acts on the summed output (whole); state entries 2-4 are the WKV numerator,
+    # denominator and max, per channel
+    "rwkv": (OwnPlan(
+        {"embeddings": "embedding_rowwise",
+         **_attn("blocks.*.attention", ("key", "value", "receptance"), "output"),
+         **_mlp("blocks.*.feed_forward", ("key",), "value")},
+        divides=(("attention_hidden_size", "attention channels (attention_hidden_size)"),
+                 ("intermediate_size", "feed-forward channels (intermediate_size)")),
+        own_rows={"blocks.*.attention": ("time_decay", "time_first")}, split_state=(2, 3, 4), head="head"),),
     "mamba": (_MAMBA,),
     "falcon_mamba": (_MAMBA,),  # its extra norms act on x_proj's summed output, the same on every rank
 }
@@ -329,6 +347,11 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
             module.register_forward_pre_hook(_AlibiSlice(own.alibi[rule], heads, tp, rank), with_kwargs=True)
         if rule in own.mqa_rows:
             _keep_mqa_rows(module, int(getattr(text, own.mqa_rows[rule])), tp, rank)
+        for attr in own.own_rows.get(rule, ()):
+            _keep_own_rows(module, attr, tp, rank)
+    if own.split_state:
+        model.get_submodule(prefix[:-1]).register_forward_pre_hook(_SplitState(text, tp, own.split_state),
+                                                                    with_kwargs=True)
 
 
 def head_attrs(module, declared: tuple[str, ...]) -> list[str]:
@@ -370,6 +393,45 @@ class _AlibiSlice:
     def __call__(self, module, args, kwargs):
         cut = {k: self.own(kwargs[k]) for k in self.keys if kwargs.get(k) is not None}
         return (args, {**kwargs, **cut}) if cut else None
+
+
+class _SplitState:
+    """A forward pre-hook on the base model: where it would allocate its recurrent ``state`` (RWKV: five
+    ``[batch, hidden_size, layers]`` tensors, when caching and none is passed), pass one in, the entries ``parts``
+    at ``1/tp`` of the width (this rank's channels), as the model fills them: the first two in the embeddings'
+    dtype, the rest in float32, the last at -1e30."""
+
+    def __init__(self, config, tp: int, parts: tuple[int, ...]):
+        self.config, self.tp, self.parts = config, tp, parts
+
+    def __call__(self, module, args, kwargs):
+        import torch
+
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = self.config.use_cache and not module.training
+        if not use_cache or kwargs.get("state") is not None:
+            return None
+        ids = args[0] if args else kwargs.get("input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        batch = (ids if ids is not None else embeds).shape[0]
+        weight = module.get_input_embeddings().weight
+        dtype = embeds.dtype if embeds is not None else weight.dtype
+        width, layers = self.config.hidden_size, self.config.num_hidden_layers
+        state = [torch.zeros(batch, width // self.tp if i in self.parts else width, layers,
+                             dtype=dtype if i <= 1 else torch.float32, device=weight.device) for i in range(5)]
+        state[4] -= 1e30
+        return args, {**kwargs, "state": state}
+
+
+def _keep_own_rows(module, attr: str, tp: int, rank: int) -> None:
+    """Parameter ``attr`` of ``module``, loaded whole: keep this rank's ``1/tp`` of its rows."""
+    import torch
+
+    whole = getattr(module, attr)
+    per = whole.shape[0] // tp
+    with torch.no_grad():
+        setattr(module, attr, torch.nn.Parameter(whole[rank * per:(rank + 1) * per].clone(), requires_grad=False))
 
 
 def _keep_mqa_rows(linear, q_width: int, tp: int, rank: int) -> None:

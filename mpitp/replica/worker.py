@@ -81,4 +81,5 @@ class ReplicaWorker:
             with torch.no_grad():
                 out = self.shard.model(**kwargs)
             self.gen.keep_cache(getattr(out, "cache", None))
+            self.gen.keep_state(getattr(out, "state", None))
         self.stats.forwards += 1

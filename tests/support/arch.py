@@ -219,7 +219,8 @@ def quick_subset(archs: list[Arch]) -> list[Arch]:
     - one per fix-up mechanism of mpitp's own plans (:mod:`mpitp.replica.tp_plans`): StableLM (separate q/k/v,
       grouped key/value head counts), BLOOM (per-head fused qkv, ALiBi cut to each rank's heads), StarCoder 1
       (``gpt_bigcode``: one shared key/value head, the query rows of a fused projection kept by hand), BioGPT (an LM
-      head of another name), Mamba (a state-space mixer split by inner channel);
+      head of another name), Mamba (a state-space mixer split by inner channel), RWKV (its recurrent
+      state allocated per rank and mirrored as each rank's own in generation);
     - ModernBERT-decoder: a prediction head before the vocabulary projection (a hidden-state module step).
     """
     plain = [a for a in archs if not_plain_decoder(a) is None]
@@ -232,7 +233,7 @@ def quick_subset(archs: list[Arch]) -> list[Arch]:
     plain_key = head_statements(llama)
     chosen.discard(by_key[plain_key].model_type)
     chosen |= {"llama", "cohere", "granite", "gpt2", "opt", "stablelm", "bloom", "gpt_bigcode", "biogpt",
-               "modernbert-decoder", "mamba"} | FOUND_BY_MATRIX
+               "modernbert-decoder", "mamba", "rwkv"} | FOUND_BY_MATRIX
     return [a for a in plain if a.model_type in chosen]
 
 
