@@ -51,7 +51,11 @@ def test_every_rule_names_a_module_of_the_class(model_type, i):
         for attr in tp_plans.head_attrs(module, attrs):  # a `?` name: where the installed release has it
             n = getattr(module, attr)
             assert isinstance(n, int) and n % 2 == 0, (rule, attr, n)
-    for rules in (own.head_lists, own.alibi, own.mqa_rows, own.own_rows):
+    for rule, parts in own.fused_heads.items():  # loaded whole, cut by hand: no plan rule may shard it too
+        for linear, heads in parts.items():
+            assert f"{prefix}.{rule}.{linear}" in modules and f"{prefix}.{rule}.{linear}" not in plan
+            assert all(isinstance(getattr(modules[f"{prefix}.{rule}"], h), int) for h in heads)
+    for rules in (own.head_lists, own.alibi, own.mqa_rows, own.own_rows, own.fused_heads):
         assert {f"{prefix}.{r}" for r in rules} <= set(modules), sorted(rules)
     for rule, attrs in own.own_rows.items():  # loaded whole, cut by hand: each a parameter no rule shards too
         for attr in attrs:
@@ -90,7 +94,7 @@ def test_what_the_split_cannot_reproduce_is_refused():
         check_tp(cfg, 2)
 
 
-@pytest.mark.parametrize("model_type", ["ctrl", "jetmoe", "dbrx"])
+@pytest.mark.parametrize("model_type", ["ctrl", "jetmoe", "bitnet"])
 def test_types_with_neither_plan_are_refused_as_before(model_type):
     from transformers import AutoConfig
 
@@ -187,16 +191,26 @@ def test_conv1d_styles_take_the_calls_of_the_installed_transformers(style_name, 
         torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
-def test_channel_split_runs_a_real_mixer_with_the_installed_transformers(model_type, gloo_world):
-    """The plan of a state-space mixer (:mod:`mpitp.replica.channel_tp`: ``in_proj`` packed with its bias strided,
-    ``conv1d``/``dt_proj`` by rows, the mixer's forward on local shards), applied to a real mixer the way the installed
-    transformers applies a plan (``apply_tensor_parallelism`` over a one-rank mesh): every parameter becomes a
-    ``DTensor`` with the declared placement, and the mixer computes what the unsharded one does. Parity at tp=2 is the
-    matrix's (a contiguous bias split was 0.03 off there)."""
+# Per type: parameters of layer 0 and the placement mpitp.replica.channel_tp's styles must give them
+_CHANNEL_PLACED = {
+    "mamba": {"backbone.layers.0.mixer.A_log": "Shard", "backbone.layers.0.mixer.conv1d.weight": "Shard",
+              "backbone.layers.0.mixer.in_proj.bias": "_StridedShard"},
+    "falcon_mamba": {"backbone.layers.0.mixer.D": "Shard", "backbone.layers.0.mixer.dt_proj.weight": "Shard"},
+    "dbrx": {"transformer.blocks.0.ffn.experts.mlp.w1": "_StridedShard",
+             "transformer.blocks.0.ffn.experts.mlp.w2": "_StridedShard"},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_CHANNEL_PLACED))
+def test_channel_split_runs_a_real_model_with_the_installed_transformers(model_type, gloo_world):
+    """The plans that use :mod:`mpitp.replica.channel_tp`'s styles (a state-space mixer: ``in_proj`` packed with its
+    bias strided, ``conv1d``/``dt_proj`` by rows, the mixer's forward on local shards; DBRX: every expert's rows
+    strided, the experts' forward on local shards and summed), applied to a real model the way the installed
+    transformers applies a plan (``apply_tensor_parallelism`` over a one-rank mesh): the parameters become
+    DTensors with the declared placement, and the model computes what the unsharded one does. Parity at tp=2
+    is the matrix's (a contiguous bias split was 0.03 off there)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -213,10 +227,10 @@ def test_channel_split_runs_a_real_mixer_with_the_installed_transformers(model_t
     mesh = init_device_mesh("cpu", (1,))
     model._mesh_manager = None
     apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(tp_plans.full_plan(type(model), own)))
-    mixer = model.backbone.layers[0].mixer
-    assert isinstance(mixer.A_log, DTensor) and mixer.A_log.placements == (Shard(0),)
-    assert isinstance(mixer.conv1d.weight, DTensor) and mixer.conv1d.weight.placements == (Shard(0),)
-    assert isinstance(mixer.in_proj.bias, DTensor) and isinstance(mixer.in_proj.bias.placements[0], _StridedShard)
+    params = dict(model.named_parameters())
+    for name, placement in _CHANNEL_PLACED[model_type].items():
+        assert isinstance(params[name], DTensor), name
+        assert type(params[name].placements[0]).__name__ == placement and params[name].placements[0].dim == 0, name
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits,

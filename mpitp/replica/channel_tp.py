@@ -16,6 +16,12 @@ and time-step input, exactly as one process computes them (one sum in another or
   rank's local tensor (transformers' own local-parameter swap, one module at a time): the direct reads above then see
   plain tensors of the rank's channels. Its own parameters are left whole unless a rule names them (``A_log`` and
   ``D`` are :data:`ROWS`).
+- :data:`EXPERT_ROWS` and :data:`LOCAL_SUM`: DBRX keeps each layer's experts in three parameters of ``[experts *
+  ffn, hidden]`` rows that its forward views per expert. :data:`EXPERT_ROWS` gives each rank ``1/tp`` of every
+  expert's ``ffn`` rows (``_StridedShard`` with one part per expert: the count read from the module's
+  ``moe_num_experts``), so every rank computes every routed token's expert on its part of the width; :data:`LOCAL_SUM`
+  runs the experts module on the local shards and sums its output over the group (the partial sums of ``w2``), as
+  ``rowwise`` does for a linear layer.
 - :data:`PACKED_2` / :data:`PACKED_3`: transformers' ``packed_colwise`` (a fused output of 2 or 3 equal parts, each
   split) with the bias split the same way. transformers splits a 1-D bias of a packed projection contiguously (rank
   0 would add ``[x | first half of z]``'s bias to its ``x`` and ``z``): the weights' ``_StridedShard`` on the bias
@@ -34,6 +40,8 @@ from mpitp import compat
 
 ROWS = "mpitp_rows"
 LOCAL = "mpitp_local"
+EXPERT_ROWS = "mpitp_expert_rows"
+LOCAL_SUM = "mpitp_local_sum"
 PACKED_2 = "mpitp_packed_colwise_2"
 PACKED_3 = "mpitp_packed_colwise_3"
 
@@ -86,6 +94,30 @@ def styles() -> dict[str, object]:
             module.forward = forward
             return module
 
+    class ExpertRows(base):
+        """``[experts * ffn, hidden]``: each expert's ``ffn`` rows split over the group."""
+
+        def shard_param(self, module, param, mesh, **_context) -> None:
+            place(module, param, mesh, strided(dim=0, split_factor=int(module.moe_num_experts)))
+
+        def install_forward(self, module, mesh, **_context):
+            return module
+
+    class LocalSum(Local):
+        """:class:`Local`, the output summed over the group."""
+
+        def install_forward(self, module, mesh, **_context):
+            super().install_forward(module, mesh)
+            local_forward, group = module.forward, mesh.get_group()
+
+            def forward(*args, **kwargs):
+                out = local_forward(*args, **kwargs)
+                compat.attribute(compat.TP_DIST).all_reduce(out, group=group)  # read per call: MPI on CPU
+                return out
+
+            module.forward = forward
+            return module
+
     class PackedWithBias(packed):
         """transformers' packed split, the bias strided like the weight."""
 
@@ -96,5 +128,5 @@ def styles() -> dict[str, object]:
                 return
             super().shard_param(module, param, mesh, **context)
 
-    return {ROWS: Rows(), LOCAL: Local(), PACKED_2: PackedWithBias(split_factor=2),
-            PACKED_3: PackedWithBias(split_factor=3)}
+    return {ROWS: Rows(), LOCAL: Local(), EXPERT_ROWS: ExpertRows(), LOCAL_SUM: LocalSum(),
+            PACKED_2: PackedWithBias(split_factor=2), PACKED_3: PackedWithBias(split_factor=3)}

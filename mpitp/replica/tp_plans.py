@@ -1,14 +1,14 @@
 """mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
 
-transformers 5.24 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
-(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese or BioGPT, so ``--tp 2`` was refused for them. Each
-plan below is written in transformers' own vocabulary (``colwise``, ``rowwise``, ``embedding_rowwise`` ...) with
-names under the base model, as a config's ``base_model_tp_plan`` is, and handed to transformers as the ``tp_plan``
-of its ``DistributedConfig`` (:func:`distributed_config`): transformers shards every weight as it reads it, exactly
-as for a model with a plan of its own. A plan is only picked where transformers has none, for transformers' own
-classes (remote code is refused as before: its module names are its own), and only where the split is exact: every
-rank computes its own heads, and the one sum across ranks (``rowwise``) is the sum a single process computes, in
-another order.
+transformers 5.25 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
+(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV or DBRX, so ``--tp
+2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``, ``rowwise``,
+``embedding_rowwise`` ...) with names under the base model, as a config's ``base_model_tp_plan`` is, and handed to
+transformers as the ``tp_plan`` of its ``DistributedConfig`` (:func:`distributed_config`): transformers shards every
+weight as it reads it, exactly as for a model with a plan of its own. A plan is only picked where transformers has
+none, for transformers' own classes (remote code is refused as before: its module names are its own), and only where
+the split is exact: every rank computes its own heads, and the one sum across ranks (``rowwise``) is the sum a single
+process computes, in another order.
 
 What a family needs beyond the plan is declared next to it, as data, and applied after loading (:func:`fix_up`):
 
@@ -25,6 +25,10 @@ What a family needs beyond the plan is declared next to it, as data, and applied
   rank keeps its query heads' rows and the shared rows;
 - ``divides``: the config counts ``--tp`` must divide, checked before loading with the arithmetic spelled out;
 - ``refuse``: config values the split cannot reproduce (BLOOM's ``slow_but_exact`` re-slices the whole weight);
+- ``fused_heads``: a fused ``[q | k | v]`` projection of unequal parts (DBRX's ``Wqkv`` with fewer key/value heads
+  than query heads), named by the module's head-count attributes of each part: no DTensor placement cuts unequal
+  parts, so it loads whole and each rank keeps its ``1/tp`` of every part's heads (read before ``heads`` divides
+  them);
 - ``own_rows``: per-channel parameters loaded whole, of which each rank then keeps its ``1/tp`` rows (RWKV's
   ``time_decay``/``time_first``: transformers' weight init computes with them and plain tensors during the load, so
   they cannot be sharded DTensors then);
@@ -38,16 +42,16 @@ BioGPT name their LM head ``embed_out`` and ``output_projection`` (``head``). Ma
 their mixers are split by inner channel with the styles of :mod:`mpitp.replica.channel_tp` (the channels are
 independent from ``in_proj`` to ``out_proj`` except in ``x_proj``, whose partial products are summed), their caches
 sized lazily from the rank's own tensors. RWKV is split the same way (its WKV recurrence is per channel), its
-recurrent state allocated at the rank's width (``split_state``).
+recurrent state allocated at the rank's width (``split_state``). DBRX's experts live in three ``[experts * ffn,
+hidden]`` parameters: each rank keeps every expert's ``1/tp`` of the ``ffn`` rows and the experts' output is summed
+over the group (:mod:`mpitp.replica.channel_tp`), and its ``Wqkv`` has unequal parts (``fused_heads``).
 
 Families left out, and why (they stay refused with "run it with --tp 1"): JetMoE (mixture of attention heads:
-experts route per token inside the attention), DBRX (MoE experts in one fused parameter plus a GQA ``Wqkv`` of
-unequal blocks; transformers 5.25 cannot build its config at random either, so there is no parity to show),
-CTRL (its MLP is an ``nn.Sequential`` whose children are named ``0`` and ``2``: transformers reads every number in a
-rule's name as a layer index, so no rule can tell the two apart), BitNet (an RMS norm over the
-whole attention output and the whole MLP width sits between its column- and row-split projections, where a rank
-holds a part of that width), TrOCR and BERT-generation (decoders of encoder-decoder pairs, evaluated with their
-encoder, not as language models).
+experts route per token inside the attention), CTRL (its MLP is an ``nn.Sequential`` whose children are named ``0``
+and ``2``: transformers reads every number in a rule's name as a layer index, so no rule can tell the two apart),
+BitNet (an RMS norm over the whole attention output and the whole MLP width sits between its column- and row-split
+projections, where a rank holds a part of that width), TrOCR and BERT-generation (decoders of encoder-decoder pairs,
+evaluated with their encoder, not as language models).
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class OwnPlan:
     head: str = "lm_head"
     split_state: tuple[int, ...] = ()
     own_rows: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    fused_heads: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
 
 
 def _mlp(layers: str, up: tuple[str, ...], down: str) -> dict[str, str]:
@@ -193,6 +198,18 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
         divides=(("attention_hidden_size", "attention channels (attention_hidden_size)"),
                  ("intermediate_size", "feed-forward channels (intermediate_size)")),
         own_rows={"blocks.*.attention": ("time_decay", "time_first")}, split_state=(2, 3, 4), head="head"),),
+    # DBRX: Wqkv is [q | k | v] with fewer key/value heads (cut by hand: fused_heads); each expert's ffn rows split
+    # (w1, v1, w2 are [experts * ffn, hidden]), the experts' output summed over the group
+    "dbrx": (OwnPlan(
+        {"wte": "embedding_rowwise", "blocks.*.norm_attn_norm.attn.out_proj": "rowwise",
+         "blocks.*.ffn.experts": channel_tp.LOCAL_SUM,
+         **{f"blocks.*.ffn.experts.mlp.{w}": channel_tp.EXPERT_ROWS for w in ("w1", "v1", "w2")}},
+        fused_heads={"blocks.*.norm_attn_norm.attn": {"Wqkv": ("num_heads", "num_key_value_heads",
+                                                               "num_key_value_heads")}},
+        heads={"blocks.*.norm_attn_norm.attn": ("num_heads", "num_key_value_heads", "hidden_size"),
+               "blocks.*.ffn.experts": ("ffn_hidden_size",)},
+        divides=(_ATTN, ("num_key_value_heads", "key/value heads"),
+                 ("ffn_config.ffn_hidden_size", "expert feed-forward channels (ffn_config.ffn_hidden_size)"))),),
     "mamba": (_MAMBA,),
     "falcon_mamba": (_MAMBA,),  # its extra norms act on x_proj's summed output, the same on every rank
 }
@@ -265,9 +282,16 @@ def check(config: PreTrainedConfig, own: OwnPlan, tp: int) -> None:
         if getattr(text, attr, None) == value:
             raise UsageError(f"{name}: {why}, which a tensor-parallel split cannot reproduce; run it with --tp 1")
     for attr, what in own.divides:
-        n = getattr(text, attr, None)
+        n = _config_value(text, attr)
         if n is not None and n % tp:
             raise UsageError(f"{name}: {n} {what} are not divisible by --tp {tp}")
+
+
+def _config_value(config, dotted: str):
+    """``config.a.b`` for ``"a.b"`` (a sub-config's value, DBRX's ``ffn_config.ffn_hidden_size``), None where absent."""
+    for part in dotted.split("."):
+        config = getattr(config, part, None)
+    return config
 
 
 def full_plan(model_cls: type[PreTrainedModel], own: OwnPlan) -> dict[str, str]:
@@ -338,6 +362,8 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
         if not name.startswith(prefix):
             continue
         rule = _rule(name[len(prefix):])
+        for linear, parts in own.fused_heads.get(rule, {}).items():
+            _keep_fused_heads(getattr(module, linear), [int(getattr(module, p)) for p in parts], tp, rank)
         for attr in head_attrs(module, own.heads.get(rule, ())):
             setattr(module, attr, _divided(module, attr, tp, model.config.model_type))
         if rule in own.head_lists:
@@ -424,6 +450,30 @@ class _SplitState:
         return args, {**kwargs, "state": state}
 
 
+def _keep_fused_heads(linear, heads: list[int], tp: int, rank: int) -> None:
+    """``[part 0 | part 1 | ...]`` loaded whole, the parts ``heads`` heads each: keep this rank's ``1/tp`` of each
+    part's heads (rows), in the same order."""
+    import torch
+
+    dim, dev, rows, start = linear.weight.shape[0] // sum(heads), linear.weight.device, [], 0
+    for n in heads:
+        per = n // tp * dim
+        rows.append(torch.arange(start + rank * per, start + (rank + 1) * per, device=dev))
+        start += n * dim
+    _keep_rows(linear, torch.cat(rows))
+
+
+def _keep_rows(linear, rows) -> None:
+    """Keep ``rows`` of ``linear``'s weight (and bias): its output features become those."""
+    import torch
+
+    with torch.no_grad():
+        linear.weight = torch.nn.Parameter(linear.weight.index_select(0, rows).contiguous(), requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = torch.nn.Parameter(linear.bias.index_select(0, rows).contiguous(), requires_grad=False)
+    linear.out_features = int(rows.numel())
+
+
 def _keep_own_rows(module, attr: str, tp: int, rank: int) -> None:
     """Parameter ``attr`` of ``module``, loaded whole: keep this rank's ``1/tp`` of its rows."""
     import torch
@@ -439,10 +489,5 @@ def _keep_mqa_rows(linear, q_width: int, tp: int, rank: int) -> None:
     import torch
 
     per, dev = q_width // tp, linear.weight.device
-    rows = torch.cat([torch.arange(rank * per, (rank + 1) * per, device=dev),
-                      torch.arange(q_width, linear.weight.shape[0], device=dev)])
-    with torch.no_grad():
-        linear.weight = torch.nn.Parameter(linear.weight.index_select(0, rows).contiguous(), requires_grad=False)
-        if linear.bias is not None:
-            linear.bias = torch.nn.Parameter(linear.bias.index_select(0, rows).contiguous(), requires_grad=False)
-    linear.out_features = int(rows.numel())
+    _keep_rows(linear, torch.cat([torch.arange(rank * per, (rank + 1) * per, device=dev),
+                                  torch.arange(q_width, linear.weight.shape[0], device=dev)]))

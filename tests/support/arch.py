@@ -21,7 +21,7 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
              qk_nope_head_dim=8, v_head_dim=16, sliding_window=64, rotary_dim=8, n_inner=128, d_model=64,
-             layers_block_type=None)
+             layers_block_type=None, n_heads=4, n_layers=2)
 # Options that change the numbers between the head and the logits, or scale a path: set to a non-default value.
 _SCALING = re.compile(r"(logit_scale|logits_scaling|lm_head_multiplier|softcap|_multiplier$|multiplier_|"
                       r"embedding_scale|residual_scale|scale_emb|scale_depth|dim_model_base)")
@@ -82,6 +82,12 @@ def not_plain_decoder(arch: Arch) -> str | None:
 #: padding beside a row (the matrix: one request off by 1.6e-5 relative at dp=2).
 DECODER_MODE = {"bert-generation": {"is_decoder": True}}
 
+#: Values a type's default config lacks but its model reads (transformers 5.25: DBRX's attention reads
+#: ``attn_config.rope_theta``, which ``DbrxAttentionConfig`` does not declare; every released DBRX config.json sets it),
+#: and the sub-config sizes the shared ones (SIZES) do not reach.
+SUB_CONFIGS = {"dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
+                        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}}}
+
 
 def tiny_config(arch: Arch, vocab: int, eos: int):
     """A small config of ``arch`` with every scaling / capping / bias option set to a non-default value."""
@@ -104,6 +110,7 @@ def tiny_config(arch: Arch, vocab: int, eos: int):
     kw.update(changed)
     kw.update(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False)
     kw.update(DECODER_MODE.get(arch.model_type, {}))
+    kw.update(SUB_CONFIGS.get(arch.model_type, {}))
     cfg = AutoConfig.for_model(arch.model_type, **kw)
     full, tiny = _layer_kinds(base), _layer_kinds(cfg)
     if full and tiny is not None and set(tiny) < set(full):
