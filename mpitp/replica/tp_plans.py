@@ -1,8 +1,8 @@
 """mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
 
 transformers 5.25 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
-(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV or DBRX, so ``--tp
-2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``, ``rowwise``,
+(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV or DBRX, so
+``--tp 2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``, ``rowwise``,
 ``embedding_rowwise`` ...) with names under the base model, as a config's ``base_model_tp_plan`` is, and handed to
 transformers as the ``tp_plan`` of its ``DistributedConfig`` (:func:`distributed_config`): transformers shards every
 weight as it reads it, exactly as for a model with a plan of its own. A plan is only picked where transformers has
