@@ -22,6 +22,11 @@ and time-step input, exactly as one process computes them (one sum in another or
   ``moe_num_experts``), so every rank computes every routed token's expert on its part of the width; :data:`LOCAL_SUM`
   runs the experts module on the local shards and sums its output over the group (the partial sums of ``w2``), as
   ``rowwise`` does for a linear layer.
+- :data:`DIM1`, :data:`DIM2`, :data:`PACKED_DIM1_2`: a parameter split along its second or third dimension (the
+  second of two equal parts each: ``[experts, 2 * ffn, hidden]``), for JetMoE's experts, which keep
+  ``[experts, out, in]`` weights in a module whose forward slices them per expert: ``out`` split where the next step
+  works per head or channel, ``in`` where the partial products are summed after (``sum_after`` in
+  :mod:`mpitp.replica.tp_plans`).
 - :data:`PACKED_2` / :data:`PACKED_3`: transformers' ``packed_colwise`` (a fused output of 2 or 3 equal parts, each
   split) with the bias split the same way. transformers splits a 1-D bias of a packed projection contiguously (rank
   0 would add ``[x | first half of z]``'s bias to its ``x`` and ``z``): the weights' ``_StridedShard`` on the bias
@@ -39,6 +44,9 @@ import contextlib
 from mpitp import compat
 
 ROWS = "mpitp_rows"
+DIM1 = "mpitp_dim1"
+DIM2 = "mpitp_dim2"
+PACKED_DIM1_2 = "mpitp_packed_dim1_2"
 LOCAL = "mpitp_local"
 EXPERT_ROWS = "mpitp_expert_rows"
 LOCAL_SUM = "mpitp_local_sum"
@@ -71,10 +79,15 @@ def styles() -> dict[str, object]:
     local_params = compat.attribute("transformers.distributed.parallel_utils._use_local_dtensor_params")
 
     class Rows(base):
-        """Every parameter ``Shard(0)``; the forward untouched (the parent reads the weights)."""
+        """Every parameter ``Shard(dim)`` (``split`` > 1: that many equal parts, each split); the forward untouched
+        (the parent reads the weights)."""
+
+        def __init__(self, dim: int = 0, split: int = 1):
+            self.dim, self.split = dim, split
 
         def shard_param(self, module, param, mesh, **_context) -> None:
-            place(module, param, mesh, Shard(0))
+            place(module, param, mesh, Shard(self.dim) if self.split == 1 else
+                  strided(dim=self.dim, split_factor=self.split))
 
         def install_forward(self, module, mesh, **_context):
             return module
@@ -128,5 +141,6 @@ def styles() -> dict[str, object]:
                 return
             super().shard_param(module, param, mesh, **context)
 
-    return {ROWS: Rows(), LOCAL: Local(), EXPERT_ROWS: ExpertRows(), LOCAL_SUM: LocalSum(),
+    return {ROWS: Rows(), DIM1: Rows(1), DIM2: Rows(2), PACKED_DIM1_2: Rows(1, 2), LOCAL: Local(),
+            EXPERT_ROWS: ExpertRows(), LOCAL_SUM: LocalSum(),
             PACKED_2: PackedWithBias(split_factor=2), PACKED_3: PackedWithBias(split_factor=3)}

@@ -1,7 +1,7 @@
 """mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
 
 transformers 5.25 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
-(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV or DBRX, so
+(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV, DBRX or JetMoE, so
 ``--tp 2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``, ``rowwise``,
 ``embedding_rowwise`` ...) with names under the base model, as a config's ``base_model_tp_plan`` is, and handed to
 transformers as the ``tp_plan`` of its ``DistributedConfig`` (:func:`distributed_config`): transformers shards every
@@ -29,6 +29,10 @@ What a family needs beyond the plan is declared next to it, as data, and applied
   than query heads), named by the module's head-count attributes of each part: no DTensor placement cuts unequal
   parts, so it loads whole and each rank keeps its ``1/tp`` of every part's heads (read before ``heads`` divides
   them);
+- ``sum_after``: ``(method, bias)`` of a module whose method ends in partial products and then adds a bias (JetMoE's
+  mixture of attention ``reduce`` and its MLP's ``forward``, both ``... .index_add(...) + self.bias``): the method
+  runs with the bias at zero, its output is summed over the group, the bias added once after (a ``rowwise`` split
+  of a method, not of a linear layer);
 - ``own_rows``: per-channel parameters loaded whole, of which each rank then keeps its ``1/tp`` rows (RWKV's
   ``time_decay``/``time_first``: transformers' weight init computes with them and plain tensors during the load, so
   they cannot be sharded DTensors then);
@@ -46,12 +50,15 @@ recurrent state allocated at the rank's width (``split_state``). DBRX's experts 
 hidden]`` parameters: each rank keeps every expert's ``1/tp`` of the ``ffn`` rows and the experts' output is summed
 over the group (:mod:`mpitp.replica.channel_tp`), and its ``Wqkv`` has unequal parts (``fused_heads``).
 
-Families left out, and why (they stay refused with "run it with --tp 1"): JetMoE (mixture of attention heads:
-experts route per token inside the attention), CTRL (its MLP is an ``nn.Sequential`` whose children are named ``0``
-and ``2``: transformers reads every number in a rule's name as a layer index, so no rule can tell the two apart),
-BitNet (an RMS norm over the whole attention output and the whole MLP width sits between its column- and row-split
-projections, where a rank holds a part of that width), TrOCR and BERT-generation (decoders of encoder-decoder pairs,
-evaluated with their encoder, not as language models).
+JetMoE's mixture of attention routes each token to attention experts that project to the key/value heads' width:
+split by those heads, every expert keeping its rows for them, and the experts' output (and its MLP experts' output)
+summed before the bias (``sum_after``).
+
+Families left out, and why (they stay refused with "run it with --tp 1"): CTRL (its MLP is an ``nn.Sequential`` whose
+children are named ``0`` and ``2``: transformers reads every number in a rule's name as a layer index, so no rule can
+tell the two apart), BitNet (an RMS norm over the whole attention output and the whole MLP width sits between its
+column- and row-split projections, where a rank holds a part of that width), TrOCR and BERT-generation (decoders of
+encoder-decoder pairs, evaluated with their encoder, not as language models).
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class OwnPlan:
     split_state: tuple[int, ...] = ()
     own_rows: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fused_heads: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    sum_after: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _mlp(layers: str, up: tuple[str, ...], down: str) -> dict[str, str]:
@@ -210,6 +218,20 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
                "blocks.*.ffn.experts": ("ffn_hidden_size",)},
         divides=(_ATTN, ("num_key_value_heads", "key/value heads"),
                  ("ffn_config.ffn_hidden_size", "expert feed-forward channels (ffn_config.ffn_hidden_size)"))),),
+    # JetMoE: the mixture of attention's experts project to the key/value heads' width ([experts, out, in]): each
+    # rank keeps its kv heads' rows of every expert's query projection, kv_proj's [k | v] heads, and the matching
+    # columns of every expert's output projection; the MLP's experts likewise by channel; both sum after
+    "jetmoe": (OwnPlan(
+        {"embed_tokens": "embedding_rowwise", "layers.*.self_attention": channel_tp.LOCAL,
+         "layers.*.self_attention.kv_proj": channel_tp.PACKED_2,
+         "layers.*.self_attention.experts.input_linear.weight": channel_tp.DIM1,
+         "layers.*.self_attention.experts.output_linear.weight": channel_tp.DIM2,
+         "layers.*.mlp": channel_tp.LOCAL, "layers.*.mlp.input_linear.weight": channel_tp.PACKED_DIM1_2,
+         "layers.*.mlp.output_linear.weight": channel_tp.DIM2},
+        heads={"layers.*.self_attention": ("num_key_value_heads", "kv_projection_size"),
+               "layers.*.self_attention.experts": ("hidden_size",)},
+        sum_after={"layers.*.self_attention.experts": ("reduce", "bias"), "layers.*.mlp": ("forward", "bias")},
+        divides=(("num_key_value_heads", "key/value heads"), ("intermediate_size", "expert channels"))),),
     "mamba": (_MAMBA,),
     "falcon_mamba": (_MAMBA,),  # its extra norms act on x_proj's summed output, the same on every rank
 }
@@ -375,6 +397,8 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
             _keep_mqa_rows(module, int(getattr(text, own.mqa_rows[rule])), tp, rank)
         for attr in own.own_rows.get(rule, ()):
             _keep_own_rows(module, attr, tp, rank)
+        if rule in own.sum_after:
+            _sum_after(module, *own.sum_after[rule], _tp_group(model))
     if own.split_state:
         model.get_submodule(prefix[:-1]).register_forward_pre_hook(_SplitState(text, tp, own.split_state),
                                                                     with_kwargs=True)
@@ -448,6 +472,34 @@ class _SplitState:
                              dtype=dtype if i <= 1 else torch.float32, device=weight.device) for i in range(5)]
         state[4] -= 1e30
         return args, {**kwargs, "state": state}
+
+
+def _tp_group(model):
+    """The TP group's process group, from the mesh of any parameter transformers sharded."""
+    from torch.distributed.tensor import DTensor
+
+    return next(p.device_mesh.get_group() for p in model.parameters() if isinstance(p, DTensor))
+
+
+def _sum_after(module, method: str, bias: str, group) -> None:
+    """``module.<method>`` run with ``module.<bias>`` at zero, its output summed over ``group``, the bias added after
+    (see ``sum_after`` in the module docstring)."""
+    import torch
+
+    original = getattr(module, method)
+
+    def summed(*args, **kwargs):
+        kept = getattr(module, bias)
+        with torch.no_grad():
+            setattr(module, bias, torch.nn.Parameter(torch.zeros_like(kept), requires_grad=False))
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                setattr(module, bias, kept)
+        compat.attribute(compat.TP_DIST).all_reduce(out, group=group)  # read per call: MPI on CPU
+        return out + kept
+
+    setattr(module, method, summed)
 
 
 def _keep_fused_heads(linear, heads: list[int], tp: int, rank: int) -> None:
