@@ -27,6 +27,11 @@ and time-step input, exactly as one process computes them (one sum in another or
   ``[experts, out, in]`` weights in a module whose forward slices them per expert: ``out`` split where the next step
   works per head or channel, ``in`` where the partial products are summed after (``sum_after`` in
   :mod:`mpitp.replica.tp_plans`).
+- :data:`SEQUENTIAL_MLP`: an MLP written as ``nn.Sequential(Linear, activation, Linear)`` (CTRL's ``ffn``). Its
+  children are named ``0`` and ``2``, and transformers reads every number in a rule's name as a layer index, so no
+  rule can tell them apart; this style sits on the ``Sequential`` itself and splits its first linear layer by output
+  rows and its last by input columns (their placements set on the meta parameters, which the load then fills as for
+  any sharded parameter), and sums the output over the group before adding the last bias once.
 - :data:`PACKED_2` / :data:`PACKED_3`: transformers' ``packed_colwise`` (a fused output of 2 or 3 equal parts, each
   split) with the bias split the same way. transformers splits a 1-D bias of a packed projection contiguously (rank
   0 would add ``[x | first half of z]``'s bias to its ``x`` and ``z``): the weights' ``_StridedShard`` on the bias
@@ -50,6 +55,7 @@ PACKED_DIM1_2 = "mpitp_packed_dim1_2"
 LOCAL = "mpitp_local"
 EXPERT_ROWS = "mpitp_expert_rows"
 LOCAL_SUM = "mpitp_local_sum"
+SEQUENTIAL_MLP = "mpitp_sequential_mlp"
 PACKED_2 = "mpitp_packed_colwise_2"
 PACKED_3 = "mpitp_packed_colwise_3"
 
@@ -131,6 +137,32 @@ def styles() -> dict[str, object]:
             module.forward = forward
             return module
 
+    class SequentialMLP(base):
+        """``Sequential(Linear, act, Linear)``: the first split by rows, the last by columns, the sum after."""
+
+        def install_forward(self, module, mesh, **_context):
+            first, last = module[0], module[len(module) - 1]
+            for param in ("weight", "bias"):
+                place(first, param, mesh, Shard(0))
+            place(last, "weight", mesh, Shard(1))
+            group = mesh.get_group()
+
+            def forward(x):
+                bias = last.bias
+                with contextlib.ExitStack() as stack:
+                    for m in module.modules():
+                        stack.enter_context(local_params(m))
+                    last.bias = None
+                    try:
+                        out = module.__class__.forward(module, x)
+                    finally:
+                        last.bias = bias
+                compat.attribute(compat.TP_DIST).all_reduce(out, group=group)  # read per call: MPI on CPU
+                return out if bias is None else out + bias
+
+            module.forward = forward
+            return module
+
     class PackedWithBias(packed):
         """transformers' packed split, the bias strided like the weight."""
 
@@ -142,5 +174,5 @@ def styles() -> dict[str, object]:
             super().shard_param(module, param, mesh, **context)
 
     return {ROWS: Rows(), DIM1: Rows(1), DIM2: Rows(2), PACKED_DIM1_2: Rows(1, 2), LOCAL: Local(),
-            EXPERT_ROWS: ExpertRows(), LOCAL_SUM: LocalSum(),
+            EXPERT_ROWS: ExpertRows(), LOCAL_SUM: LocalSum(), SEQUENTIAL_MLP: SequentialMLP(),
             PACKED_2: PackedWithBias(split_factor=2), PACKED_3: PackedWithBias(split_factor=3)}

@@ -1,14 +1,14 @@
 """mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
 
 transformers 5.25 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
-(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV, DBRX or JetMoE, so
-``--tp 2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``, ``rowwise``,
-``embedding_rowwise`` ...) with names under the base model, as a config's ``base_model_tp_plan`` is, and handed to
-transformers as the ``tp_plan`` of its ``DistributedConfig`` (:func:`distributed_config`): transformers shards every
-weight as it reads it, exactly as for a model with a plan of its own. A plan is only picked where transformers has
-none, for transformers' own classes (remote code is refused as before: its module names are its own), and only where
-the split is exact: every rank computes its own heads, and the one sum across ranks (``rowwise``) is the sum a single
-process computes, in another order.
+(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV, DBRX, JetMoE or
+CTRL, so ``--tp 2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``,
+``rowwise``, ``embedding_rowwise`` ...) with names under the base model, as a config's ``base_model_tp_plan`` is, and
+handed to transformers as the ``tp_plan`` of its ``DistributedConfig`` (:func:`distributed_config`): transformers
+shards every weight as it reads it, exactly as for a model with a plan of its own. A plan is only picked where
+transformers has none, for transformers' own classes (remote code is refused as before: its module names are its own),
+and only where the split is exact: every rank computes its own heads, and the one sum across ranks (``rowwise``) is the
+sum a single process computes, in another order.
 
 What a family needs beyond the plan is declared next to it, as data, and applied after loading (:func:`fix_up`):
 
@@ -54,11 +54,13 @@ JetMoE's mixture of attention routes each token to attention experts that projec
 split by those heads, every expert keeping its rows for them, and the experts' output (and its MLP experts' output)
 summed before the bias (``sum_after``).
 
-Families left out, and why (they stay refused with "run it with --tp 1"): CTRL (its MLP is an ``nn.Sequential`` whose
-children are named ``0`` and ``2``: transformers reads every number in a rule's name as a layer index, so no rule can
-tell the two apart), BitNet (an RMS norm over the whole attention output and the whole MLP width sits between its
-column- and row-split projections, where a rank holds a part of that width), TrOCR and BERT-generation (decoders of
-encoder-decoder pairs, evaluated with their encoder, not as language models).
+CTRL's MLP is an ``nn.Sequential`` whose children are named ``0`` and ``2`` (transformers reads every number in a
+rule's name as a layer index, so no rule can tell them apart): one style splits the ``Sequential`` as a whole.
+
+Families left out, and why (they stay refused with "run it with --tp 1"): BitNet (an RMS norm over the whole attention
+output and the whole MLP width sits between its column- and row-split projections, where a rank holds a part of that
+width), TrOCR and BERT-generation (decoders of encoder-decoder pairs, evaluated with their encoder, not as language
+models).
 """
 
 from __future__ import annotations
@@ -232,6 +234,12 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
                "layers.*.self_attention.experts": ("hidden_size",)},
         sum_after={"layers.*.self_attention.experts": ("reduce", "bias"), "layers.*.mlp": ("forward", "bias")},
         divides=(("num_key_value_heads", "key/value heads"), ("intermediate_size", "expert channels"))),),
+    # CTRL: its ffn is nn.Sequential(Linear, ReLU, Linear), split as a whole (channel_tp.SEQUENTIAL_MLP)
+    "ctrl": (OwnPlan(
+        {"w": "embedding_rowwise", **_attn("h.*.multi_head_attention", ("Wq", "Wk", "Wv"), "dense"),
+         "h.*.ffn": channel_tp.SEQUENTIAL_MLP},
+        heads={"h.*.multi_head_attention": ("num_heads",)},
+        divides=(_ATTN, ("dff", "feed-forward channels (dff)"))),),
     "mamba": (_MAMBA,),
     "falcon_mamba": (_MAMBA,),  # its extra norms act on x_proj's summed output, the same on every rank
 }
