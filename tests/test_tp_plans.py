@@ -94,7 +94,18 @@ def test_what_the_split_cannot_reproduce_is_refused():
         check_tp(cfg, 2)
 
 
-@pytest.mark.parametrize("model_type", ["bitnet", "ergo"])
+def test_quantized_bitnet_is_refused_at_tp_above_1():
+    """BitNet's released checkpoints carry a quantization_config (packed ternary weights): the split is checked on
+    its unquantized form only."""
+    cfg = _config("bitnet", {})
+    check_tp(cfg, 2)
+    cfg.quantization_config = {"quant_method": "bitnet", "linear_class": "autobitlinear"}
+    with pytest.raises(UsageError, match="bitnet: its quantized weights are packed .* run it with --tp 1"):
+        check_tp(cfg, 2)
+    check_tp(cfg, 1)
+
+
+@pytest.mark.parametrize("model_type", ["ergo", "trocr"])
 def test_types_with_neither_plan_are_refused_as_before(model_type):
     from transformers import AutoConfig
 
@@ -200,6 +211,8 @@ _CHANNEL_PLACED = {
              "transformer.blocks.0.ffn.experts.mlp.w2": ("_StridedShard", 0)},
     "ctrl": {"transformer.h.0.ffn.0.weight": ("Shard", 0), "transformer.h.0.ffn.0.bias": ("Shard", 0),
              "transformer.h.0.ffn.2.weight": ("Shard", 1)},
+    "bitnet": {"model.layers.0.self_attn.attn_sub_norm.weight": ("Shard", 0),
+               "model.layers.0.mlp.ffn_sub_norm.weight": ("Shard", 0)},
     "jetmoe": {"model.layers.0.self_attention.experts.input_linear.weight": ("Shard", 1),
                "model.layers.0.self_attention.experts.output_linear.weight": ("Shard", 2),
                "model.layers.0.mlp.input_linear.weight": ("_StridedShard", 1)},
@@ -211,10 +224,10 @@ def test_channel_split_runs_a_real_model_with_the_installed_transformers(model_t
     """The plans that use :mod:`mpitp.replica.channel_tp`'s styles (a state-space mixer: ``in_proj`` packed with its
     bias strided, ``conv1d``/``dt_proj`` by rows, the mixer's forward on local shards; DBRX: every expert's rows
     strided, the experts' forward on local shards and summed; JetMoE: experts' weights split along their second or
-    third dimension; CTRL: its ``Sequential`` MLP split as a whole), applied to a real model the way the installed
-    transformers applies a plan (``apply_tensor_parallelism`` over a one-rank mesh): the parameters become
-    DTensors with the declared placement, and the model computes what the unsharded one does. Parity at tp=2
-    is the matrix's (a contiguous bias split was 0.03 off there)."""
+    third dimension; CTRL: its ``Sequential`` MLP split as a whole; BitNet: RMS norms over a split width), applied to a
+    real model the way the installed transformers applies a plan (``apply_tensor_parallelism`` over a one-rank mesh):
+    the parameters become DTensors with the declared placement, and the model computes what the unsharded one does.
+    Parity at tp=2 is the matrix's (a contiguous bias split was 0.03 off there)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM

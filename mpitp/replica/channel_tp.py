@@ -32,6 +32,10 @@ and time-step input, exactly as one process computes them (one sum in another or
   rule can tell them apart; this style sits on the ``Sequential`` itself and splits its first linear layer by output
   rows and its last by input columns (their placements set on the meta parameters, which the load then fills as for
   any sharded parameter), and sums the output over the group before adding the last bias once.
+- :data:`RMS_NORM`: an RMS norm over a width the group splits (BitNet's ``attn_sub_norm`` over the attention output
+  and ``ffn_sub_norm`` over the MLP width, between the column- and the row-split projections): each rank holds its
+  part of the weight, sums the squares of its part, the sums are added over the group (O(tokens) numbers) and divided
+  by the full width, as one process's mean over the whole row; then each rank scales its own part.
 - :data:`PACKED_2` / :data:`PACKED_3`: transformers' ``packed_colwise`` (a fused output of 2 or 3 equal parts, each
   split) with the bias split the same way. transformers splits a 1-D bias of a packed projection contiguously (rank
   0 would add ``[x | first half of z]``'s bias to its ``x`` and ``z``): the weights' ``_StridedShard`` on the bias
@@ -56,10 +60,14 @@ LOCAL = "mpitp_local"
 EXPERT_ROWS = "mpitp_expert_rows"
 LOCAL_SUM = "mpitp_local_sum"
 SEQUENTIAL_MLP = "mpitp_sequential_mlp"
+RMS_NORM = "mpitp_sharded_rms_norm"
 PACKED_2 = "mpitp_packed_colwise_2"
 PACKED_3 = "mpitp_packed_colwise_3"
 
 _TP = "transformers.distributed.tensor_parallel"
+
+#: The styles that install a forward of their own on the module (the others only shard parameters).
+FORWARDS = frozenset({"mpitp_local", "mpitp_local_sum", "mpitp_sequential_mlp", "mpitp_sharded_rms_norm"})
 
 
 def place(module, param: str, mesh, placement) -> None:
@@ -163,6 +171,30 @@ def styles() -> dict[str, object]:
             module.forward = forward
             return module
 
+    class ShardedRMSNorm(base):
+        """``weight`` ``Shard(0)``; the mean of squares summed over the group (see the module docstring)."""
+
+        def shard_param(self, module, param, mesh, **_context) -> None:
+            place(module, param, mesh, Shard(0))
+
+        def install_forward(self, module, mesh, **_context):
+            group, width = mesh.get_group(), int(module.weight.shape[0])  # the full width: the DTensor's shape
+            reduce = compat.attribute(compat.TP_DIST).all_reduce
+
+            def forward(hidden_states):
+                import torch
+
+                dtype = hidden_states.dtype
+                x = hidden_states.to(torch.float32)
+                squares = x.pow(2).sum(-1, keepdim=True)
+                reduce(squares, group=group)  # read per call: MPI on CPU
+                x = x * torch.rsqrt(squares / width + module.variance_epsilon)
+                with local_params(module):
+                    return module.weight * x.to(dtype)
+
+            module.forward = forward
+            return module
+
     class PackedWithBias(packed):
         """transformers' packed split, the bias strided like the weight."""
 
@@ -175,4 +207,5 @@ def styles() -> dict[str, object]:
 
     return {ROWS: Rows(), DIM1: Rows(1), DIM2: Rows(2), PACKED_DIM1_2: Rows(1, 2), LOCAL: Local(),
             EXPERT_ROWS: ExpertRows(), LOCAL_SUM: LocalSum(), SEQUENTIAL_MLP: SequentialMLP(),
+            RMS_NORM: ShardedRMSNorm(),
             PACKED_2: PackedWithBias(split_factor=2), PACKED_3: PackedWithBias(split_factor=3)}

@@ -1,8 +1,8 @@
 """mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
 
 transformers 5.25 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
-(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV, DBRX, JetMoE or
-CTRL, so ``--tp 2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``,
+(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV, DBRX, JetMoE, CTRL
+or BitNet, so ``--tp 2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``,
 ``rowwise``, ``embedding_rowwise`` ...) with names under the base model, as a config's ``base_model_tp_plan`` is, and
 handed to transformers as the ``tp_plan`` of its ``DistributedConfig`` (:func:`distributed_config`): transformers
 shards every weight as it reads it, exactly as for a model with a plan of its own. A plan is only picked where
@@ -57,10 +57,12 @@ summed before the bias (``sum_after``).
 CTRL's MLP is an ``nn.Sequential`` whose children are named ``0`` and ``2`` (transformers reads every number in a
 rule's name as a layer index, so no rule can tell them apart): one style splits the ``Sequential`` as a whole.
 
-Families left out, and why (they stay refused with "run it with --tp 1"): BitNet (an RMS norm over the whole attention
-output and the whole MLP width sits between its column- and row-split projections, where a rank holds a part of that
-width), TrOCR and BERT-generation (decoders of encoder-decoder pairs, evaluated with their encoder, not as language
-models).
+BitNet puts an RMS norm over the whole attention output and the whole MLP width between its column- and row-split
+projections, where a rank holds a part of that width: the sum of squares is added over the group. Its released
+checkpoints are quantized (packed ternary weights): refused at tp > 1 until that split is checked.
+
+Families left out, and why (they stay refused with "run it with --tp 1"): TrOCR and BERT-generation (decoders of
+encoder-decoder pairs, evaluated with their encoder, not as language models).
 """
 
 from __future__ import annotations
@@ -83,6 +85,18 @@ PACKED_QKV = channel_tp.PACKED_3
 _STYLES = "transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES"
 
 _ATTN = ("num_attention_heads", "attention heads")
+
+
+class _Set:
+    """A ``refuse`` value that any value but None equals: the option is set at all."""
+
+    def __eq__(self, other) -> bool:
+        return other is not None
+
+    __hash__ = None
+
+
+SET = _Set()
 
 
 @dataclass(frozen=True)
@@ -240,6 +254,14 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
          "h.*.ffn": channel_tp.SEQUENTIAL_MLP},
         heads={"h.*.multi_head_attention": ("num_heads",)},
         divides=(_ATTN, ("dff", "feed-forward channels (dff)"))),),
+    # BitNet (unquantized weights): Llama's split, its sub-norms over the split widths summed over the group
+    "bitnet": (OwnPlan(
+        {"embed_tokens": "embedding_rowwise", **_attn("layers.*.self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+         **_mlp("layers.*.mlp", ("gate_proj", "up_proj"), "down_proj"),
+         "layers.*.self_attn.attn_sub_norm": channel_tp.RMS_NORM, "layers.*.mlp.ffn_sub_norm": channel_tp.RMS_NORM},
+        divides=(_ATTN, ("num_key_value_heads", "key/value heads"), ("intermediate_size", "MLP channels")),
+        refuse=(("quantization_config", SET, "its quantized weights are packed (BitNet's ternary BitLinear), which "
+                 "this split has not been checked on"),)),),
     "mamba": (_MAMBA,),
     "falcon_mamba": (_MAMBA,),  # its extra norms act on x_proj's summed output, the same on every rank
 }
@@ -407,6 +429,7 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
             _keep_own_rows(module, attr, tp, rank)
         if rule in own.sum_after:
             _sum_after(module, *own.sum_after[rule], _tp_group(model))
+    _reinstall_dropped_forwards(model, own, prefix)
     if own.split_state:
         model.get_submodule(prefix[:-1]).register_forward_pre_hook(_SplitState(text, tp, own.split_state),
                                                                     with_kwargs=True)
@@ -482,11 +505,28 @@ class _SplitState:
         return args, {**kwargs, "state": state}
 
 
-def _tp_group(model):
-    """The TP group's process group, from the mesh of any parameter transformers sharded."""
+def _tp_mesh(model):
+    """The TP group's device mesh, from any parameter transformers sharded."""
     from torch.distributed.tensor import DTensor
 
-    return next(p.device_mesh.get_group() for p in model.parameters() if isinstance(p, DTensor))
+    return next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+
+
+def _tp_group(model):
+    return _tp_mesh(model).get_group()
+
+
+def _reinstall_dropped_forwards(model, own: OwnPlan, prefix: str) -> None:
+    """transformers 5.25 kernelizes every load by default (its ``kernels`` integration, whose torch fallback is the
+    class's own forward): for a class decorated with ``use_kernel_forward_from_hub`` (the RMS norms ...) that pops
+    the module's instance ``forward``, which is where a style of :mod:`mpitp.replica.channel_tp` installed its own
+    (BitNet's sharded norm then ran the whole-width forward on its shard: a traceback at tp=2). Such a module gets its
+    style's forward again."""
+    styles = compat.attribute(_STYLES)
+    for name, module in model.named_modules():
+        style = own.plan.get(_rule(name[len(prefix):])) if name.startswith(prefix) else None
+        if style in channel_tp.FORWARDS and "forward" not in vars(module):
+            styles[style].install_forward(module, _tp_mesh(model))
 
 
 def _sum_after(module, method: str, bias: str, group) -> None:
