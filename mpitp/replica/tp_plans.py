@@ -1,14 +1,14 @@
 """mpitp's own tensor-parallel plans, for families people still evaluate that transformers ships none for.
 
 transformers 5.25 gives no ``base_model_tp_plan`` to StableLM, GPT-Neo, OPT, Persimmon, BLOOM, MPT, StarCoder 1
-(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV, DBRX, JetMoE, CTRL
-or BitNet, so ``--tp 2`` was refused for them. Each plan below is written in transformers' own vocabulary (``colwise``,
-``rowwise``, ``embedding_rowwise`` ...) with names under the base model, as a config's ``base_model_tp_plan`` is, and
-handed to transformers as the ``tp_plan`` of its ``DistributedConfig`` (:func:`distributed_config`): transformers
-shards every weight as it reads it, exactly as for a model with a plan of its own. A plan is only picked where
-transformers has none, for transformers' own classes (remote code is refused as before: its module names are its own),
-and only where the split is exact: every rank computes its own heads, and the one sum across ranks (``rowwise``) is the
-sum a single process computes, in another order.
+(``gpt_bigcode``), Falcon, GPT-2, OpenAI GPT, GPT-NeoX-Japanese, BioGPT, Mamba, Falcon-Mamba, RWKV, DBRX, JetMoE, CTRL,
+BitNet or ModernBERT-decoder, so ``--tp 2`` was refused for them. Each plan below is written in transformers' own
+vocabulary (``colwise``, ``rowwise``, ``embedding_rowwise`` ...) with names under the base model, as a config's
+``base_model_tp_plan`` is, and handed to transformers as the ``tp_plan`` of its ``DistributedConfig``
+(:func:`distributed_config`): transformers shards every weight as it reads it, exactly as for a model with a plan of
+its own. A plan is only picked where transformers has none, for transformers' own classes (remote code is refused as
+before: its module names are its own), and only where the split is exact: every rank computes its own heads, and the
+one sum across ranks (``rowwise``) is the sum a single process computes, in another order.
 
 What a family needs beyond the plan is declared next to it, as data, and applied after loading (:func:`fix_up`):
 
@@ -61,8 +61,12 @@ BitNet puts an RMS norm over the whole attention output and the whole MLP width 
 projections, where a rank holds a part of that width: the sum of squares is added over the group. Its released
 checkpoints are quantized (packed ternary weights): refused at tp > 1 until that split is checked.
 
-Families left out, and why (they stay refused with "run it with --tp 1"): TrOCR and BERT-generation (decoders of
-encoder-decoder pairs, evaluated with their encoder, not as language models).
+ModernBERT-decoder projects to the vocabulary with ``decoder`` after a prediction head (dense, activation, norm) that
+stays whole on every rank.
+
+Families left out, and why (they stay refused with "run it with --tp 1"): Ergo (new in 5.25: experts with their own
+norms and a residual gate; not yet planned), TrOCR and BERT-generation (decoders of encoder-decoder pairs, evaluated
+with their encoder, not as language models).
 """
 
 from __future__ import annotations
@@ -262,6 +266,14 @@ PLANS: dict[str, tuple[OwnPlan, ...]] = {
         divides=(_ATTN, ("num_key_value_heads", "key/value heads"), ("intermediate_size", "MLP channels")),
         refuse=(("quantization_config", SET, "its quantized weights are packed (BitNet's ternary BitLinear), which "
                  "this split has not been checked on"),)),),
+    # ModernBERT-decoder: Wi is [input | gate]; its vocabulary projection is `decoder`, after a prediction head
+    # (dense, activation, norm) that stays whole on every rank
+    "modernbert-decoder": (OwnPlan(
+        {"embeddings.tok_embeddings": "embedding_rowwise",
+         **_attn("layers.*.attn", ("q_proj", "k_proj", "v_proj"), "Wo"),
+         "layers.*.mlp.Wi": channel_tp.PACKED_2, "layers.*.mlp.Wo": "rowwise"},
+        heads={"layers.*.attn": ("num_heads", "all_head_size")},
+        divides=(_ATTN, ("intermediate_size", "MLP channels")), head="decoder"),),
     "mamba": (_MAMBA,),
     "falcon_mamba": (_MAMBA,),  # its extra norms act on x_proj's summed output, the same on every rank
 }

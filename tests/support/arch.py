@@ -227,7 +227,8 @@ def quick_subset(archs: list[Arch]) -> list[Arch]:
       grouped key/value head counts), BLOOM (per-head fused qkv, ALiBi cut to each rank's heads), StarCoder 1
       (``gpt_bigcode``: one shared key/value head, the query rows of a fused projection kept by hand), BioGPT (an LM
       head of another name), Mamba (a state-space mixer split by inner channel), RWKV (its recurrent
-      state allocated per rank and mirrored as each rank's own in generation);
+      state allocated per rank and mirrored as each rank's own in generation), DBRX (fused experts, unequal
+      ``Wqkv`` parts), JetMoE (sums after a method), CTRL (a ``Sequential`` MLP), BitNet (norms over a split width);
     - ModernBERT-decoder: a prediction head before the vocabulary projection (a hidden-state module step).
     """
     plain = [a for a in archs if not_plain_decoder(a) is None]
@@ -240,7 +241,7 @@ def quick_subset(archs: list[Arch]) -> list[Arch]:
     plain_key = head_statements(llama)
     chosen.discard(by_key[plain_key].model_type)
     chosen |= {"llama", "cohere", "granite", "gpt2", "opt", "stablelm", "bloom", "gpt_bigcode", "biogpt",
-               "modernbert-decoder", "mamba", "rwkv"} | FOUND_BY_MATRIX
+               "modernbert-decoder", "mamba", "rwkv", "dbrx", "jetmoe", "ctrl", "bitnet"} | FOUND_BY_MATRIX
     return [a for a in plain if a.model_type in chosen]
 
 
