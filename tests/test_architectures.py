@@ -35,7 +35,6 @@ EXPECTED_REFUSALS = {
     ("gptj", "pp2"): "pipeline split reads the decoder's 'layers'",
     ("sarvam_moe", "tp2"): "is split into q_proj, k_proj, v_proj after each rank's shard is cut",
     ("param2moe", "tp2"): "is split into q_proj, k_proj, v_proj after each rank's shard is cut",  # transformers 5.25
-    ("llama4_text", "tp2"): "which it does not have",  # its plans apply under 'language_model'
     ("hrm_text", "pp2"): "pipeline plan does not place",
     ("hy_v4", "pp2"): "pipeline plan does not place",  # hc_head
     ("deepseek_v4", "pp2"): "pipeline plan does not place",

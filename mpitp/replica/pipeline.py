@@ -75,10 +75,14 @@ def base_model(model: PreTrainedModel) -> torch.nn.Module:
 
 
 def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int) -> None:
-    """transformers applies a model's TP and PP plans under its ``base_model_prefix``; a class without an attribute of
-    that name (``Llama4ForCausalLM``) matches none of the rules, and its layers stay whole on every rank (transformers
-    only warns). Refused before loading, from the class built on the meta device with one decoder layer (no memory, no
-    weights read; models with remote code are not built here: their code runs only when loading)."""
+    """A plan whose rules match none of the class's layers leaves them whole on every rank (transformers only warns).
+    TP: transformers' rules (the class's ``tp_plan``, as the load resolves it) must reach a module inside the layer
+    stack (a name with a layer index); mpitp's own plans are written for the class's names. PP: transformers applies
+    the plan under the class's ``base_model_prefix``, which a class without an attribute of that name
+    (``Llama4ForCausalLM``, whose prefix is ``language_model``) does not have. Refused before loading, from the class
+    built on the meta device with one decoder layer (no memory, no weights read; models with remote code are not built
+    here: their code runs only when loading). Under transformers 5.24 Llama4ForCausalLM's TP rules sat under
+    ``language_model`` too; 5.25 writes them under ``model`` as well, so it splits."""
     if tp == 1 and pp == 1 or getattr(config, "auto_map", None):
         return
     from transformers import AutoModelForCausalLM
@@ -93,13 +97,30 @@ def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int) -> None:
             model = AutoModelForCausalLM.from_config(cfg)
     except Exception:  # noqa: BLE001 - a config this shortcut cannot build is left to the load, as before
         return
-    if model.base_model is model:
+    from mpitp.replica import tp_plans
+
+    tp_misses = tp > 1 and tp_plans.for_config(config) is None and not _rules_reach_layers(model)
+    if tp_misses or (pp > 1 and model.base_model is model):
         layout = " ".join(f"--{k} {n}" for k, n in (("tp", tp), ("pp", pp)) if n > 1)
         raise UsageError(f"model type '{config.model_type}': transformers' parallel plans for {type(model).__name__} "
                          f"apply under '{type(model).base_model_prefix}', which it does not have, so {layout} would "
                          f"not split its layers; run it with --tp 1 --pp 1 (data parallel: more ranks)")
     if pp > 1:
         _check_stage_split(config, model.base_model, pp)
+
+
+def _rules_reach_layers(model: torch.nn.Module) -> bool:
+    """Whether a rule of the class's TP plan (``*`` for a layer index, as transformers matches them) names a module
+    or parameter inside its layer stack (a name with a layer index)."""
+    import re
+
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    layered = [n for n in names if re.search(r"\.\d+(\.|$)", n)]
+    for rule in getattr(model, "tp_plan", None) or {}:
+        pattern = re.compile(re.escape(rule).replace(r"\*", r"\d+"))
+        if any(pattern.fullmatch(n) for n in layered):
+            return True
+    return False
 
 
 def _check_stage_split(config: PreTrainedConfig, base: torch.nn.Module, pp: int) -> None:
