@@ -81,17 +81,23 @@ def test_a_class_whose_plans_match_nothing_is_refused_before_loading_and_its_dec
     with torch.device("meta"):
         rules = AutoModelForCausalLM.from_config(llama4).tp_plan
     tp_splits = any(rule.startswith("model.layers.") for rule in rules)  # what the installed release writes
-    if tp_splits:
-        check_plans_apply(llama4, 2, 1)
     for tp, pp, layout in ((2, 1, "--tp 2"), (1, 2, "--pp 2"), (2, 2, "--tp 2 --pp 2")):
         if tp_splits and pp == 1:
+            check_plans_apply(llama4, tp, pp)
             continue
         with pytest.raises(UsageError) as exc:
             check_plans_apply(llama4, tp, pp)
-        assert str(exc.value) == (
-            f"model type 'llama4_text': transformers' parallel plans for Llama4ForCausalLM apply under "
-            f"'language_model', which it does not have, so {layout} would not split its layers; run it with --tp 1 "
-            f"--pp 1 (data parallel: more ranks)")
+        if pp == 1 or not tp_splits:
+            assert str(exc.value).startswith(
+                "model type 'llama4_text': transformers' tensor-parallel plan for Llama4ForCausalLM reaches none of "
+                "its layers (its rules: "), str(exc.value)
+            assert str(exc.value).endswith(f"so --tp {tp} would hold every layer whole on each rank; run it with "
+                                           f"--tp 1 (data parallel: more ranks)")
+        else:
+            assert str(exc.value) == (
+                f"model type 'llama4_text': transformers' parallel plans for Llama4ForCausalLM apply under "
+                f"'language_model', which it does not have, so {layout} would not split its layers; run it with "
+                f"--tp 1 --pp 1 (data parallel: more ranks)")
     check_plans_apply(llama4, 1, 1)
     check_plans_apply(LlamaConfig(**small), 2, 2)
     with torch.device("meta"):

@@ -315,7 +315,7 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: after the others
 
         check_pp(config, pp)
-        check_plans_apply(config, tp, pp)
+        check_plans_apply(config, tp, pp, ep)
         check_decoder_mode(config)
         # Resolving these imports torch and transformers' model code (seconds on a loaded node): after the input
         # checks, so that bad input is refused without them.

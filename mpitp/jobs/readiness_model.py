@@ -76,7 +76,7 @@ def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
     if spec.pp > 1 or spec.tp > 1:
         from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: only for a split layout
 
-        checks += [lambda: check_pp(config, spec.pp), lambda: check_plans_apply(config, spec.tp, spec.pp)]
+        checks += [lambda: check_pp(config, spec.pp), lambda: check_plans_apply(config, spec.tp, spec.pp, spec.ep)]
     for check in checks:
         try:
             check()

@@ -74,15 +74,18 @@ def base_model(model: PreTrainedModel) -> torch.nn.Module:
     return base
 
 
-def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int) -> None:
-    """A plan whose rules match none of the class's layers leaves them whole on every rank (transformers only warns).
-    TP: transformers' rules (the class's ``tp_plan``, as the load resolves it) must reach a module inside the layer
-    stack (a name with a layer index); mpitp's own plans are written for the class's names. PP: transformers applies
-    the plan under the class's ``base_model_prefix``, which a class without an attribute of that name
-    (``Llama4ForCausalLM``, whose prefix is ``language_model``) does not have. Refused before loading, from the class
-    built on the meta device with one decoder layer (no memory, no weights read; models with remote code are not built
-    here: their code runs only when loading). Under transformers 5.24 Llama4ForCausalLM's TP rules sat under
-    ``language_model`` too; 5.25 writes them under ``model`` as well, so it splits."""
+def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """A plan whose rules reach none of the class's layers leaves them whole on every rank (transformers only warns):
+    at ``--tp`` that is every layer computed in full on each rank, the memory TP is for never saved. Refused before
+    loading, from the class built on the meta device with one decoder layer (no memory, no weights read; models with
+    remote code are not built here: their code runs only when loading).
+
+    TP (without ``--ep``, whose plan spreads the experts): a rule of the class's ``tp_plan`` must name something in
+    the layer stack (``model.layers.*...``, under a layer list the class has). transformers 5.24 wrote
+    Llama4ForCausalLM's under its ``base_model_prefix`` ``language_model``, which the class does not have (5.25 also
+    under ``model``, so it splits); 5.25 gives GPT-OSS, LFM2, LFM3, DiffLlama and HunYuan-dense a plan of
+    ``embed_tokens`` alone. mpitp's own plans are written for the class's names. PP: transformers applies the plan
+    under the ``base_model_prefix``, which a class without an attribute of that name does not have."""
     if tp == 1 and pp == 1 or getattr(config, "auto_map", None):
         return
     from transformers import AutoModelForCausalLM
@@ -99,8 +102,13 @@ def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int) -> None:
         return
     from mpitp.replica import tp_plans
 
-    tp_misses = tp > 1 and tp_plans.for_config(config) is None and not _rules_reach_layers(model)
-    if tp_misses or (pp > 1 and model.base_model is model):
+    if tp > 1 and ep == 1 and tp_plans.for_config(config) is None and not _rules_reach_layers(model):
+        rules = ", ".join(sorted(getattr(model, "tp_plan", None) or {})) or "none"
+        raise UsageError(f"model type '{config.model_type}': transformers' tensor-parallel plan for "
+                         f"{type(model).__name__} reaches none of its layers (its rules: {rules}), so --tp {tp} would "
+                         f"hold every layer whole on each rank; run it with --tp 1 (data parallel: more ranks)"
+                         + (", or spread its experts with --ep" if getattr(model, "ep_plan", None) else ""))
+    if pp > 1 and model.base_model is model:
         layout = " ".join(f"--{k} {n}" for k, n in (("tp", tp), ("pp", pp)) if n > 1)
         raise UsageError(f"model type '{config.model_type}': transformers' parallel plans for {type(model).__name__} "
                          f"apply under '{type(model).base_model_prefix}', which it does not have, so {layout} would "
@@ -110,16 +118,18 @@ def check_plans_apply(config: PreTrainedConfig, tp: int, pp: int) -> None:
 
 
 def _rules_reach_layers(model: torch.nn.Module) -> bool:
-    """Whether a rule of the class's TP plan (``*`` for a layer index, as transformers matches them) names a module
-    or parameter inside its layer stack (a name with a layer index)."""
-    import re
-
-    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
-    layered = [n for n in names if re.search(r"\.\d+(\.|$)", n)]
+    """Whether a rule of the class's TP plan names something in a layer stack: its part before the layer wildcard
+    (``model.layers`` of ``model.layers.*.self_attn.q_proj``) is a module list the class has. Read from the rules,
+    not from the one-layer meta model's modules: a hybrid's first layer may lack what the plan splits in others."""
     for rule in getattr(model, "tp_plan", None) or {}:
-        pattern = re.compile(re.escape(rule).replace(r"\*", r"\d+"))
-        if any(pattern.fullmatch(n) for n in layered):
-            return True
+        stack, star, _ = rule.partition(".*")
+        if not star:
+            continue
+        try:
+            if isinstance(model.get_submodule(stack), torch.nn.ModuleList):
+                return True
+        except AttributeError:
+            continue
     return False
 
 
