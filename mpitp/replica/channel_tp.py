@@ -1,5 +1,6 @@
-"""Tensor-parallel styles transformers lacks for layers split by channel or by packed part: a state-space mixer
-(Mamba, Falcon-Mamba) and a fused projection with a bias.
+"""Tensor-parallel styles transformers lacks, for layers split by channel or by packed part: state-space mixers
+(Mamba, Falcon-Mamba), fused experts (DBRX, JetMoE), a ``Sequential`` MLP (CTRL), an RMS norm over a split width
+(BitNet) and packed projections with a bias.
 
 A Mamba mixer has no heads, but its inner channels (``intermediate_size``) are independent from the input projection
 to the output projection: the depthwise convolution, the time step, the selective scan and the ``D`` skip are per
@@ -67,7 +68,7 @@ PACKED_3 = "mpitp_packed_colwise_3"
 _TP = "transformers.distributed.tensor_parallel"
 
 #: The styles that install a forward of their own on the module (the others only shard parameters).
-FORWARDS = frozenset({"mpitp_local", "mpitp_local_sum", "mpitp_sequential_mlp", "mpitp_sharded_rms_norm"})
+FORWARDS = frozenset({LOCAL, LOCAL_SUM, SEQUENTIAL_MLP, RMS_NORM})
 
 
 def place(module, param: str, mesh, placement) -> None:
