@@ -25,8 +25,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("mpitp.replica.pipeline", "setattr (a name)"): "the public multipliers a stage's forward applies to its input "
                                                     "(found through compat.forward_tree) set to 1 on mpitp's own "
                                                     "stage model, for good: a stage model is never handed back",
-    ("mpitp.replica.tp_plans", "setattr (a name)"): "head counts and per-head module lists of mpitp's own model "
-                                                    "after mpitp's TP split (public attributes its plan declares)",
+    ("mpitp.replica.tp_fixups", "setattr (a name)"): "head counts, per-head module lists, the rank's rows of a "
+                                                     "parameter and a method summed over the group, of mpitp's own "
+                                                     "model after mpitp's TP split (public attributes and methods its "
+                                                     "plan declares)",
 }
 
 

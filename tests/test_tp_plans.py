@@ -10,7 +10,7 @@ import torch
 
 from mpitp import compat
 from mpitp.errors import UsageError
-from mpitp.replica import conv1d_tp, tp_plans
+from mpitp.replica import conv1d_tp, tp_fixups, tp_plans
 from mpitp.replica.loading import check_tp
 from support import arch as A
 
@@ -48,7 +48,7 @@ def test_every_rule_names_a_module_of_the_class(model_type, i):
     prefix = type(model).base_model_prefix
     for rule, attrs in own.heads.items():
         module = modules[f"{prefix}.{rule}"]
-        for attr in tp_plans.head_attrs(module, attrs):  # a `?` name: where the installed release has it
+        for attr in tp_fixups.head_attrs(module, attrs):  # a `?` name: where the installed release has it
             n = getattr(module, attr)
             assert isinstance(n, int) and n % 2 == 0, (rule, attr, n)
     for rule, parts in own.fused_heads.items():  # loaded whole, cut by hand: no plan rule may shard it too
@@ -130,14 +130,14 @@ def test_transformers_plan_and_remote_code_take_no_own_plan():
 def test_alibi_slice_is_the_ranks_heads_of_every_sequence():
     heads, b, k = 4, 3, 5
     bias = torch.arange(b * heads * k, dtype=torch.float32).reshape(b * heads, 1, k)  # BLOOM/Falcon: [b * H, 1, k]
-    _, kw = tp_plans._AlibiSlice(("alibi",), heads, 2, 1)(None, (), {"alibi": bias})
+    _, kw = tp_fixups._AlibiSlice(("alibi",), heads, 2, 1)(None, (), {"alibi": bias})
     assert torch.equal(kw["alibi"], bias.reshape(b, heads, 1, k)[:, 2:4].reshape(b * 2, 1, k))
     mpt = torch.arange(heads * k, dtype=torch.float32).reshape(heads, 1, k)  # MPT: [H, 1, max_seq_len]
-    _, kw = tp_plans._AlibiSlice(("position_bias",), heads, 2, 0)(None, (), {"position_bias": mpt})
+    _, kw = tp_fixups._AlibiSlice(("position_bias",), heads, 2, 0)(None, (), {"position_bias": mpt})
     assert torch.equal(kw["position_bias"], mpt[:2])
     falcon = bias.reshape(b, heads, 1, k)  # Falcon: [b, H, 1, k], and the mask it bakes the bias into [b, H, q, k]
     mask, plain = torch.randn(b, heads, 3, k), torch.randn(b, 1, 3, k)
-    hook = tp_plans._AlibiSlice(("alibi", "attention_mask"), heads, 2, 1)
+    hook = tp_fixups._AlibiSlice(("alibi", "attention_mask"), heads, 2, 1)
     _, kw = hook(None, (), {"alibi": falcon, "attention_mask": mask})
     assert torch.equal(kw["alibi"], falcon[:, 2:]) and torch.equal(kw["attention_mask"], mask[:, 2:])
     _, kw = hook(None, (), {"alibi": falcon, "attention_mask": plain})
@@ -149,7 +149,7 @@ def test_mqa_rows_keep_the_ranks_queries_and_the_shared_key_value():
     q, d = 8, 2
     lin = torch.nn.Linear(4, q + 2 * d)
     w, bias = lin.weight.detach().clone(), lin.bias.detach().clone()
-    tp_plans._keep_mqa_rows(lin, q, 2, 1)
+    tp_fixups._keep_mqa_rows(lin, q, 2, 1)
     rows = list(range(4, 8)) + list(range(8, 12))
     assert torch.equal(lin.weight, w[rows]) and torch.equal(lin.bias, bias[rows]) and lin.out_features == 8
 

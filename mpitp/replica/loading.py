@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from mpitp.errors import UsageError
-from mpitp.replica import tp_plans
+from mpitp.replica import tp_fixups, tp_plans
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -280,14 +280,14 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
         m = dcp.from_pretrained(model, hf_assets, distributed, torch_dtype, trust_remote_code, **load_kwargs)
         if tp == 1:
             m = m.to(device)
-        tp_plans.fix_up(m, tp)
+        tp_fixups.fix_up(m, tp)
         return _finish(m, peft)
     kwargs = dict(dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code, **load_kwargs)
     if tp > 1:
         distributed = _distributed(model, tp, revision, trust_remote_code, hf_assets, load_kwargs, ep)
         with strided_shards_with_pread():
             m = AutoModelForCausalLM.from_pretrained(model, distributed_config=distributed, **kwargs)
-        tp_plans.fix_up(m, tp)
+        tp_fixups.fix_up(m, tp)
     else:
         m = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device)
     return _finish(m, peft)
