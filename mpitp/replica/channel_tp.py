@@ -107,6 +107,14 @@ def styles() -> dict[str, object]:
         def install_forward(self, module, mesh, **_context):
             return module
 
+    @contextlib.contextmanager
+    def local_subtree(module):
+        """Every sharded parameter of ``module`` and its children swapped for the rank's local tensor meanwhile."""
+        with contextlib.ExitStack() as stack:
+            for m in module.modules():
+                stack.enter_context(local_params(m))
+            yield
+
     class Local(base):
         """The forward run on the local shards of the whole subtree; nothing sharded by this rule."""
 
@@ -114,9 +122,7 @@ def styles() -> dict[str, object]:
             original = module.forward
 
             def forward(*args, **kwargs):
-                with contextlib.ExitStack() as stack:
-                    for m in module.modules():
-                        stack.enter_context(local_params(m))
+                with local_subtree(module):
                     return original(*args, **kwargs)
 
             module.forward = forward
@@ -158,9 +164,7 @@ def styles() -> dict[str, object]:
 
             def forward(x):
                 bias = last.bias
-                with contextlib.ExitStack() as stack:
-                    for m in module.modules():
-                        stack.enter_context(local_params(m))
+                with local_subtree(module):
                     last.bias = None
                     try:
                         out = module.__class__.forward(module, x)

@@ -12,37 +12,41 @@ from typing import TYPE_CHECKING
 from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.replica import channel_tp
-from mpitp.replica.tp_plans import _ATTN, _STYLES, OwnPlan, _rule, for_config
+from mpitp.replica.tp_plans import _ATTN, _STYLES, _rule, for_config
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
 
-def _tp_rank(model, tp: int) -> int:
-    """This rank's place in the TP group, read from the mesh of any parameter transformers sharded."""
+def _tp_mesh(model, tp: int):
+    """The TP group's device mesh, read from any parameter transformers sharded."""
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
         if isinstance(p, DTensor):
             if p.device_mesh.size() != tp:
                 raise RuntimeError(f"sharded over {p.device_mesh.size()} ranks, expected --tp {tp}")
-            return p.device_mesh.get_local_rank()
+            return p.device_mesh
     raise RuntimeError("no parameter was sharded: the tensor-parallel plan matched nothing")
 
 
 def fix_up(model: PreTrainedModel, tp: int) -> None:
-    """After a TP load with mpitp's plan: the declared head counts, per-head lists, ALiBi slices and MQA rows."""
+    """After a TP load with mpitp's plan: every fix-up the plan declares (the module docstring), and the forwards
+    transformers' kernelization dropped put back, in one walk over the base model's modules."""
     own = for_config(model.config) if tp > 1 else None
     if own is None:
         return
-    rank = _tp_rank(model, tp)
+    mesh = _tp_mesh(model, tp)
+    rank, styles = mesh.get_local_rank(), compat.attribute(_STYLES)
     text = model.config.get_text_config()
     prefix = type(model).base_model_prefix + "."
     for name, module in list(model.named_modules()):
         if not name.startswith(prefix):
             continue
         rule = _rule(name[len(prefix):])
+        if _forward_dropped(own.plan.get(rule), module):  # before sum_after wraps a forward
+            styles[own.plan[rule]].install_forward(module, mesh)
         for linear, parts in own.fused_heads.get(rule, {}).items():
             _keep_fused_heads(getattr(module, linear), [int(getattr(module, p)) for p in parts], tp, rank)
         for attr in head_attrs(module, own.heads.get(rule, ())):
@@ -57,8 +61,7 @@ def fix_up(model: PreTrainedModel, tp: int) -> None:
         for attr in own.own_rows.get(rule, ()):
             _keep_own_rows(module, attr, tp, rank)
         if rule in own.sum_after:
-            _sum_after(module, *own.sum_after[rule], _tp_group(model))
-    _reinstall_dropped_forwards(model, own, prefix)
+            _sum_after(module, *own.sum_after[rule], mesh.get_group())
     if own.split_state:
         model.get_submodule(prefix[:-1]).register_forward_pre_hook(_SplitState(text, tp, own.split_state),
                                                                     with_kwargs=True)
@@ -134,28 +137,13 @@ class _SplitState:
         return args, {**kwargs, "state": state}
 
 
-def _tp_mesh(model):
-    """The TP group's device mesh, from any parameter transformers sharded."""
-    from torch.distributed.tensor import DTensor
-
-    return next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
-
-
-def _tp_group(model):
-    return _tp_mesh(model).get_group()
-
-
-def _reinstall_dropped_forwards(model, own: OwnPlan, prefix: str) -> None:
+def _forward_dropped(style: str | None, module) -> bool:
     """transformers 5.25 kernelizes every load by default (its ``kernels`` integration, whose torch fallback is the
     class's own forward): for a class decorated with ``use_kernel_forward_from_hub`` (the RMS norms ...) that pops
     the module's instance ``forward``, which is where a style of :mod:`mpitp.replica.channel_tp` installed its own
-    (BitNet's sharded norm then ran the whole-width forward on its shard: a traceback at tp=2). Such a module gets its
-    style's forward again."""
-    styles = compat.attribute(_STYLES)
-    for name, module in model.named_modules():
-        style = own.plan.get(_rule(name[len(prefix):])) if name.startswith(prefix) else None
-        if style in channel_tp.FORWARDS and "forward" not in vars(module):
-            styles[style].install_forward(module, _tp_mesh(model))
+    (BitNet's sharded norm then ran the whole-width forward on its shard: a traceback at tp=2). True where such a
+    style's forward is gone."""
+    return style in channel_tp.FORWARDS and "forward" not in vars(module)
 
 
 def _sum_after(module, method: str, bias: str, group) -> None:
