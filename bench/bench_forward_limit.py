@@ -2,7 +2,7 @@
 
     python bench/bench_forward_limit.py [--workloads rolling,mc,gen] [--layouts tp1,tp2,dp2,pp2] [--reps 1]
                                         [--pure-reps 3] [--rolling-limit 2] [--mc-limit 20] [--gen-limit 4]
-                                        [--max-gen-toks 32]
+                                        [--max-gen-toks 32] [--model small|big] [--tree DIR]
 
 Why: the other benches compare mpitp with lm-eval, which says nothing about what mpitp itself loses around its
 forwards (tokenising, batching, the control messages, the TP/PP traffic, HF ``generate``'s Python per step). Here
@@ -64,6 +64,10 @@ def arguments():
     ap.add_argument("--gen-limit", type=int, default=4, help="gsm8k questions")
     ap.add_argument("--max-gen-toks", type=int, default=32)
     ap.add_argument("--pure-reps", type=int, default=3, help="replays per mpitp run (their median is pure_s)")
+    ap.add_argument("--model", choices=("small", "big"), default="small",
+                    help="small: 77M Llama, GPT-2 vocabulary (the head a third of the work); big: 309M, 16 layers")
+    ap.add_argument("--tree", default=None, help="run mpitp from this checkout (PYTHONPATH): an earlier commit's "
+                                                 "`git archive <rev> mpitp | tar -x -C DIR`, for before/after")
     args = ap.parse_args()
     for name, known in (("workloads", WORKLOADS), ("layouts", LAYOUTS)):
         bad = set(getattr(args, name).split(",")) - set(known)
@@ -81,7 +85,7 @@ def run_cell(model: str, workload: str, layout: str, args) -> tuple[dict, list[d
     gen = f"max_gen_toks={args.max_gen_toks}" if workload == "gen" else None
     run = common.run_mpitp(ranks, model, spec["task"], batch_size=spec["batch_size"],
                            limit=getattr(args, spec["limit"]), gen_kwargs=gen, label=f"mpitp {layout} {workload}",
-                           env={"MPITP_TESTING": "1", "MPITP_TEST_FORWARD_LOG": str(log)}, **kw)
+                           env={"MPITP_TESTING": "1", "MPITP_TEST_FORWARD_LOG": str(log)}, tree=args.tree, **kw)
     lines = [json.loads(x) for x in Path(log).read_text().splitlines() if x.strip()] if log.exists() else []
     log.unlink(missing_ok=True)
     Path(run["output"]).unlink(missing_ok=True)
@@ -199,7 +203,7 @@ def measure(model: str, replay: Replay, workload: str, layout: str, args) -> tup
 
 def main() -> None:
     args = arguments()
-    model = common.small_model()
+    model = common.small_model() if args.model == "small" else common.big_model()
     common.include_path()
     common.say(common.machine())
     common.say(f"model {model} ({common.n_params(model) / 1e6:.1f}M params), float32; workloads {args.workloads}, "

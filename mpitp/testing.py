@@ -20,6 +20,9 @@ its variable is unset. The environment is read once per process (:func:`hooks`).
 ``MPITP_TEST_FORWARD_LOG=<path>``                :func:`log_forward`, :func:`install_generate_log`: each DP leader
                                                  appends one JSON line per forward of its replica (the shape it
                                                  fed) to ``path``: bench/bench_forward_limit.py replays them
+``MPITP_TEST_STAGE_CHUNK=<positions>``           :func:`stage_chunk`: pipeline stages cut few-row batches into
+                                                 chunks of at least that many positions (0: never), so that short
+                                                 test rows take the path long ones take
 ===============================================  ==================================================================
 
 The hooks are live only when ``MPITP_TESTING=1`` is set too (the test suite sets it in ``tests/conftest.py``):
@@ -61,6 +64,7 @@ class Hooks:
     io_report: bool = False
     finalize_wait: float | None = None
     forward_log: str | None = None
+    stage_chunk: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Hooks:
@@ -105,12 +109,13 @@ class Hooks:
                    io_report=env.get("MPITP_TEST_IO_REPORT", "") not in ("", "0"),
                    finalize_wait=float(env["MPITP_TEST_FINALIZE_WAIT"]) if env.get("MPITP_TEST_FINALIZE_WAIT")
                    else None,
-                   forward_log=env.get("MPITP_TEST_FORWARD_LOG") or None)
+                   forward_log=env.get("MPITP_TEST_FORWARD_LOG") or None,
+                   stage_chunk=int(env["MPITP_TEST_STAGE_CHUNK"]) if env.get("MPITP_TEST_STAGE_CHUNK") else None)
 
 
 HOOK_VARS = ("MPITP_TEST_STALL", "MPITP_TEST_CHUNK_SEED", "MPITP_TEST_OOM_ABOVE", "MPITP_TEST_RAISE",
              "MPITP_TEST_RAISE_IN_FORWARD", "MPITP_TEST_ALTER_HEAD", "MPITP_TEST_IO_REPORT",
-             "MPITP_TEST_FINALIZE_WAIT", "MPITP_TEST_FORWARD_LOG")
+             "MPITP_TEST_FINALIZE_WAIT", "MPITP_TEST_FORWARD_LOG", "MPITP_TEST_STAGE_CHUNK")
 
 
 def active() -> list[str]:
@@ -124,6 +129,12 @@ def active() -> list[str]:
 def hooks() -> Hooks:
     """This process's hooks, read from the environment on first use (``hooks.cache_clear()`` reads it again)."""
     return Hooks.from_env()
+
+
+def stage_chunk() -> int | None:
+    """The least positions of a pipeline chunk the tests ask for (:mod:`mpitp.replica.stage_chunks`; 0: no chunks),
+    or None: mpitp's own."""
+    return hooks().stage_chunk
 
 
 def _oom_error():

@@ -37,7 +37,14 @@ def reference(test_tasks):
     return res
 
 
+# With stages the rows are cut into chunks of at least this many positions when a batch has fewer rows than twice
+# the stages (mpitp.replica.stage_chunks): a small minimum so that the tests' short rows take that path too.
+STAGE_CHUNK_ENV = {"MPITP_TEST_STAGE_CHUNK": "16"}
+
+
 def _run_layout(n, tp, test_tasks, out, pp=1, env=None):
+    if pp > 1:
+        env = {**STAGE_CHUNK_ENV, **(env or {})}
     return run_mpi(n, ["eval", "--model", str(STORIES), "--tasks", ",".join(TASKS), "--include-path", test_tasks,
                        "--limit", str(LIMIT), "--batch-size", str(BATCH), "--gen-kwargs", GEN_KWARGS,
                        "--bootstrap-iters", "0", "--dtype", "float32", "--tp", str(tp), "--pp", str(pp),
@@ -93,10 +100,12 @@ def four_ranks(test_tasks, tmp_path_factory):
     job.write_text(yaml.safe_dump(dict(defaults=dict(model=str(STORIES), tasks=TASKS, include_path=test_tasks,
                                                      limit=LIMIT, batch_size=BATCH, gen_kwargs=GEN_KWARGS,
                                                      bootstrap_iters=0, dtype="float32"), runs=runs), sort_keys=False))
-    proc = run_mpi(4, ["run", str(job)], timeout=1200)
+    proc = run_mpi(4, ["run", str(job)], timeout=1200, env=STAGE_CHUNK_ENV)
     assert proc.returncode == 0, explain(proc)
     # the probe ran on every replica of every run, its cost shown
     assert proc.stdout.count("head check: passed in") == len(runs), explain(proc)
+    # the runs with stages took chunks of positions (their parity below is held through them)
+    assert proc.stdout.count("pipeline chunks: on") == sum(1 for r in runs if r["pp"] > 1), explain(proc)
     return {r["name"]: r["output"] for r in runs}, proc
 
 
@@ -113,6 +122,7 @@ def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path, requ
         proc = _run_layout(n, tp, test_tasks, out, pp, env=env)
         assert proc.returncode == 0, explain(proc)
         assert "head check: passed in" in proc.stdout, explain(proc)  # the probe ran, its cost shown
+        assert ("pipeline chunks: on" in proc.stdout) == (pp > 1), explain(proc)
         if n == 1:
             forwards, prefill_tokens = _check_generation_forwards(log, reference, out)
             print(f"gsm8k generation: {forwards} forwards, {prefill_tokens} prefill tokens")

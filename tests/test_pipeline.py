@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mpitp.errors import UsageError
 from mpitp.parallel.layout import split_layers
@@ -25,6 +26,30 @@ def test_micro_batches_cover_the_batch_in_order(b, pp):
     assert parts[0][0] == 0 and parts[-1][1] == b
     assert all(x[1] == y[0] and x[0] < x[1] for x, y in zip(parts, parts[1:]))
     assert len(parts) == min(b, 2 * pp)  # at least pp pieces whenever the batch has that many rows
+
+
+@pytest.mark.parametrize("b,t,pp", [(1, 1024, 2), (3, 512, 2), (4, 512, 2), (1, 100, 2), (1, 127, 2), (2, 700, 3),
+                                     (8, 64, 4)])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_stage_pieces_cover_the_batch(b, t, pp, chunked):
+    """A batch with rows to spare goes in micro-batches of rows; fewer rows than two per stage go in chunks of
+    positions (at least MIN_CHUNK each, up to two per stage) where the model takes them; every piece in order, the
+    whole batch covered once."""
+    from mpitp.replica.stage_chunks import MIN_CHUNK, pieces
+
+    parts, by_positions = pieces(b, t, pp, chunked)
+    expect = chunked and b < 2 * pp and t >= 2 * MIN_CHUNK
+    assert by_positions == expect
+    covered = torch.zeros(b, t, dtype=torch.int)
+    for p in parts:
+        covered[p.rows, p.cols] += 1
+    assert bool((covered == 1).all())
+    if by_positions:
+        assert all(p.rows == slice(0, b) for p in parts)
+        assert [p.cols.start for p in parts] == sorted(p.cols.start for p in parts)
+        assert 2 <= len(parts) <= 2 * pp and all(p.cols.stop - p.cols.start >= MIN_CHUNK for p in parts)
+    else:
+        assert [(p.rows.start, p.rows.stop) for p in parts] == micro_batches(b, pp)
 
 
 def test_describe_split():

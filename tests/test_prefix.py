@@ -6,8 +6,6 @@ test_architectures.py, whose multiple-choice tasks go through the trees wherever
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -23,16 +21,7 @@ SHARED_OFF = {"mistral": "sliding-window", "gemma2": "layer types sliding_attent
 
 
 def _shard(model_type: str) -> ReplicaShard:
-    from transformers import AutoModelForCausalLM
-
-    arch = next(a for a in A.architectures() if a.model_type == model_type)
-    cfg, _ = A.tiny_config(arch, 512, 2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(20.0)  # log-probs far from uniform, as the matrix builds them
-    layout = types.SimpleNamespace(tp=1, pp=1, last_stage=True, first_stage=True, rank=0)
-    return ReplicaShard(model, layout, "cpu")
+    return A.tiny_shard(model_type)
 
 
 def _batch():
@@ -55,7 +44,7 @@ def test_tree_equals_plain_rows(model_type):
     assert shard.share and shard.attention_layers == 2
     groups = _batch()
     plain = [prefix.Group(g.ctx, [r], [c]) for g in groups for r, c in zip(g.rows, g.conts)]
-    ref = prefix._probe_scores(shard, plain)
+    ref, _ = prefix._probe_scores(shard, plain)
     got, calls = prefix._probe_scores(shard, groups, tree=True)
     assert calls == 2
     d = (got - ref).abs()
@@ -73,29 +62,68 @@ def test_models_the_tree_cannot_serve_stay_plain(model_type):
     assert not shard.share
 
 
+def _as_one_row(module, query, key, value, spec, dropout=0.0, scaling=None, **kwargs):
+    """An attention that counts the tree's calls but reads the packed sequence as one causal row."""
+    spec.calls += 1
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2), None
+
+
 def test_probe_refuses_an_attention_that_ignores_the_tree(monkeypatch):
     """The probe decides from numbers: an attention that reads the packed sequence as one causal row (what a model
     whose layers drop the tree would compute) is caught by the comparison."""
     shard = _shard("llama")
 
-    def as_one_row(module, query, key, value, spec, dropout=0.0, scaling=None, **kwargs):
-        spec.calls += 1
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                               enable_gqa=query.shape[1] != key.shape[1])
-        return out.transpose(1, 2), None
-
-    monkeypatch.setattr(prefix, "tree_attention", as_one_row)
+    monkeypatch.setattr(prefix, "tree_attention", _as_one_row)
     why = prefix.check_sharing(shard)
     assert why is not None and "differ" in why, why
     assert not shard.share
 
 
-def test_switched_off_and_pipeline():
+def test_switched_off():
     shard = _shard("llama")
     assert prefix.check_sharing(shard, enabled=False) == "off (--no-prefix-sharing)"
-    shard.pipeline = True
-    assert "pipeline" in prefix.check_sharing(shard)
     assert not shard.share
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pipeline_stages_probe_their_own_layers(stage, monkeypatch):
+    """With stages each probes its own layers (stage 0 from ids, a later one from stand-in activations) and the
+    replica agrees on the verdict; an attention that ignores the tree is caught there too, naming the stage."""
+    shard = A.tiny_shard("llama", stage=stage)
+    assert prefix.check_sharing(shard, timeout=30) is None
+    assert shard.share and shard.attention_layers == 2
+
+    monkeypatch.setattr(prefix, "tree_attention", _as_one_row)
+    why = prefix.check_sharing(shard, timeout=30)
+    assert why is not None and "differ" in why and f"stage {stage}" in why, why
+    assert not shard.share
+
+
+def test_a_trees_rows_run_as_micro_batches():
+    """A pipeline cuts a batch of trees into micro-batches of whole trees, each with its part of the spec
+    (:meth:`TreeSpec.rows`): the pieces' hidden states are the whole batch's; a piece without continuations of its
+    own runs as plain rows."""
+    shard = _shard("llama")
+    assert prefix.check_sharing(shard) is None
+    flat, size, _ = prefix.pack(_batch())
+    b, t = size["b"], size["t"]
+    ids = flat[: b * t].view(b, t)
+    spec = prefix.TreeSpec.from_packed(flat, **size)
+    with torch.no_grad():
+        whole = shard.base(input_ids=ids, position_ids=spec.position_ids, use_cache=False,
+                           **{prefix.SPEC_KW: spec}).last_hidden_state
+        parts = []
+        for r0, r1 in ((0, 1), (1, 3), (3, 4)):
+            sub = spec.rows(r0, r1)
+            kw = {} if sub is None else dict(position_ids=sub.position_ids, **{prefix.SPEC_KW: sub})
+            parts.append(shard.base(input_ids=ids[r0:r1], use_cache=False, **kw).last_hidden_state)
+    assert spec.rows(1, 2) is None  # the row alone: causal throughout
+    assert spec.rows(3, 4) is None  # single-token continuations: the context alone
+    real = ids != 0  # padding past a sequence's end is computed and never read
+    d = (torch.cat(parts) - whole).abs()[real]
+    assert float(d.max()) <= 1e-5 * max(1.0, float(whole.abs().max())), float(d.max())
 
 
 def test_group_rows_and_pack_layout():

@@ -39,12 +39,12 @@ class RootResult:
 
 
 def finish_root(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
-                sharing: str | None = None, head_kept: bool = False) -> None:
+                sharing: str | None = None, head_kept: bool = False, chunks: str | None = None) -> None:
     """Write the results (:func:`write_results`), then report them (:func:`report`)."""
     if head_check_s is not None and not head_kept:
         result.phases["head_check"] = head_check_s
     write_results(result, all_stats, wall)
-    report(result, all_stats, wall, head_check_s, sharing, head_kept)
+    report(result, all_stats, wall, head_check_s, sharing, head_kept, chunks)
 
 
 def write_results(result: RootResult, all_stats: list[GroupStats], wall: float) -> None:
@@ -82,9 +82,10 @@ def write_results(result: RootResult, all_stats: list[GroupStats], wall: float) 
 
 
 def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
-           sharing: str | None = None, head_kept: bool = False) -> None:
+           sharing: str | None = None, head_kept: bool = False, chunks: str | None = None) -> None:
     """The console report: lm-eval's header and tables (its loggers end after them, as under ``lm_eval``), one line
-    per DP group, the totals, the head check, prefix sharing and rank 0's phases."""
+    per DP group, the totals, the head check, prefix sharing, pipeline chunks (``chunks``: with stages, ``"on"`` or
+    why not) and rank 0's phases."""
     from lm_eval.utils import make_table
 
     res, writer = result.results, result.writer
@@ -126,6 +127,11 @@ def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_ch
               + (f" ({read / rows_in:.0%})" if rows_in else ""))
     else:
         print(f"prefix sharing: {sharing}")
+    if chunks == "on":
+        print("pipeline chunks: on; batches of fewer rows than twice the stages go through them in chunks of "
+              "positions, so the stages overlap")
+    elif chunks:
+        print(f"pipeline chunks: {chunks}")
     print(PhaseClock.describe(result.phases, wall, all_stats))
     latency = (all_stats[0].speed or {}).get("latency") if all_stats else None
     if latency:

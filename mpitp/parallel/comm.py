@@ -290,3 +290,14 @@ def gather_obj(obj: object, comm: MPI.Comm, root: int = 0, timeout: float | None
     for r, head in zip(others, heads):
         out[r] = _recv_payload(comm, head, r, _GATHER_TAG)
     return out
+
+
+def first_objection(why: str | None, comm: MPI.Comm, timeout: float | None = DEFAULT_TIMEOUT,
+                    phase: str = "agreement") -> str | None:
+    """Every rank passes why it would not do something (None: it would); every rank returns the first objection in
+    rank order, or None when no rank objects. For choices every rank of a group must make alike (a pipeline's
+    stages, each probing its own layers)."""
+    said = gather_obj(why, comm, root=0, timeout=timeout, phase=phase)
+    if said is not None:
+        why = next((w for w in said if w), None)
+    return bcast_obj(why, comm, root=0, timeout=timeout, phase=phase)

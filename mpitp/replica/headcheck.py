@@ -63,6 +63,18 @@ def tolerance(ref_lp: torch.Tensor, ref_logits: torch.Tensor, dtype: torch.dtype
     return tol + 2 * eps * row + normaliser
 
 
+def hidden_mismatch(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """How far two computations of the same hidden states are apart when that is more than rounding ("by up to d
+    (of m)", m their largest magnitude), else None. For the start-up probes that compare one model's layers computed
+    two ways (prefix sharing's trees, pipeline chunks): 8 units of the dtype's rounding (float32: of the parity rule)
+    relative to the largest entry; a way that really differs (a position restarted, a key not attended) is off by
+    order one."""
+    got, ref = got.float(), ref.float()
+    d, scale = float((got - ref).abs().max()), max(1.0, float(ref.abs().max()))
+    eps = torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else PARITY_REL
+    return None if d <= 8 * eps * scale else f"by up to {d:.3g} (of {scale:.3g})"  # NaN is a mismatch too
+
+
 def _compare(head, h: torch.Tensor, ref_logits: torch.Tensor, dtype) -> tuple[float, float, str]:
     """(largest |d log p|, largest |d| / tolerance) between the head path and the model's logits, over this rank's
     columns of the log-softmax rows (every TP rank checks its own: the verdict takes the worst rank; nothing is

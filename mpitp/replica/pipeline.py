@@ -237,13 +237,21 @@ def compact(model: PreTrainedModel, start: int, end: int) -> None:
         for mod in layer.modules():
             if hasattr(mod, "layer_idx"):
                 mod.layer_idx = i
+    was, was_text = model.config, model.config.get_text_config()
     config = copy.deepcopy(model.config)
     text = config.get_text_config()
     text.num_hidden_layers = end - start
     if isinstance(getattr(text, "layer_types", None), list):
         text.layer_types = text.layer_types[start:end]
-    model.config = config
-    base.config = text
+    # Every module that held the old config holds the stage's: a layer's attention reads the implementation from its
+    # own ``config`` at every call, so an attention function set on the stage model (prefix sharing's tree) reached
+    # no layer while the layers kept the config they were built with.
+    for mod in model.modules():
+        held = getattr(mod, "config", None)
+        if held is was:
+            mod.config = config
+        elif held is was_text:
+            mod.config = text
     if start > 0:
         _embedding_steps_off(base)
     if end < total:

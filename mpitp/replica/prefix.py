@@ -15,8 +15,9 @@ attention call as transformers hands down its attention keyword arguments). Whet
 honours it -- position ids used, the keyword reaching every layer, nothing carried along the sequence outside
 attention (state-space layers), no sliding window or soft-cap -- is decided from numbers, not from a list of model
 types: :func:`check_sharing` scores a probe both ways once after loading, and a model that differs, raises, or calls
-the attention fewer times than it has layers scores plain rows. With pipeline stages (the stages' forwards take no
-such keyword) rows stay plain too.
+the attention fewer times than it has layers scores plain rows. With pipeline stages every stage probes its own
+layers and the replica agrees on one verdict; a tree then travels through the stages in micro-batches of whole trees,
+each stage building its part of the spec from the same packed batch.
 
 Whether rows that may share are packed as trees is decided per set of rows by :func:`plan`, from what each plan sends
 and computes (:class:`Cost`): a tree pads its batch to its whole length and masks its continuations' attention, which
@@ -280,6 +281,7 @@ class TreeSpec:
     def __init__(self, ctx_len: torch.Tensor, br_group: torch.Tensor, br_start: torch.Tensor, br_len: torch.Tensor,
                  t: int, part_rows: int = PART_ROWS):
         dev = ctx_len.device
+        self.tables = (ctx_len, br_group, br_start, br_len)
         self.b = ctx_len.numel()
         self.t = t
         self.cmax = int(ctx_len.max())
@@ -292,6 +294,15 @@ class TreeSpec:
         for part in self.parts:
             pos.view(-1)[part.dst] = part.positions
         self.position_ids = pos
+
+    def rows(self, r0: int, r1: int) -> TreeSpec | None:
+        """The spec of sequences ``r0..r1-1`` alone (a pipeline's micro-batch of this batch), at the same width;
+        None where none of them has a continuation of its own (each is then causal throughout, a plain row)."""
+        ctx_len, br_group, br_start, br_len = self.tables
+        keep = (br_group >= r0) & (br_group < r1)
+        if not bool(keep.any()):
+            return None
+        return TreeSpec(ctx_len[r0:r1], br_group[keep] - r0, br_start[keep], br_len[keep], self.t)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, b: int, t: int, n: int, r: int) -> TreeSpec:
@@ -374,7 +385,7 @@ def attention_layers(shard) -> int:
     return int(getattr(shard.model.config.get_text_config(), "num_hidden_layers", -1))
 
 
-def _attention_kind(text) -> str | None:
+def attention_kind(text) -> str | None:
     """What, in the config alone, rules the tree out: the probe is short and would not see a window."""
     other = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
     if other:
@@ -399,19 +410,32 @@ def _probe_groups(vocab: int) -> list[Group]:
 
 
 @torch.no_grad()
-def check_sharing(shard, enabled: bool = True) -> str | None:
+def check_sharing(shard, enabled: bool = True, timeout: float | None = None) -> str | None:
     """None when this replica scores shared contexts as trees (``shard.share`` set), else why not (a phrase for
     the run's summary).
 
     Every rank of the replica runs the same probe forwards (transformers' TP collectives need all of them): the
     probe's rows scored one per sequence, then as trees; the run shares prefixes only when the log-probs agree within
-    the head check's tolerance and the attention saw the tree in every layer.
+    the head check's tolerance and the attention saw the tree in every layer. With pipeline stages each stage probes
+    its own layers (:func:`_check_stage_probe`) and the replica agrees on one verdict (collective over it, under
+    ``timeout``): a stage that packs trees needs every other stage to read them as trees.
     """
+    why = _local_verdict(shard, enabled)
+    if shard.pipeline:
+        from mpitp.parallel import comm as mpicomm
+
+        why = mpicomm.first_objection(why, shard.layout.replica_comm, timeout, phase="prefix sharing check")
+    if why:
+        uninstall(shard.model)
+    shard.share = why is None
+    return why
+
+
+def _local_verdict(shard, enabled: bool) -> str | None:
+    """This rank's part of :func:`check_sharing` (every rank of a stage the same)."""
     if not enabled:
         return "off (--no-prefix-sharing)"
-    if shard.pipeline:
-        return "off with pipeline stages"
-    why = _attention_kind(shard.model.config.get_text_config())
+    why = attention_kind(shard.model.config.get_text_config())
     if why:
         return f"off: {why}"
     impl = compat.attention_implementation(shard.model.config)
@@ -419,35 +443,76 @@ def check_sharing(shard, enabled: bool = True) -> str | None:
         return f"off: attention implementation {impl!r} (sharing runs on 'sdpa')"
     if not install(shard.model):
         return "off: transformers has no attention interface to register tree attention with"
-    why = _check_probe(shard)
-    if why:
-        uninstall(shard.model)
-    return why
+    return _check_stage_probe(shard) if shard.pipeline else _check_probe(shard)
+
+
+def _probe_both(shard, vocab: int, score) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """The probe's rows scored one per sequence and as trees by ``score(groups, tree) -> (per-row values, attention
+    calls that saw the tree)``: (plain, tree), or why not (a forward that raised, a tree that missed a layer)."""
+    groups = _probe_groups(vocab)
+    plain = [a for g in groups for a in g.alone()]
+    try:
+        with shard.stats.uncounted():
+            ref, _ = score(plain, False)
+            got, calls = score(groups, True)
+    except Exception as exc:  # noqa: BLE001 - whatever the model's forward does with a tree, it stays plain
+        return f"off: {type(shard.model).__name__}'s forward does not take a packed tree ({type(exc).__name__}: " \
+               f"{str(exc).splitlines()[0][:120] if str(exc) else ''})"
+    expected = attention_layers(shard)
+    if calls != expected:
+        where = f" on stage {shard.layout.pp_rank}" if shard.pipeline else ""
+        return f"off: the tree reached {calls} of {expected} layers' attention{where}"
+    shard.attention_layers = expected
+    return ref, got
 
 
 def _check_probe(shard) -> str | None:
     """Why the probe's tree and plain scores disagree (None when they agree and the tree reached every layer)."""
     from mpitp.replica.headcheck import tolerance
 
-    groups = _probe_groups(int(shard.head.vocab_size))
-    plain = [a for g in groups for a in g.alone()]
-    try:
-        with shard.stats.uncounted():
-            ref = _probe_scores(shard, plain)
-            got, calls = _probe_scores(shard, groups, tree=True)
-    except Exception as exc:  # noqa: BLE001 - whatever the model's forward does with a tree, it stays plain
-        return f"off: {type(shard.model).__name__}'s forward does not take a packed tree ({type(exc).__name__}: " \
-               f"{str(exc).splitlines()[0][:120] if str(exc) else ''})"
-    expected = attention_layers(shard)
-    if calls != expected:
-        return f"off: the tree reached {calls} of {expected} layers' attention"
-    dtype = next(shard.model.parameters()).dtype
-    tol = tolerance(ref, ref.unsqueeze(1), dtype)
+    both = _probe_both(shard, int(shard.head.vocab_size), lambda groups, tree: _probe_scores(shard, groups, tree))
+    if isinstance(both, str):
+        return both
+    ref, got = both
+    tol = tolerance(ref, ref.unsqueeze(1), next(shard.model.parameters()).dtype)
     if not bool(((got - ref).abs() <= tol).all()):
         return f"off: tree and plain rows differ by up to {float((got - ref).abs().max()):.3g} on the probe"
-    shard.attention_layers = expected
-    shard.share = True
     return None
+
+
+def _check_stage_probe(shard) -> str | None:
+    """:func:`_check_probe` for one pipeline stage's layers alone, so that no stage waits on another's probe: the
+    probe's rows and its trees through this stage (stage 0 from the ids; a later stage from stand-in activations, a
+    random vector per token id), each row's hidden states at its scored positions summed, plain against tree."""
+    from mpitp.replica.headcheck import hidden_mismatch
+
+    text = shard.model.config.get_text_config()
+    dtype = next(shard.model.parameters()).dtype
+    table = None
+    if not shard.layout.first_stage:
+        g = torch.Generator().manual_seed(1618)
+        table = torch.randn(int(text.vocab_size), int(text.hidden_size), generator=g).to(shard.device, dtype)
+
+    def sums(batch: list[Group], tree: bool):
+        flat, size, owner = pack(batch)
+        flat = flat.to(shard.device)
+        b, t, n = size["b"], size["t"], size["n"]
+        ids, sel = flat[: b * t].view(b, t), flat[b * t : b * t + n]
+        kw = dict(input_ids=ids) if table is None else dict(inputs_embeds=table[ids])
+        spec = TreeSpec.from_packed(flat, **size) if tree else None
+        if spec is not None:
+            kw.update(position_ids=spec.position_ids, **{SPEC_KW: spec})
+        h = shard.base(**kw, use_cache=False).last_hidden_state
+        hs = h.reshape(b * t, -1).index_select(0, sel).float()
+        out = torch.zeros((max(owner) + 1, hs.shape[-1]), device=hs.device)
+        out.index_add_(0, torch.tensor(owner, device=hs.device), hs)
+        return out, spec.calls if spec is not None else 0
+
+    both = _probe_both(shard, int(text.vocab_size), sums)
+    if isinstance(both, str):
+        return both
+    apart = hidden_mismatch(both[1], both[0], dtype)
+    return f"off: tree and plain rows differ {apart} on stage {shard.layout.pp_rank}" if apart else None
 
 
 def _probe_scores(shard, groups: list[Group], tree: bool = False):
@@ -458,4 +523,4 @@ def _probe_scores(shard, groups: list[Group], tree: bool = False):
     lp, _ = shard.score(flat, spec=spec, probe=True, **size)
     sums = torch.zeros(len(groups) and max(owner) + 1, dtype=torch.float64, device=lp.device)
     sums.index_add_(0, torch.tensor(owner, device=lp.device), lp.double())
-    return (sums.cpu(), spec.calls) if tree else sums.cpu()
+    return sums.cpu(), spec.calls if spec is not None else 0

@@ -17,9 +17,10 @@ import torch
 from mpitp import compat, testing
 from mpitp.parallel.cpu_reduce import MPIReductions, TorchDistributedOverMPI
 from mpitp.replica.generation import chosen_token_logits
-from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, base_model, micro_batches
+from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, base_model
 from mpitp.replica.prefix import SPEC_KW, TreeSpec, flop_weights
 from mpitp.replica.scoring import TPOps, VocabParallelHead
+from mpitp.replica.stage_chunks import MIN_CHUNK, pieces
 from mpitp.replica.stats import Stats
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class ReplicaShard:
         self.share = False  # rows sharing a context scored as trees (mpitp.replica.prefix.check_sharing sets it)
         self.attention_layers = 0  # set with it: the attention calls one forward makes
         self.flop_weights = flop_weights(model.config.get_text_config())  # to weigh a tree against plain rows
+        self.chunked = False  # few-row batches cut along their positions (mpitp.replica.stage_chunks sets it)
+        self.min_chunk = MIN_CHUNK
         testing.install_forward_fault(getattr(self.base, "layers", None), layout.rank, lambda: self.stats.forwards)
         testing.install_generate_log(model, layout)
 
@@ -82,10 +85,11 @@ class ReplicaShard:
         self.stats.forwards += 1
         if not probe:  # b sequences of t positions fed, whether rows or trees (r > 0: continuations of their own)
             testing.log_forward(self.layout, "score", batch=b, seq=t, tokens=b * t, scored=n, branches=r)
-        if self.pipeline:
-            return self._score_pipeline(ids, sel, tgt)
         if r:
             spec = spec or TreeSpec.from_packed(packed, b, t, n, r)
+        if self.pipeline:
+            return self._score_pipeline(ids, sel, tgt, spec)
+        if r:
             hidden = self.base(input_ids=ids, position_ids=spec.position_ids, use_cache=False,
                                **{SPEC_KW: spec}).last_hidden_state
             if self.share and spec.calls != self.attention_layers:  # the probe saw every layer take the tree
@@ -96,24 +100,35 @@ class ReplicaShard:
         hs = hidden.reshape(b * t, -1).index_select(0, sel)
         return self.head.score(hs, tgt)
 
-    def _score_pipeline(self, ids: torch.Tensor, sel: torch.Tensor, tgt: torch.Tensor):
-        """One batch through the stages in micro-batches (GPipe's forward half); scores come back to the leader."""
+    def _score_pipeline(self, ids: torch.Tensor, sel: torch.Tensor, tgt: torch.Tensor, spec: TreeSpec | None = None):
+        """One batch through the stages in pieces (GPipe's forward half): micro-batches of rows (trees: each piece
+        with its sequences' part of ``spec``), or with too few rows chunks of positions, each stage keeping the
+        chunks before in a KV cache (:mod:`mpitp.replica.stage_chunks`); scores come back to the leader."""
         lay, link, base = self.layout, self.link, self.base
         b, t = ids.shape
-        outs = []
-        for r0, r1 in micro_batches(b, lay.pp):
+        parts, chunked = pieces(b, t, lay.pp, self.chunked and spec is None, self.min_chunk)
+        outs, cache = [], None
+        for p in parts:
+            kw = dict(use_cache=True, cache=cache) if chunked else dict(use_cache=False)
+            sub = spec.rows(p.rows.start, p.rows.stop) if spec is not None else None
+            if sub is not None:
+                kw.update(position_ids=sub.position_ids, **{SPEC_KW: sub})
             if lay.first_stage:
-                h = base(input_ids=ids[r0:r1], use_cache=False).last_hidden_state
+                out = base(input_ids=ids[p.rows, p.cols], **kw)
             else:
-                x = link.recv_activation(self.device)
-                h = base(inputs_embeds=x, use_cache=False).last_hidden_state
+                out = base(inputs_embeds=link.recv_activation(self.device), **kw)
+            if sub is not None and self.share and sub.calls != self.attention_layers:
+                raise RuntimeError(f"prefix sharing: the tree reached {sub.calls} of {self.attention_layers} "
+                                   f"layers' attention on pipeline stage {lay.pp_rank}")
+            cache = out.cache if chunked else None
+            h = out.last_hidden_state
             if lay.last_stage:
                 outs.append(h)
             else:
-                link.send_activation(h)  # asynchronous: this stage goes on with the next micro-batch
+                link.send_activation(h)  # asynchronous: this stage goes on with the next piece
         link.flush()
         if lay.last_stage:
-            hs = torch.cat(outs).reshape(b * t, -1).index_select(0, sel)
+            hs = torch.cat(outs, dim=1 if chunked else 0).reshape(b * t, -1).index_select(0, sel)
             lp, greedy = self.head.score(hs, tgt)
             if lay.tp_rank == 0:
                 link.send(lp.float(), dst=0)

@@ -126,6 +126,34 @@ def tiny_config(arch: Arch, vocab: int, eos: int):
     return cfg, changed
 
 
+def tiny_shard(model_type: str, stage: int | None = None):
+    """A one-rank :class:`~mpitp.replica.shard.ReplicaShard` of a tiny random model of ``model_type`` (vocabulary 512,
+    2 layers, its head scaled so that log-probs are far from uniform, as the matrix builds them); ``stage``: the shard
+    posing as that stage (0 or 1) of a two-stage pipeline whose replica is this one rank (MPI's self communicator for
+    the stages' agreements), every layer its own."""
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mpitp.replica.shard import ReplicaShard
+
+    arch = next(a for a in architectures() if a.model_type == model_type)
+    cfg, _ = tiny_config(arch, 512, 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    shard = ReplicaShard(model, types.SimpleNamespace(tp=1, pp=1, last_stage=True, first_stage=True, rank=0), "cpu")
+    if stage is not None:
+        from mpi4py import MPI
+
+        shard.pipeline = True
+        shard.layout = types.SimpleNamespace(tp=1, pp=2, pp_rank=stage, first_stage=stage == 0,
+                                             last_stage=stage == 1, rank=0, replica_comm=MPI.COMM_SELF)
+    return shard
+
+
 def _layer_kinds(cfg) -> list[str] | None:
     try:
         kinds = getattr(cfg, "layer_types", None)

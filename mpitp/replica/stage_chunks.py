@@ -1,0 +1,102 @@
+"""Position chunks through pipeline stages: a batch with too few rows to fill the stages is cut along its positions.
+
+Micro-batches of rows (:func:`mpitp.replica.pipeline.micro_batches`) keep every stage busy once a batch has rows to
+spare. A batch of one row -- a rolling-perplexity window scored alone, a long prompt at ``--batch-size 1``, a task's
+last rows -- was one piece, and the stages ran one after the other on it: at pp=2 the replica's busy time was 2.15x
+the forwards alone on rolling windows (bench/README, ``bench_forward_limit.py``). Such a batch now goes through in
+chunks of positions: each stage runs chunk i with the keys and values of chunks 0..i-1 in a KV cache of its own, so
+stage 0 computes chunk i+1 while stage 1 computes chunk i. Causal attention over a cache gives every position the
+keys and values the whole sequence gives it, so the log-probs agree up to rounding. Whether a model's forward really
+does -- positions taken from the cache, a mask built for a query chunk after cached keys, nothing carried along the
+sequence outside the cache -- is decided from numbers once after loading (:func:`check_chunking`, every stage on its
+own layers, the replica agreeing on one verdict), as prefix sharing decides trees, not from a list of model types;
+configurations whose attention the short probe could not see (a sliding window, chunked attention, layers other
+than full attention) keep whole rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mpitp.parallel import comm as mpicomm
+from mpitp.parallel.layout import split_layers
+from mpitp.replica.pipeline import micro_batches
+
+#: Positions per chunk, at least: a shorter chunk costs more in per-call overhead (every layer's kernels, the mask,
+#: the cache's growth) than the overlap wins back.
+MIN_CHUNK = 64
+PROBE_LEN = 24  # the probe's positions, run whole and in PROBE_CHUNKS chunks
+PROBE_CHUNKS = 3
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One forward of one stage: ``rows`` x ``cols`` of the batch."""
+
+    rows: slice
+    cols: slice
+
+
+def pieces(b: int, t: int, pp: int, chunked: bool, min_chunk: int = MIN_CHUNK) -> tuple[list[Piece], bool]:
+    """The pieces a ``b`` x ``t`` batch goes through ``pp`` stages in, and whether they are chunks of positions (each
+    after the ones before it, through a KV cache) rather than micro-batches of rows. Rows while there are at least
+    two per stage; fewer rows are cut into up to ``2 * pp`` chunks of at least ``min_chunk`` positions, where the
+    model's forward was found to take them (``chunked``)."""
+    rows = micro_batches(b, pp)
+    if chunked and len(rows) < 2 * pp:
+        k = min(2 * pp, t // max(1, min_chunk))
+        if k >= 2:
+            return [Piece(slice(0, b), slice(s0, s1)) for s0, s1 in split_layers(t, k)], True
+    return [Piece(slice(r0, r1), slice(0, t)) for r0, r1 in rows], False
+
+
+def check_chunking(shard, timeout: float | None) -> str | None:
+    """None when this replica cuts few-row batches into chunks of positions (``shard.chunked`` set), else why not (a
+    phrase for the run's summary). ``shard``: this rank's :class:`~mpitp.replica.shard.ReplicaShard` (not imported:
+    the shard imports this module). Collective over the replica: every stage probes its own layers (its TP ranks
+    together, as their collectives need), and one stage's no is every stage's, since a stage that sends chunks needs
+    a next stage that takes them."""
+    from mpitp.testing import stage_chunk
+
+    lay = shard.layout
+    hook = stage_chunk()
+    shard.min_chunk = hook or MIN_CHUNK
+    why = _probe(shard) if hook != 0 else "off (test hook)"
+    why = mpicomm.first_objection(why, lay.replica_comm, timeout, phase="pipeline chunk check")
+    shard.chunked = why is None
+    return why
+
+
+@torch.no_grad()
+def _probe(shard) -> str | None:
+    """Why this stage's layers do not give a chunked probe what they give it whole (None: they do)."""
+    from mpitp.replica.prefix import attention_kind
+
+    text = shard.model.config.get_text_config()
+    why = attention_kind(text)
+    if why:
+        return f"off: {why}"
+    base, dtype = shard.base, next(shard.model.parameters()).dtype
+    g = torch.Generator().manual_seed(2718)
+    if shard.layout.first_stage:
+        inputs = {"input_ids": torch.randint(0, int(text.vocab_size), (2, PROBE_LEN), generator=g)}
+    else:
+        inputs = {"inputs_embeds": torch.randn(2, PROBE_LEN, int(text.hidden_size), generator=g).to(dtype)}
+    inputs = {k: v.to(shard.device) for k, v in inputs.items()}
+    try:
+        with shard.stats.uncounted():
+            whole = base(**inputs, use_cache=False).last_hidden_state
+            cache, parts = None, []
+            for s0, s1 in split_layers(PROBE_LEN, PROBE_CHUNKS):
+                out = base(**{k: v[:, s0:s1] for k, v in inputs.items()}, cache=cache, use_cache=True)
+                cache = out.cache
+                parts.append(out.last_hidden_state)
+    except Exception as exc:  # noqa: BLE001 - whatever the forward does with a cache, whole rows stay right
+        first = str(exc).splitlines()[0][:120] if str(exc) else ""
+        return f"off: {type(base).__name__}'s forward does not take chunks over a cache ({type(exc).__name__}: {first})"
+    from mpitp.replica.headcheck import hidden_mismatch
+
+    apart = hidden_mismatch(torch.cat(parts, dim=1), whole, dtype)
+    return f"off: chunks and whole rows differ {apart} on stage {shard.layout.pp_rank}" if apart else None
