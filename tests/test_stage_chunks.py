@@ -39,3 +39,35 @@ def test_a_forward_that_drops_the_cache_is_caught():
     why = stage_chunks.check_chunking(shard, timeout=30)
     assert why is not None and "differ" in why, why
     assert not shard.chunked
+
+
+def _whole(parts: list[dict], kw: dict) -> bool:
+    return len(parts) == 1 and parts[0] is kw
+
+
+def test_a_prompt_goes_through_in_chunks_a_decode_step_whole():
+    """A prefill's arguments cut into chunks of positions: each chunk its ids and position ids, and the mask of every
+    position up to its end (a left-padded prompt's padding included); a decode step, a short prompt, or arguments
+    this cannot cut stay one forward."""
+    import torch
+
+    ids = torch.arange(2 * 300).view(2, 300)
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1, :40] = 0  # left padding
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, cache=object(), use_cache=True)
+    parts = stage_chunks.prefill_chunks(kw, pp=2)
+    assert len(parts) == 4
+    ends = [p["attention_mask"].shape[1] for p in parts]
+    assert ends == [75, 150, 225, 300]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts], 1), ids)
+    assert torch.equal(torch.cat([p["position_ids"] for p in parts], 1), pos)
+    assert all(torch.equal(p["attention_mask"], mask[:, : p["attention_mask"].shape[1]]) for p in parts)
+    assert all(p["cache"] is kw["cache"] and p["use_cache"] for p in parts)
+    step = dict(kw, input_ids=ids[:, -1:], attention_mask=torch.ones(2, 301), position_ids=pos[:, -1:] + 1)
+    assert _whole(stage_chunks.prefill_chunks(step, pp=2), step)  # a decode step: one position, the mask longer
+    short = dict(kw, input_ids=ids[:, :100], attention_mask=mask[:, :100], position_ids=pos[:, :100])
+    assert _whole(stage_chunks.prefill_chunks(short, pp=2), short)  # under two chunks of MIN_CHUNK
+    for odd in (dict(kw, position_ids=pos.unsqueeze(0).expand(3, 2, 300)), dict(kw, token_type_ids=ids * 0),
+                dict(kw, use_cache=False)):
+        assert _whole(stage_chunks.prefill_chunks(odd, pp=2), odd)

@@ -20,7 +20,7 @@ from mpitp.replica.generation import chosen_token_logits
 from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, base_model
 from mpitp.replica.prefix import SPEC_KW, TreeSpec, flop_weights
 from mpitp.replica.scoring import TPOps, VocabParallelHead
-from mpitp.replica.stage_chunks import MIN_CHUNK, pieces
+from mpitp.replica.stage_chunks import MIN_CHUNK, pieces, prefill_chunks
 from mpitp.replica.stats import Stats
 
 if TYPE_CHECKING:
@@ -156,17 +156,22 @@ class ReplicaShard:
         """
         lay, link = self.layout, self.link
         kw = {k: v for k, v in kwargs.items() if k not in HEAD_ONLY_KWARGS}
-        ids = kw["input_ids"]
-        b = ids.shape[0]
-        if not lay.first_stage:
-            kw.pop("input_ids")
-            kw["inputs_embeds"] = link.recv_activation(self.device)
-        base_out = self.base(**kw)
-        h, cache = base_out.last_hidden_state, getattr(base_out, "cache", None)
+        b = kw["input_ids"].shape[0]
+        cache = kw.get("cache")
+        # A prompt goes through in chunks of positions where the model takes them (mpitp.replica.stage_chunks)
+        for part in prefill_chunks(kw, lay.pp, self.min_chunk) if self.chunked else [kw]:
+            if cache is not None:
+                part["cache"] = cache  # the chunks before, whichever cache the first chunk's forward returned
+            if not lay.first_stage:
+                part.pop("input_ids")
+                part["inputs_embeds"] = link.recv_activation(self.device)
+            base_out = self.base(**part)
+            h, cache = base_out.last_hidden_state, getattr(base_out, "cache", None)
+            if not lay.last_stage:
+                link.send_activation(h)  # asynchronous: this stage goes on with the next chunk
         if keep_cache is not None:
             keep_cache(cache)
         if not lay.last_stage:
-            link.send_activation(h)
             link.flush()
         if lay.last_stage:
             if greedy:

@@ -39,6 +39,12 @@ class Piece:
     cols: slice
 
 
+def position_chunks(t: int, pp: int, min_chunk: int = MIN_CHUNK) -> list[slice]:
+    """``t`` positions as up to ``2 * pp`` consecutive chunks of at least ``min_chunk`` (one when too short)."""
+    k = max(1, min(2 * pp, t // max(1, min_chunk)))
+    return [slice(s0, s1) for s0, s1 in split_layers(t, k)]
+
+
 def pieces(b: int, t: int, pp: int, chunked: bool, min_chunk: int = MIN_CHUNK) -> tuple[list[Piece], bool]:
     """The pieces a ``b`` x ``t`` batch goes through ``pp`` stages in, and whether they are chunks of positions (each
     after the ones before it, through a KV cache) rather than micro-batches of rows. Rows while there are at least
@@ -46,10 +52,39 @@ def pieces(b: int, t: int, pp: int, chunked: bool, min_chunk: int = MIN_CHUNK) -
     model's forward was found to take them (``chunked``)."""
     rows = micro_batches(b, pp)
     if chunked and len(rows) < 2 * pp:
-        k = min(2 * pp, t // max(1, min_chunk))
-        if k >= 2:
-            return [Piece(slice(0, b), slice(s0, s1)) for s0, s1 in split_layers(t, k)], True
+        cols = position_chunks(t, pp, min_chunk)
+        if len(cols) > 1:
+            return [Piece(slice(0, b), c) for c in cols], True
     return [Piece(slice(r0, r1), slice(0, t)) for r0, r1 in rows], False
+
+
+def prefill_chunks(kw: dict, pp: int, min_chunk: int = MIN_CHUNK) -> list[dict]:
+    """A generation forward's keyword arguments as the forwards of its chunks of positions: a prefill (a prompt,
+    nothing cached yet: its attention mask as long as its ids) is run chunk after chunk, the cache carrying the chunks
+    before, so the stages overlap on it; every row at once, as generation keeps its batch whole. Each chunk gets its
+    ids and position ids and the mask of every position up to its end (the padding of a left-padded prompt included).
+    ``[kw]`` for a decode step, a prompt shorter than two chunks, or arguments of other shapes (another tensor input,
+    3-D positions) that this does not know how to cut."""
+    ids, mask, pos = kw.get("input_ids"), kw.get("attention_mask"), kw.get("position_ids")
+    if ids is None or ids.dim() != 2 or kw.get("use_cache") is False:
+        return [kw]
+    t = ids.shape[1]
+    if any(torch.is_tensor(v) for k, v in kw.items() if k not in ("input_ids", "attention_mask", "position_ids")):
+        return [kw]
+    if (mask is not None and tuple(mask.shape) != tuple(ids.shape)) or (pos is not None and pos.dim() != 2):
+        return [kw]
+    cols = position_chunks(t, pp, min_chunk)
+    if len(cols) < 2:
+        return [kw]
+    out = []
+    for c in cols:
+        part = dict(kw, input_ids=ids[:, c])
+        if mask is not None:
+            part["attention_mask"] = mask[:, : c.stop]
+        if pos is not None:
+            part["position_ids"] = pos[:, c]
+        out.append(part)
+    return out
 
 
 def check_chunking(shard, timeout: float | None) -> str | None:
