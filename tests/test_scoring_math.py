@@ -123,12 +123,13 @@ def test_argmax_reports_nan_rows_past_the_vocabulary():
         assert (am >= vocab).all()
 
 
-def test_ties_take_the_lowest_index_like_torch_argmax():
+@pytest.mark.parametrize("tied", [[2, 5, 9], [5, 6, 9], [1, 2, 3]], ids=["across-shards", "two-in-a-shard", "one-shard"])
+def test_ties_take_the_lowest_index_like_torch_argmax(tied):
     vocab, tp, hidden = 10, 3, 4
     weight = torch.zeros(vocab, hidden)
-    weight[[2, 5, 9]] = 1.0  # three tied maxima, in different shards
+    weight[tied] = 1.0  # three tied maxima: in different shards, two in one, all in one
     h = torch.ones(3, hidden)
-    out = _run_sharded(weight, h, torch.tensor([2, 5, 9]), tp)
+    out = _run_sharded(weight, h, torch.tensor(tied), tp)
     for _lp, greedy, am, _ in out.values():
-        assert am.tolist() == [2, 2, 2] == (h @ weight.T).argmax(-1).tolist()
+        assert am.tolist() == [tied[0]] * 3 == (h @ weight.T).argmax(-1).tolist()
         assert greedy.tolist() == [True, False, False]

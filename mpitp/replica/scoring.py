@@ -153,13 +153,14 @@ class VocabParallelHead:
             yield slice(start, min(n, start + step))
 
     def _global_max_and_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        local_max = logits.max(dim=-1).values
+        """The rows' global maximum and the lowest global index holding it (torch.argmax's rule), in one pass over
+        the local logits: a rank's first index of the global maximum is its first index of its own maximum, where
+        the two are equal (``torch.max`` returns the first maximal index); elsewhere the rank has none. A NaN
+        maximum equals nothing, so such a row has no index (greedy false), as its log-probability is NaN."""
+        local_max, first = logits.max(dim=-1)
         gmax = self.ops.max(local_max.clone())
-        hit = logits == gmax.unsqueeze(-1)
-        has = hit.any(dim=-1)
-        first = hit.to(torch.int8).argmax(dim=-1)  # first True: torch.argmax's lowest-index rule
         none = torch.full_like(first, _INT_BIG, dtype=torch.int32)
-        cand = torch.where(has, first.to(torch.int32) + self.offset, none)
+        cand = torch.where(local_max == gmax, first.to(torch.int32) + self.offset, none)
         return gmax, self.ops.min(cand)
 
     @torch.no_grad()
@@ -175,7 +176,8 @@ class VocabParallelHead:
             tgt = targets[sl] - self.offset
             mine = (tgt >= 0) & (tgt < vloc)
             tlogit = logits.gather(1, tgt.clamp(0, vloc - 1).unsqueeze(1)).squeeze(1)
-            pair = torch.stack([torch.exp(logits - gmax.unsqueeze(-1)).sum(dim=-1), torch.where(mine, tlogit, 0.0)], 1)
+            sumexp = logits.sub_(gmax.unsqueeze(-1)).exp_().sum(dim=-1)  # in place: the block's logits end here
+            pair = torch.stack([sumexp, torch.where(mine, tlogit, 0.0)], 1)
             pair = self.ops.sum(pair)
             out_lp[sl] = pair[:, 1] - gmax - torch.log(pair[:, 0])
             out_greedy[sl] = argmax.to(targets.dtype) == targets[sl]
