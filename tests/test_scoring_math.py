@@ -123,7 +123,8 @@ def test_argmax_reports_nan_rows_past_the_vocabulary():
         assert (am >= vocab).all()
 
 
-@pytest.mark.parametrize("tied", [[2, 5, 9], [5, 6, 9], [1, 2, 3]], ids=["across-shards", "two-in-a-shard", "one-shard"])
+@pytest.mark.parametrize("tied", [[2, 5, 9], [5, 6, 9], [1, 2, 3]],
+                         ids=["across-shards", "two-in-a-shard", "one-shard"])
 def test_ties_take_the_lowest_index_like_torch_argmax(tied):
     vocab, tp, hidden = 10, 3, 4
     weight = torch.zeros(vocab, hidden)
