@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -30,10 +31,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from support import arch as A  # noqa: E402
 
 
-def _mpirun(n: int, job: Path) -> subprocess.CompletedProcess:
+def _mpirun(layout: A.Layout, job: Path) -> subprocess.CompletedProcess:
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    return subprocess.run([str(mpiexec), "-n", str(n), sys.executable, "-m", "mpitp", "run", str(job)],
-                          capture_output=True, text=True)
+    return subprocess.run([str(mpiexec), "-n", str(layout.ranks), sys.executable, "-m", "mpitp", "run", str(job)],
+                          capture_output=True, text=True, env={**os.environ, **layout.env()})
 
 
 def _last_started(output: str) -> str | None:
@@ -48,7 +49,7 @@ def run_layout(models: dict[str, Path], refs: dict, layout: A.Layout, include: s
     todo, failed, logs, t0 = dict(models), {}, [], time.time()
     while todo:
         job = A.job_file(work / f"matrix-{layout.key}.yaml", todo, include, out, layout.tp, layout.pp)
-        proc = _mpirun(layout.ranks, job)
+        proc = _mpirun(layout, job)
         text = proc.stdout + proc.stderr
         logs.append(text)
         if proc.returncode == 0 or A.TRACEBACK not in text:
@@ -70,7 +71,6 @@ def run_layout(models: dict[str, Path], refs: dict, layout: A.Layout, include: s
 
 
 def main() -> None:
-    import os
     import warnings
 
     warnings.filterwarnings("ignore")

@@ -120,10 +120,7 @@ def test_matrix_layout_matches_lm_eval(layout, registry, test_tasks, tmp_path):
     :data:`EXPECTED_REFUSALS` says; no traceback."""
     reg = registry
     job = A.job_file(tmp_path / "matrix.yaml", reg.models, test_tasks, tmp_path, layout.tp, layout.pp)
-    # With stages, the short test rows are cut into chunks of positions as long rows are (mpitp.replica.stage_chunks):
-    # every type that takes chunks is held to parity through them.
-    env = {"MPITP_TEST_STAGE_CHUNK": "4"} if layout.pp > 1 else None
-    proc = run_mpi(layout.ranks, ["run", str(job)], timeout=2000, env=env)
+    proc = run_mpi(layout.ranks, ["run", str(job)], timeout=2000, env=layout.env())
     output = proc.stdout + proc.stderr
     cells = A.outcomes(reg.models, reg.refs, layout, output, tmp_path)
     failures = [f"{name}: {o.cell()}" for name, o in cells.items() if not o.ok]
