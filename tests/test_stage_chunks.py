@@ -69,5 +69,5 @@ def test_a_prompt_goes_through_in_chunks_a_decode_step_whole():
     short = dict(kw, input_ids=ids[:, :100], attention_mask=mask[:, :100], position_ids=pos[:, :100])
     assert _whole(stage_chunks.prefill_chunks(short, pp=2), short)  # under two chunks of MIN_CHUNK
     for odd in (dict(kw, position_ids=pos.unsqueeze(0).expand(3, 2, 300)), dict(kw, token_type_ids=ids * 0),
-                dict(kw, use_cache=False)):
+                dict(kw, use_cache=False), {k: v for k, v in kw.items() if k != "use_cache"}):
         assert _whole(stage_chunks.prefill_chunks(odd, pp=2), odd)

@@ -66,7 +66,7 @@ def prefill_chunks(kw: dict, pp: int, min_chunk: int = MIN_CHUNK) -> list[dict]:
     ``[kw]`` for a decode step, a prompt shorter than two chunks, or arguments of other shapes (another tensor input,
     3-D positions) that this does not know how to cut."""
     ids, mask, pos = kw.get("input_ids"), kw.get("attention_mask"), kw.get("position_ids")
-    if ids is None or ids.dim() != 2 or kw.get("use_cache") is False:
+    if ids is None or ids.dim() != 2 or kw.get("use_cache") is not True:  # the chunks before live in the cache
         return [kw]
     t = ids.shape[1]
     if any(torch.is_tensor(v) for k, v in kw.items() if k not in ("input_ids", "attention_mask", "position_ids")):
