@@ -114,7 +114,7 @@ def test_prefix_sharing_registers_its_own_attention_and_leaves_sdpa_alone():
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from mpitp.replica import prefix
+    from mpitp.replica import prefix_probe
     from mpitp.replica.shard import ReplicaShard
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -122,7 +122,7 @@ def test_prefix_sharing_registers_its_own_attention_and_leaves_sdpa_alone():
     other = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     layout = types.SimpleNamespace(tp=1, pp=1, last_stage=True, first_stage=True, rank=0)
     shard = ReplicaShard(mine, layout, "cpu")
-    assert prefix.check_sharing(shard) is None and shard.share
+    assert prefix_probe.check_sharing(shard) is None and shard.share
     assert mine.config._attn_implementation == compat.TREE_ATTENTION
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
     assert other.config._attn_implementation == "sdpa"

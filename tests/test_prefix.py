@@ -11,7 +11,7 @@ import torch
 
 from mpitp.evaluation.dispatch import make_chunks
 from mpitp.evaluation.lm import shared_context_weights
-from mpitp.replica import prefix
+from mpitp.replica import prefix, prefix_probe
 from mpitp.replica.shard import ReplicaShard
 from support import arch as A
 
@@ -40,12 +40,12 @@ def test_tree_equals_plain_rows(model_type):
     """Where the probe turns sharing on, a batch of trees (4 continuations, a row alone, single-token continuations)
     scores every row as that row alone does, within the parity rule, in every layer (calls counted)."""
     shard = _shard(model_type)
-    assert prefix.check_sharing(shard) is None
+    assert prefix_probe.check_sharing(shard) is None
     assert shard.share and shard.attention_layers == 2
     groups = _batch()
     plain = [prefix.Group(g.ctx, [r], [c]) for g in groups for r, c in zip(g.rows, g.conts)]
-    ref, _ = prefix._probe_scores(shard, plain)
-    got, calls = prefix._probe_scores(shard, groups, tree=True)
+    ref, _ = prefix_probe._probe_scores(shard, plain)
+    got, calls = prefix_probe._probe_scores(shard, groups, tree=True)
     assert calls == 2
     d = (got - ref).abs()
     assert bool((d <= 1e-5 * ref.abs().clamp(min=1.0)).all()), (model_type, float(d.max()))
@@ -57,7 +57,7 @@ def test_models_the_tree_cannot_serve_stay_plain(model_type):
     """Sliding windows, mixed layer types (state-space layers carry state along the sequence) and forwards that do
     not hand attention keywords down are refused, each with its reason, and the shard keeps scoring plain rows."""
     shard = _shard(model_type)
-    why = prefix.check_sharing(shard)
+    why = prefix_probe.check_sharing(shard)
     assert why is not None and SHARED_OFF[model_type] in why, why
     assert not shard.share
 
@@ -76,14 +76,14 @@ def test_probe_refuses_an_attention_that_ignores_the_tree(monkeypatch):
     shard = _shard("llama")
 
     monkeypatch.setattr(prefix, "tree_attention", _as_one_row)
-    why = prefix.check_sharing(shard)
+    why = prefix_probe.check_sharing(shard)
     assert why is not None and "differ" in why, why
     assert not shard.share
 
 
 def test_switched_off():
     shard = _shard("llama")
-    assert prefix.check_sharing(shard, enabled=False) == "off (--no-prefix-sharing)"
+    assert prefix_probe.check_sharing(shard, enabled=False) == "off (--no-prefix-sharing)"
     assert not shard.share
 
 
@@ -92,11 +92,11 @@ def test_pipeline_stages_probe_their_own_layers(stage, monkeypatch):
     """With stages each probes its own layers (stage 0 from ids, a later one from stand-in activations) and the
     replica agrees on the verdict; an attention that ignores the tree is caught there too, naming the stage."""
     shard = A.tiny_shard("llama", stage=stage)
-    assert prefix.check_sharing(shard, timeout=30) is None
+    assert prefix_probe.check_sharing(shard, timeout=30) is None
     assert shard.share and shard.attention_layers == 2
 
     monkeypatch.setattr(prefix, "tree_attention", _as_one_row)
-    why = prefix.check_sharing(shard, timeout=30)
+    why = prefix_probe.check_sharing(shard, timeout=30)
     assert why is not None and "differ" in why and f"stage {stage}" in why, why
     assert not shard.share
 
@@ -106,7 +106,7 @@ def test_a_trees_rows_run_as_micro_batches():
     (:meth:`TreeSpec.rows`): the pieces' hidden states are the whole batch's; a piece without continuations of its
     own runs as plain rows."""
     shard = _shard("llama")
-    assert prefix.check_sharing(shard) is None
+    assert prefix_probe.check_sharing(shard) is None
     flat, size, _ = prefix.pack(_batch())
     b, t = size["b"], size["t"]
     ids = flat[: b * t].view(b, t)

@@ -120,12 +120,12 @@ def test_forward_log_lines(hooks_from, tmp_path):
     """One JSON line per forward of the run on the DP leader: the scored batch as fed (a tree's packed sequences),
     each ``generate`` step with its cache length; the start-up probe, the head check's cache-less forward and a
     worker's forwards write nothing."""
-    from mpitp.replica import prefix
+    from mpitp.replica import prefix, prefix_probe
 
     path = tmp_path / "forwards.jsonl"
     assert hooks_from({"MPITP_TEST_FORWARD_LOG": str(path)}).forward_log == str(path)
     shard = _tiny_shard(dp_rank=1)
-    assert prefix.check_sharing(shard) is None and shard.share  # probe forwards: not the run's
+    assert prefix_probe.check_sharing(shard) is None and shard.share  # probe forwards: not the run's
     assert not path.exists()
     groups = [prefix.Group([5, 6, 7, 8], [0, 1], [[9, 10, 11], [12, 13]]), prefix.Group([20, 21], [2], [[22]])]
     flat, size, _ = prefix.pack(groups)

@@ -26,7 +26,7 @@ import h5py
 import pytest
 import torch
 
-from mpitp.replica import headcheck, prefix
+from mpitp.replica import headcheck, prefix, prefix_probe
 from mpitp.replica.leader import ReplicaLeader
 from mpitp.replica.scoring import TPOps
 from mpitp.replica.shard import ReplicaShard
@@ -65,7 +65,7 @@ def _shard(model, share: bool = True) -> ReplicaShard:
                                    is_leader=True, replica_comm=None)
     shard = ReplicaShard(model, layout, "cpu")
     shard.ops = shard.head.ops = TwoRankOps(shard.stats)
-    assert prefix.check_sharing(shard, enabled=share) == (None if share else "off (--no-prefix-sharing)")
+    assert prefix_probe.check_sharing(shard, enabled=share) == (None if share else "off (--no-prefix-sharing)")
     return shard
 
 

@@ -206,7 +206,7 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
     reuse_head = kept is not None and kept.head_check_s is not None and not kept.recheck_head
     head_check_s = check_head(shard, rt.world.comm, rt.timeout, skip=cfg.skip_head_check,
                               passed=kept.head_check_s if reuse_head else None)
-    from mpitp.replica.prefix import check_sharing
+    from mpitp.replica.prefix_probe import check_sharing
 
     if kept is not None and kept.sharing is not None:
         sharing, shard.attention_layers = kept.sharing

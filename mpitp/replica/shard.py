@@ -56,7 +56,7 @@ class ReplicaShard:
         self.link = StageLink(layout, self.stats.pp) if self.pipeline else None
         self.head = VocabParallelHead.from_model(model, self.ops) if layout.last_stage else None
         self.base = base_model(model)
-        self.share = False  # rows sharing a context scored as trees (mpitp.replica.prefix.check_sharing sets it)
+        self.share = False  # rows sharing a context scored as trees (mpitp.replica.prefix_probe.check_sharing sets it)
         self.attention_layers = 0  # set with it: the attention calls one forward makes
         self.flop_weights = flop_weights(model.config.get_text_config())  # to weigh a tree against plain rows
         self.chunked = False  # few-row batches cut along their positions (mpitp.replica.stage_chunks sets it)

@@ -107,19 +107,15 @@ def check_chunking(shard, timeout: float | None) -> str | None:
 @torch.no_grad()
 def _probe(shard) -> str | None:
     """Why this stage's layers do not give a chunked probe what they give it whole (None: they do)."""
-    from mpitp.replica.prefix import attention_kind
+    from mpitp.replica.headcheck import hidden_mismatch
+    from mpitp.replica.prefix_probe import attention_kind, probe_vocab, refusal, stage_inputs
 
-    text = shard.model.config.get_text_config()
-    why = attention_kind(text)
+    why = attention_kind(shard.model.config.get_text_config())
     if why:
         return f"off: {why}"
-    base, dtype = shard.base, next(shard.model.parameters()).dtype
-    g = torch.Generator().manual_seed(2718)
-    if shard.layout.first_stage:
-        inputs = {"input_ids": torch.randint(0, int(text.vocab_size), (2, PROBE_LEN), generator=g)}
-    else:
-        inputs = {"inputs_embeds": torch.randn(2, PROBE_LEN, int(text.hidden_size), generator=g).to(dtype)}
-    inputs = {k: v.to(shard.device) for k, v in inputs.items()}
+    base = shard.base
+    ids = torch.randint(0, probe_vocab(shard), (2, PROBE_LEN), generator=torch.Generator().manual_seed(2718))
+    inputs = stage_inputs(shard, ids.to(shard.device))
     try:
         with shard.stats.uncounted():
             whole = base(**inputs, use_cache=False).last_hidden_state
@@ -129,9 +125,6 @@ def _probe(shard) -> str | None:
                 cache = out.cache
                 parts.append(out.last_hidden_state)
     except Exception as exc:  # noqa: BLE001 - whatever the forward does with a cache, whole rows stay right
-        first = str(exc).splitlines()[0][:120] if str(exc) else ""
-        return f"off: {type(base).__name__}'s forward does not take chunks over a cache ({type(exc).__name__}: {first})"
-    from mpitp.replica.headcheck import hidden_mismatch
-
-    apart = hidden_mismatch(torch.cat(parts, dim=1), whole, dtype)
+        return refusal(base, "chunks over a cache", exc)
+    apart = hidden_mismatch(torch.cat(parts, dim=1), whole, next(shard.model.parameters()).dtype)
     return f"off: chunks and whole rows differ {apart} on stage {shard.layout.pp_rank}" if apart else None
