@@ -220,12 +220,8 @@ def everywhere(fn: Callable[[], _T], rt: Runtime, phase: str, undo: Callable[[_T
         result = fn()
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint is the sweep's business, not a crash
         text = " ".join(str(exc).split()) or type(exc).__name__
-        err = f"{type(exc).__name__}: {text[:300]}"
-    errors = mpicomm.gather_obj(err, rt.world.comm, root=0, timeout=rt.timeout, phase=phase)
-    first = None
-    if errors is not None:
-        first = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
-    first = mpicomm.bcast_obj(first, rt.world.comm, root=0, timeout=rt.timeout, phase=phase)
+        err = f"rank {rt.world.comm.Get_rank()}: {type(exc).__name__}: {text[:300]}"
+    first = mpicomm.first_objection(err, rt.world.comm, rt.timeout, phase=phase)
     if first:
         if result is not None and undo is not None:
             undo(result)
