@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -33,7 +34,8 @@ GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
 STORIES = SHARED / "models" / "stories260K"
 BIN = ROOT / ".venv" / "bin"
 PYTHON = str(BIN / "python") if (BIN / "python").exists() else sys.executable
-MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = next((str(p) for p in (BIN / "mpiexec", Path(sys.executable).parent / "mpiexec") if p.exists()),
+               shutil.which("mpiexec") or "mpiexec")  # the last: wheels installed with --target (bench/gpu_carry.sh)
 TORCHRUN = str(BIN / "torchrun") if (BIN / "torchrun").exists() else str(Path(sys.executable).parent / "torchrun")
 DRIVER = str(BENCH / "_driver.py")
 

@@ -134,6 +134,7 @@ def main(argv=None) -> int:
             verdict = f"bf16 err {worst:.2e} (lm-eval's above), {mism} greedy/gen differ / {compared}"
         tps, tps_ref = tokens / r["time_s"], tokens / base["time_s"]
         rows.append([f"{label} {dtype}", n, verdict, r["time_s"], f"{tps:.0f}", f"{tps / tps_ref:.2f}x", memory(r)])
+        say(f"gpu_drill: {' | '.join(map(str, rows[-1]))}")  # as it comes: a run cut short still shows its cases
     say("")
     say(fmt_table(rows, ["case", "ranks", "parity vs lm_eval hf float32", "eval s", "tokens/s",
                          "vs lm_eval (same dtype)", "peak memory per rank"]))

@@ -82,6 +82,8 @@ def test_tp1_load_equals_the_hf_twin(run):
         with torch.no_grad():
             assert torch.equal(m(x).logits, ref(x).logits), step
         assert type(m) is type(ref) and m.dtype == torch.float32
+        # no Hub kernels fetched at load (loading.LOAD_DEFAULTS), where transformers 5.25's own default kernelizes
+        assert not m.use_kernels and not load_model(str(run[f"hf/{step}"]), 1, "cpu").use_kernels
 
 
 def test_slice_reads_only_the_region_bytes(run):

@@ -60,3 +60,27 @@ def test_the_runtime_is_frozen_and_closes_once():
     with rt as same:  # no torch world (replica_group None): closing is a no-op, twice
         assert same is rt
     rt.close()
+
+
+def test_cuda_runs_take_cudnn_out_of_sdpa_and_close_puts_it_back():
+    """A CUDA rank turns torch's cuDNN attention off for the run (a plan build per new shape: bench/README.md, GPU
+    drill) and ``close`` restores what it found, so a user's own script after ``mpitp.start(...).close()`` gets
+    torch's default back. The switch is a plain flag in CPU builds of torch too."""
+    import torch
+
+    from mpitp.parallel.runtime import Runtime, _sdpa_without_cudnn
+
+    original = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for before in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(before)
+            assert _sdpa_without_cudnn() is before
+            assert torch.backends.cuda.cudnn_sdp_enabled() is False
+            rt = Runtime(world=None, layout=None, device="cuda:0", threads=1, timeout=1.0, cudnn_sdp_before=before)
+            rt.close()
+            assert torch.backends.cuda.cudnn_sdp_enabled() is before
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        Runtime(world=None, layout=None, device="cpu", threads=1, timeout=1.0).close()  # a CPU run touches nothing
+        assert torch.backends.cuda.cudnn_sdp_enabled() is False
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(original)

@@ -53,11 +53,16 @@ class Runtime(Launch):
 
     device: str = "cpu"  # the device this rank runs on
     replica_group: ReplicaGroup | None = None
+    cudnn_sdp_before: bool | None = None  # torch's cuDNN attention switch before this run turned it off (CUDA only)
 
     def close(self) -> None:
         """Tear down the replica's torch world so the next run may use another layout. Idempotent."""
         from mpitp.parallel.replica_group import destroy_replica_group
 
+        if self.cudnn_sdp_before is not None:
+            import torch
+
+            torch.backends.cuda.enable_cudnn_sdp(self.cudnn_sdp_before)
         if self.replica_group is not None:
             # gloo/NCCL teardown talks to the replica's peers and holds the interpreter lock: bounded like
             # MPI_Finalize.
@@ -149,13 +154,31 @@ def open_replica(launch: Launch) -> Runtime:
 
     plan = _device_plan(launch.device, launch.world.local_rank)
     torch.set_num_threads(launch.threads)
+    cudnn_before = None
     if plan.device.startswith("cuda"):
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        cudnn_before = _sdpa_without_cudnn()
     if plan.set_device:
         torch.cuda.set_device(torch.device(plan.device))
     group = init_replica_group(launch.layout, plan.device, launch.timeout)
     return Runtime(world=launch.world, layout=launch.layout, device=plan.device, threads=launch.threads,
-                   timeout=launch.timeout, ep=launch.ep, stage_dir=launch.stage_dir, replica_group=group)
+                   timeout=launch.timeout, ep=launch.ep, stage_dir=launch.stage_dir, replica_group=group,
+                   cudnn_sdp_before=cudnn_before)
+
+
+def _sdpa_without_cudnn() -> bool:
+    """Take cuDNN out of ``scaled_dot_product_attention``'s backends for the run; return the switch's old value.
+
+    torch 2.11 on Hopper sends half-precision SDPA to cuDNN first, and cuDNN builds an execution plan for every new
+    shape: an evaluation's shapes change with every batch's length and every greedy step's cache length, so each
+    call pays a plan build. Measured on an H200 (bench/README.md, GPU drill): 64 greedy tokens for 8 rows of the
+    77M bench Llama in bfloat16 took 5.6 s with cuDNN, 0.7 s without (flash/efficient attention), and mpitp's whole
+    bfloat16 drill 86 s against 16 s in float32. float32 never reaches cuDNN, so parity runs are unchanged."""
+    import torch
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return before
 
 
 @contextmanager

@@ -251,6 +251,14 @@ def strided_shards_with_pread() -> Iterator[None]:
         yield
 
 
+#: ``from_pretrained`` arguments of every mpitp load, under the caller's. ``use_kernels=False``: transformers 5.25
+#: "kernelizes" every load by default, fetching layer kernels from Hub repositories (``kernels-community/...``) at load
+#: time: code from the network on every rank, and on a GPU node without network (or with ``HF_HUB_OFFLINE=1``) the
+#: load fails ("Version 2 of 'kernels-community/rotary' is not available in the local cache", seen on an H200, the
+#: lm-eval reference of bench/gpu_drill.py). mpitp runs the model classes' own forwards, as transformers 5.24 did.
+LOAD_DEFAULTS = {"use_kernels": False}
+
+
 def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: str | None = None,
                trust_remote_code: bool = False, peft: str | None = None, ep: int = 1,
                **load_kwargs) -> PreTrainedModel:
@@ -271,6 +279,7 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
 
     from mpitp.replica import dcp
 
+    load_kwargs = {**LOAD_DEFAULTS, **load_kwargs}
     hf_assets = load_kwargs.pop("hf_assets", None)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     if dcp.is_dcp(model):

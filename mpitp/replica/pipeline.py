@@ -199,8 +199,9 @@ def load_stage(model: str, tp: int, pp: int, pp_rank: int, dtype: str = "auto", 
     from transformers.distributed import DistributedConfig
 
     from mpitp.replica import dcp
-    from mpitp.replica.loading import strided_shards_with_pread
+    from mpitp.replica.loading import LOAD_DEFAULTS, strided_shards_with_pread
 
+    load_kwargs = {**LOAD_DEFAULTS, **load_kwargs}
     hf_assets = load_kwargs.pop("hf_assets", None)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     distributed = DistributedConfig(tp_size=tp, pp_size=pp)
