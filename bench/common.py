@@ -35,7 +35,7 @@ STORIES = SHARED / "models" / "stories260K"
 BIN = ROOT / ".venv" / "bin"
 PYTHON = str(BIN / "python") if (BIN / "python").exists() else sys.executable
 MPIEXEC = next((str(p) for p in (BIN / "mpiexec", Path(sys.executable).parent / "mpiexec") if p.exists()),
-               shutil.which("mpiexec") or "mpiexec")  # the last: wheels installed with --target (bench/gpu_carry.sh)
+               shutil.which("mpiexec") or "mpiexec")  # the last: on the PATH (bench/gpu_carry.sh)
 TORCHRUN = str(BIN / "torchrun") if (BIN / "torchrun").exists() else str(Path(sys.executable).parent / "torchrun")
 DRIVER = str(BENCH / "_driver.py")
 
