@@ -200,3 +200,39 @@ def test_check_refuses_a_layout_the_model_cannot_take(tmp_path):
                 "are then split by --tp)"],
         "ep4": ["ep=4: the experts are spread over a TP group's ranks, so ep must be 1 or tp (2)"],
     }, found
+
+
+def test_a_ready_model_is_not_checked_again_until_a_folder_it_read_changes(tmp_path, monkeypatch, caplog):
+    """The model half of a check (a child importing torch and transformers: 3.5-4 s) is kept as "ready" and skipped
+    while every folder it read is unchanged (issue 41: `mpitp check` of a job checked before, 4.0 -> 1.5 s); a
+    verdict file others could write is not believed, a changed config is checked again, and a problem is never kept."""
+    import shutil
+
+    from support.offline_data import arc_rows, write_jsonl
+
+    monkeypatch.setenv("MPITP_CHECK_CACHE", str(tmp_path / "verdicts"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # two cores: the child starts
+    model = tmp_path / "model"
+    shutil.copytree(STORIES, model)
+    write_jsonl(tmp_path / "DATA" / "arc_easy" / "test.jsonl", arc_rows(3, "kept"))
+    spec = CheckSpec(tasks=("arc_easy",), data_dir=str(tmp_path / "DATA"), model=str(model), tp=2)
+
+    def run() -> tuple[bool, bool, list[str]]:
+        report = check(spec)
+        assert report.tasks == ["arc_easy"]
+        return report.model_beside, report.model_kept, [p.what for p in report.problems]
+
+    assert run() == (True, False, [])  # checked in the child, kept
+    (kept,) = (tmp_path / "verdicts").iterdir()
+    assert run() == (False, True, [])  # not checked again
+    kept.chmod(0o664)  # group-writable: anyone in the group could have written "ready"
+    with caplog.at_level("WARNING", logger="mpitp"):
+        assert run() == (True, False, [])
+    assert "model check verdict file" in caplog.text and "writable by its group" in caplog.text, caplog.text
+    assert run() == (False, True, [])  # rewritten this user's alone
+    written = kept.stat().st_mtime_ns
+    (model / "config.json").write_text("{")
+    beside, again, problems = run()
+    assert (beside, again) == (True, False) and len(problems) == 1, problems
+    assert problems[0].startswith(f"model {model}: config not available offline"), problems
+    assert kept.stat().st_mtime_ns == written  # the problem was not kept

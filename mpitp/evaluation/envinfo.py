@@ -11,8 +11,6 @@ recomputed after :data:`MAX_AGE_S` (drivers). ``MPITP_ENV_INFO_CACHE=DIR`` moves
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -27,33 +25,30 @@ MAX_AGE_S = 24 * 3600.0
 _MAX_BYTES = 1 << 20
 
 
-def _key() -> list:
+def installation() -> list:
+    """This Python and its packages: the executable, its version and the modification time of every package folder
+    on ``sys.path`` (installing, upgrading or removing a package changes it). Not the working directory (first on
+    ``sys.path`` under ``python -m``), whose modification time changes with every file a run writes there."""
     def mtime(path: str) -> int | None:
         try:
             return os.stat(path).st_mtime_ns
         except OSError:
             return None
 
-    # The folders packages are installed in: not the working directory (first on sys.path under ``python -m``),
-    # whose modification time changes with every file a run writes there.
-    return [FORMAT, socket.gethostname(), os.path.realpath(sys.executable), sys.version,
+    return [os.path.realpath(sys.executable), sys.version,
             [[p, mtime(p)] for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]]
+
+
+def _key() -> list:
+    return [FORMAT, socket.gethostname(), *installation()]
 
 
 def cache_file() -> Path | None:
     """This installation's cache file on this machine; None when the cache is off or its folder is not this user's
     alone (a record others can write would be stored in results as this run's environment)."""
-    from mpitp.results.untrusted import private_dir
-    from mpitp.tasks.demo import cache_folder
+    from mpitp.results.privatefile import keyed_file
 
-    folder = cache_folder("MPITP_ENV_INFO_CACHE", "env-info")
-    if folder is None:
-        return None
-    problem = private_dir(str(folder), levels=2)
-    if problem:
-        log.info("environment record not cached: %s", problem)
-        return None
-    return folder / f"{hashlib.sha256(json.dumps(_key()).encode()).hexdigest()[:24]}.json"
+    return keyed_file("MPITP_ENV_INFO_CACHE", "env-info", _key(), "environment record")
 
 
 def cached(path: Path | None) -> str | None:

@@ -19,7 +19,8 @@ find a module script" error) and nltk data (found from nltk's ``LookupError``, w
 (:func:`mpitp.tasks.layout.use_nltk_data`), where prefetch puts it and where the run looks.
 
 The parts, each its own module: what is checked and found (:mod:`~mpitp.jobs.readiness_spec`), the network guard
-and quiet logs (:mod:`~mpitp.jobs.readiness_guard`), the model (:mod:`~mpitp.jobs.readiness_model`), the tasks
+and quiet logs (:mod:`~mpitp.jobs.readiness_guard`), the model (:mod:`~mpitp.jobs.readiness_model`; a "ready"
+kept while the folders it read are unchanged: :mod:`~mpitp.jobs.readiness_cache`), the tasks
 (:mod:`~mpitp.jobs.readiness_tasks`); this module runs them (:func:`check`) and answers for job files
 (:func:`job_specs`, :func:`require_ready`).
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import os
 
 from mpitp.errors import UsageError
+from mpitp.jobs.readiness_cache import kept_ready
 from mpitp.jobs.readiness_guard import block_network, quiet_libraries
 from mpitp.jobs.readiness_model import check_model, join_model_check, start_model_check
 from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report
@@ -47,7 +49,10 @@ def check(spec: CheckSpec) -> Report:
             from mpitp.tasks.layout import use_nltk_data
 
             use_nltk_data(spec.data_dir)
-        if spec.model and spec.tasks and not spec.apply_chat_template and (child := start_model_check(spec)):
+        if spec.model and spec.tasks and not spec.apply_chat_template and kept_ready(spec):
+            report.model_kept = True  # checked before, every folder it read unchanged: the tasks alone
+            check_tasks(spec, report, None)
+        elif spec.model and spec.tasks and not spec.apply_chat_template and (child := start_model_check(spec)):
             report.model_beside = True
             try:
                 check_tasks(spec, report, None)  # the tokenizer is read only for a chat template

@@ -124,19 +124,26 @@ def model_check_child() -> None:
     import json
     import sys
 
+    from mpitp.jobs import readiness_cache
+
     fields = json.loads(sys.stdin.read())
     spec = CheckSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     report, tried = Report(), []
+    seen = readiness_cache.watch()
     with quiet_libraries(), block_network(tried):
         check_model(spec, report)
-    sys.stdout.write("\n" + json.dumps({"problems": [[p.what, p.fetch] for p in report.problems], "tried": tried})
-                     + "\n")
+    found = {"problems": [[p.what, p.fetch] for p in report.problems], "tried": tried,
+             "read": readiness_cache.folders_read(spec, seen)}
+    sys.stdout.write("\n" + json.dumps(found) + "\n")
 
 
 def join_model_check(proc: subprocess.Popen[str], spec: CheckSpec, tried: list[str]) -> list[Problem]:
     """The child's problems (and the hosts it tried, added to ``tried``); :func:`check_model` here when the child
-    failed to say."""
+    failed to say. A child that found nothing wrong and tried no host leaves its verdict kept
+    (:mod:`mpitp.jobs.readiness_cache`) for the folders it read."""
     import json
+
+    from mpitp.jobs import readiness_cache
 
     with proc.stdout:
         out = proc.stdout.read()
@@ -147,10 +154,13 @@ def join_model_check(proc: subprocess.Popen[str], spec: CheckSpec, tried: list[s
         data = json.loads(out.strip().splitlines()[-1])
         found = [Problem(str(what), None if fetch is None else str(fetch)) for what, fetch in data["problems"]]
         hosts = [str(h) for h in data["tried"]]
+        read = [str(f) for f in data["read"]]
     except (ValueError, TypeError, KeyError, IndexError):  # the child died before answering: ask again here
         report = Report()
         check_model(spec, report)
         return report.problems
+    if not found and not hosts:
+        readiness_cache.keep_ready(spec, read)
     tried += [h for h in hosts if h not in tried]
     return found
 

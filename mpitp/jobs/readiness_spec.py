@@ -57,6 +57,9 @@ class Report:
     model_beside: bool = False
     """Whether the model was checked in a child process beside the tasks
     (:func:`mpitp.jobs.readiness_model.start_model_check`)."""
+    model_kept: bool = False
+    """Whether the model was not checked again: a kept verdict whose folders are unchanged
+    (:mod:`mpitp.jobs.readiness_cache`)."""
 
     @property
     def ready(self) -> bool:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 from mpitp.results.untrusted import BadInput, load_json, open_regular, private_problem
 
@@ -66,3 +67,22 @@ def write_private_json(path: str | os.PathLike[str], data: object, what: str, ma
         log.info("%s %s not written: %s", what, path, exc)
         return False
     return True
+
+
+def keyed_file(variable: str, name: str, key: object, what: str) -> Path | None:
+    """The file of the cache ``name`` (folder: ``$variable`` or ``<mpitp cache>/name``) that holds what was kept for
+    ``key`` (a JSON value: the file is named by its digest); None when the cache is off or its folder and the one
+    above are not this user's alone (created ``0700`` when missing), said once at info level naming ``what``."""
+    import hashlib
+
+    from mpitp.results.untrusted import private_dir
+    from mpitp.tasks.demo import cache_folder
+
+    folder = cache_folder(variable, name)
+    if folder is None:
+        return None
+    problem = private_dir(str(folder), levels=2)
+    if problem:
+        log.info("%s not kept: %s", what, problem)
+        return None
+    return folder / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"

@@ -1,0 +1,167 @@
+"""A kept "ready" verdict of ``mpitp check``'s model half (:mod:`mpitp.jobs.readiness_model`).
+
+Why: the model half is a child interpreter that imports torch and transformers' config and model code to read a
+config and a tokenizer of a few kilobytes and, for a split layout, to build the model on the meta device: 3.5-4 s
+on a 2-core node, the longest part of a check, for files that rarely change between two checks of one job (a sweep
+resubmitted, ``submit`` after ``check``). So a verdict of "ready" is kept, keyed by the spec's model settings (model,
+tokenizer, revision, assets, tp, pp, ep), the working directory, the installation (Python, the modification times
+of the package folders on ``sys.path``, every mpitp source file's) and the environment variables the Hub and
+transformers read, and it holds only while every folder the check read from (found with an audit hook in the child:
+each file it opened, each folder it listed, and the model, tokenizer and assets folders named) has the same
+entries with the same ``stat`` (type, size, modification and change times, inode; links followed): a file added,
+removed, replaced or written there sends the check to the child again. Problems are never kept (a fix shows at
+once), nor a model with ``trust_remote_code`` (its own code could read anything).
+
+Where: this user's cache (``<mpitp cache>/check``; ``MPITP_CHECK_CACHE=DIR`` moves it, ``=0`` turns it off), the
+folder and its files this user's alone, as for the task index: a verdict others could write would send a job to the
+queue unchecked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import sys
+from pathlib import Path
+
+from mpitp.jobs.readiness_spec import CheckSpec
+
+log = logging.getLogger("mpitp")
+
+FORMAT = 1
+#: Folders with more entries than this are not stat'ed on every check: such a verdict is not kept.
+MAX_ENTRIES = 4096
+_MAX_BYTES = 1 << 20
+#: Environment variables that decide where transformers and the Hub look for a model's files, or whether they may
+#: fetch them (a list, not a prefix: libraries set others of theirs while the check runs).
+_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "XDG_CACHE_HOME", "HOME")
+
+
+def _mpitp_sources() -> str:
+    """A digest of every mpitp source file's path, size and modification time: an edited check is a new key."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            st = os.stat(os.path.join(folder, name))
+            h.update(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _key(spec: CheckSpec) -> list:
+    from mpitp.evaluation.envinfo import installation
+
+    named = [spec.model, spec.tokenizer, spec.hf_assets]
+    key = [FORMAT, named, [os.path.realpath(os.path.expanduser(p)) if p else None for p in named], spec.revision,
+           spec.tp, spec.pp, spec.ep, os.getcwd(), installation(), _mpitp_sources(),
+           [os.environ.get(k) for k in _ENV]]
+    return json.loads(json.dumps(key))  # as read back from the file
+
+
+def _skipped_roots() -> tuple[str, ...]:
+    """Where the check's own code lives (keyed by :func:`installation` instead) and the kernel's files."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(__file__).resolve().parents[1])}
+    return tuple(os.path.join(r, "") for r in roots) + ("/proc/", "/sys/", "/dev/")
+
+
+def watch() -> set[str]:
+    """From now on, collect into the returned set each file this process opens and each folder it lists, outside the
+    Python installation and mpitp (an audit hook: it cannot be removed, so only the model check's child calls
+    this)."""
+    seen: set[str] = set()
+    skip = _skipped_roots()
+    path_entries = set(sys.path)
+
+    def hook(event: str, args: tuple) -> None:
+        if event not in ("open", "os.listdir", "os.scandir") or not args or isinstance(args[0], int):
+            return
+        try:
+            path = os.path.abspath(os.fsdecode(args[0] if args[0] is not None else "."))
+        except (TypeError, ValueError):
+            return
+        if path not in path_entries and not path.startswith(skip):
+            seen.add(path)
+
+    sys.addaudithook(hook)
+    return seen
+
+
+def folders_read(spec: CheckSpec, seen: set[str]) -> list[str]:
+    """The folders a verdict depends on: each folder :func:`watch` saw listed, the folder of each file it saw opened
+    that is still there (a temporary file is gone: its folder, ``/tmp``, holds none of the check's input and changes
+    all the time), and the model, tokenizer and assets folders the spec names."""
+    named = [os.path.expanduser(p) for p in (spec.model, spec.tokenizer, spec.hf_assets) if p]
+    folders = [p if os.path.isdir(p) else os.path.dirname(p) for p in seen if os.path.exists(p)]
+    return sorted({os.path.realpath(p) for p in [*folders, *named] if os.path.isdir(p)})
+
+
+def _state(folders: list[str]) -> str | None:
+    """A digest of each folder's own ``stat`` and every entry's (links followed); None when one has too many."""
+    h = hashlib.sha256()
+    for folder in folders:
+        try:
+            st = os.stat(folder)
+            names = sorted(os.listdir(folder))
+        except OSError:
+            h.update(f"{folder}: gone\n".encode())
+            continue
+        if len(names) > MAX_ENTRIES:
+            return None
+        h.update(f"{folder}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
+        for name in names:
+            try:
+                e = os.stat(os.path.join(folder, name))
+                line = f"{stat.S_IFMT(e.st_mode)}:{e.st_size}:{e.st_mtime_ns}:{e.st_ctime_ns}:{e.st_ino}"
+            except OSError:
+                line = "dangling"
+            h.update(f" {name}={line}\n".encode())
+    return h.hexdigest()
+
+
+def _file(spec: CheckSpec) -> tuple[Path, list] | None:
+    from mpitp.results.privatefile import keyed_file
+
+    if spec.trust_remote_code or not spec.model:
+        return None
+    key = _key(spec)
+    path = keyed_file("MPITP_CHECK_CACHE", "check", key, "model check verdicts")
+    return None if path is None else (path, key)
+
+
+def kept_ready(spec: CheckSpec) -> bool:
+    """Whether a "ready" verdict for ``spec``'s model is kept and every folder it read is as it was."""
+    from mpitp.results.privatefile import NotPrivate, read_private_json
+    from mpitp.results.untrusted import BadInput
+
+    found = _file(spec)
+    if found is None:
+        return False
+    path, key = found
+    try:
+        data = read_private_json(path, "model check verdict", max_bytes=_MAX_BYTES)
+    except NotPrivate as exc:
+        log.warning("%s: ignored, checking the model again", exc)
+        return False
+    except (BadInput, OSError):
+        return False
+    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("folders"), list) or \
+            not all(isinstance(f, str) for f in data["folders"]):
+        return False
+    state = _state(data["folders"])
+    return state is not None and state == data.get("state")
+
+
+def keep_ready(spec: CheckSpec, folders: list[str]) -> None:
+    """Keep "ready" for ``spec``'s model, valid while ``folders`` stay as they are now."""
+    from mpitp.results.privatefile import write_private_json
+
+    found = _file(spec)
+    state = _state(folders) if found is not None else None
+    if state is not None:
+        path, key = found
+        write_private_json(path, {"key": key, "folders": folders, "state": state}, "model check verdict")
