@@ -204,13 +204,22 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
 
 
 def warm_imports(world: World) -> None:
-    """Ranks other than 0 import torch and transformers' model code before they wait for rank 0's checks, on a node
-    with a core for each rank: there the imports overlap the checks for free and :func:`open_replica` and the load
-    find them done. On an oversubscribed node they would take CPU from rank 0's checks (and slow a refused run), so
-    there the ranks wait idle."""
-    if world.rank != 0 and world.cores_per_node >= world.local_size:
+    """Ranks with a core to spare import torch and transformers' model code before they wait for rank 0's checks, so
+    that :func:`open_replica` and the load find them done: a node's first ``cores`` ranks (local rank below the
+    node's core count; on rank 0's node rank 0 checks on one of those cores). The others wait idle: on an
+    oversubscribed node (the README's demo, 4 ranks on 2 cores) more importers would take CPU from rank 0's checks
+    and slow a refused run. Extra importers at a lower CPU priority were measured and do not help: the ranks
+    ``mpiexec`` starts sit in separate scheduler groups (autogroups), between which nice values do not count (three
+    nice-19 spinners took rank 0's checks from 4.8 to 8.4 s). The imports run in the main thread: in a thread they
+    could deadlock with the main thread's own imports on a package's import cycles."""
+    if warms_imports(world):
         import torch  # noqa: F401
         import transformers.modeling_utils  # noqa: F401
+
+
+def warms_imports(world: World) -> bool:
+    """Whether this rank imports the model code before it waits for rank 0's checks (:func:`warm_imports`)."""
+    return world.rank != 0 and world.local_rank < world.cores_per_node
 
 
 #: The least time a rank that has loaded the model waits at the barrier for the others, whatever ``--timeout`` says:
