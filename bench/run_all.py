@@ -65,6 +65,7 @@ BENCHES = [
     Bench("single_rank", "bench_single_rank.py", quick=["--limit", "10", "--reps", "1"]),
     Bench("writer", "bench_writer.py", quick=["--rows", "100000", "--chunks", "500", "--small-rows", "20000",
                                               "--small-chunks", "100", "--skip-eager"]),
+    Bench("launch", "bench_launch.py", quick=["--reps", "1", "--no-demo"]),
     Bench("dp_scaling", "bench_dp_scaling.py"),
     Bench("generation", "bench_generation.py"),
     Bench("forward_limit", "bench_forward_limit.py",

@@ -160,8 +160,9 @@ aggregate_metric_list:
 def test_group_members_given_as_inline_dicts_read_their_own_folders(tmp_path):
     """A group whose task list gives members their own dataset_path/dataset_name: each reads
     DATA/<its dataset_path>/<its dataset_name>/ through an override of the group, built by lm-eval and checked."""
+    from mpitp.evaluation.checks import task_manager as run_task_manager
     from mpitp.jobs.readiness import CheckSpec, check
-    from mpitp.tasks.index import task_manager
+    from mpitp.tasks.index import self_contained, task_manager
     from support.offline_data import boolq_rows, copa_rows
 
     inc = tmp_path / "inc"
@@ -187,6 +188,15 @@ def test_group_members_given_as_inline_dicts_read_their_own_folders(tmp_path):
     assert yaml.safe_load(Path(written["mpitp_inline_group"]).read_text())["include"] == str(
         inc / "mpitp_inline_group.yaml")
 
+    # The run's own TaskManager (and the check's): the group names a stock task (copa), so lm-eval's index is read
+    # too. Found in session 12: both used the include path alone whenever it held every name given, and lm-eval then
+    # built the group's copa as nothing (a TypeError: "build failed" in `mpitp check`, the run failing likewise).
+    include_only = task_manager(include_path=[str(inc), str(out)], include_defaults=False)
+    assert "mpitp_inline_group" in include_only.all_tasks and not self_contained(include_only, ["mpitp_inline_group"])
+    run_tm = run_task_manager(["mpitp_inline_group"], [str(inc), str(out)])
+    assert sorted(run_tm.load(["mpitp_inline_group"])["tasks"]) == ["arc_challenge", "copa", inline]
+    alone = task_manager(include_path=[str(out)], include_defaults=False)  # plain tasks: the include path suffices
+    assert self_contained(alone, ["arc_challenge"]) and not self_contained(alone, ["copa"])
     report = check(CheckSpec(tasks=("mpitp_inline_group",), data_dir=str(d), include_path=(str(inc),)))
     assert report.ready and report.tasks == ["copa", inline, "arc_challenge"], [p.line() for p in report.problems]
 

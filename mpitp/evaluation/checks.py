@@ -40,16 +40,16 @@ def task_manager(tasks: list[str], include_path: str | Sequence[str] | None,
     """lm-eval's TaskManager for ``tasks``; refuses unknown names before the slow part.
 
     lm-eval's index of its ~14.7k stock task YAMLs takes 8-16 s to build, so it is kept in a cache
-    (:mod:`mpitp.tasks.index`, a fraction of a second to read) and skipped altogether when the include path has every
-    task. Before a build (no cache yet), a name that no stock file can declare (:mod:`mpitp.tasks.names`, under a
-    second) is refused without it.
+    (:mod:`mpitp.tasks.index`, a fraction of a second to read) and skipped altogether when the include path can build
+    every task by itself (:func:`mpitp.tasks.index.self_contained`). Before a build (no cache yet), a name that no
+    stock file can declare (:mod:`mpitp.tasks.names`, under a second) is refused without it.
     """
     from mpitp.tasks import index
 
     included: list[str] = []
     if include_path:
         tm = index.task_manager(include_path, include_defaults=False, metadata=metadata)
-        if all(t in tm.all_tasks for t in tasks):
+        if index.self_contained(tm, tasks):
             return tm
         included = tm.all_tasks
     if not index.is_cached():

@@ -47,8 +47,9 @@ def cache_file() -> Path | None:
     """This installation's cache file on this machine; None when the cache is off or its folder is not this user's
     alone (a record others can write would be stored in results as this run's environment)."""
     from mpitp.results.privatefile import keyed_file
+    from mpitp.tasks.demo import cache_folder
 
-    return keyed_file("MPITP_ENV_INFO_CACHE", "env-info", _key(), "environment record")
+    return keyed_file(cache_folder("MPITP_ENV_INFO_CACHE", "env-info"), _key(), "environment record")
 
 
 def cached(path: Path | None) -> str | None:

@@ -66,7 +66,8 @@ def _key(spec: CheckSpec) -> list:
 def _skipped_roots() -> tuple[str, ...]:
     """Where the check's own code lives (keyed by :func:`installation` instead) and the kernel's files."""
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(__file__).resolve().parents[1])}
-    return tuple(os.path.join(r, "") for r in roots) + ("/proc/", "/sys/", "/dev/")
+    # A Python installed at the root ("/") would skip everything: its prefix is then no root to skip.
+    return tuple(os.path.join(r, "") for r in roots if os.path.dirname(r) != r) + ("/proc/", "/sys/", "/dev/")
 
 
 def watch() -> set[str]:
@@ -125,11 +126,15 @@ def _state(folders: list[str]) -> str | None:
 
 def _file(spec: CheckSpec) -> tuple[Path, list] | None:
     from mpitp.results.privatefile import keyed_file
+    from mpitp.tasks.demo import cache_folder
 
     if spec.trust_remote_code or not spec.model:
         return None
-    key = _key(spec)
-    path = keyed_file("MPITP_CHECK_CACHE", "check", key, "model check verdicts")
+    try:
+        key = _key(spec)
+    except OSError:  # the working directory or an mpitp source file gone meanwhile: nothing kept, nothing believed
+        return None
+    path = keyed_file(cache_folder("MPITP_CHECK_CACHE", "check"), key, "model check verdicts")
     return None if path is None else (path, key)
 
 

@@ -69,16 +69,14 @@ def write_private_json(path: str | os.PathLike[str], data: object, what: str, ma
     return True
 
 
-def keyed_file(variable: str, name: str, key: object, what: str) -> Path | None:
-    """The file of the cache ``name`` (folder: ``$variable`` or ``<mpitp cache>/name``) that holds what was kept for
-    ``key`` (a JSON value: the file is named by its digest); None when the cache is off or its folder and the one
-    above are not this user's alone (created ``0700`` when missing), said once at info level naming ``what``."""
+def keyed_file(folder: Path | None, key: object, what: str) -> Path | None:
+    """The file in the cache folder ``folder`` that holds what was kept for ``key`` (a JSON value: the file is named
+    by its digest); None when the cache is off (``folder`` None) or the folder and the one above are not this user's
+    alone (created ``0700`` when missing), said at info level naming ``what``."""
     import hashlib
 
     from mpitp.results.untrusted import private_dir
-    from mpitp.tasks.demo import cache_folder
 
-    folder = cache_folder(variable, name)
     if folder is None:
         return None
     problem = private_dir(str(folder), levels=2)

@@ -400,6 +400,35 @@ def task_manager(include_path: str | list[str] | tuple[str, ...] | None = None, 
     return tm
 
 
+def self_contained(tm: TaskManager, names) -> bool:
+    """Whether ``tm`` (built from an include path without lm-eval's own tasks) can build every task of ``names`` by
+    itself: each a task in it, or a group of it whose members are (recursively). Otherwise the run needs lm-eval's
+    index too: a group may list a stock task by name (``- task: copa`` with other data keys), a tag gathers tasks
+    from every tree, and without lm-eval's index those build as nothing (lm-eval's ``TypeError``)."""
+    from mpitp import compat
+
+    kind = compat.attribute(f"{compat.TASK_INDEX}.Kind")
+    index, pending, seen = tm.task_index, list(names), set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        entry = index.get(name)
+        if entry is None or entry.kind not in (kind.TASK, kind.PY_TASK, kind.GROUP):
+            return False
+        if entry.kind == kind.GROUP:
+            members = (entry.cfg or {}).get("task")
+            for m in members if isinstance(members, list) else [members]:
+                member = m.get("task") if isinstance(m, dict) else m
+                if not isinstance(member, str):
+                    return False
+                if isinstance(m, dict) and member not in index and "dataset_path" in m and "output_type" in m:
+                    continue  # a task defined whole in the group's own list (data and output type its own)
+                pending.append(member)
+    return True
+
+
 #: The lm-eval internals the cached index needs (:mod:`mpitp.compat`); without one, lm-eval builds the index.
 _INTERNALS = ("lm_eval.tasks.TaskManager", "lm_eval.tasks._yaml_loader.load_yaml",
               *(f"lm_eval.tasks._index.{n}" for n in ("TaskIndex", "Entry", "Kind", "log")))
