@@ -402,9 +402,10 @@ def task_manager(include_path: str | list[str] | tuple[str, ...] | None = None, 
 
 def self_contained(tm: TaskManager, names) -> bool:
     """Whether ``tm`` (built from an include path without lm-eval's own tasks) can build every task of ``names`` by
-    itself: each a task in it, or a group of it whose members are (recursively). Otherwise the run needs lm-eval's
-    index too: a group may list a stock task by name (``- task: copa`` with other data keys), a tag gathers tasks
-    from every tree, and without lm-eval's index those build as nothing (lm-eval's ``TypeError``)."""
+    itself: each a task or a tag in it (a tag gathers the include path's tasks that carry it: what mpitp has always
+    run for a tag of an include path), or a group of it whose members are (recursively). Otherwise the run needs
+    lm-eval's index too: a group may list a stock task by name (``- task: copa`` with other data keys), which
+    without lm-eval's index builds as nothing (lm-eval's ``TypeError``)."""
     from mpitp import compat
 
     kind = compat.attribute(f"{compat.TASK_INDEX}.Kind")
@@ -415,7 +416,7 @@ def self_contained(tm: TaskManager, names) -> bool:
             continue
         seen.add(name)
         entry = index.get(name)
-        if entry is None or entry.kind not in (kind.TASK, kind.PY_TASK, kind.GROUP):
+        if entry is None or entry.kind not in (kind.TASK, kind.PY_TASK, kind.TAG, kind.GROUP):
             return False
         if entry.kind == kind.GROUP:
             members = (entry.cfg or {}).get("task")
