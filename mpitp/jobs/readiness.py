@@ -49,10 +49,11 @@ def check(spec: CheckSpec) -> Report:
             from mpitp.tasks.layout import use_nltk_data
 
             use_nltk_data(spec.data_dir)
-        if spec.model and spec.tasks and not spec.apply_chat_template and kept_ready(spec):
+        apart = spec.model and spec.tasks and not spec.apply_chat_template  # the tasks need no tokenizer
+        if apart and kept_ready(spec):
             report.model_kept = True  # checked before, every folder it read unchanged: the tasks alone
             check_tasks(spec, report, None)
-        elif spec.model and spec.tasks and not spec.apply_chat_template and (child := start_model_check(spec)):
+        elif apart and (child := start_model_check(spec)):
             report.model_beside = True
             try:
                 check_tasks(spec, report, None)  # the tokenizer is read only for a chat template
