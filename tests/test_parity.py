@@ -106,6 +106,8 @@ def four_ranks(test_tasks, tmp_path_factory):
     assert proc.stdout.count("head check: passed in") == len(runs), explain(proc)
     # the runs with stages took chunks of positions (their parity below is held through them)
     assert proc.stdout.count("pipeline chunks: on") == sum(1 for r in runs if r["pp"] > 1), explain(proc)
+    # and scored their LM head on every stage (mpitp.replica.stage_head): parity below holds through it
+    assert proc.stdout.count("pipeline head: spread") == sum(1 for r in runs if r["pp"] > 1), explain(proc)
     return {r["name"]: r["output"] for r in runs}, proc
 
 
@@ -123,6 +125,7 @@ def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path, requ
         assert proc.returncode == 0, explain(proc)
         assert "head check: passed in" in proc.stdout, explain(proc)  # the probe ran, its cost shown
         assert ("pipeline chunks: on" in proc.stdout) == (pp > 1), explain(proc)
+        assert ("pipeline head: spread" in proc.stdout) == (pp > 1), explain(proc)
         if n == 1:
             forwards, prefill_tokens = _check_generation_forwards(log, reference, out)
             print(f"gsm8k generation: {forwards} forwards, {prefill_tokens} prefill tokens")

@@ -1,4 +1,5 @@
-"""Pipeline-stage arithmetic and checks (pure; the stages themselves run in test_parity and test_faults)."""
+"""Pipeline stages: their arithmetic and checks (pure), and the LM head spread over them (one launch; the stages
+themselves run in test_parity and test_faults)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,27 @@ def test_check_pp_refuses_models_without_a_pipeline_plan():
     with pytest.raises(UsageError, match="model type 'gpt2' has no pipeline-parallel plan in transformers; run it "
                                          "with --pp 1"):
         check_pp(GPT2Config(n_layer=4), 2)
+
+
+@pytest.mark.mpi
+def test_spread_head_samples_as_one_rank(test_tasks, tmp_path):
+    """The LM head spread over the stages (mpitp.replica.stage_head): with TP inside the stages the ranks' vocabulary
+    slices are not in rank order, and sampling gathers the whole distribution, so a wrong order would draw other
+    tokens. Seeded sampling at tp=2 x pp=2 must draw what one rank draws (greedy parity is test_parity's)."""
+    import h5py
+
+    from support import STORIES
+    from support.mpi import explain, run_mpi
+
+    gens = {}
+    for n, extra in ((1, []), (4, ["--tp", "2", "--pp", "2"])):
+        out = tmp_path / f"{n}.h5"
+        proc = run_mpi(n, ["eval", "--model", str(STORIES), "--tasks", "gsm8k_local", "--include-path", test_tasks,
+                           "--limit", "4", "--batch-size", "2", "--seed", "7", "--dtype", "float32", "--output",
+                           str(out), "--gen-kwargs", "max_gen_toks=12,do_sample=True,temperature=1.0", *extra])
+        assert proc.returncode == 0, explain(proc)
+        assert ("pipeline head: spread over the stages" in proc.stdout) == (n == 4), explain(proc)
+        with h5py.File(out, "r") as f:
+            gens[n] = [g.decode() for g in f["tasks/gsm8k_local/requests/generation"][...]]
+    assert len(gens[1]) == 4 and all(gens[1]), gens
+    assert gens[4] == gens[1]

@@ -39,12 +39,13 @@ class RootResult:
 
 
 def finish_root(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
-                sharing: str | None = None, head_kept: bool = False, chunks: str | None = None) -> None:
+                sharing: str | None = None, head_kept: bool = False, chunks: str | None = None,
+                stage_head: str | None = None) -> None:
     """Write the results (:func:`write_results`), then report them (:func:`report`)."""
     if head_check_s is not None and not head_kept:
         result.phases["head_check"] = head_check_s
     write_results(result, all_stats, wall)
-    report(result, all_stats, wall, head_check_s, sharing, head_kept, chunks)
+    report(result, all_stats, wall, head_check_s, sharing, head_kept, chunks, stage_head)
 
 
 def write_results(result: RootResult, all_stats: list[GroupStats], wall: float) -> None:
@@ -82,10 +83,11 @@ def write_results(result: RootResult, all_stats: list[GroupStats], wall: float) 
 
 
 def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
-           sharing: str | None = None, head_kept: bool = False, chunks: str | None = None) -> None:
+           sharing: str | None = None, head_kept: bool = False, chunks: str | None = None,
+           stage_head: str | None = None) -> None:
     """The console report: lm-eval's header and tables (its loggers end after them, as under ``lm_eval``), one line
     per DP group, the totals, the head check, prefix sharing, pipeline chunks (``chunks``: with stages, ``"on"`` or
-    why not) and rank 0's phases."""
+    why not), where the LM head runs (``stage_head``: with stages, ``"spread"`` or why not) and rank 0's phases."""
     from lm_eval.utils import make_table
 
     res, writer = result.results, result.writer
@@ -132,6 +134,10 @@ def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_ch
               "positions, so the stages overlap")
     elif chunks:
         print(f"pipeline chunks: {chunks}")
+    if stage_head == "spread":
+        print("pipeline head: spread over the stages; every rank scores its slice of the vocabulary")
+    elif stage_head:
+        print(f"pipeline head: {stage_head}")
     print(PhaseClock.describe(result.phases, wall, all_stats))
     latency = (all_stats[0].speed or {}).get("latency") if all_stats else None
     if latency:

@@ -215,11 +215,13 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
         sharing = check_sharing(shard, enabled=not cfg.no_prefix_sharing, timeout=rt.timeout)
         if kept is not None:
             kept.sharing = (sharing, shard.attention_layers)
-    chunks = None
+    chunks = stage_head = None
     if shard.pipeline:  # collective over the replica, as the prefix-sharing probe is
         from mpitp.replica.stage_chunks import check_chunking
+        from mpitp.replica.stage_head import spread_head
 
         chunks = check_chunking(shard, rt.timeout) or "on"
+        stage_head = spread_head(shard, rt.timeout) or "spread"  # after the probes, which score on the last stage
     if kept is not None and not cfg.skip_head_check:
         kept.head_check_s = head_check_s
     if kept is not None and kept.tokenizer is not None:
@@ -258,7 +260,7 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
                                        phase="gathering stats")
         if lay.is_root:
             finish.finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing,
-                               head_kept=reuse_head, chunks=chunks)
+                               head_kept=reuse_head, chunks=chunks, stage_head=stage_head)
     # Rank 0 computes lm-eval's metrics and writes the file meanwhile: bounded work, so a deadline. Without one a node
     # whose network went away at the end held every rank here forever (the launcher kills dead ranks, not silent ones).
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")

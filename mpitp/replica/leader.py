@@ -1,7 +1,8 @@
 """The replica's leader: it batches and scores rows, runs HF ``generate``, and has its workers mirror each forward.
 
 Only the leader of a replica (its rank 0) runs batching and ``generate``. Before each forward it sends its workers
-one message (:mod:`mpitp.replica.protocol`); every rank then runs its part of the same forward
+one message (:mod:`mpitp.replica.protocol`; with pipeline stages one per set of rows to score, all its batches in
+it); every rank then runs its part of the same forward
 (:class:`mpitp.replica.shard.ReplicaShard`), so transformers' TP collectives and the stages' sends line up. The
 workers' side is :mod:`mpitp.replica.worker`.
 """
@@ -12,6 +13,7 @@ import contextlib
 import functools
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +27,7 @@ from mpitp.replica.protocol import (
     OP_GEN_FORWARD,
     OP_IDLE,
     OP_SCORE,
+    OP_SCORE_STAGES,
     OP_STOP,
     BufferPool,
     ControlChannel,
@@ -79,6 +82,8 @@ class ReplicaLeader:
         """
         queue = deque(plan(rows, batch_size, self.shard.share, self.shard.flop_weights))
         out: list = [None] * len(rows)
+        if self.shard.pipeline:
+            return self._score_stages(queue, batch_size, out, tick)
         while queue:
             batch, n_rows = next_batch(queue, batch_size)
             try:
@@ -104,6 +109,36 @@ class ReplicaLeader:
                 tick()
         return out
 
+    def _score_stages(self, queue: deque, batch_size: int, out: list, tick: Callable[[], object] | None) -> list:
+        """:meth:`score_rows` through pipeline stages: every batch of the rows in one message, so that the stages go
+        on from one batch to the next (:meth:`mpitp.replica.shard.ReplicaShard.score_batches`); an out-of-memory
+        error ends the job, as for any replica with workers."""
+        batches = []
+        while queue:
+            groups, n_rows = next_batch(queue, batch_size)
+            testing.check_oom(n_rows)
+            batches.append(_Packed(groups, n_rows, *pack(groups)))
+        packed = self.buffers.view(sum(p.flat.numel() for p in batches))
+        views = packed.split([p.flat.numel() for p in batches])
+        for view, p in zip(views, batches):
+            view.copy_(p.flat)
+        sizes = [p.size for p in batches]
+        self.channel.send(OP_SCORE_STAGES, {"packed": packed}, sizes=sizes)
+        scored = self.shard.score_batches(list(zip(views, sizes)))
+        for p in batches:
+            try:
+                lp, greedy = next(scored)
+            except _OOM as exc:
+                raise _OOM[0](f"out of memory in a batch of at most {max(q.n_rows for q in batches)} rows in a "
+                              f"replica of {self.channel.size} ranks ({str(exc).splitlines()[0][:160]}); rerun "
+                              f"with a smaller --batch-size and --resume") from exc
+            for i, r in zip((i for g in p.groups for i in g.rows),
+                            self._results(p.groups, p.n_rows, p.size, p.owner, lp, greedy)):
+                out[i] = r
+            if tick is not None:
+                tick()
+        return out
+
     def _score_batch(self, groups, n_rows: int) -> list[tuple[float, bool, int]]:
         testing.check_oom(n_rows)
         flat, size, owner = pack(groups)
@@ -112,6 +147,11 @@ class ReplicaLeader:
         if self.has_workers:
             self.channel.send(OP_SCORE, {"packed": packed}, **size)
         lp, greedy = self.shard.score(packed, **size)
+        return self._results(groups, n_rows, size, owner, lp, greedy)
+
+    def _results(self, groups, n_rows: int, size: dict, owner: list[int], lp: torch.Tensor,
+                 greedy: torch.Tensor) -> list[tuple[float, bool, int]]:
+        """Each row's (sum log p, all greedy, n targets) from a batch's scored positions; counts its tokens."""
         lp, greedy = lp.double().cpu(), greedy.cpu()
         owner_t = torch.tensor(owner, dtype=torch.long)
         sums = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, owner_t, lp)
@@ -175,6 +215,17 @@ class ReplicaLeader:
         rank 0 does work of its own (lm-eval's metrics, the results file), however long it takes."""
         if self.has_workers:
             self.channel.send(OP_IDLE, phase="TP idle")
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """One batch of :meth:`ReplicaLeader._score_stages`: its groups and rows, and :func:`pack`'s three results."""
+
+    groups: list
+    n_rows: int
+    flat: torch.Tensor
+    size: dict
+    owner: list[int]
 
 
 def _free_cache(device: torch.device) -> None:

@@ -9,6 +9,8 @@ Operations (``op``):
 
 =================  ===================================================================================
 ``score``          one scoring batch: ``b`` rows of ``t`` tokens, ``n`` scored positions; tensor ``packed``
+``score_stages``   with pipeline stages, all of a chunk's batches at once (their ``sizes`` in order, their
+                   ``packed`` tensors one after the other), so the stages go on from batch to batch
 ``gen_begin``      a ``generate`` call starts (``greedy``: swap the LM head for a vocab-parallel argmax)
 ``gen_forward``    one of its forwards: ``plain`` keyword arguments, the tensor ones follow by name
 ``gen_end``        the call ended
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from mpitp.replica.scoring import CommCounter
 
 OP_SCORE = "score"
+OP_SCORE_STAGES = "score_stages"
 OP_GEN_BEGIN = "gen_begin"
 OP_GEN_FORWARD = "gen_forward"
 OP_GEN_END = "gen_end"

@@ -164,14 +164,16 @@ class VocabParallelHead:
         return gmax, self.ops.min(cand)
 
     @torch.no_grad()
-    def score(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """log p(target) (float32) and whether target is the argmax, for hidden states ``h`` [N, H]."""
+    def score(self, h: torch.Tensor, targets: torch.Tensor,
+              head_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) (float32) and whether target is the argmax, for hidden states ``h`` [N, H] (``head_input``:
+        as :meth:`local_logits`)."""
         n = h.shape[0]
         out_lp = torch.empty(n, dtype=torch.float32, device=h.device)
         out_greedy = torch.empty(n, dtype=torch.bool, device=h.device)
         vloc = self.weight.shape[0]
         for sl in self._blocks(n):
-            logits = self.local_logits(h[sl])
+            logits = self.local_logits(h[sl], head_input)
             gmax, argmax = self._global_max_and_argmax(logits)
             tgt = targets[sl] - self.offset
             mine = (tgt >= 0) & (tgt < vloc)
@@ -218,22 +220,24 @@ class VocabParallelHead:
         sumexp = self.ops.sum(torch.exp(logits - gmax.unsqueeze(-1)).sum(dim=-1))
         return logits - (gmax + torch.log(sumexp)).unsqueeze(-1)
 
-    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """All-gathered logits [N, V]; only for sampling, where the full distribution is genuinely needed."""
-        local = self.local_logits(h)
+    def full_logits(self, h: torch.Tensor, head_input: bool = False) -> torch.Tensor:
+        """All-gathered logits [N, V]; only for sampling, where the full distribution is genuinely needed. The
+        shards go in vocabulary order, which is not rank order when the head is spread over pipeline stages."""
+        local = self.local_logits(h, head_input)
         if self.ops.size == 1:
             return local
         import torch.distributed as dist
 
-        sizes = [torch.zeros(1, dtype=torch.long, device=h.device) for _ in range(self.ops.size)]
-        dist.all_gather(sizes, torch.tensor([local.shape[1]], device=h.device), group=self.ops.group)
-        width = int(max(s.item() for s in sizes))
+        sizes = [torch.zeros(2, dtype=torch.long, device=h.device) for _ in range(self.ops.size)]
+        dist.all_gather(sizes, torch.tensor([local.shape[1], self.offset], device=h.device), group=self.ops.group)
+        width = int(max(int(s[0]) for s in sizes))
         padded = torch.full((local.shape[0], width), float("-inf"), device=h.device)
         padded[:, : local.shape[1]] = local
         parts = [torch.empty_like(padded) for _ in range(self.ops.size)]
         self.ops.counter.add(padded)
         dist.all_gather(parts, padded, group=self.ops.group)
-        return torch.cat([p[:, : int(s.item())] for p, s in zip(parts, sizes)], dim=1)
+        order = sorted(range(self.ops.size), key=lambda r: int(sizes[r][1]))
+        return torch.cat([parts[r][:, : int(sizes[r][0])] for r in order], dim=1)
 
 
 def _local_rows(param: torch.Tensor, ops: TPOps) -> tuple[torch.Tensor, int]:

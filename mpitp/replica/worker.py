@@ -20,6 +20,7 @@ from mpitp.replica.protocol import (
     OP_GEN_FORWARD,
     OP_IDLE,
     OP_SCORE,
+    OP_SCORE_STAGES,
     OP_STOP,
     BufferPool,
     ControlChannel,
@@ -59,6 +60,8 @@ class ReplicaWorker:
                 size = {k: msg.meta[k] for k in ("b", "t", "n", "r")}
                 packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(packed_size(**size))})["packed"]
                 self.shard.score(packed, **size)
+            elif op == OP_SCORE_STAGES:
+                self._score_stages(msg)
             elif op == OP_GEN_BEGIN:
                 reserve = msg.meta.get("reserve")
                 self.gen.begin(bool(msg.meta.get("greedy")), None if reserve is None else int(reserve))
@@ -72,6 +75,13 @@ class ReplicaWorker:
                 pass
             else:  # pragma: no cover - protocol bug
                 raise RuntimeError(f"unknown TP control op {op!r}")
+
+    def _score_stages(self, msg) -> None:
+        sizes = msg.meta["sizes"]
+        total = sum(packed_size(**size) for size in sizes)
+        packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(total)})["packed"]
+        for _ in self.shard.score_batches(list(zip(packed.split([packed_size(**s) for s in sizes]), sizes))):
+            pass
 
     def _gen_forward(self, msg) -> None:
         kwargs = self.gen.decode(msg.meta["plain"], self.channel.recv_tensors(msg))
