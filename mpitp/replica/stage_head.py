@@ -41,6 +41,14 @@ def _why_not(head: VocabParallelHead, pp: int) -> str | None:
     return None
 
 
+def _portable(c: object) -> object:
+    """A logit step's constant as it can travel to another rank: a one-element tensor as a number, another tensor
+    on the CPU (the receiver puts it on its own device: a CUDA tensor would unpickle on the sender's device index)."""
+    if torch.is_tensor(c):
+        return c.item() if c.numel() == 1 else c.detach().cpu()
+    return c
+
+
 def spread_head(shard, timeout: float | None) -> str | None:
     """Spread the last stage's head over every stage (``shard.head`` set on every rank, ``shard.spread`` True);
     returns None, or why the head stays on the last stage. Collective over the replica (``pp > 1`` only). ``shard``:
@@ -54,12 +62,13 @@ def spread_head(shard, timeout: float | None) -> str | None:
     if lay.last_stage:
         head, steps = shard.head, shard.head.transform
         cuts = split_layers(head.weight.shape[0], lay.pp)
-        mine = (head.offset, head.vocab_size, [(op, c) for op, c in head.transform.logits], head.bias is not None,
-                cuts)
+        mine = (head.offset, head.vocab_size, [(op, _portable(c)) for op, c in head.transform.logits],
+                head.bias is not None, cuts)
     said = mpicomm.gather_obj(mine, lay.replica_comm, root=0, timeout=timeout, phase="head spread")
     said = mpicomm.bcast_obj(said, lay.replica_comm, root=0, timeout=timeout, phase="head spread")
     source = (lay.pp - 1) * lay.tp + lay.tp_rank  # the last stage's rank with this rank's TP position
     offset, vocab, logit_steps, has_bias, cuts = said[source]
+    logit_steps = [(op, c.to(shard.device) if torch.is_tensor(c) else c) for op, c in logit_steps]
     a, b = cuts[lay.pp_rank]
     if lay.last_stage:
         for stage, (s0, s1) in enumerate(cuts[:-1]):
