@@ -92,9 +92,7 @@ class ReplicaLeader:
                 if self.has_workers:
                     # The workers may sit inside a collective of the very forward that failed: a retry cannot be
                     # agreed with them, so the job fails fast (rows computed so far stay in the file).
-                    raise _OOM[0](f"out of memory on a batch of {n_rows} rows in a replica of "
-                                  f"{self.channel.size} ranks ({str(exc).splitlines()[0][:160]}); rerun with a "
-                                  f"smaller --batch-size and --resume") from exc
+                    raise self._fatal_oom(exc, f"on a batch of {n_rows} rows") from exc
                 if n_rows == 1:
                     raise
                 batch_size = max(1, n_rows // 2)
@@ -103,10 +101,7 @@ class ReplicaLeader:
                 _free_cache(self.device)
                 queue.extendleft(reversed(batch))
                 continue
-            for i, r in zip((i for g in batch for i in g.rows), results):
-                out[i] = r
-            if tick is not None:
-                tick()
+            _place(batch, results, out, tick)
         return out
 
     def _score_stages(self, queue: deque, batch_size: int, out: list, tick: Callable[[], object] | None) -> list:
@@ -129,15 +124,15 @@ class ReplicaLeader:
             try:
                 lp, greedy = next(scored)
             except _OOM as exc:
-                raise _OOM[0](f"out of memory in a batch of at most {max(q.n_rows for q in batches)} rows in a "
-                              f"replica of {self.channel.size} ranks ({str(exc).splitlines()[0][:160]}); rerun "
-                              f"with a smaller --batch-size and --resume") from exc
-            for i, r in zip((i for g in p.groups for i in g.rows),
-                            self._results(p.groups, p.n_rows, p.size, p.owner, lp, greedy)):
-                out[i] = r
-            if tick is not None:
-                tick()
+                raise self._fatal_oom(exc, f"in a batch of at most {max(q.n_rows for q in batches)} rows") from exc
+            _place(p.groups, self._results(p.groups, p.n_rows, p.size, p.owner, lp, greedy), out, tick)
         return out
+
+    def _fatal_oom(self, exc: BaseException, where: str) -> BaseException:
+        """The error that ends the job after an out-of-memory error in a replica with workers: they may sit inside a
+        collective of the very forward that failed, so a retry cannot be agreed with them."""
+        return _OOM[0](f"out of memory {where} in a replica of {self.channel.size} ranks "
+                       f"({str(exc).splitlines()[0][:160]}); rerun with a smaller --batch-size and --resume")
 
     def _score_batch(self, groups, n_rows: int) -> list[tuple[float, bool, int]]:
         testing.check_oom(n_rows)
@@ -226,6 +221,14 @@ class _Packed:
     flat: torch.Tensor
     size: dict
     owner: list[int]
+
+
+def _place(groups, results: list, out: list, tick: Callable[[], object] | None) -> None:
+    """A batch's results into ``out`` at its rows' indices, then one ``tick`` of the progress bar."""
+    for i, r in zip((i for g in groups for i in g.rows), results):
+        out[i] = r
+    if tick is not None:
+        tick()
 
 
 def _free_cache(device: torch.device) -> None:

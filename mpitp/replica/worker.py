@@ -78,9 +78,9 @@ class ReplicaWorker:
 
     def _score_stages(self, msg) -> None:
         sizes = msg.meta["sizes"]
-        total = sum(packed_size(**size) for size in sizes)
-        packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(total)})["packed"]
-        for _ in self.shard.score_batches(list(zip(packed.split([packed_size(**s) for s in sizes]), sizes))):
+        lengths = [packed_size(**size) for size in sizes]
+        packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(sum(lengths))})["packed"]
+        for _ in self.shard.score_batches(list(zip(packed.split(lengths), sizes))):
             pass
 
     def _gen_forward(self, msg) -> None:
