@@ -238,6 +238,11 @@ def log_forward(layout, kind: str, **shape: int) -> None:
     os.write(_log_fd(path), (line + "\n").encode())
 
 
+#: The attribute mpitp.replica.ragged_prefill sets on a prefill's output that went row by row: ``[(rows, length,
+#: pad)]``, the forwards it ran instead of the padded one.
+RAGGED_ROWS = "mpitp_ragged_rows"
+
+
 @functools.cache
 def _log_fd(path: str) -> int:
     """The log's descriptor, opened once per process (a forward should not pay an ``open``)."""
@@ -251,20 +256,31 @@ def install_generate_log(model: PreTrainedModel, layout) -> None:
     1 per decode step), ``past`` (positions already in the KV cache) and ``tokens`` (``batch * seq``).
 
     Only forwards that carry a transformers ``Cache`` are generation steps: the head check calls the same module
-    without one (``use_cache=False``). Generation without a KV cache is therefore not logged."""
+    without one (``use_cache=False``). Generation without a KV cache is therefore not logged. A padded prefill that
+    went row by row (:mod:`mpitp.replica.ragged_prefill`) is logged as the forwards of its rows, logged after it ran."""
     if hooks().forward_log is None or not layout.is_leader:
         return
 
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    seen: list[tuple[int, int, int]] = []  # the forward under way: (batch, seq, past), taken before it runs
+
+    def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         from transformers.cache_utils import Cache
 
+        seen.clear()
         cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
         ids = kwargs.get("input_ids")
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        if cache is None or ids is None:
-            return
-        b, s = int(ids.shape[0]), int(ids.shape[1])
-        log_forward(layout, "generate", batch=b, seq=s, past=int(cache.get_seq_length()), tokens=b * s)
+        if cache is not None and ids is not None:
+            seen.append((int(ids.shape[0]), int(ids.shape[1]), int(cache.get_seq_length())))
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    def after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not seen:
+            return
+        rows = getattr(output, RAGGED_ROWS, None)  # a padded prefill computed row by row: the rows' own forwards
+        batch, seq, past = seen.pop()
+        for b, s in ((n, length) for n, length, _ in rows) if rows else [(batch, seq)]:
+            log_forward(layout, "generate", batch=b, seq=s, past=past, tokens=b * s)
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)

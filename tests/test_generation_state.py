@@ -11,6 +11,7 @@ import torch
 
 from mpitp.replica.generation import CACHE, EXTEND_ONES, STATE, GenerationState, chosen_token_logits
 from mpitp.replica.scoring import CommCounter
+from support import tiny_llama
 
 
 def _shard():
@@ -117,12 +118,7 @@ def test_greedy_head_swaps_in_where_a_family_names_its_head_and_reads_its_dtype(
 
 
 def _tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, pad_token_id=0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(seed)
 
 
 def test_growing_layer_holds_what_a_dynamic_layer_holds_and_adopts_outside_changes():

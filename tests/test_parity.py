@@ -2,7 +2,8 @@
 
 Model: the real pretrained stories260K (TP up to 4). Tasks: stock lm-eval tasks on real data from ../shared, one of
 each request type: multiple choice (arc_easy, hellaswag), loglikelihood with greedy checks (lambada_openai), rolling
-perplexity over several 512-token windows (wikitext) and greedy generation with stop sequences (gsm8k, 5-shot).
+perplexity over several 512-token windows (wikitext) and greedy generation with stop sequences (gsm8k, 5-shot, the
+prompts left-truncated to one length; and 0-shot, a left-padded batch, which mpitp prefills row by row).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from support.parity import compare_metrics, compare_requests, mpitp_requests, re
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # every test here launches mpiexec
 
-TASKS = ["arc_easy_local", "hellaswag_local", "lambada_openai_local", "wikitext_local", "gsm8k_local"]
+TASKS = ["arc_easy_local", "hellaswag_local", "lambada_openai_local", "wikitext_local", "gsm8k_local",
+         "gsm8k_zeroshot_local"]
 LIMIT = 3
 BATCH = 4
 GEN_KWARGS = "max_gen_toks=32"
@@ -55,30 +57,51 @@ MAX_GEN = int(GEN_KWARGS.split("=")[1])
 
 
 def _check_generation_forwards(log, reference, out):
-    """The forwards generation ran, from the forward log (``MPITP_TEST_FORWARD_LOG``): the 3 gsm8k questions in one
-    batch (``BATCH`` 4, as lm-eval batches them), one prefill of the prompts left-truncated to 512 - 32 positions
-    (stories260K's 5-shot prompts are all longer), then one forward per decode step of one position per row, the
-    cache growing by one each; the tokens generated are the batch times the positions the call added."""
+    """The forwards generation ran, from the forward log (``MPITP_TEST_FORWARD_LOG``), per generate call: the 3
+    gsm8k questions in one batch (``BATCH`` 4, as lm-eval batches them), one prefill of the prompts left-truncated to
+    512 - 32 positions (stories260K's 5-shot prompts are all longer); the 3 zero-shot questions (their own stop list:
+    other calls) in batches as the dispatcher's chunks cut them, a left-padded batch's prefill row by row
+    (:mod:`mpitp.replica.ragged_prefill`): one forward per prompt length, longest first, of its rows' real tokens
+    only. Then one forward per decode step of one position per row, the cache growing by one each; the tokens
+    generated are each call's rows times the positions it added."""
     import json
 
     from transformers import AutoTokenizer
 
     gen = [json.loads(line) for line in open(log) if '"generate"' in line]
-    prefill = [g for g in gen if g["past"] == 0]
-    decode = [g for g in gen if g["past"] > 0]
     seq = 512 - MAX_GEN
     tok = AutoTokenizer.from_pretrained(str(STORIES))
-    lengths = [len(tok(s["arguments"][0][0], add_special_tokens=False)["input_ids"])
-               for s in reference["samples"]["gsm8k_local"]]
-    assert min(lengths) > seq, lengths
-    assert [(g["batch"], g["seq"], g["tokens"]) for g in prefill] == [(LIMIT, seq, LIMIT * seq)], prefill
-    assert 1 <= len(decode) <= MAX_GEN - 1, len(decode)
-    assert [(g["batch"], g["seq"], g["past"]) for g in decode] == [(LIMIT, 1, seq + i) for i in range(len(decode))]
-    assert gen[0]["past"] == 0 and len(gen) == 1 + len(decode)
+
+    def lengths(task):  # as lm-eval encodes a context: with the tokenizer's BOS; a sample per filter, one per doc
+        docs = {s["doc_id"]: s["arguments"][0][0] for s in reference["samples"][task]}
+        return [len(tok(ctx)["input_ids"]) for ctx in docs.values()]
+
+    five, zero = lengths("gsm8k_local"), lengths("gsm8k_zeroshot_local")
+    assert min(five) > seq and len(set(zero)) > 1 and max(zero) < seq, (five, zero)
+    calls = []  # (prefill lines, decode lines) in the log's order
+    for g in gen:
+        if g["past"] == 0 and (not calls or calls[-1][1]):
+            calls.append(([], []))
+        calls[-1][0 if g["past"] == 0 else 1].append(g)
+    whole = [c for c in calls if [(g["batch"], g["seq"]) for g in c[0]] == [(LIMIT, seq)]]
+    assert len(whole) == 1 and len(whole[0][1]) >= 1, calls  # gsm8k: one call, at least one decode step
+    rows, generated = [], 0
+    for call in calls:
+        prefill, decode = call
+        n = sum(g["batch"] for g in prefill)
+        seqs = [g["seq"] for g in prefill]
+        assert seqs == sorted(set(seqs), reverse=True), prefill  # one forward per prompt length, longest first
+        assert [(g["batch"], g["seq"], g["past"]) for g in decode] == \
+            [(n, 1, seqs[0] + i) for i in range(len(decode))], decode
+        assert len(decode) <= MAX_GEN - 1
+        generated += n * (len(decode) + 1)
+        if call is not whole[0]:
+            rows += [g["seq"] for g in prefill for _ in range(g["batch"])]
+    assert sorted(rows) == sorted(zero), (rows, zero)  # the zero-shot prompts' real tokens, no padding
+    assert any(len(c[0]) > 1 for c in calls), calls  # a left-padded batch went row by row
     with h5py.File(out, "r") as f:
-        generated = int(f["stats/tokens_generated"][()].sum())
-    assert generated == LIMIT * (len(decode) + 1), (generated, len(decode))
-    return len(gen), LIMIT * seq
+        assert int(f["stats/tokens_generated"][()].sum()) == generated
+    return len(gen), LIMIT * seq + sum(zero)
 
 
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)]
@@ -136,6 +159,7 @@ def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path, requ
     assert len(got) >= 5 * LIMIT  # every task contributed rows
     gens = [v[2] for k, v in got.items() if k[0] == "gsm8k_local"]
     assert len(gens) == LIMIT and all(len(g) > 20 for g in gens), gens  # real greedy text was compared
+    assert sum(1 for k in got if k[0] == "gsm8k_zeroshot_local") == LIMIT  # and from the padded batch
     problems = compare_metrics(reference["results"], str(out), TASKS)
     assert not problems, "\n".join(problems)
     print(f"layout n={n} tp={tp} pp={pp}: {len(got)} requests, max relative |d ll| = {worst:.2e}, "

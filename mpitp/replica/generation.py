@@ -16,7 +16,9 @@ Only the leader runs HF ``generate``; each of its forwards is mirrored by the wo
   decode step (the whole cache copied per token: at 960 cached positions and batch 16, 0.2 GB per step and rank of
   the 74M bench model), this one writes the new positions into a buffer sized once for the call and hands out views
   of it, the same numbers in the same layout;
-- the scoring counter set aside, since argmax reductions are not scoring traffic.
+- the scoring counter set aside, since argmax reductions are not scoring traffic;
+- a left-padded prompt computed row by row, without its padding (:mod:`mpitp.replica.ragged_prefill`), its keys and
+  values placed in the :class:`GrowingCache` where the padded forward would have put them.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ STATE = "__state__"  # a recurrent state list the model returned (RWKV's ``state
 class GenerationState:
     """Begun and ended around each ``generate`` call on every rank of the replica; see the module docstring."""
 
-    def __init__(self, shard):
+    def __init__(self, shard, timeout: float | None = None):
+        from mpitp.replica.ragged_prefill import RaggedPrefill
+
         self.shard = shard
+        self.ragged = RaggedPrefill(shard, timeout)  # its verdict (probed at the first padded prefill) kept
         self.greedy = False
         self.nonfinite_steps = 0  # greedy steps whose logits held NaN (no token reached the maximum)
         self.last_ids: torch.Tensor | None = None  # the greedy head's last choice, the same on every rank
@@ -80,6 +85,13 @@ class GenerationState:
 
     def note_ids(self, ids: torch.Tensor) -> None:
         self.last_ids = ids
+
+    def forward(self, call: Callable[..., object], kwargs: dict) -> object:
+        """One forward of the call on this rank, ``call`` being the model's own forward: a left-padded prefill row by
+        row where the model allows it (:mod:`mpitp.replica.ragged_prefill`; the leader and its workers decide alike
+        from the same arguments), else ``call(**kwargs)``."""
+        out = self.ragged.forward(call, kwargs, self)
+        return call(**kwargs) if out is None else out
 
     def cache(self) -> DynamicCache:
         """This rank's KV cache for the current call: a :class:`GrowingCache` (a plain ``DynamicCache`` with pipeline
@@ -230,6 +242,26 @@ class GrowingLayer(DynamicLayer):
         self.handed = self.keys
         return self.keys, self.values
 
+    def place(self, rows: torch.Tensor, offset: int, length: int, batch: int, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        """Put ``rows``' keys and values (``[len(rows), heads, length - offset, head_dim]``, computed without the
+        rows' padding) at slots ``offset:length`` of a ``batch``-row buffer, the slots a left-padded forward of
+        ``length`` positions would have filled; the pad slots are zeros (the attention mask hides them)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        if self.buffers is None:
+            cap = length + self.reserve
+            self.buffers = (keys.new_empty((batch, *keys.shape[1:-2], cap, keys.shape[-1])),
+                            values.new_empty((batch, *values.shape[1:-2], cap, values.shape[-1])))
+        kb, vb = self.buffers
+        kb[rows, ..., offset:length, :] = keys
+        vb[rows, ..., offset:length, :] = values
+        if offset:  # zero, not whatever the memory held: a NaN there would survive an additive mask
+            kb[rows, ..., :offset, :] = 0
+            vb[rows, ..., :offset, :] = 0
+        self.keys, self.values = kb[..., :length, :], vb[..., :length, :]
+        self.handed = self.keys
+
     def reset(self) -> None:
         self.buffers = self.handed = None
         super().reset()
@@ -238,6 +270,8 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(DynamicCache):
     """``DynamicCache(config=config)`` with its full-attention layers (plain ``DynamicLayer``) made
     :class:`GrowingLayer`; sliding-window and other layer kinds stay transformers' own."""
+
+    GROWING = True  # how mpitp.replica.ragged_prefill, which this module imports, knows one
 
     def __init__(self, config, reserve: int = 0):
         super().__init__(config=config)

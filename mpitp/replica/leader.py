@@ -55,7 +55,7 @@ class ReplicaLeader:
         self.stats = shard.stats
         self.channel = ControlChannel(shard.layout, timeout, shard.device, shard.ops.group, shard.stats.tp)
         self.buffers = BufferPool(shard.device)
-        self.gen = GenerationState(shard)
+        self.gen = GenerationState(shard, timeout)
 
     @property
     def has_workers(self) -> bool:
@@ -179,16 +179,18 @@ class ReplicaLeader:
         def mirrored_forward(*args, **kwargs):
             if args:
                 raise TypeError("mpitp mirrors keyword-argument forwards only")
-            plain, tensors = gen.encode(kwargs)
-            self.channel.send(OP_GEN_FORWARD, tensors, plain=plain)
-            self.stats.forwards += 1
+            if self.has_workers:
+                plain, tensors = gen.encode(kwargs)
+                self.channel.send(OP_GEN_FORWARD, tensors, plain=plain)
+                self.stats.forwards += 1
             if shard.pipeline:
                 return shard.generate_step(kwargs, gen.greedy, gen.note_nonfinite, gen.keep_cache)
-            return original(**kwargs)
+            return gen.forward(original, kwargs)  # a padded prefill row by row where it may (ragged_prefill)
 
-        # on this model only, put back (to the class's forward) on leaving: mpitp.compat
-        swap = compat.replaced("torch.nn.Module.forward", mirrored_forward, on=model) if self.has_workers \
-            else contextlib.nullcontext()
+        # on this model only, put back (to the class's forward) on leaving: mpitp.compat. Without workers only for
+        # the row-by-row prefill, which needs the growing cache
+        swap = compat.replaced("torch.nn.Module.forward", mirrored_forward, on=model) \
+            if self.has_workers or growing else contextlib.nullcontext()
         ok = False
         try:
             with swap:

@@ -39,7 +39,7 @@ class ReplicaWorker:
         self.stats = shard.stats
         self.channel = ControlChannel(shard.layout, timeout, shard.device, shard.ops.group, shard.stats.tp)
         self.buffers = BufferPool(shard.device)
-        self.gen = GenerationState(shard)
+        self.gen = GenerationState(shard, timeout)
         lay = shard.layout
         self.wait_phase = ("TP worker waiting for its leader" if not shard.pipeline or lay.first_stage
                            else f"pipeline stage {lay.pp_rank} waiting for its leader")
@@ -89,7 +89,7 @@ class ReplicaWorker:
             self.shard.generate_step(kwargs, self.gen.greedy, self.gen.note_nonfinite, self.gen.keep_cache)
         else:
             with torch.no_grad():
-                out = self.shard.model(**kwargs)
+                out = self.gen.forward(self.shard.model, kwargs)
             self.gen.keep_cache(getattr(out, "cache", None))
             self.gen.keep_state(getattr(out, "state", None))
         self.stats.forwards += 1

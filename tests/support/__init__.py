@@ -22,3 +22,15 @@ STORIES = SHARED / "models" / "stories260K"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 os.environ.update(OFFLINE_ENV)
+
+
+def tiny_llama(seed: int = 0):
+    """A two-layer random Llama (hidden 32, 4 query and 2 KV heads, vocabulary 97, pad id 0) in eval mode, for
+    one-process tests of generation."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()

@@ -210,8 +210,10 @@ def first_line(exc: BaseException) -> str:
 
 # ------------------------------------------------------------------------------------------------ the comparison
 # One task per request kind that goes through the head: multiple choice, log-likelihood with greedy flags, greedy
-# generation. (Rolling windows score through the same head as any log-likelihood; tests/test_parity.py covers them.)
-TASKS = ["arc_easy_local", "lambada_openai_local", "gsm8k_local"]
+# generation, zero-shot (prompts of different lengths, shorter than the models' 128 positions: a left-padded batch,
+# which mpitp prefills row by row where the model's probe agrees; 5-shot prompts would all be cut to one length).
+# (Rolling windows score through the same head as any log-likelihood; tests/test_parity.py covers them.)
+TASKS = ["arc_easy_local", "lambada_openai_local", "gsm8k_zeroshot_local"]
 LIMIT = 2
 GEN_KWARGS = "max_gen_toks=6"
 BATCH = 2

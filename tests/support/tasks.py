@@ -27,6 +27,7 @@ LOCAL_TASKS = (
     "lambada_openai_local",
     "wikitext_local",
     "gsm8k_local",
+    "gsm8k_zeroshot_local",
 )
 
 
