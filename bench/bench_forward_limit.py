@@ -17,9 +17,10 @@ rank count (the cores mpitp had), and compares:
   positions) is the base model over ``[batch, seq]``, the LM head over the scored positions only, a log-softmax and
   the targets' entries: the least any scorer computes. A prefix-shared tree (``branches`` > 0) is fed as what
   mpitp fed, ``[batch, seq]`` packed positions, in plain causal attention: the tree's masked attention is part of
-  mpitp's cost. A ``generate`` line is a prefill (``past`` 0: a fresh KV cache) or a decode step of ``seq`` new
-  ids on the cache, head on the last position only (``logits_to_keep=1``), then argmax. ``pure_s`` is the median
-  of ``--pure-reps`` replays, after one untimed warm-up forward.
+  mpitp's cost. A ``generate`` line is a prefill (``past`` 0: a fresh KV cache; a padded batch mpitp prefilled row
+  by row logs one line per prompt length, each its own forward, their caches then joined left-padded) or a decode
+  step of ``seq`` new ids on the cache, head on the last position only (``logits_to_keep=1``), then argmax.
+  ``pure_s`` is the median of ``--pure-reps`` replays, after one untimed warm-up forward.
 
 Workloads (the bench's offline tasks, ``common.include_path``; random-weight Llama h512/l8, GPT-2 vocabulary):
 ``rolling`` = ``wikitext_local`` (lm-eval's rolling windows of 1024 tokens), ``mc`` = ``hellaswag_local`` (four
@@ -127,7 +128,7 @@ class Replay:
         torch = self.torch
         from transformers import DynamicCache
 
-        cache, mismatched = None, 0
+        cache, mismatched, pending = None, 0, []
         with torch.no_grad():
             for item in inputs:
                 if item[0] == "score":
@@ -138,11 +139,32 @@ class Replay:
                     logits.argmax(-1)
                     continue
                 _, ids, past = item
-                if past == 0 or cache is None:
-                    cache = DynamicCache(config=self.model.config)
-                mismatched += int(cache.get_seq_length() != past)
+                if past == 0:  # a prefill, or one prompt length's rows of a prefill that went row by row
+                    pending.append(DynamicCache(config=self.model.config))
+                    self.model(input_ids=ids, cache=pending[-1], use_cache=True, logits_to_keep=1).logits.argmax(-1)
+                    continue
+                if pending:  # the call's decode steps: one cache of all its rows, as mpitp places them
+                    cache, pending = self._merged(pending), []
+                mismatched += int(cache is None or cache.get_seq_length() != past)
                 self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
         return mismatched
+
+    def _merged(self, caches: list):
+        """One cache of the rows of ``caches`` (rows of different prompt lengths), each left-padded with zeros to
+        the longest, as :mod:`mpitp.replica.ragged_prefill` places them; a single cache as it is."""
+        if len(caches) == 1:
+            return caches[0]
+        from transformers import DynamicCache
+
+        torch = self.torch
+        longest = max(c.get_seq_length() for c in caches)
+        out = DynamicCache(config=self.model.config)
+        for i in range(len(caches[0].layers)):
+            def padded(name):
+                return torch.cat([torch.nn.functional.pad(getattr(c.layers[i], name),
+                                                          (0, 0, longest - c.get_seq_length(), 0)) for c in caches])
+            out.update(padded("keys"), padded("values"), i)
+        return out
 
     def time(self, lines: list[dict], threads: int, reps: int) -> tuple[list[float], int]:
         """Seconds of ``reps`` replays with ``threads`` torch threads, after one untimed warm-up forward (mpitp's
