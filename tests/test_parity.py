@@ -150,6 +150,7 @@ def test_layout_matches_lm_eval(n, tp, pp, reference, test_tasks, tmp_path, requ
         assert ("pipeline chunks: on" in proc.stdout) == (pp > 1), explain(proc)
         assert ("pipeline head: spread" in proc.stdout) == (pp > 1), explain(proc)
         if n == 1:
+            assert "generation prefill: row by row" in proc.stdout, explain(proc)  # the summary says so
             forwards, prefill_tokens = _check_generation_forwards(log, reference, out)
             print(f"gsm8k generation: {forwards} forwards, {prefill_tokens} prefill tokens")
     ref = reference_requests(reference["samples"])

@@ -40,12 +40,12 @@ class RootResult:
 
 def finish_root(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
                 sharing: str | None = None, head_kept: bool = False, chunks: str | None = None,
-                stage_head: str | None = None) -> None:
+                stage_head: str | None = None, prefill: str | None = None) -> None:
     """Write the results (:func:`write_results`), then report them (:func:`report`)."""
     if head_check_s is not None and not head_kept:
         result.phases["head_check"] = head_check_s
     write_results(result, all_stats, wall)
-    report(result, all_stats, wall, head_check_s, sharing, head_kept, chunks, stage_head)
+    report(result, all_stats, wall, head_check_s, sharing, head_kept, chunks, stage_head, prefill)
 
 
 def write_results(result: RootResult, all_stats: list[GroupStats], wall: float) -> None:
@@ -84,10 +84,12 @@ def write_results(result: RootResult, all_stats: list[GroupStats], wall: float) 
 
 def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_check_s: float | None = None,
            sharing: str | None = None, head_kept: bool = False, chunks: str | None = None,
-           stage_head: str | None = None) -> None:
+           stage_head: str | None = None, prefill: str | None = None) -> None:
     """The console report: lm-eval's header and tables (its loggers end after them, as under ``lm_eval``), one line
     per DP group, the totals, the head check, prefix sharing, pipeline chunks (``chunks``: with stages, ``"on"`` or
-    why not), where the LM head runs (``stage_head``: with stages, ``"spread"`` or why not) and rank 0's phases."""
+    why not), where the LM head runs (``stage_head``: with stages, ``"spread"`` or why not), how rank 0's group
+    prefilled a left-padded generation batch (``prefill``: :meth:`~mpitp.replica.ragged_prefill.RaggedPrefill.summary`,
+    None when it met none) and rank 0's phases."""
     from lm_eval.utils import make_table
 
     res, writer = result.results, result.writer
@@ -138,6 +140,10 @@ def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_ch
         print("pipeline head: spread over the stages; every rank scores its slice of the vocabulary")
     elif stage_head:
         print(f"pipeline head: {stage_head}")
+    if prefill == "row by row":
+        print("generation prefill: row by row; a left-padded batch's prompts went through unpadded (DP group 0)")
+    elif prefill:
+        print(f"generation prefill: {prefill}")
     print(PhaseClock.describe(result.phases, wall, all_stats))
     latency = (all_stats[0].speed or {}).get("latency") if all_stats else None
     if latency:

@@ -260,7 +260,8 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
                                        phase="gathering stats")
         if lay.is_root:
             finish.finish_root(state, all_stats, time.perf_counter() - t_start, head_check_s, sharing,
-                               head_kept=reuse_head, chunks=chunks, stage_head=stage_head)
+                               head_kept=reuse_head, chunks=chunks, stage_head=stage_head,
+                               prefill=leader.gen.ragged.summary())
     # Rank 0 computes lm-eval's metrics and writes the file meanwhile: bounded work, so a deadline. Without one a node
     # whose network went away at the end held every rank here forever (the launcher kills dead ranks, not silent ones).
     mpicomm.barrier(rt.world.comm, rt.timeout, phase="end of evaluation")

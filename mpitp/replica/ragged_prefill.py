@@ -58,6 +58,13 @@ class RaggedPrefill:
             return None
         return _run_rows(call, kwargs, pads, gen, kwargs["cache"])
 
+    def summary(self) -> str | None:
+        """The run summary's phrase (:func:`mpitp.evaluation.finish.report`): None where no padded prefill came,
+        ``"row by row"``, or why the prefill stayed padded."""
+        if self.verdict is None:
+            return None
+        return "row by row" if self.verdict else f"padded ({self.why})"
+
     def _probe(self, call, gen, like: dict) -> None:
         """Decide :attr:`verdict` (collective over the replica: every rank probes, one objection turns it off)."""
         from mpitp.parallel import comm as mpicomm
