@@ -225,6 +225,9 @@ def test_a_ready_model_is_not_checked_again_until_a_folder_it_read_changes(tmp_p
     assert run() == (True, False, [])  # checked in the child, kept
     (kept,) = (tmp_path / "verdicts").iterdir()
     assert run() == (False, True, [])  # not checked again
+    from mpitp.cli.check import run_checks
+
+    assert run_checks([spec]) == ([], {str(model)})  # and the ready line says so
     kept.chmod(0o664)  # group-writable: anyone in the group could have written "ready"
     with caplog.at_level("WARNING", logger="mpitp"):
         assert run() == (True, False, [])

@@ -57,8 +57,10 @@ def specs_from(job_file: str | None, tasks: str | None, model: str | None, token
                       hf_assets=hf_assets)]
 
 
-def run_checks(specs: list) -> list:
-    """Check every spec once (runs differing only in what the check does not read share one check)."""
+def run_checks(specs: list) -> tuple[list, set[str]]:
+    """Check every spec once (runs differing only in what the check does not read share one check): the problems,
+    and the models whose "ready" was kept from an earlier check (:mod:`mpitp.jobs.readiness_cache`), not checked
+    again."""
     from dataclasses import replace
 
     from mpitp.jobs.readiness import check
@@ -70,7 +72,7 @@ def run_checks(specs: list) -> list:
             done[key] = check(key)
         problems += [p if not spec.label else replace(p, what=f"run {spec.label}: {p.what}")
                      for p in done[key].problems]
-    return problems
+    return problems, {key.model for key, report in done.items() if report.model_kept}
 
 
 @click.command(name="check")
@@ -88,7 +90,7 @@ def check_command(job_file: str | None, tasks: str | None, data_dir: str | None,
         raise click.UsageError("pass a job file or --hf-assets, not both (a job file's runs say hf_assets:)")
     specs = specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
                        apply_chat_template, trust_remote_code, hf_assets)
-    problems = run_checks(specs)
+    problems, kept = run_checks(specs)
     if json_out:
         import json
         from dataclasses import asdict
@@ -108,6 +110,9 @@ def check_command(job_file: str | None, tasks: str | None, data_dir: str | None,
     models = sorted({s.model for s in specs if s.model})
     from mpitp.escape import shown
 
+    if kept:  # said, so that a user who changed something the check does not look at knows it was not re-read
+        models = [f"{m} (ready kept from an earlier check: every folder it read is unchanged)" if m in kept else m
+                  for m in models]
     click.echo(shown(f"mpitp check: ready offline: {what}" + (f"; model {', '.join(models)}" if models else "")))
 
 
