@@ -170,6 +170,9 @@ TARGETS: dict[str, Target] = _by_name((
     Target(_TP, "transformers.core_model_loading", "Split", TRANSFORMERS, "mpitp.replica.tp_plans", kind="read"),
     Target(_TP, "transformers.generation.utils", "GenerationMixin._supports_default_dynamic_cache", TRANSFORMERS,
            "mpitp.replica.generation", kind="read"),
+    # on the leader's model only, for one greedy call: lm-eval's stop criteria asked row by row (finished_rows)
+    Target(_TP, "transformers.generation.utils", "GenerationMixin.generate", TRANSFORMERS,
+           "mpitp.replica.finished_rows"),
     Target(_TP, "transformers.modeling_utils", "PreTrainedModel.get_output_embeddings", TRANSFORMERS,
            "mpitp.replica.generation"),  # the child it returns, swapped on mpitp's model: output_head_replaced
     Target(_TP, "transformers.modeling_utils", "PreTrainedModel", TRANSFORMERS,

@@ -238,8 +238,9 @@ def log_forward(layout, kind: str, **shape: int) -> None:
     os.write(_log_fd(path), (line + "\n").encode())
 
 
-#: The attribute mpitp.replica.ragged_prefill sets on a prefill's output that went row by row: ``[(rows, length,
-#: pad)]``, the forwards it ran instead of the padded one.
+#: The attribute set on a generate forward's output that did not run the whole batch as given: ``[(rows, length,
+#: pad)]``, the forwards it ran instead (mpitp.replica.ragged_prefill: a prefill row by row; mpitp.replica.generation
+#: with finished_rows: a decode step over the rows still generating).
 RAGGED_ROWS = "mpitp_ragged_rows"
 
 

@@ -62,7 +62,8 @@ def _check_generation_forwards(log, reference, out):
     512 - 32 positions (stories260K's 5-shot prompts are all longer); the 3 zero-shot questions (their own stop list:
     other calls) in batches as the dispatcher's chunks cut them, a left-padded batch's prefill row by row
     (:mod:`mpitp.replica.ragged_prefill`): one forward per prompt length, longest first, of its rows' real tokens
-    only. Then one forward per decode step of one position per row, the cache growing by one each; the tokens
+    only. Then one forward per decode step of one position per row still generating (a zero-shot row stops at its
+    first ".", and leaves the steps: :mod:`mpitp.replica.finished_rows`), the cache growing by one each; the tokens
     generated are each call's rows times the positions it added."""
     import json
 
@@ -85,20 +86,24 @@ def _check_generation_forwards(log, reference, out):
         calls[-1][0 if g["past"] == 0 else 1].append(g)
     whole = [c for c in calls if [(g["batch"], g["seq"]) for g in c[0]] == [(LIMIT, seq)]]
     assert len(whole) == 1 and len(whole[0][1]) >= 1, calls  # gsm8k: one call, at least one decode step
-    rows, generated = [], 0
+    rows, generated, shrunk = [], 0, False
     for call in calls:
         prefill, decode = call
         n = sum(g["batch"] for g in prefill)
         seqs = [g["seq"] for g in prefill]
         assert seqs == sorted(set(seqs), reverse=True), prefill  # one forward per prompt length, longest first
-        assert [(g["batch"], g["seq"], g["past"]) for g in decode] == \
-            [(n, 1, seqs[0] + i) for i in range(len(decode))], decode
+        assert [(g["seq"], g["past"]) for g in decode] == [(1, seqs[0] + i) for i in range(len(decode))], decode
+        batches = [g["batch"] for g in decode]  # rows that stopped leave the steps (mpitp.replica.finished_rows)
+        assert batches == sorted(batches, reverse=True) and all(0 < b <= n for b in batches), decode
+        shrunk |= bool(batches) and batches[-1] < n
         assert len(decode) <= MAX_GEN - 1
         generated += n * (len(decode) + 1)
         if call is not whole[0]:
             rows += [g["seq"] for g in prefill for _ in range(g["batch"])]
     assert sorted(rows) == sorted(zero), (rows, zero)  # the zero-shot prompts' real tokens, no padding
-    assert any(len(c[0]) > 1 for c in calls), calls  # a left-padded batch went row by row
+    shapes = [([(g["batch"], g["seq"]) for g in c[0]], [g["batch"] for g in c[1]]) for c in calls]
+    assert any(len(c[0]) > 1 for c in calls), shapes  # a left-padded batch went row by row
+    assert shrunk, shapes  # and rows that met a stop sequence left the decode steps
     with h5py.File(out, "r") as f:
         assert int(f["stats/tokens_generated"][()].sum()) == generated
     return len(gen), LIMIT * seq + sum(zero)

@@ -21,7 +21,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -309,10 +309,17 @@ class MPITPLM(HFLM):
             # the KV cache sized for this call (mpitp.replica.generation.GrowingCache: no copy of it per step), as
             # generate's ``cache`` argument (its older name past_key_values is deprecated)
             reserve = max(0, int(max_length) - int(context.shape[1]))
-            with self.leader.generating(greedy=plain_greedy(self.model, generation_kwargs), reserve=reserve) as kv:
+            greedy = plain_greedy(self.model, generation_kwargs)
+            with self.leader.generating(greedy=greedy, reserve=reserve) as kv:
+                rows = nullcontext()
                 if kv is not None:
                     generation_kwargs = {**generation_kwargs, "cache": kv}
-                out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+                    if greedy:  # a row that met its stop sequence leaves the decode steps (replica.finished_rows)
+                        from mpitp.replica.finished_rows import per_row_stops
+
+                        rows = per_row_stops(self.model)
+                with rows:
+                    out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         except RuntimeError as exc:  # torch.multinomial on a NaN/inf distribution (sampling)
             if "inf, nan" not in str(exc):
                 raise

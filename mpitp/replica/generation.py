@@ -18,7 +18,9 @@ Only the leader runs HF ``generate``; each of its forwards is mirrored by the wo
   of it, the same numbers in the same layout;
 - the scoring counter set aside, since argmax reductions are not scoring traffic;
 - a left-padded prompt computed row by row, without its padding (:mod:`mpitp.replica.ragged_prefill`), its keys and
-  values placed in the :class:`GrowingCache` where the padded forward would have put them.
+  values placed in the :class:`GrowingCache` where the padded forward would have put them;
+- greedy decode steps over the rows still generating (:mod:`mpitp.replica.finished_rows`): a row that met a stop
+  sequence or EOS leaves the forwards.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ class GenerationState:
     """Begun and ended around each ``generate`` call on every rank of the replica; see the module docstring."""
 
     def __init__(self, shard, timeout: float | None = None):
+        from mpitp.replica.finished_rows import FinishedRows
         from mpitp.replica.ragged_prefill import RaggedPrefill
 
         self.shard = shard
         self.ragged = RaggedPrefill(shard, timeout)  # its verdict (probed at the first padded prefill) kept
+        self.finished = FinishedRows()
         self.greedy = False
         self.nonfinite_steps = 0  # greedy steps whose logits held NaN (no token reached the maximum)
         self.last_ids: torch.Tensor | None = None  # the greedy head's last choice, the same on every rank
@@ -66,6 +70,7 @@ class GenerationState:
         (:func:`takes_growing_cache`)."""
         shard = self.shard
         self._sent, self._cache, self._state, self.last_ids = {}, None, None, None
+        self.finished.reset()
         self.greedy = greedy
         self.reserve = reserve
         self._scoring_counter, shard.ops.reduce_counter = shard.ops.reduce_counter, CommCounter()  # argmax != scoring
@@ -73,6 +78,7 @@ class GenerationState:
 
     def end(self) -> None:
         self._sent, self._cache, self._state, self.last_ids = {}, None, None, None
+        self.finished.reset()
         if self._restore_head is not None:
             self._restore_head()
             self._restore_head = None
@@ -88,10 +94,19 @@ class GenerationState:
 
     def forward(self, call: Callable[..., object], kwargs: dict) -> object:
         """One forward of the call on this rank, ``call`` being the model's own forward: a left-padded prefill row by
-        row where the model allows it (:mod:`mpitp.replica.ragged_prefill`; the leader and its workers decide alike
-        from the same arguments), else ``call(**kwargs)``."""
+        row where the model allows it (:mod:`mpitp.replica.ragged_prefill`), a greedy decode step over the rows
+        still generating (:mod:`mpitp.replica.finished_rows`), else ``call(**kwargs)``; the leader and its workers
+        decide alike from the same arguments."""
         out = self.ragged.forward(call, kwargs, self)
-        return call(**kwargs) if out is None else out
+        if out is not None:
+            return out
+        part = self.finished.forward(call, kwargs, self)
+        if part is None:
+            return call(**kwargs)
+        out, chosen, rows = part
+        result = type(out)(logits=chosen_token_logits(chosen, out.logits.shape[-1]), cache=kwargs["cache"])
+        result.mpitp_ragged_rows = [(rows, 1, 0)]  # testing.RAGGED_ROWS: the rows this step computed
+        return result
 
     def cache(self) -> DynamicCache:
         """This rank's KV cache for the current call: a :class:`GrowingCache` (a plain ``DynamicCache`` with pipeline
@@ -214,6 +229,7 @@ class GrowingLayer(DynamicLayer):
         super().__init__()
         self.reserve = max(0, int(reserve))
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rows: int | None = None  # the first rows of the buffers in use (:meth:`compact`), None: all
         self.handed: torch.Tensor | None = None  # the keys view last returned: anything else was set from outside
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
@@ -225,6 +241,8 @@ class GrowingLayer(DynamicLayer):
         length = 0 if have is None else int(have.shape[-2])
         n = length + int(key_states.shape[-2])
         buf = self.buffers
+        if buf is not None and self.rows is not None:  # the rows still generating: a prefix of the buffers
+            buf = (buf[0][:self.rows], buf[1][:self.rows])
         if (buf is None or have is not self.handed or n > buf[0].shape[-2]
                 or buf[0].shape[:-2] != key_states.shape[:-2] or buf[1].shape[:-2] != value_states.shape[:-2]):
             grown = 0 if buf is None else 2 * buf[0].shape[-2]  # past the reserve (a caller's longer call): double
@@ -235,6 +253,7 @@ class GrowingLayer(DynamicLayer):
                 kb[..., :length, :].copy_(have)
                 vb[..., :length, :].copy_(self.values)
             buf = self.buffers = (kb, vb)
+            self.rows = None
         kb, vb = buf
         kb[..., length:n, :].copy_(key_states)
         vb[..., length:n, :].copy_(value_states)
@@ -262,8 +281,19 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = kb[..., :length, :], vb[..., :length, :]
         self.handed = self.keys
 
+    def compact(self, index: torch.Tensor) -> None:
+        """Keep only the rows at ``index`` (of those in use, ascending), moved to the front of the buffers: the
+        next updates and views cover those rows alone (:mod:`mpitp.replica.finished_rows`)."""
+        kb, vb = self.buffers
+        length, n = int(self.keys.shape[-2]), len(index)
+        kb[:n, ..., :length, :] = kb[index, ..., :length, :]  # the index picks a copy first: no overlap
+        vb[:n, ..., :length, :] = vb[index, ..., :length, :]
+        self.rows = n
+        self.keys, self.values = kb[:n, ..., :length, :], vb[:n, ..., :length, :]
+        self.handed = self.keys
+
     def reset(self) -> None:
-        self.buffers = self.handed = None
+        self.buffers = self.handed = self.rows = None
         super().reset()
 
 
@@ -273,9 +303,21 @@ class GrowingCache(DynamicCache):
 
     GROWING = True  # how mpitp.replica.ragged_prefill, which this module imports, knows one
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """From now on the forwards compute only the batch rows ``rows`` (ascending, among those kept so far): each
+        layer's buffers compacted to them once, when the set shrinks (:mod:`mpitp.replica.finished_rows`)."""
+        kept = self.kept
+        if kept is not None and torch.equal(kept, rows):
+            return
+        index = rows if kept is None else torch.searchsorted(kept, rows)
+        for layer in self.layers:
+            layer.compact(index)
+        self.kept = rows
+
     def __init__(self, config, reserve: int = 0):
         super().__init__(config=config)
         self.layers = [GrowingLayer(reserve) if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.kept: torch.Tensor | None = None  # the batch rows the buffers hold (:meth:`keep_rows`), None: all
 
 
 def takes_growing_cache(model) -> bool:

@@ -85,7 +85,7 @@ def _left_pads(kwargs: dict, gen) -> torch.Tensor | None:
     if not set(kwargs) <= _TAKEN or kwargs.get("use_cache") is False:
         return None
     ids, mask, cache = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("cache")
-    if not (torch.is_tensor(ids) and torch.is_tensor(mask) and _growing(cache)):
+    if not (torch.is_tensor(ids) and torch.is_tensor(mask) and growing(cache)):
         return None
     if ids.dim() != 2 or ids.shape[0] < 2 or mask.shape != ids.shape or cache.get_seq_length() != 0:
         return None
@@ -106,7 +106,7 @@ def _left_pads(kwargs: dict, gen) -> torch.Tensor | None:
     return pads
 
 
-def _growing(cache) -> bool:
+def growing(cache) -> bool:
     """A :class:`~mpitp.replica.generation.GrowingCache` whose every layer is a ``GrowingLayer`` (full attention:
     one that can :meth:`~mpitp.replica.generation.GrowingLayer.place` rows), known by what it does (this module is
     imported by that one)."""
