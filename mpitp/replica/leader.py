@@ -182,10 +182,15 @@ class ReplicaLeader:
             if self.has_workers:
                 plain, tensors = gen.encode(kwargs)
                 self.channel.send(OP_GEN_FORWARD, tensors, plain=plain)
-                self.stats.forwards += 1
             if shard.pipeline:
+                if self.has_workers:
+                    self.stats.forwards += 1
                 return shard.generate_step(kwargs, gen.greedy, gen.note_nonfinite, gen.keep_cache)
-            return gen.forward(original, kwargs)  # a padded prefill row by row where it may (ragged_prefill)
+            out = gen.forward(original, kwargs)  # a padded prefill row by row where it may (ragged_prefill)
+            if self.has_workers:  # the forwards it ran: one per prompt length where a prefill went row by row
+                ran = getattr(out, testing.RAGGED_ROWS, None)
+                self.stats.forwards += len(ran) if ran else 1
+            return out
 
         # on this model only, put back (to the class's forward) on leaving: mpitp.compat. Without workers only for
         # the row-by-row prefill, which needs the growing cache
