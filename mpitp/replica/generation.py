@@ -97,15 +97,18 @@ class GenerationState:
         row where the model allows it (:mod:`mpitp.replica.ragged_prefill`), a greedy decode step over the rows
         still generating (:mod:`mpitp.replica.finished_rows`), else ``call(**kwargs)``; the leader and its workers
         decide alike from the same arguments."""
-        out = self.ragged.forward(call, kwargs, self)
-        if out is not None:
-            return out
-        part = self.finished.forward(call, kwargs, self)
-        if part is None:
-            return call(**kwargs)
-        out, chosen, rows = part
-        result = type(out)(logits=chosen_token_logits(chosen, out.logits.shape[-1]), cache=kwargs["cache"])
-        result.mpitp_ragged_rows = [(rows, 1, 0)]  # testing.RAGGED_ROWS: the rows this step computed
+        rows = self.ragged.forward(call, kwargs, self)
+        if rows is not None:
+            out, logits, ran = rows
+        else:
+            rows = self.finished.forward(call, kwargs, self)
+            if rows is None:
+                return call(**kwargs)
+            out, chosen, n = rows
+            logits, ran = chosen_token_logits(chosen, out.logits.shape[-1]), [(n, 1, 0)]
+        # the whole batch's output, of the model's own type, with the forwards it ran instead of the one asked for
+        result = type(out)(logits=logits, cache=kwargs["cache"])
+        result.mpitp_ragged_rows = ran  # testing.RAGGED_ROWS (the forward log, the leader's count): not a field
         return result
 
     def cache(self) -> DynamicCache:

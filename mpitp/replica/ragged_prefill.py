@@ -45,10 +45,11 @@ class RaggedPrefill:
         self.verdict: bool | None = None  # None: not probed yet
         self.why: str | None = None
 
-    def forward(self, call: Callable[..., object], kwargs: dict, gen) -> object | None:
-        """The prefill's output computed row by row, or None where the padded forward runs (``call(**kwargs)``,
-        the caller's). ``call``: the model's own forward (not the mirrored one); ``gen``: the call's
-        :class:`~mpitp.replica.generation.GenerationState` (its greedy head's chosen ids are kept in batch order)."""
+    def forward(self, call: Callable[..., object], kwargs: dict, gen) -> tuple[object, torch.Tensor, list] | None:
+        """The prefill computed row by row (:func:`_run_rows`' three results), or None where the padded forward runs
+        (``call(**kwargs)``, the caller's). ``call``: the model's own forward (not the mirrored one); ``gen``: the
+        call's :class:`~mpitp.replica.generation.GenerationState` (its greedy head's chosen ids are kept in batch
+        order)."""
         pads = _left_pads(kwargs, gen)
         if pads is None or not _takes(self.shard.model, "position_ids"):
             return None
@@ -120,14 +121,16 @@ def _takes(model, name: str) -> bool:
     return name in inspect.signature(type(model).forward).parameters
 
 
-def _run_rows(call, kwargs: dict, pads: torch.Tensor, gen, cache) -> object:
+def _run_rows(call, kwargs: dict, pads: torch.Tensor, gen, cache) -> tuple[object, torch.Tensor, list]:
     """Each prompt length's rows through ``call`` unpadded; their keys and values into ``cache`` at the padded
-    forward's slots; the last position's logits of every row in batch order."""
+    forward's slots. Returns the last group's output (its type for the whole batch's), the last position's logits of
+    every row in batch order ``[batch, 1, vocab]`` and the forwards run, ``[(rows, length, pad)]``."""
     from transformers.cache_utils import DynamicCache
 
     ids = kwargs["input_ids"]
     b, t = ids.shape
     config = gen.shard.model.config
+    extra = {"logits_to_keep": 1} if _takes(gen.shard.model, "logits_to_keep") else {}  # the last position's
     logits, chosen, out, groups = None, None, None, []
     for pad in sorted({int(p) for p in pads.tolist()}):
         rows = torch.nonzero(pads == pad).view(-1)
@@ -135,7 +138,6 @@ def _run_rows(call, kwargs: dict, pads: torch.Tensor, gen, cache) -> object:
         gen.last_ids = None
         pos = kwargs.get("position_ids")  # HF's: each row's tokens from 0, whatever its padding
         pos = pos[rows, pad:] if pos is not None else torch.arange(pad, t, device=ids.device).expand(len(rows), -1)
-        extra = {"logits_to_keep": 1} if _takes(gen.shard.model, "logits_to_keep") else {}  # the last position's
         out = call(input_ids=ids[rows, pad:], attention_mask=kwargs["attention_mask"][rows, pad:], position_ids=pos,
                    cache=part, use_cache=True, return_dict=True, **extra)
         last = out.logits[:, -1:, :]
@@ -151,9 +153,7 @@ def _run_rows(call, kwargs: dict, pads: torch.Tensor, gen, cache) -> object:
         groups.append((len(rows), t - pad, pad))
     if chosen is not None:
         gen.note_ids(chosen)
-    result = type(out)(logits=logits, cache=cache)
-    result.mpitp_ragged_rows = groups  # testing.RAGGED_ROWS: for the forward log (an attribute, not a field)
-    return result
+    return out, logits, groups
 
 
 def _probe_once(call, gen, shard, like: dict) -> str | None:
@@ -177,7 +177,7 @@ def _probe_once(call, gen, shard, like: dict) -> str | None:
         with torch.no_grad():
             padded = call(**probe, cache=padded_cache)
             rows_cache = type(like["cache"])(shard.model.config, 0)  # a GrowingCache, as the real call's
-            split = _run_rows(call, {**probe, "cache": rows_cache}, t - mask.sum(1), gen, rows_cache)
+            _, split, _ = _run_rows(call, {**probe, "cache": rows_cache}, t - mask.sum(1), gen, rows_cache)
         step = {"input_ids": torch.tensor([[5], [7]], device=ids.device),
                 "attention_mask": torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1),
                 **{k: v for k, v in probe.items() if k in ("use_cache", "return_dict", "logits_to_keep")}}
@@ -195,7 +195,7 @@ def _probe_once(call, gen, shard, like: dict) -> str | None:
             for r, n in enumerate(_PROBE_LENGTHS):
                 if not _close(x[r, ..., t - n:, :], y[r, ..., t - n:, :]):
                     return f"layer {i}'s cached {what} differ (the model numbers padded positions otherwise)"
-    if not _close(padded.logits[:, -1, :], split.logits[:, -1, :]):
+    if not _close(padded.logits[:, -1, :], split[:, -1, :]):
         return "the last position's logits differ"
     if not _close(padded_step.logits[:, -1, :], split_step.logits[:, -1, :]):
         return "a decode step's logits differ after the row-by-row prefill"
