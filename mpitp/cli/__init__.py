@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 import click  # noqa: E402
 
-from mpitp import compat  # noqa: E402
+from mpitp import compat, gcpolicy  # noqa: E402
 from mpitp.errors import (  # noqa: E402
     FINALIZE_WAIT_S,
     USAGE_EXIT,
@@ -74,6 +74,8 @@ def _finalize_wait() -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    if argv is None:  # the process's own command: few collector passes while it imports (mpitp.gcpolicy)
+        gcpolicy.start_up()
     install_excepthook()
     register(cli)
     try:
@@ -110,5 +112,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         if argv is None and (failing is None or isinstance(failing, SystemExit)):
             # bounded: a node lost after the work was done must not hold this rank forever
             finalize_within(_finalize_wait())
+            gcpolicy.leaving()
     if isinstance(code, int) and code:  # without standalone mode click returns an Exit's code instead of raising it
         sys.exit(code)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpitp import testing
+from mpitp import gcpolicy, testing
 from mpitp.evaluation import requestlog
 from mpitp.evaluation.checks import Checked, check_on_root, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.envinfo import EnvInfoEarly
@@ -201,6 +201,7 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
     from mpitp.replica.leader import ReplicaLeader
     from mpitp.replica.worker import ReplicaWorker
 
+    gcpolicy.settle()  # the run's modules are in (mpitp.gcpolicy)
     model, lay = shard.model, rt.layout
 
     reuse_head = kept is not None and kept.head_check_s is not None and not kept.recheck_head
