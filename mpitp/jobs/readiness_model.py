@@ -120,11 +120,15 @@ def start_model_check(spec: CheckSpec) -> subprocess.Popen[str] | None:
 
 def model_check_child() -> None:
     """The child of :func:`start_model_check`: a :class:`CheckSpec` as JSON on stdin, :func:`check_model` under the
-    same network guard, ``{"problems": [...], "tried": [...]}`` as the last line on stdout."""
+    same network guard, ``{"problems": [...], "tried": [...]}`` as the last line on stdout. A process of its own,
+    importing torch and transformers: the collector as the console command sets it (:mod:`mpitp.gcpolicy`)."""
     import json
     import sys
 
+    from mpitp import gcpolicy
     from mpitp.jobs import readiness_cache
+
+    gcpolicy.start_up()
 
     fields = json.loads(sys.stdin.read())
     spec = CheckSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
@@ -135,6 +139,8 @@ def model_check_child() -> None:
     found = {"problems": [[p.what, p.fetch] for p in report.problems], "tried": tried,
              "read": readiness_cache.folders_read(spec, seen)}
     sys.stdout.write("\n" + json.dumps(found) + "\n")
+    sys.stdout.flush()
+    gcpolicy.leaving()
 
 
 def join_model_check(proc: subprocess.Popen[str], spec: CheckSpec, tried: list[str]) -> list[Problem]:
