@@ -147,6 +147,8 @@ TARGETS: dict[str, Target] = _by_name((
            kind="override"),
     Target("lm-eval", "lm_eval.models.huggingface", "HFLM._loglikelihood_tokens", LM_EVAL, "mpitp.evaluation.lm",
            kind="override"),
+    Target("lm-eval", "lm_eval.evaluator", "get_git_commit_hash", LM_EVAL, "mpitp.evaluation.envinfo"),
+    Target("lm-eval", "lm_eval.loggers.utils", "get_commit_from_path", LM_EVAL, "mpitp.evaluation.envinfo"),
     Target("torch", "torch.utils.collect_env", "get_pretty_env_info", TORCH, "mpitp.evaluation.envinfo"),
     Target("torch", "torch.nn", "Module.forward", TORCH, "mpitp.replica.leader"),  # on the leader's model only
     # Not replaced, only called (private: where a DTensor's local shard sits in the whole tensor; :func:`attribute`)

@@ -63,6 +63,8 @@ def test_every_patch_is_undone_after_use_even_on_error():
               "lm_eval.evaluator._process_results": capture,
               "lm_eval.caching.cache.PATH": lambda: used("/tmp/mpitp-test-cache"),
               "torch.utils.collect_env.get_pretty_env_info": EnvInfoEarly,
+              "lm_eval.evaluator.get_git_commit_hash": EnvInfoEarly,
+              "lm_eval.loggers.utils.get_commit_from_path": EnvInfoEarly,
               "transformers.modeling_utils.safe_open": strided_shards_with_pread,
               "transformers.distributed.mixin.apply_tensor_parallelism": _tp_plan_without_stubs,
               load: lambda: memoize_task_loading(tm, {}),

@@ -59,6 +59,39 @@ def test_environment_info_ignores_the_working_directory(job_folder):
     assert "PyTorch version" in info, info[:500]
 
 
+def test_git_commits_are_quiet_and_read_no_planted_git_file(job_folder, capfd):
+    """lm-eval's ``git_hash`` ran ``git describe`` with git's stderr on the terminal ("fatal: not a git repository"
+    on every run from a job folder), then, as its ``upper_git_hash`` does for the parent folder, read ``.git/HEAD``
+    and the file it names by hand: a planted HEAD naming a FIFO held rank 0 forever (lm-eval's own: still blocked
+    after 8 s, checked by hand). mpitp's: quiet, git only, None where git cannot say; a real repository's commit as
+    git gives it."""
+    import subprocess
+    import time
+
+    from mpitp.evaluation.envinfo import folder_commit_quietly, git_hash_quietly
+
+    os.mkfifo(job_folder / "fifo")
+    (job_folder / ".git").mkdir()
+    (job_folder / ".git" / "HEAD").write_text(f"ref: {job_folder / 'fifo'}\n")
+    t0 = time.monotonic()
+    assert git_hash_quietly() is None
+    assert folder_commit_quietly(job_folder) is None
+    assert folder_commit_quietly(job_folder / "DATA") is None  # no .git there: git is not asked
+    assert time.monotonic() - t0 < 10
+    assert capfd.readouterr().err == ""
+    repo = job_folder / "repo"
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for argv in (["init", "-q", str(repo)], ["-C", str(repo), "commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run(["git", *argv], check=True, env=env)
+    os.chdir(repo)
+    short = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True).stdout
+    full = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+    assert git_hash_quietly() == short.strip() and len(short.strip()) >= 7
+    assert folder_commit_quietly(str(repo / "..")) is None  # the job folder: its planted .git is no repository
+    assert folder_commit_quietly(repo) == full.strip()
+
+
 def test_mpi_probe_ignores_the_working_directory(job_folder, monkeypatch):
     """``mpitp submit --srun-mpi auto`` asks mpi4py (MPI not initialised) which MPI it is linked against."""
     from mpitp.jobs.submit import linked_mpi

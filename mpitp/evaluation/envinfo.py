@@ -106,12 +106,42 @@ def env_info_isolated() -> str:
     return done.stdout if done.returncode == 0 else f"(collect_env failed: exit {done.returncode})"
 
 
+def _git(*args: str) -> str | None:
+    """git's one-line answer, or None: its stderr discarded, no stdin, 10 s at most."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, stdin=subprocess.DEVNULL, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = done.stdout.decode("utf-8", "replace").strip()
+    return text if done.returncode == 0 and text else None
+
+
+def git_hash_quietly() -> str | None:
+    """lm-eval's ``get_git_commit_hash`` (the results' ``git_hash``: ``git describe --always`` in the working
+    directory) without its noise and without its fallback: git's stderr reached the terminal (outside a repository,
+    as most job folders are, every run printed "fatal: not a git repository"), and where git failed lm-eval read the
+    folder's ``.git/HEAD`` and the file it names by hand, so a planted ``.git/HEAD`` naming a FIFO held rank 0
+    forever (git itself refuses a repository another user owns). None where git cannot say."""
+    return _git("describe", "--always")
+
+
+def folder_commit_quietly(path) -> str | None:
+    """lm-eval's ``get_commit_from_path`` (``add_env_info``'s ``upper_git_hash``: the commit of the working
+    directory's parent where it holds a ``.git``), asked of git instead of read by hand: the same FIFO otherwise."""
+    if not os.path.lexists(os.path.join(path, ".git")):
+        return None
+    return _git("-C", str(path), "rev-parse", "HEAD")
+
+
 class EnvInfoEarly:
     """lm-eval's ``simple_evaluate`` ends with ``add_env_info``, which runs torch's ``collect_env`` (``pip list``,
     ``lscpu`` and more as subprocesses: 1-14 s measured here) on rank 0 after the last request, while every other
     rank waits. Start it in a thread as the evaluation starts (rank 0 mostly waits for chunks then) and hand lm-eval
     that same text when it asks; the stored environment info is unchanged (computed in an isolated child:
-    :func:`env_info_isolated`, and kept: :func:`env_info`)."""
+    :func:`env_info_isolated`, and kept: :func:`env_info`). The record's commits come from git, quietly
+    (:func:`git_hash_quietly`, :func:`folder_commit_quietly`)."""
 
     def __enter__(self):
         import concurrent.futures
@@ -120,10 +150,14 @@ class EnvInfoEarly:
 
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpitp-env-info")
         self.future = self.pool.submit(env_info)
-        self.patch = compat.replaced("torch.utils.collect_env.get_pretty_env_info", lambda: self.future.result())
-        self.patch.__enter__()
+        self.patches = [compat.replaced("torch.utils.collect_env.get_pretty_env_info", lambda: self.future.result()),
+                        compat.replaced("lm_eval.evaluator.get_git_commit_hash", git_hash_quietly),
+                        compat.replaced("lm_eval.loggers.utils.get_commit_from_path", folder_commit_quietly)]
+        for patch in self.patches:
+            patch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.patch.__exit__(*exc)
+        for patch in reversed(self.patches):
+            patch.__exit__(*exc)
         self.pool.shutdown(wait=False)
