@@ -115,6 +115,18 @@ def test_rescore_equals_original_metrics(demo_run, tmp_path):
         assert f.attrs["rescored_from"] == os.path.abspath(demo_run["out"])
 
 
+def test_rescore_from_a_job_folder_runs_none_of_its_files(demo_run, tmp_path):
+    """lm-eval's environment record (torch's ``collect_env``: ``python -mpip list``) ran in the working directory
+    during a rescore, so a planted pip.py ran as the user (found in session 15: RAN-pip); now it is computed in an
+    isolated child, as ``mpitp eval``'s is."""
+    (tmp_path / "pip.py").write_text(f"open({str(tmp_path / 'RAN-pip')!r}, 'w').close()\n")
+    proc = mpitp("rescore", demo_run["out"], "--include-path", demo_run["tasks"], "--output", tmp_path / "r.h5",
+                 cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert not (tmp_path / "RAN-pip").exists()
+    assert "fatal:" not in proc.stderr  # git, asked quietly of a folder that is no repository
+
+
 def test_rescore_after_a_filter_change_and_refusal_after_a_prompt_change(demo_run, tmp_path):
     tasks = tmp_path / "tasks"
     shutil.copytree(demo_run["tasks"], tasks)

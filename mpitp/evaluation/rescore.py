@@ -169,6 +169,7 @@ def rescore(path: str, include_path: str | list[str] | None = None, data_dir: st
     import lm_eval
 
     from mpitp.evaluation.checks import check_tasks, offline_include, remove_generated
+    from mpitp.evaluation.envinfo import EnvInfoEarly
     from mpitp.results.docscores import capture
 
     if not os.path.exists(path):  # anything else there but a regular file is refused by the reading (open_h5)
@@ -182,7 +183,9 @@ def rescore(path: str, include_path: str | list[str] | None = None, data_dir: st
         tm = check_tasks(cfg.tasks, include)
         seeds = cfg.seeds()
         lm = stored_lm(rows)
-        with capture() as doc_scores:
+        # EnvInfoEarly: lm-eval's environment record ran torch's collect_env (``python -mpip list``) in this working
+        # directory, where a planted pip.py ran as the user, and read its .git by hand
+        with EnvInfoEarly(), capture() as doc_scores:
             try:
                 res = lm_eval.simple_evaluate(
                     model=lm, tasks=cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
