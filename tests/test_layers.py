@@ -17,7 +17,8 @@ from support import REPO
 from support.imports import import_sites, modules
 
 FLOORS: list[tuple[str, ...]] = [  # lowest first; a unit imports only from the floors before its own
-    ("escape.py", "version.py", "watchdog.py", "digest.py", "isolated.py"),  # leaves: import nothing of mpitp
+    # leaves: import nothing of mpitp
+    ("escape.py", "version.py", "watchdog.py", "digest.py", "isolated.py", "gcpolicy.py"),
     ("errors.py",),
     ("testing.py", "compat.py"),
     ("parallel/", "results/"),  # results/: a library that knows no MPI
