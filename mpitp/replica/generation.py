@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from mpitp import compat, testing
+from mpitp import compat
 from mpitp.replica.scoring import CommCounter, VocabParallelHead
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class GenerationState:
             logits, ran = chosen_token_logits(chosen, out.logits.shape[-1]), [(n, 1, 0)]
         # the whole batch's output, of the model's own type, with the forwards it ran instead of the one asked for
         result = type(out)(logits=logits, cache=kwargs["cache"])
-        setattr(result, testing.RAGGED_ROWS, ran)  # for the forward log and the leader's count: not a field
+        result.mpitp_ragged_rows = ran  # testing.RAGGED_ROWS (the forward log, the leader's count): not a field
         return result
 
     def cache(self) -> DynamicCache:
