@@ -134,3 +134,49 @@ def test_ties_take_the_lowest_index_like_torch_argmax(tied):
     for _lp, greedy, am, _ in out.values():
         assert am.tolist() == [tied[0]] * 3 == (h @ weight.T).argmax(-1).tolist()
         assert greedy.tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_head_product_in_blocks_is_the_single_product_bit_for_bit(dtype, bias):
+    """On a CPU the head's product runs in blocks of vocabulary rows (:func:`head_product`, for speed): the logits must
+    be those of one ``linear``, bit for bit, with the shard's last, partial block and a bias, in fp32 and bf16."""
+    from mpitp.replica.scoring import CPU_HEAD_COLUMNS, head_product
+
+    g = torch.Generator().manual_seed(7)
+    vocab = 3 * CPU_HEAD_COLUMNS + 77  # blocks, the last one partial
+    w = torch.randn(vocab, 96, generator=g).to(dtype)
+    b = torch.randn(vocab, generator=g).to(dtype) if bias else None
+    for rows in (1, 16, 300):
+        h = torch.randn(rows, 96, generator=g).to(dtype)
+        got = head_product(h, w, b)
+        assert got.dtype == dtype and got.shape == (rows, vocab)
+        assert torch.equal(got, torch.nn.functional.linear(h, w, b))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pieces_of_a_shard_keep_argmax_ties_and_nan_rows(tp):
+    """A shard wider than two pieces (:data:`CPU_HEAD_COLUMNS` rows each) is summed up piece by piece: a maximum tied
+    in two pieces of a shard (and across shards) still reports torch.argmax's lowest index, the log-probabilities
+    stay torch's, and a row with a NaN logit in any piece scores NaN and is never greedy."""
+    from mpitp.replica.scoring import CPU_HEAD_COLUMNS
+
+    vocab, hidden = 4 * CPU_HEAD_COLUMNS + 13, 8
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(vocab, hidden, generator=g) * 0.1
+    tied = [CPU_HEAD_COLUMNS + 3, 2 * CPU_HEAD_COLUMNS + 7, vocab - 2]  # other pieces, and the second shard at tp 2
+    h = torch.randn(4, hidden, generator=g)
+    h[:, 0] = torch.tensor([-1.0, -1.0, -1.0, 0.0])
+    weight[tied] = h[0] * 3  # row 0's maximum, three times
+    weight[3 * CPU_HEAD_COLUMNS + 1] = 0.0
+    weight[3 * CPU_HEAD_COLUMNS + 1, 0] = float("inf")  # -inf for rows 0-2, NaN (0 * inf) for row 3 alone
+    logits = h @ weight.T
+    targets = torch.tensor([tied[0], tied[1], 5, 5])
+    out = _run_sharded(weight, h, targets, tp)
+    ref = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    assert torch.isnan(ref).tolist() == [False, False, False, True]
+    for lp, greedy, am, _ in out.values():
+        assert greedy.tolist() == [True, False, False, False]
+        assert am[0].item() == tied[0] == logits[0].argmax().item()
+        torch.testing.assert_close(lp[:3], ref[:3], rtol=1e-5, atol=1e-5)
+        assert torch.isnan(lp[3])

@@ -59,6 +59,11 @@ class TwoRankOps(TPOps):
         self.reduce_counter.add(t)
         return t
 
+    def gather(self, t):  # the other rank's part would add nothing: its shard is empty
+        self.counter.add(t)
+        self.reduce_counter.add(t)
+        return t.unsqueeze(0)
+
 
 def _shard(model, share: bool = True) -> ReplicaShard:
     layout = types.SimpleNamespace(tp=1, pp=1, replica_size=2, last_stage=True, first_stage=True, rank=0,
@@ -218,9 +223,9 @@ def test_a_plan_never_costs_more_than_plain_rows():
 
 def test_start_up_checks_send_little_and_count_nothing(model, monkeypatch):
     """The head check compares each rank's columns of the log-softmax rows with the normaliser from two
-    reductions: 24 B per probe position (max 4, sum-exp 4, scoring 16), nothing gathered (an all-gather of the
-    logits was 4 B per position and vocabulary entry: 2.4 MB per run with GPT-2's vocabulary). Neither check
-    leaves bytes or forwards in the run's counters."""
+    reductions: 24 B per probe position (max 4, sum-exp 4, scoring's one gather of its per-row summary 16), no
+    logits gathered (an all-gather of the logits was 4 B per position and vocabulary entry: 2.4 MB per run with
+    GPT-2's vocabulary). Neither check leaves bytes or forwards in the run's counters."""
     import torch.distributed as dist
 
     gathered = []
@@ -237,11 +242,11 @@ def test_start_up_checks_send_little_and_count_nothing(model, monkeypatch):
     worst, ratio, _ = headcheck._local_check(shard)
     assert ratio <= 1.0, worst
     positions = headcheck.PROBE_SHAPE[0] * headcheck.PROBE_SHAPE[1]
-    assert gathered == []  # bytes of each all-gather
+    assert gathered == []  # bytes of each all-gather of logits
     assert shard.stats.tp.bytes == 24 * positions == 576
     with shard.stats.uncounted():
         headcheck._local_check(shard)
-    assert shard.stats.tp.bytes == 576 and shard.stats.tp.calls == 5
+    assert shard.stats.tp.bytes == 576 and shard.stats.tp.calls == 3  # max, sum, the scoring gather
 
 
 @pytest.mark.mpi

@@ -1,14 +1,13 @@
 """Vocab-parallel scoring: log-probs and greedy checks without ever gathering full logits.
 
 Each TP rank holds a slice of the LM head's rows (a slice of the vocabulary). For the scored positions only, every
-rank computes its local logits and the group combines three O(tokens) reductions:
-
-1. all-reduce MAX of the local row maxima  -> global max ``m``                      (4 bytes/token)
-2. all-reduce SUM of [sum exp(l - m), target logit (owner only)]                    (8 bytes/token)
-3. all-reduce MIN of the first global index reaching ``m`` (torch.argmax's rule)    (4 bytes/token)
-
-so log p(target) = target - m - log(sum exp) and is_greedy = (argmax == target): 16 bytes per token whatever the
-vocabulary size. Rows are processed in blocks so the peak is bounded by ``block_elems`` floats, not by
+rank computes its local logits and sums them up per row: its maximum ``m_r``, ``s_r = sum exp(l - m_r)``, the target's
+logit (on the rank that holds it, 0 elsewhere) and the first index of ``m_r`` (torch.argmax's rule). One all-gather
+of those four float32 per row (16 bytes per token whatever the vocabulary size), and every rank has
+``m = max m_r``, ``sum exp = sum_r s_r exp(m_r - m)``, log p(target) = target - m - log(sum exp) and is_greedy =
+(the lowest index reaching ``m`` == target). On a CPU the local logits are made and summed up in pieces of
+:data:`CPU_HEAD_COLUMNS` vocabulary rows (MKL's speed on a narrow product, and each piece reduced while in cache).
+Rows are processed in blocks so the peak is bounded by ``block_elems`` floats, not by
 ``tokens x vocab``.
 """
 
@@ -103,6 +102,31 @@ class TPOps:
         return torch.stack(parts)
 
 
+#: Vocabulary rows per matrix product on a CPU (:func:`head_product`).
+CPU_HEAD_COLUMNS = 512
+
+
+def head_product(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(h, w, bias)`` for an LM head's rows ``w`` [V, H]; on a CPU in blocks of :data:`CPU_HEAD_COLUMNS`
+    vocabulary rows written into one output.
+
+    Why: MKL's single product over a whole vocabulary shard (25k-50k columns) runs at 50-60 GFLOP/s on a core where the
+    same product in blocks of 512 columns runs at 90 (1.5x at hidden 512, 1.05x at 4096; never slower in
+    ``bench/README.md``'s table), and the blocks compute each logit by the same kernel over the same hidden
+    dimension, bit for bit the numbers of the single product (``tests/test_scoring.py``). A GPU keeps one product."""
+    n = w.shape[0]
+    if w.device.type != "cpu" or h.dim() != 2 or n <= 2 * CPU_HEAD_COLUMNS:
+        return torch.nn.functional.linear(h, w, bias)
+    out = torch.empty(h.shape[0], n, dtype=torch.result_type(h, w), device=h.device)
+    for start in range(0, n, CPU_HEAD_COLUMNS):
+        rows = slice(start, min(n, start + CPU_HEAD_COLUMNS))
+        if bias is None:
+            torch.mm(h, w[rows].t(), out=out[:, rows])
+        else:
+            torch.addmm(bias[rows], h, w[rows].t(), out=out[:, rows])
+    return out
+
+
 @dataclass
 class VocabParallelHead:
     """This rank's rows ``[offset, offset + weight.shape[0])`` of the LM head, plus the ops to combine shards."""
@@ -142,7 +166,7 @@ class VocabParallelHead:
         w = self.weight
         if not head_input:
             h = self.transform.apply_hidden(h)
-        logits = torch.nn.functional.linear(h.to(w.dtype), w, self.bias).float()
+        logits = head_product(h.to(w.dtype), w, self.bias).float()
         return self.transform.apply_logits(logits)
 
     def _blocks(self, n: int):
@@ -152,37 +176,70 @@ class VocabParallelHead:
         for start in range(0, n, step):
             yield slice(start, min(n, start + step))
 
-    def _global_max_and_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' global maximum and the lowest global index holding it (torch.argmax's rule), in one pass over
-        the local logits: a rank's first index of the global maximum is its first index of its own maximum, where
-        the two are equal (``torch.max`` returns the first maximal index); elsewhere the rank has none. A NaN
-        maximum equals nothing, so such a row has no index (greedy false), as its log-probability is NaN."""
-        local_max, first = logits.max(dim=-1)
-        gmax = self.ops.max(local_max.clone())
-        none = torch.full_like(first, _INT_BIG, dtype=torch.int32)
-        cand = torch.where(local_max == gmax, first.to(torch.int32) + self.offset, none)
-        return gmax, self.ops.min(cand)
+    def _logit_chunks(self, h: torch.Tensor, head_input: bool):
+        """This shard's logits for ``h`` as (first local row, logits [N, width]) pieces: on a CPU, where the model's
+        steps after its head act entry by entry, one piece per :data:`CPU_HEAD_COLUMNS` vocabulary rows (each
+        product at MKL's full speed, :func:`head_product`, and its logits reduced while still in cache); otherwise
+        the whole shard at once (:meth:`local_logits`)."""
+        w = self.weight
+        n = w.shape[0]
+        per_entry = all(op in ("mul", "div", "tanh") for op, _ in self.transform.logits)
+        if w.device.type != "cpu" or not per_entry or n <= 2 * CPU_HEAD_COLUMNS:
+            yield 0, self.local_logits(h, head_input)
+            return
+        if not head_input:
+            h = self.transform.apply_hidden(h)
+        h = h.to(w.dtype)
+        for start in range(0, n, CPU_HEAD_COLUMNS):
+            rows = slice(start, min(n, start + CPU_HEAD_COLUMNS))
+            bias = None if self.bias is None else self.bias[rows]
+            yield start, self.transform.apply_logits(torch.nn.functional.linear(h, w[rows], bias).float())
+
+    def _shard_summary(self, h: torch.Tensor, targets: torch.Tensor, head_input: bool) -> torch.Tensor:
+        """Per row of ``h``, this shard's [maximum logit, sum of exp(logit - that maximum), the target's logit (0
+        where another shard holds the target), global index of the first maximum]: ``[N, 4]``."""
+        rows = h.shape[0]
+        maxes, sums, firsts = [], [], []
+        target = torch.zeros(rows, dtype=torch.float32, device=h.device)
+        local = targets - self.offset
+        for start, logits in self._logit_chunks(h, head_input):
+            width = logits.shape[-1]
+            if width == 0:  # a shard wholly past a padded vocabulary
+                continue
+            top, first = logits.max(dim=-1)  # torch.max: the first maximal index
+            inside = (local >= start) & (local < start + width)
+            picked = logits.gather(1, (local - start).clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+            target = torch.where(inside, picked, target)
+            sums.append(logits.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1))  # in place: the piece ends here
+            maxes.append(top)
+            firsts.append(first + (start + self.offset))
+        if not maxes:
+            none = torch.full((rows,), float("-inf"), device=h.device)
+            return torch.stack([none, torch.zeros_like(none), target, none.neg()], dim=-1)  # adds nothing
+        top_k = torch.stack(maxes)
+        top, k = top_k.max(dim=0)  # the first piece holding the maximum (a NaN maximum: NaN)
+        sumexp = _rescaled_sum(top_k, torch.stack(sums), top)
+        first = torch.stack(firsts).gather(0, k.unsqueeze(0)).squeeze(0)
+        exact = torch.float32 if self.vocab_size < 1 << 24 else torch.float64  # every index exact in the float
+        return torch.stack([top, sumexp, target, first.to(torch.float32)], dim=-1).to(exact)
 
     @torch.no_grad()
     def score(self, h: torch.Tensor, targets: torch.Tensor,
               head_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(target) (float32) and whether target is the argmax, for hidden states ``h`` [N, H] (``head_input``:
-        as :meth:`local_logits`)."""
+        as :meth:`local_logits`): each rank's :meth:`_shard_summary` gathered, one collective per block."""
         n = h.shape[0]
         out_lp = torch.empty(n, dtype=torch.float32, device=h.device)
         out_greedy = torch.empty(n, dtype=torch.bool, device=h.device)
-        vloc = self.weight.shape[0]
         for sl in self._blocks(n):
-            logits = self.local_logits(h[sl], head_input)
-            gmax, argmax = self._global_max_and_argmax(logits)
-            tgt = targets[sl] - self.offset
-            mine = (tgt >= 0) & (tgt < vloc)
-            tlogit = logits.gather(1, tgt.clamp(0, vloc - 1).unsqueeze(1)).squeeze(1)
-            sumexp = logits.sub_(gmax.unsqueeze(-1)).exp_().sum(dim=-1)  # in place: the block's logits end here
-            pair = torch.stack([sumexp, torch.where(mine, tlogit, 0.0)], 1)
-            pair = self.ops.sum(pair)
-            out_lp[sl] = pair[:, 1] - gmax - torch.log(pair[:, 0])
-            out_greedy[sl] = argmax.to(targets.dtype) == targets[sl]
+            parts = self.ops.gather(self._shard_summary(h[sl], targets[sl], head_input))  # [size, rows, 4]
+            top_r, sums_r, target_r, first_r = parts.unbind(-1)
+            gmax = top_r.max(dim=0).values  # NaN wins: the row's log-probability is NaN
+            sumexp = _rescaled_sum(top_r, sums_r, gmax)
+            out_lp[sl] = target_r.sum(dim=0) - gmax - torch.log(sumexp)
+            # torch.argmax's rule: the lowest index holding the global maximum (none where it is NaN)
+            pick = torch.where(top_r == gmax.unsqueeze(0), first_r, float("inf")).min(dim=0).values
+            out_greedy[sl] = pick == targets[sl].to(pick.dtype)
         return out_lp, out_greedy
 
     @torch.no_grad()
@@ -190,10 +247,9 @@ class VocabParallelHead:
         """Global greedy token ids for hidden states ``h`` [N, H] (lowest index among ties; an id past the vocabulary
         where a row's maximum is NaN).
 
-        One collective per block, not two: each rank's (maximum, first index of it) are gathered and every rank picks
-        the largest maximum, the lowest index among equal ones. That is :meth:`_global_max_and_argmax`'s answer
-        (a rank's first hit of the global maximum is its own first maximum), for a decode step's one all-gather of 16
-        bytes per row instead of a max and a min all-reduce one after the other."""
+        One collective per block: each rank's (maximum, first index of it) are gathered and every rank picks the
+        largest maximum, the lowest index among equal ones (a rank's first hit of the global maximum is its own first
+        maximum), as :meth:`score` does: a decode step's one all-gather of 16 bytes per row."""
         out = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for sl in self._blocks(h.shape[0]):
             logits = self.local_logits(h[sl], head_input)
@@ -238,6 +294,13 @@ class VocabParallelHead:
         dist.all_gather(parts, padded, group=self.ops.group)
         order = sorted(range(self.ops.size), key=lambda r: int(sizes[r][1]))
         return torch.cat([parts[r][:, : int(sizes[r][0])] for r in order], dim=1)
+
+
+def _rescaled_sum(tops: torch.Tensor, sums: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``sum_k sums[k] * exp(tops[k] - top)``: sums of exp taken relative to their own maxima ``tops`` [K, N], brought
+    to the common maximum ``top`` [N] (a part whose maximum is -inf adds nothing)."""
+    scale = torch.exp(tops - top.unsqueeze(0))
+    return torch.where(scale == 0, 0.0, sums * scale).sum(dim=0)
 
 
 def _local_rows(param: torch.Tensor, ops: TPOps) -> tuple[torch.Tensor, int]:
