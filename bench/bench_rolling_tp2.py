@@ -1,6 +1,6 @@
 """Rolling loglikelihood with tp=2: mpitp on 2 MPI ranks vs lm-eval's HFLM with ``tp_plan=auto`` on 2 torchrun ranks.
 
-    python bench/bench_rolling_tp2.py [--limit 2] [--reps 2] [--batch-size 1]
+    python bench/bench_rolling_tp2.py [--limit 2] [--reps 2] [--batch-size 1] [--tree DIR]
 
 Task ``wikitext_local`` (WikiText-2 test documents, lm-eval's disjoint rolling windows of max_length = 1024 tokens),
 model: the random-weight Llama h512/l8 with the GPT-2 vocabulary (50257). Both sides load the same checkpoint in
@@ -25,6 +25,8 @@ import common
 
 def main() -> None:
     ap = common.parser(__doc__, limit=2, batch_size=1, limit_help="wikitext documents")
+    ap.add_argument("--tree", default=None, help="import mpitp from this checkout (PYTHONPATH), e.g. an earlier "
+                    "commit's for the before figures (git archive <rev> mpitp | tar -x -C DIR)")
     args = ap.parse_args()
     model = common.small_model()
     common.say(common.machine())
@@ -33,7 +35,8 @@ def main() -> None:
     rows, t_mpitp, t_lm, c_mpitp, c_lm = [], [], [], [], []
     metric = "word_perplexity,none"
     for rep in range(1, args.reps + 1):
-        m = common.run_mpitp(2, model, "wikitext_local", tp=2, batch_size=args.batch_size, limit=args.limit)
+        m = common.run_mpitp(2, model, "wikitext_local", tp=2, batch_size=args.batch_size, limit=args.limit,
+                             tree=args.tree)
         ref = common.run_lm_eval(model, "wikitext_local", batch_size=args.batch_size, limit=args.limit, nproc=2,
                                tp_plan=True)
         t_mpitp.append(m["time_s"])
