@@ -180,3 +180,38 @@ def test_pieces_of_a_shard_keep_argmax_ties_and_nan_rows(tp):
         assert am[0].item() == tied[0] == logits[0].argmax().item()
         torch.testing.assert_close(lp[:3], ref[:3], rtol=1e-5, atol=1e-5)
         assert torch.isnan(lp[3])
+
+
+@pytest.mark.parametrize("steps", [[("div", 3.0), ("tanh", None), ("mul", 3.0)], [("module", torch.nn.Tanh())]],
+                         ids=["softcap-in-pieces", "module-whole-shard"])
+def test_pieces_apply_the_models_logit_steps(steps):
+    """The model's steps after its head (a soft-cap: scalars, applied piece by piece; a module: the whole shard at
+    once) give torch's log-softmax of the transformed logits, at tp 1 and 2."""
+    from mpitp.replica.logits import HeadTransform
+    from mpitp.replica.scoring import CPU_HEAD_COLUMNS
+
+    vocab, hidden, n = 3 * CPU_HEAD_COLUMNS + 5, 16, 9
+    g = torch.Generator().manual_seed(5)
+    weight, h = torch.randn(vocab, hidden, generator=g), torch.randn(n, hidden, generator=g)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    transform = HeadTransform(logits=steps)
+    logits = transform.apply_logits(h @ weight.T)
+    targets[:3] = logits[:3].argmax(-1)
+    ref = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    for tp in (1, 2):
+        group, out = FakeGroup(tp), {}
+
+        def rank_fn(r, lo, hi, group=group, out=out):
+            head = VocabParallelHead(weight=weight[lo:hi], offset=lo, vocab_size=vocab, ops=FakeOps(group, r),
+                                     transform=transform)
+            out[r] = head.score(h, targets)
+
+        threads = [threading.Thread(target=rank_fn, args=(r, lo, hi)) for r, (lo, hi) in enumerate(_shards(vocab, tp))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(out) == list(range(tp))
+        for lp, greedy in out.values():
+            torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+            assert torch.equal(greedy, logits.argmax(-1) == targets) and bool(greedy[:3].all())

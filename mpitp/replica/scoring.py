@@ -183,7 +183,8 @@ class VocabParallelHead:
         the whole shard at once (:meth:`local_logits`)."""
         w = self.weight
         n = w.shape[0]
-        per_entry = all(op in ("mul", "div", "tanh") for op, _ in self.transform.logits)
+        per_entry = all(op in ("mul", "div", "tanh") and (not torch.is_tensor(c) or c.numel() == 1)
+                        for op, c in self.transform.logits)  # a scalar's steps: the same on any piece
         if w.device.type != "cpu" or not per_entry or n <= 2 * CPU_HEAD_COLUMNS:
             yield 0, self.local_logits(h, head_input)
             return
