@@ -113,7 +113,8 @@ def head_product(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     Why: MKL's single product over a whole vocabulary shard (25k-50k columns) runs at 50-60 GFLOP/s on a core where the
     same product in blocks of 512 columns runs at 90 (1.5x at hidden 512, 1.05x at 4096; never slower in
     ``bench/README.md``'s table), and the blocks compute each logit by the same kernel over the same hidden
-    dimension, bit for bit the numbers of the single product (``tests/test_scoring.py``). A GPU keeps one product."""
+    dimension, bit for bit the numbers of the single product (``tests/test_scoring_math.py``). A GPU keeps one
+    product."""
     n = w.shape[0]
     if w.device.type != "cpu" or h.dim() != 2 or n <= 2 * CPU_HEAD_COLUMNS:
         return torch.nn.functional.linear(h, w, bias)
@@ -222,7 +223,7 @@ class VocabParallelHead:
         sumexp = _rescaled_sum(top_k, torch.stack(sums), top)
         first = torch.stack(firsts).gather(0, k.unsqueeze(0)).squeeze(0)
         exact = torch.float32 if self.vocab_size < 1 << 24 else torch.float64  # every index exact in the float
-        return torch.stack([top, sumexp, target, first.to(torch.float32)], dim=-1).to(exact)
+        return torch.stack([x.to(exact) for x in (top, sumexp, target, first)], dim=-1)
 
     @torch.no_grad()
     def score(self, h: torch.Tensor, targets: torch.Tensor,
