@@ -164,7 +164,8 @@ def test_rolling_windows_send_and_compute_what_plain_rows_do(replica):
     sizes = [(m["meta"]["b"], m["meta"]["t"], m["meta"]["n"], m["meta"]["r"]) for m in replica.sent]
     assert sizes == [(4, 32, 107, 0), (4, 32, 98, 0)]
     assert _plain_ints(rows, 4) == 4 * 32 + 2 * 107 + 4 * 32 + 2 * 98 == 666
-    assert replica.stats.tp_score.bytes == 16 * scored == 3280  # max 4 B + [sum-exp, target] 8 B + argmin 4 B
+    assert replica.stats.tp_score.bytes == 16 * scored == 3280  # [max, sum-exp, target, first argmax] 4 B each
+    assert replica.stats.tp_score.calls == 2  # one gather per forward (one block each), not three reductions
     assert replica.stats.tp.bytes == 8 * 666 + 3280 == 8608  # per forward: 2736 + 1712 B and 2592 + 1568 B
     assert replica.stats.forwards == 2
     assert replica.stats.tokens_read == replica.stats.row_tokens == 8 * 32  # no context read once for two rows
