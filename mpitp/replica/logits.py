@@ -47,6 +47,13 @@ class HeadTransform:
     unknown: list[str] = field(default_factory=list)
     source: str = ""
 
+    @property
+    def scalar_logit_steps(self) -> bool:
+        """Whether every step on the logits is by a scalar (mul, div, tanh): the same on any slice of the vocabulary
+        (:mod:`mpitp.replica.scoring` reduces the logits in pieces then)."""
+        return all(op in ("mul", "div", "tanh") and (not torch.is_tensor(c) or c.numel() == 1)
+                   for op, c in self.logits)
+
     def apply_hidden(self, h: torch.Tensor) -> torch.Tensor:
         for op, c in self.hidden:
             h = c(h) if op == "module" else h * c if op == "mul" else h / c

@@ -106,6 +106,15 @@ class TPOps:
 CPU_HEAD_COLUMNS = 512
 
 
+def cpu_pieces(w: torch.Tensor) -> list[slice] | None:
+    """The blocks of :data:`CPU_HEAD_COLUMNS` vocabulary rows of an LM head's rows ``w`` [V, H] taken one product
+    each (:func:`head_product`); None where one product serves: a GPU, or a shard of at most two blocks."""
+    n = w.shape[0]
+    if w.device.type != "cpu" or n <= 2 * CPU_HEAD_COLUMNS:
+        return None
+    return [slice(start, min(n, start + CPU_HEAD_COLUMNS)) for start in range(0, n, CPU_HEAD_COLUMNS)]
+
+
 def head_product(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``linear(h, w, bias)`` for an LM head's rows ``w`` [V, H]; on a CPU in blocks of :data:`CPU_HEAD_COLUMNS`
     vocabulary rows written into one output.
@@ -115,12 +124,11 @@ def head_product(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     ``bench/README.md``'s table), and the blocks compute each logit by the same kernel over the same hidden
     dimension, bit for bit the numbers of the single product (``tests/test_scoring_math.py``). A GPU keeps one
     product."""
-    n = w.shape[0]
-    if w.device.type != "cpu" or h.dim() != 2 or n <= 2 * CPU_HEAD_COLUMNS:
+    pieces = cpu_pieces(w)
+    if pieces is None or h.dim() != 2:
         return torch.nn.functional.linear(h, w, bias)
-    out = torch.empty(h.shape[0], n, dtype=torch.result_type(h, w), device=h.device)
-    for start in range(0, n, CPU_HEAD_COLUMNS):
-        rows = slice(start, min(n, start + CPU_HEAD_COLUMNS))
+    out = torch.empty(h.shape[0], w.shape[0], dtype=torch.result_type(h, w), device=h.device)
+    for rows in pieces:
         if bias is None:
             torch.mm(h, w[rows].t(), out=out[:, rows])
         else:
@@ -178,24 +186,21 @@ class VocabParallelHead:
             yield slice(start, min(n, start + step))
 
     def _logit_chunks(self, h: torch.Tensor, head_input: bool):
-        """This shard's logits for ``h`` as (first local row, logits [N, width]) pieces: on a CPU, where the model's
-        steps after its head act entry by entry, one piece per :data:`CPU_HEAD_COLUMNS` vocabulary rows (each
-        product at MKL's full speed, :func:`head_product`, and its logits reduced while still in cache); otherwise
+        """This shard's logits for ``h`` as (first local row, logits [N, width]) pieces: where the model's
+        steps after its head are scalars' (:attr:`HeadTransform.scalar_logit_steps`), one piece per block of
+        :func:`cpu_pieces` (each product at MKL's full speed, and its logits reduced while still in cache); otherwise
         the whole shard at once (:meth:`local_logits`)."""
         w = self.weight
-        n = w.shape[0]
-        per_entry = all(op in ("mul", "div", "tanh") and (not torch.is_tensor(c) or c.numel() == 1)
-                        for op, c in self.transform.logits)  # a scalar's steps: the same on any piece
-        if w.device.type != "cpu" or not per_entry or n <= 2 * CPU_HEAD_COLUMNS:
+        pieces = cpu_pieces(w) if self.transform.scalar_logit_steps else None
+        if pieces is None:
             yield 0, self.local_logits(h, head_input)
             return
         if not head_input:
             h = self.transform.apply_hidden(h)
         h = h.to(w.dtype)
-        for start in range(0, n, CPU_HEAD_COLUMNS):
-            rows = slice(start, min(n, start + CPU_HEAD_COLUMNS))
+        for rows in pieces:
             bias = None if self.bias is None else self.bias[rows]
-            yield start, self.transform.apply_logits(torch.nn.functional.linear(h, w[rows], bias).float())
+            yield rows.start, self.transform.apply_logits(torch.nn.functional.linear(h, w[rows], bias).float())
 
     def _shard_summary(self, h: torch.Tensor, targets: torch.Tensor, head_input: bool) -> torch.Tensor:
         """Per row of ``h``, this shard's [maximum logit, sum of exp(logit - that maximum), the target's logit (0
@@ -236,11 +241,9 @@ class VocabParallelHead:
         for sl in self._blocks(n):
             parts = self.ops.gather(self._shard_summary(h[sl], targets[sl], head_input))  # [size, rows, 4]
             top_r, sums_r, target_r, first_r = parts.unbind(-1)
-            gmax = top_r.max(dim=0).values  # NaN wins: the row's log-probability is NaN
+            gmax, pick = _first_of_max(top_r, first_r)  # a NaN maximum: log-probability NaN, never greedy
             sumexp = _rescaled_sum(top_r, sums_r, gmax)
             out_lp[sl] = target_r.sum(dim=0) - gmax - torch.log(sumexp)
-            # torch.argmax's rule: the lowest index holding the global maximum (none where it is NaN)
-            pick = torch.where(top_r == gmax.unsqueeze(0), first_r, float("inf")).min(dim=0).values
             out_greedy[sl] = pick == targets[sl].to(pick.dtype)
         return out_lp, out_greedy
 
@@ -262,10 +265,8 @@ class VocabParallelHead:
                 local_max = torch.full(logits.shape[:-1], float("-inf"), device=h.device)
                 first = torch.full(logits.shape[:-1], float(_INT_BIG), dtype=torch.float64, device=h.device)
             parts = self.ops.gather(torch.stack([local_max.double(), first], dim=-1))  # [size, n, 2]
-            vals, idx = parts[..., 0], parts[..., 1]
-            gmax = vals.max(dim=0).values  # NaN wins: the row is reported
-            pick = torch.where(vals == gmax.unsqueeze(0), idx, float(_INT_BIG)).min(dim=0).values
-            out[sl] = torch.where(torch.isnan(gmax), float(_INT_BIG), pick).long()
+            gmax, pick = _first_of_max(parts[..., 0], parts[..., 1])
+            out[sl] = torch.where(torch.isnan(gmax), float(_INT_BIG), pick).long()  # NaN: the row is reported
         return out
 
     @torch.no_grad()
@@ -296,6 +297,14 @@ class VocabParallelHead:
         dist.all_gather(parts, padded, group=self.ops.group)
         order = sorted(range(self.ops.size), key=lambda r: int(sizes[r][1]))
         return torch.cat([parts[r][:, : int(sizes[r][0])] for r in order], dim=1)
+
+
+def _first_of_max(tops: torch.Tensor, firsts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From every rank's row maxima ``tops`` [R, N] and the global index of each one's first hit ``firsts``: the
+    global maximum and the lowest index holding it, torch.argmax's rule (a rank's first hit of the global maximum is
+    its own first maximum). A NaN maximum wins and equals nothing: that row's index is +inf."""
+    gmax = tops.max(dim=0).values
+    return gmax, torch.where(tops == gmax.unsqueeze(0), firsts, float("inf")).min(dim=0).values
 
 
 def _rescaled_sum(tops: torch.Tensor, sums: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
