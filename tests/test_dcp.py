@@ -501,6 +501,7 @@ def test_dcp_load_peaks_no_higher_than_its_hf_twin_at_tp2(tmp_path):
         ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         assert sorted(r["rank"] for r in ranks) == [0, 1], explain(proc)
         assert all(20e6 < r["bytes"] < 60e6 for r in ranks), ranks  # each rank holds about half the 84 MB
+        assert all(r["embed_taken"] and r["embed_exact"] for r in ranks), ranks  # taken, bit for bit
         ratio[kind] = {r["rank"]: r["gain"] / r["bytes"] for r in ranks}
     print("peak RSS a tp=2 load adds per rank, x its shard's bytes: " + ", ".join(
         f"rank {r}: DCP {ratio['dcp'][r]:.2f}, HF twin {ratio['hf'][r]:.2f}" for r in (0, 1)))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.errors import UsageError
-from mpitp.replica import channel_tp
+from mpitp.replica import channel_tp, vocab_embedding
 from mpitp.replica.tp_plans import _ATTN, _STYLES, _rule, for_config
 
 if TYPE_CHECKING:
@@ -32,8 +32,11 @@ def _tp_mesh(model, tp: int):
 
 
 def fix_up(model: PreTrainedModel, tp: int) -> None:
-    """After a TP load with mpitp's plan: every fix-up the plan declares (the module docstring), and the forwards
-    transformers' kernelization dropped put back, in one walk over the base model's modules."""
+    """After a TP load: the vocabulary-split input embeddings summed over MPI (:mod:`mpitp.replica.vocab_embedding`,
+    any plan); with mpitp's plan, every fix-up the plan declares (the module docstring) and the forwards transformers'
+    kernelization dropped put back, in one walk over the base model's modules."""
+    if tp > 1:
+        vocab_embedding.install(model, tp)
     own = for_config(model.config) if tp > 1 else None
     if own is None:
         return

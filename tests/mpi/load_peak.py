@@ -2,7 +2,9 @@
 
 argv: MODEL ASSETS. ``mpitp.start(tp=2)``, the imports a first load makes, ``VmHWM`` reset, ``mpitp.load_model``,
 every local parameter read once (transformers maps an HF folder's safetensors: untouched pages are not resident
-yet), then one JSON line per rank: the peak the load added and the bytes of the rank's own parameters.
+yet), then one JSON line per rank: the peak the load added and the bytes of the rank's own parameters; and whether
+the vocabulary-split input embedding was taken by mpitp's summed lookup (:mod:`mpitp.replica.vocab_embedding`) and
+gives, for ids spread over both ranks' rows, exactly the rows of the whole (gathered) embedding.
 """
 
 import json
@@ -36,6 +38,13 @@ with open("/proc/self/clear_refs", "w") as f:
 m = mpitp.load_model(model, tp=2, device=rt.device, dtype="float32", hf_assets=assets if model != assets else None)
 local = [p.to_local() if isinstance(p, DTensor) else p for p in m.parameters()]
 touched = sum(float(t.detach().sum()) for t in local)
-print(json.dumps({"rank": rt.world.rank, "gain": rss("VmHWM:") - base,
-                  "bytes": sum(t.numel() * t.element_size() for t in local)}), flush=True)
+gain = rss("VmHWM:") - base
+embed = m.get_input_embeddings()
+v = int(embed.weight.shape[0])
+ids = torch.tensor([[0, v // 2 - 1, v // 2, v - 1], [1, 97, v - 97, v // 2 + 1]])  # both ranks' rows and edges
+with torch.no_grad():
+    exact = torch.equal(embed(ids), torch.nn.functional.embedding(ids, embed.weight.full_tensor()))
+print(json.dumps({"rank": rt.world.rank, "gain": gain, "bytes": sum(t.numel() * t.element_size() for t in local),
+                  "embed_taken": "forward" in vars(embed) and "vocab_embedding" in embed.forward.__module__,
+                  "embed_exact": exact}), flush=True)
 MPI.COMM_WORLD.Barrier()
