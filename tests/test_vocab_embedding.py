@@ -21,7 +21,7 @@ def test_rank_lookups_sum_to_the_whole_embedding(vocab, tp):
     ids = torch.cat([ids, torch.randint(0, vocab, (1, ids.shape[1]))])
     outs, reduced = [], []
     for start, rows in parts:
-        outs.append(vocab_embedding.lookup(ids, full[start:start + rows], start, reduced.append))
+        outs.append(vocab_embedding.lookup(ids, full[start:start + rows], start, reduced.append, vocab))
     assert len(reduced) == tp and all(o is r for o, r in zip(outs, reduced))  # the lookup itself goes to the sum
     total = outs[0]
     for o in outs[1:]:
@@ -30,6 +30,9 @@ def test_rank_lookups_sum_to_the_whole_embedding(vocab, tp):
     for (start, rows), o in zip(parts, outs):
         own = (ids >= start) & (ids < start + rows)
         assert torch.equal(o[~own], torch.zeros_like(o[~own]))  # a rank adds zeros for rows it does not hold
+    for bad in (vocab, -1):  # one process's lookup raises; the summed one must not give a row of zeros instead
+        with pytest.raises(IndexError, match=f"token id {bad} is outside the input embedding's {vocab} rows"):
+            vocab_embedding.lookup(torch.tensor([[0, bad]]), full[: parts[0][1]], 0, reduced.append, vocab)
 
 
 def test_install_takes_plain_vocabulary_split_embeddings_only(gloo_world):
