@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpitp.errors import UsageError
 from mpitp.replica import vocab_embedding
 
 
@@ -31,7 +32,7 @@ def test_rank_lookups_sum_to_the_whole_embedding(vocab, tp):
         own = (ids >= start) & (ids < start + rows)
         assert torch.equal(o[~own], torch.zeros_like(o[~own]))  # a rank adds zeros for rows it does not hold
     for bad in (vocab, -1):  # one process's lookup raises; the summed one must not give a row of zeros instead
-        with pytest.raises(IndexError, match=f"token id {bad} is outside the input embedding's {vocab} rows"):
+        with pytest.raises(UsageError, match=f"token id {bad} is outside the model's input embedding of {vocab} rows"):
             vocab_embedding.lookup(torch.tensor([[0, bad]]), full[: parts[0][1]], 0, reduced.append, vocab)
 
 

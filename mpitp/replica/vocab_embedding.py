@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mpitp import compat
+from mpitp.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -68,16 +69,16 @@ def _summed_lookup(module: torch.nn.Embedding, mesh):
 
 def lookup(input_ids: torch.Tensor, local_weight: torch.Tensor, start: int, reduce, vocab: int) -> torch.Tensor:
     """The embedding of ``input_ids`` from the rows ``start .. start + len(local_weight)`` this rank holds, the
-    others zero, summed over the group by ``reduce`` (in place). On a CPU an id outside the ``vocab`` rows raises, as
-    one process's lookup does, rather than summing to a row of zeros (what the DTensor lookup gives): every rank sees
-    the same ids, so every rank raises."""
+    others zero, summed over the group by ``reduce`` (in place). On a CPU an id outside the ``vocab`` rows is
+    refused (one process's lookup raises) rather than summed to a row of zeros (what the DTensor lookup gives): every
+    rank of the group sees the same ids, so every one refuses."""
     import torch
 
     if input_ids.device.type == "cpu":  # a GPU would wait for the answer: there, as transformers' DTensor lookup
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
         if bad.numel():
-            raise IndexError(f"token id {int(bad[0])} is outside the input embedding's {vocab} rows (the tokenizer "
-                             "has ids the model lacks)")
+            raise UsageError(f"token id {int(bad[0])} is outside the model's input embedding of {vocab} rows: the "
+                             "tokenizer has ids the model lacks (--tokenizer of another model?)")
     local = input_ids - start
     outside = (local < 0) | (local >= local_weight.shape[0])
     if local_weight.shape[0] == 0:  # a rank past the vocabulary's end (tp > rows): adds zeros
