@@ -119,9 +119,11 @@ def run_mpitp(argv: list[str]) -> None:
             no_cache = True
         argv = argv[1:]
     argv = argv[1:]
-    policy = _gc_policy()
+    policy, imports = _policy("gcpolicy"), _policy("importpolicy")
     if policy is not None:
         policy.start_up()
+    if imports is not None:
+        imports.start_up()
     import lm_eval  # noqa: F401
     import lm_eval.evaluator  # noqa: F401
     import lm_eval.models.huggingface  # noqa: F401
@@ -156,17 +158,20 @@ def run_mpitp(argv: list[str]) -> None:
         policy.leaving()
 
 
-def _gc_policy():
-    """``mpitp.gcpolicy`` where the tree under test has it: the collector as the ``mpitp`` console script sets it
-    (``main(argv)`` leaves a caller's collector alone), so launch to exit is a user's; None for an older tree."""
+def _policy(name: str):
+    """``mpitp.<name>`` (``gcpolicy``, ``importpolicy``) where the tree under test has it: the process as the
+    ``mpitp`` console script sets it up (``main(argv)`` leaves a caller's process alone), so launch to exit is a
+    user's; None for an older tree."""
+    import importlib
+
     import mpitp
 
     try:
-        from mpitp import gcpolicy
+        policy = importlib.import_module(f"mpitp.{name}")
     except ImportError:
         return None
     # an editable install's finder serves a module the tree under test lacks from the installed checkout: not it
-    return gcpolicy if os.path.dirname(gcpolicy.__file__) == os.path.dirname(mpitp.__file__) else None
+    return policy if os.path.dirname(policy.__file__) == os.path.dirname(mpitp.__file__) else None
 
 
 def run_lmeval(spec: dict) -> None:

@@ -71,6 +71,8 @@ KINDS = {
     "instance": "private attributes of its instances read or set (names), through a helper here",
     "override": "a private method an mpitp subclass overrides (gone, the override would silently never run)",
     "source": "its source read as syntax (forward_tree)",
+    "defer": "a name it imports at module level, bound to a stand-in that imports the real one on first use "
+             "(mpitp.importpolicy)",
 }
 
 
@@ -159,6 +161,9 @@ TARGETS: dict[str, Target] = _by_name((
            kind="read"),
     Target("torch", "torch.serialization", "_get_layout", TORCH, "mpitp.replica.dcp_read", kind="read"),
     Target(_TP, "transformers.modeling_utils", "safe_open", TRANSFORMERS, "mpitp.replica.loading", optional=True),
+    # scipy's optimiser, imported by the detection losses' module that loss_utils executes first: put off
+    Target(_TP, "transformers.loss.loss_for_object_detection", "linear_sum_assignment", TRANSFORMERS,
+           "mpitp.importpolicy", optional=True, kind="defer"),
     Target(_TP, "transformers.distributed.mixin", "apply_tensor_parallelism", TRANSFORMERS, "mpitp.replica.pipeline"),
     Target(_TP, "transformers.distributed.tensor_parallel", "dist", TRANSFORMERS,
            "mpitp.replica.shard, mpitp.replica.conv1d_tp"),

@@ -18,7 +18,8 @@ from support.imports import import_sites, modules
 
 FLOORS: list[tuple[str, ...]] = [  # lowest first; a unit imports only from the floors before its own
     # leaves: import nothing of mpitp
-    ("escape.py", "version.py", "watchdog.py", "digest.py", "isolated.py", "gcpolicy.py"),
+    ("escape.py", "version.py", "watchdog.py", "digest.py", "isolated.py", "gcpolicy.py",
+     "importpolicy.py"),
     ("errors.py",),
     ("testing.py", "compat.py"),
     ("parallel/", "results/"),  # results/: a library that knows no MPI

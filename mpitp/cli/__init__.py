@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 import click  # noqa: E402
 
-from mpitp import compat, gcpolicy  # noqa: E402
+from mpitp import compat, gcpolicy, importpolicy  # noqa: E402
 from mpitp.errors import (  # noqa: E402
     FINALIZE_WAIT_S,
     USAGE_EXIT,
@@ -74,8 +74,9 @@ def _finalize_wait() -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    if argv is None:  # the process's own command: few collector passes while it imports (mpitp.gcpolicy)
-        gcpolicy.start_up()
+    if argv is None:  # the process's own command: few collector passes while it imports (mpitp.gcpolicy), and
+        gcpolicy.start_up()  # what it never calls imported when first called (mpitp.importpolicy)
+        importpolicy.start_up()
     install_excepthook()
     register(cli)
     try:

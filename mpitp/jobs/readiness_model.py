@@ -121,14 +121,16 @@ def start_model_check(spec: CheckSpec) -> subprocess.Popen[str] | None:
 def model_check_child() -> None:
     """The child of :func:`start_model_check`: a :class:`CheckSpec` as JSON on stdin, :func:`check_model` under the
     same network guard, ``{"problems": [...], "tried": [...]}`` as the last line on stdout. A process of its own,
-    importing torch and transformers: the collector as the console command sets it (:mod:`mpitp.gcpolicy`)."""
+    importing torch and transformers: the collector and the deferred imports as the console command sets them
+    (:mod:`mpitp.gcpolicy`, :mod:`mpitp.importpolicy`)."""
     import json
     import sys
 
-    from mpitp import gcpolicy
+    from mpitp import gcpolicy, importpolicy
     from mpitp.jobs import readiness_cache
 
     gcpolicy.start_up()
+    importpolicy.start_up()
 
     fields = json.loads(sys.stdin.read())
     spec = CheckSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
