@@ -2,9 +2,9 @@
 
 Why: ``transformers.modeling_utils`` imports its table of losses (``transformers.loss.loss_utils``), and three of the
 object-detection losses in it bind ``scipy.optimize.linear_sum_assignment`` at module level. Importing
-``scipy.optimize`` costs every process 0.15-0.3 s on this project's 2-core VM (importing the modules a run needs:
-3.25-3.49 s with it, 3.09-3.18 s without; bench/README, issue 41), the largest share of a small launch's start-up
-that nothing in an evaluation of a language model calls; nothing else the run imports loads scipy.
+``scipy.optimize`` costs every process 0.1-0.3 s on this project's 2-core VM (importing the modules a run needs:
+3.25-3.49 s with it, 3.13-3.18 s without; bench/README, "Session 18"), the largest share of a small launch's
+start-up that nothing in an evaluation of a language model calls; nothing else a run imports loads it.
 
 So, for the process's own command only (:func:`start_up`, called beside :func:`mpitp.gcpolicy.start_up`), while
 ``transformers.loss.loss_utils`` executes, and only if nothing has imported ``scipy.optimize`` yet,
