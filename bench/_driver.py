@@ -68,6 +68,7 @@ def _patch_no_cache() -> None:
     def no_cache_model_generate(self, context, max_length, stop, **generation_kwargs):
         model = self.model
         generate = model.generate
+        own = vars(model).get("generate")  # mpitp's own per-row stops may have set one on the instance already
 
         def generate_without_cache(*args, **kwargs):
             kwargs["use_cache"] = False
@@ -76,8 +77,11 @@ def _patch_no_cache() -> None:
         model.generate = generate_without_cache
         try:
             return original(self, context, max_length, stop, **generation_kwargs)
-        finally:
-            del model.generate
+        finally:  # what was there before, not nothing: mpitp's block puts its own back after this
+            if own is None:
+                del model.generate
+            else:
+                model.generate = own
 
     HFLM._model_generate = no_cache_model_generate
 
