@@ -14,7 +14,8 @@ ran; ``+dirty`` marks uncommitted changes to tracked files.
 smallest workloads that still show each ratio. Timing ratios from one repetition on a shared machine are noisy (the
 README says how each was measured properly); the byte counts (``tp_*_bytes_per_token``) are exact in any mode.
 Without ``--quick``: every script with its own defaults, except those that need what this machine may lack (a GPU,
-an Open MPI installation), which are listed as skipped with the reason. The full run took 37 min on 2 cores.
+an Open MPI installation), which are listed as skipped with the reason. The full run took 49 min on 2 cores
+(2026-12-05).
 
 Each ratio with a target (:data:`GOALS`, the one place they are declared; bench/README's sections say why each is
 what it is) is printed with it and whether the run met it. ``--readme`` (a full run of every script only) then
