@@ -161,7 +161,7 @@ TARGETS: dict[str, Target] = _by_name((
            kind="read"),
     Target("torch", "torch.serialization", "_get_layout", TORCH, "mpitp.replica.dcp_read", kind="read"),
     Target(_TP, "transformers.modeling_utils", "safe_open", TRANSFORMERS, "mpitp.replica.loading", optional=True),
-    # scipy's optimiser, imported by the detection losses' module that loss_utils executes first: put off
+    # scipy's optimiser, bound at module level by transformers' detection losses: put off to its first call
     Target(_TP, "transformers.loss.loss_for_object_detection", "linear_sum_assignment", TRANSFORMERS,
            "mpitp.importpolicy", optional=True, kind="defer"),
     Target(_TP, "transformers.distributed.mixin", "apply_tensor_parallelism", TRANSFORMERS, "mpitp.replica.pipeline"),
