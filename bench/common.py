@@ -76,15 +76,19 @@ def bench_env(**extra) -> dict:
     return env
 
 
-def machine() -> str:
-    cpu = ""
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (empty where there is none)."""
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return ""
+
+
+def machine() -> str:
+    cpu = cpu_model()
     import torch  # noqa: PLC0415
 
     return (f"{platform.node()}: {os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}, "

@@ -220,11 +220,9 @@ def machine() -> str:
     import platform
     from importlib import metadata
 
-    cpu = "?"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from common import cpu_model  # bench/common.py: light at import (its machine() imports torch)
+
+    cpu = cpu_model() or "?"
     versions = []
     for dist in ("torch", "transformers", "lm_eval", "mpi4py", "mpich"):
         try:
