@@ -190,6 +190,11 @@ class Row:
         met = self.goal.met(self.value) if self.goal else None
         return "-" if met is None else ("met" if met else "MISSED")
 
+    @property
+    def judged(self) -> str:
+        """``target <= 0.6: met`` for a ratio with a target, else empty: how the printed lines say it."""
+        return f"target {self.goal}: {self.verdict}" if self.goal else ""
+
 
 def run(b: Bench, args: list[str], timeout: float, rev: str) -> list[Row]:
     """Run one script; returns its rows, printing each as it lands."""
@@ -210,7 +215,7 @@ def run(b: Bench, args: list[str], timeout: float, rev: str) -> list[Row]:
         return [Row(b.name, "FAILED", b.script, took)]
     rows = [Row(name, value, b.script, took) for name, value in found]
     for r in rows:
-        goal = f", target {r.goal}: {r.verdict}" if r.goal else ""
+        goal = f", {r.judged}" if r.goal else ""
         print(f"RATIO {r.name} {r.value}  ({b.script}, {rev}, {took:.0f} s{goal})", flush=True)
     return rows
 
@@ -322,7 +327,7 @@ def main() -> int:
           f"the end (1/5/15 min, {os.cpu_count()} cores)")
     for r in rows:
         took_s = "" if r.seconds is None else f", {r.seconds:.0f} s"
-        goal = f"   target {r.goal}: {r.verdict}" if r.goal else ""
+        goal = f"   {r.judged}" if r.goal else ""
         print(f"  {r.name:{width}s}  {r.value:>10s}   {r.script}{took_s}{goal}")
     for name, why in skipped:
         print(f"  {name:{width}s}  {'skipped':>10s}   {why}")

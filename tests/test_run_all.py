@@ -42,6 +42,11 @@ def _rows():
             Row("kill9", "TIMEOUT", "drill_kill9.py", None)]
 
 
+def test_a_row_says_its_target_and_verdict():
+    rows = _rows()
+    assert [r.judged for r in rows] == ["target >= 2: met", "target <= 0.6: MISSED", "", "target <= 0.6: -", ""]
+
+
 def test_the_block_says_each_verdict():
     block = run_all.readme_block(_rows(), [("gpu_drill", "no GPU on this machine")], "Full run at commit `abc`.")
     lines = block.splitlines()
