@@ -15,7 +15,8 @@ Where the difference comes from: lm-eval's TP model ends in transformers' ``colw
 every rank all-gathers the full [batch, 1024, 50257] float32 logits (206 MB per window) and computes a full
 log-softmax; mpitp scores only the target positions on each rank's vocabulary shard and combines 16 B per token.
 
-Last line: ``RATIO rolling_tp2 <lm_eval time / mpitp time>`` (median over repetitions of the paired ratio).
+Last lines: ``RATIO rolling_tp2 <lm_eval time / mpitp time>`` (median over repetitions of the paired ratio), then
+``RATIO rolling_tp2_peak_rss <mpitp's largest rank peak RSS / lm-eval's>`` (median over repetitions).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main() -> None:
     common.say(common.machine())
     common.say(f"model {model} ({common.n_params(model) / 1e6:.1f}M params), wikitext_local --limit {args.limit}, "
                f"batch size {args.batch_size}, tp=2")
-    rows, t_mpitp, t_lm, c_mpitp, c_lm = [], [], [], [], []
+    rows, t_mpitp, t_lm, c_mpitp, c_lm, rss = [], [], [], [], [], []
     metric = "word_perplexity,none"
     for rep in range(1, args.reps + 1):
         m = common.run_mpitp(2, model, "wikitext_local", tp=2, batch_size=args.batch_size, limit=args.limit,
@@ -43,6 +44,7 @@ def main() -> None:
         t_lm.append(ref["time_s"])
         c_mpitp.append(m["cpu_s"])
         c_lm.append(ref["cpu_s"])
+        rss.append(max(m["peak_rss_mb"]) / max(ref["peak_rss_mb"]))
         rows.append(common.run_row(rep, "mpitp tp=2 (mpiexec -n 2)", m))
         rows.append(common.run_row(rep, "lm_eval hf tp_plan=auto (torchrun x2)", ref))
         rows.append([rep, "  ratio lm_eval / mpitp", ref["time_s"] / m["time_s"], ref["cpu_s"] / m["cpu_s"],
@@ -60,6 +62,7 @@ def main() -> None:
     common.say(f"target: mpitp >= 1.5x faster: {'MET' if ratio >= 1.5 else 'MISSED'}")
     common.say(common.loadavg())
     common.say(f"RATIO rolling_tp2 {ratio:.3f}")
+    common.say(f"RATIO rolling_tp2_peak_rss {common.median(rss):.3f}")
 
 if __name__ == "__main__":
     main()

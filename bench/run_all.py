@@ -1,6 +1,7 @@
 """Every benchmark's headline ratio in one go, each printed with the commit it measured.
 
     python bench/run_all.py [--quick] [--only NAME,...] [--skip NAME,...] [--list] [--timeout S]
+    python bench/run_all.py --before DIR [--pairs N] [--only NAME,...]     # before/after, side by side
 
 Runs the ``bench/`` scripts one after another (each as its own process, the way bench/README.md runs it), collects
 the ``RATIO <name> <value>`` lines each ends with, and prints every ratio as it lands and a table at the end::
@@ -21,6 +22,13 @@ Each ratio with a target (:data:`GOALS`, the one place they are declared; bench/
 what it is) is printed with it and whether the run met it. ``--readme`` (a full run of every script only) then
 writes the table into bench/README.md, between the lines :data:`BEGIN` and :data:`END`, replacing the last run's:
 the README's headline figures are the output of one run, not copied by hand.
+
+``--before DIR`` (a copy of an earlier commit's ``mpitp/``: ``git archive <rev> mpitp | tar -x -C DIR``) measures
+that tree and this one in the same run, on the same machine and libraries: each script that can run another tree
+(``--tree``; :attr:`Bench.paired` holds its arguments for this) runs once per tree and pair, the two trees in turn
+and the order swapped from one pair to the next (before/after, then after/before), so neither tree always runs on a
+warmer or a busier machine. Each ratio is printed per run, then a table of both trees' medians with this tree's
+verdict: issue 41's "the table re-measured before and after on one quiet machine (both trees, alternating)".
 """
 
 from __future__ import annotations
@@ -103,6 +111,7 @@ class Bench:
     quick: list[str] | None = None  # None: not in --quick
     ranks: int = 0  # > 0: launched as ``mpiexec -n ranks python script`` (the script does not launch itself)
     needs: str | None = None  # why it may not run here: checked by ``available``
+    paired: list[str] | None = None  # its arguments under ``--before`` (it takes ``--tree``); None: not run then
 
     def available(self) -> str | None:
         """None when it can run here, else why not."""
@@ -122,22 +131,24 @@ class Bench:
 BENCHES = [
     Bench("tp_traffic", "bench_tp_traffic.py", quick=["--limit", "1", "--reps", "1"]),
     Bench("bcast", "bench_bcast.py", ranks=4, quick=["--sizes", "1,64", "--reps", "3,3"]),
-    Bench("rolling_tp2", "bench_rolling_tp2.py", quick=["--limit", "1", "--reps", "1"]),
+    Bench("rolling_tp2", "bench_rolling_tp2.py", quick=["--limit", "1", "--reps", "1"], paired=["--reps", "1"]),
     Bench("single_rank", "bench_single_rank.py", quick=["--limit", "10", "--reps", "1"]),
     Bench("writer", "bench_writer.py", quick=["--rows", "100000", "--chunks", "500", "--small-rows", "20000",
                                               "--small-chunks", "100", "--skip-eager"]),
-    Bench("launch", "bench_launch.py", quick=["--reps", "1", "--no-demo"]),
+    Bench("launch", "bench_launch.py", quick=["--reps", "1", "--no-demo"], paired=["--reps", "1"]),
     Bench("dp_scaling", "bench_dp_scaling.py"),
     Bench("generation", "bench_generation.py"),
-    Bench("gsm8k", "bench_gsm8k.py", quick=["--batch-sizes", "16", "--reps", "1", "--no-parity"]),
+    Bench("gsm8k", "bench_gsm8k.py", quick=["--batch-sizes", "16", "--reps", "1", "--no-parity"],
+          paired=["--reps", "1", "--no-parity"]),
     Bench("forward_limit", "bench_forward_limit.py",
           quick=["--layouts", "tp1,tp2", "--rolling-limit", "1", "--mc-limit", "8", "--gen-limit", "2",
-                 "--max-gen-toks", "8"]),
+                 "--max-gen-toks", "8"],
+          paired=[]),
     Bench("pp", "bench_pp.py"),
     Bench("auto_batch", "bench_auto_batch.py"),
     Bench("sweep", "bench_sweep.py"),
     Bench("adapters", "bench_adapters.py", full=["--limit", "20"]),  # as its section measures the target
-    Bench("scaling", "bench_scaling.py"),
+    Bench("scaling", "bench_scaling.py", paired=["--dp", "2"]),
     Bench("coordinator", "bench_coordinator.py"),
     Bench("memory", "bench_memory.py"),
     Bench("kill9", "drill_kill9.py"),
@@ -179,6 +190,7 @@ class Row:
     value: str
     script: str
     seconds: float | None
+    tree: str = ""  # under ``--before``: "before" or "after"
 
     @property
     def goal(self) -> Goal | None:
@@ -196,28 +208,54 @@ class Row:
         return f"target {self.goal}: {self.verdict}" if self.goal else ""
 
 
-def run(b: Bench, args: list[str], timeout: float, rev: str) -> list[Row]:
-    """Run one script; returns its rows, printing each as it lands."""
+def run(b: Bench, args: list[str], timeout: float, rev: str, tree: str = "") -> list[Row]:
+    """Run one script; returns its rows, printing each as it lands. ``tree``: the label of a ``--before`` run
+    (``rev`` then names the tree that ran)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = command(b, args)
-    print(f"[run_all] {b.name}: {' '.join(cmd)}  (load {loadavg()})", flush=True)
+    print(f"[run_all] {b.name}{f' ({tree})' if tree else ''}: {' '.join(cmd)}  (load {loadavg()})", flush=True)
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"RATIO {b.name} TIMEOUT  ({b.script}, {rev}, over {timeout:.0f} s)", flush=True)
-        return [Row(b.name, "TIMEOUT", b.script, None)]
+        return [Row(b.name, "TIMEOUT", b.script, None, tree)]
     took = time.perf_counter() - t0
     found = RATIO.findall(p.stdout)
     if p.returncode != 0 or not found:
         tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
         print(f"RATIO {b.name} FAILED  ({b.script}, {rev}, exit {p.returncode})\n{tail}", flush=True)
-        return [Row(b.name, "FAILED", b.script, took)]
-    rows = [Row(name, value, b.script, took) for name, value in found]
+        return [Row(b.name, "FAILED", b.script, took, tree)]
+    rows = [Row(name, value, b.script, took, tree) for name, value in found]
     for r in rows:
         goal = f", {r.judged}" if r.goal else ""
         print(f"RATIO {r.name} {r.value}  ({b.script}, {rev}, {took:.0f} s{goal})", flush=True)
     return rows
+
+
+def paired_table(rows: list[Row]) -> list[tuple[str, str, str, str]]:
+    """``--before``'s closing table: per ratio (in the order they first landed), the median of each tree's values
+    (``FAILED``/``TIMEOUT`` when a tree has none), and this tree's verdict against the target."""
+    from common import median  # bench/common.py
+
+    names = list(dict.fromkeys(r.name for r in rows))
+    table = []
+    for name in names:
+        cells = []
+        for tree in ("before", "after"):
+            values = [r.value for r in rows if r.name == name and r.tree == tree]
+            numbers = []
+            for v in values:
+                try:
+                    numbers.append(float(v.split()[0]))
+                except (ValueError, IndexError):
+                    continue
+            cells.append(f"{median(numbers):.4g}" if numbers else (values[-1] if values else "-"))
+        goal = GOALS.get(name)
+        verdict = "" if goal is None else f"target {goal}: " + {True: "met", False: "MISSED", None: "-"}[
+            goal.met(cells[1])]
+        table.append((name, cells[0], cells[1], verdict))
+    return table
 
 
 def machine() -> str:
@@ -281,6 +319,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=None, help="seconds per script (default 900 quick, 14400 full)")
     ap.add_argument("--readme", action="store_true",
                     help="write the table into bench/README.md (a full run of every script only)")
+    ap.add_argument("--before", metavar="DIR", help="an earlier commit's tree (DIR/mpitp): each script that takes "
+                    "--tree runs on it and on this one, in turn")
+    ap.add_argument("--pairs", type=int, default=1, help="with --before: runs per tree and script (default 1)")
     args = ap.parse_args()
     only = {x for x in args.only.split(",") if x}
     skip = {x for x in args.skip.split(",") if x}
@@ -294,6 +335,13 @@ def main() -> int:
             replace_block(README.read_text(encoding="utf-8"), BEGIN + END)
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
+    if args.before is not None:
+        if args.readme or args.quick:
+            ap.error("--before runs each script's own --before arguments: not with --readme or --quick")
+        if not Path(args.before, "mpitp", "__init__.py").is_file():
+            ap.error(f"--before {args.before}: no mpitp/ package in it (git archive <rev> mpitp | tar -x -C DIR)")
+        if args.pairs < 1:
+            ap.error(f"--pairs must be >= 1, got {args.pairs}")
     rev = commit()
     timeout = args.timeout or (900.0 if args.quick else 14400.0)
     chosen, skipped = [], []
@@ -303,11 +351,14 @@ def main() -> int:
         if args.quick and b.quick is None and not only:
             skipped.append((b.name, "not in --quick"))
             continue
+        if args.before is not None and b.paired is None:
+            skipped.append((b.name, "runs this tree only (no --tree)"))
+            continue
         why = b.available()
         if why:
             skipped.append((b.name, why))
             continue
-        chosen.append((b, (b.quick or []) if args.quick else b.full))
+        chosen.append((b, b.paired if args.before is not None else (b.quick or []) if args.quick else b.full))
     if args.list:
         for b, a in chosen:
             print(f"{b.name:12s} {' '.join(command(b, a))}")
@@ -319,6 +370,8 @@ def main() -> int:
           f"load {load0}", flush=True)
     t0 = time.perf_counter()
     rows: list[Row] = []
+    if args.before is not None:
+        return report_pairs(chosen, args, timeout, rev, skipped, t0)
     for b, a in chosen:
         rows.extend(run(b, a, timeout, rev))
     took = time.perf_counter() - t0
@@ -337,6 +390,30 @@ def main() -> int:
                   f"script's seconds include its lm-eval reference runs.")
         write_readme(readme_block(rows, skipped, header))
         print(f"[run_all] wrote the table into {README}")
+    return 1 if any(r.value in ("FAILED", "TIMEOUT") for r in rows) else 0
+
+
+def report_pairs(chosen, args, timeout: float, rev: str, skipped, t0: float) -> int:
+    """``--before``: every chosen script on both trees, in turn, the order swapped each pair; then both medians."""
+    before = str(Path(args.before).resolve())
+    rows: list[Row] = []
+    turn = 0
+    for b, a in chosen:
+        for _ in range(args.pairs):
+            order = ("before", "after") if turn % 2 == 0 else ("after", "before")
+            turn += 1
+            for tree in order:
+                extra, label = (["--tree", before], before) if tree == "before" else ([], rev)
+                rows.extend(run(b, [*a, *extra], timeout, label, tree))
+    print(f"\n[run_all] before {before} / after {rev}: {args.pairs} pair(s) per script in "
+          f"{time.perf_counter() - t0:.0f} s, load {loadavg()} at the end (1/5/15 min, {os.cpu_count()} cores)")
+    table = paired_table(rows)
+    width = max([len(t[0]) for t in table] + [5])
+    print(f"  {'ratio':{width}s}  {'before':>10s}  {'after':>10s}")
+    for name, b_value, a_value, verdict in table:
+        print(f"  {name:{width}s}  {b_value:>10s}  {a_value:>10s}   {verdict}")
+    for name, why in skipped:
+        print(f"  {name:{width}s}  {'skipped':>10s}   {why}")
     return 1 if any(r.value in ("FAILED", "TIMEOUT") for r in rows) else 0
 
 

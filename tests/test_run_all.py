@@ -81,3 +81,58 @@ def test_readme_is_refused_with_part_of_the_run():
         p = subprocess.run([sys.executable, str(REPO / "bench" / "run_all.py"), "--readme", *extra],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "not with --quick, --only or --skip" in p.stderr and "RATIO" not in p.stdout
+
+
+def test_paired_table_gives_both_trees_medians_and_the_verdict_of_this_one(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # run_all takes common.median from bench/common.py
+    Row = run_all.Row
+    rows = [Row("launch_alone_s", "4.1", "bench_launch.py", 40, "before"),
+            Row("launch_alone_s", "3.4", "bench_launch.py", 40, "after"),
+            Row("launch_alone_s", "3.6", "bench_launch.py", 40, "after"),
+            Row("launch_alone_s", "4.5", "bench_launch.py", 40, "before"),
+            Row("gsm8k_tp2", "0.80", "bench_gsm8k.py", 90, "before"),
+            Row("gsm8k_tp2", "FAILED", "bench_gsm8k.py", 9, "after"),
+            Row("writer_old_vs_new", "200 (x)", "bench_writer.py", 9, "after")]
+    assert run_all.paired_table(rows) == [
+        ("launch_alone_s", "4.3", "3.5", "target <= 3: MISSED"),
+        ("gsm8k_tp2", "0.8", "FAILED", "target <= 0.6: -"),
+        ("writer_old_vs_new", "-", "200", ""),
+    ]
+
+
+def test_before_runs_each_script_on_both_trees_in_turn(monkeypatch, tmp_path, capsys):
+    """``--before``: per script and pair one run per tree, the earlier tree through ``--tree``, the order swapped
+    from one pair to the next (so neither tree always goes first)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    calls = []
+
+    def fake_run(b, args, timeout, rev, tree=""):
+        calls.append((b.name, tree, args))
+        return [run_all.Row(f"{b.name}_ratio", "1.0" if tree == "after" else "2.0", b.script, 1.0, tree)]
+
+    monkeypatch.setattr(run_all, "run", fake_run)
+    a, b = (run_all.Bench(n, f"bench_{n}.py", paired=["--reps", "1"]) for n in ("a", "b"))
+    args = type("Args", (), {"before": str(tmp_path), "pairs": 2})
+    assert run_all.report_pairs([(a, a.paired), (b, b.paired)], args, 60, "abc1234", [], 0.0) == 0
+    tree = ["--reps", "1", "--tree", str(tmp_path.resolve())]
+    assert calls == [("a", "before", tree), ("a", "after", ["--reps", "1"]),
+                     ("a", "after", ["--reps", "1"]), ("a", "before", tree),
+                     ("b", "before", tree), ("b", "after", ["--reps", "1"]),
+                     ("b", "after", ["--reps", "1"]), ("b", "before", tree)]
+    out = capsys.readouterr().out
+    assert re.search(r"a_ratio +2 +1\b", out) and re.search(r"b_ratio +2 +1\b", out)
+
+
+def test_before_is_refused_without_a_tree_or_with_the_readme(tmp_path):
+    script = str(REPO / "bench" / "run_all.py")
+    (tmp_path / "mpitp").mkdir()
+    (tmp_path / "mpitp" / "__init__.py").write_text("")
+    for argv, says in ((["--before", str(tmp_path / "none")], "no mpitp/ package in it"),
+                       (["--before", str(tmp_path), "--readme"], "not with --readme or --quick"),
+                       (["--before", str(tmp_path), "--pairs", "0"], "--pairs must be >= 1")):
+        p = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and says in p.stderr and "RATIO" not in p.stdout, p.stderr
+    listed = subprocess.run([sys.executable, script, "--before", str(tmp_path), "--list"], capture_output=True,
+                            text=True, timeout=60).stdout
+    ran = [line.split()[0] for line in listed.splitlines() if "skipped" not in line]
+    assert ran == [b.name for b in run_all.BENCHES if b.paired is not None] and "launch" in ran
