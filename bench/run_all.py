@@ -366,7 +366,8 @@ def main() -> int:
             print(f"{name:12s} skipped: {why}")
         return 0
     load0, began = loadavg(), time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    print(f"[run_all] commit {rev}, {'quick' if args.quick else 'full'} mode, {os.cpu_count()} cores, "
+    mode = f"before ({args.before}) / after" if args.before is not None else "quick" if args.quick else "full"
+    print(f"[run_all] commit {rev}, {mode} mode, {os.cpu_count()} cores, "
           f"load {load0}", flush=True)
     t0 = time.perf_counter()
     rows: list[Row] = []
