@@ -60,6 +60,31 @@ def test_listed_generator_source_counts_and_copies_too():
     assert [d["xs"] for d in docs] == [[i, i + 1] for i in range(5)] and source.produced == 5
 
 
+def test_listed_reads_a_plain_arrow_split_a_slice_at_a_time():
+    """The same documents as arrow's row-by-row reading, in the same order (nested features, gaps, a selection), read
+    64 rows at first and then in growing slices; a split whose features decode, or a formatted view, row by row."""
+    from itertools import islice
+
+    import datasets
+
+    from mpitp.evaluation.eval_docs import _Listed
+
+    rows = [{"q": f"q{i}", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "n": i, "xs": [i, None],
+             "none": None} for i in range(300)]
+    ds = datasets.Dataset.from_list(rows)
+    docs = _Listed(ds)
+    assert [d["q"] for d in islice(docs, 3)] == ["q0", "q1", "q2"] and len(docs._items) == 64
+    assert list(docs) == list(ds) == rows and len(docs._items) == 300
+    picked = ds.select([250, 3, 299, 64, 0])
+    assert list(_Listed(picked)) == list(picked) == [rows[i] for i in (250, 3, 299, 64, 0)]
+    numpy_view = _Listed(ds.with_format("numpy"))
+    next(iter(numpy_view))
+    assert len(numpy_view._items) == 1  # a formatted view reads its own way, row by row
+    img = datasets.Dataset.from_dict({"im": [None, None]}, features=datasets.Features({"im": datasets.Image()}))
+    images = _Listed(img)
+    assert next(iter(images)) == {"im": None} and len(images._items) == 1
+
+
 def _run(include_path, tasks, listed: bool):
     import contextlib
 

@@ -8,6 +8,11 @@ while every DP group waits. Inside :func:`listed_once` a task's documents are pr
 ``--limit 10`` run of a large split decodes ten of them, not the split): the same documents, in the same order. Each
 pass still gets documents of its own, as from arrow (a structural copy, much cheaper than decoding), so a task's
 function that edits a document in place sees the same input on every pass as without this block.
+
+A split whose features need no decoding (text, numbers, lists) is read from arrow a slice at a time (64 rows, then
+twice as many each time up to 4096) instead of row by row: the same dicts, about 20x faster. The row-by-row read was
+0.6-0.7 s of full hellaswag's metrics phase on rank 0 (a run whose requests come from lm-eval's request cache reads
+the documents there first), while every DP group waits.
 """
 
 from __future__ import annotations
@@ -52,10 +57,10 @@ class _Listed:
 
     def _fill(self, n: int | None) -> None:
         if self._iter is None:
-            self._iter = iter(self._source)
+            self._iter = _slices(self._source)
         while n is None or len(self._items) < n:
             try:
-                self._items.append(next(self._iter))
+                self._items.extend(next(self._iter))
             except StopIteration:
                 self._iter = iter(())
                 return
@@ -98,20 +103,43 @@ def listed_once() -> Iterator[None]:
         yield
 
 
-def _plain_list(docs):
-    """``docs`` as a list of the same dicts when it is a ``datasets.Dataset`` whose features need no decoding (text,
-    numbers, lists: one arrow conversion, about 20x faster than decoding row by row: 0.01 s against 0.2 s for
-    arc_easy's 2,251 training rows); anything else (images, audio, a task's own list) as it is."""
+def _plain_arrow(docs) -> bool:
+    """Whether ``docs`` is a ``datasets.Dataset`` whose rows read in bulk are the dicts it gives row by row: no
+    format set (a formatted view, numpy ..., reads its own way), no feature that decodes (images, audio), a column."""
     try:
         from datasets import Dataset
         from datasets.features.features import require_decoding
     except ImportError:  # pragma: no cover - lm-eval requires datasets
-        return docs
-    if type(docs) is not Dataset or docs.format["type"] is not None:  # a formatted view (numpy ...) reads its own way
-        return docs
-    if any(require_decoding(feature) for feature in docs.features.values()):
-        return docs
-    return docs.to_list()
+        return False
+    return (type(docs) is Dataset and docs.format["type"] is None and len(docs.column_names) > 0
+            and not any(require_decoding(feature) for feature in docs.features.values()))
+
+
+#: rows :func:`_slices` reads from arrow at once: the first slice (a ``--limit 10`` run decodes 64, not the split),
+#: doubled each time up to the last
+_SLICES = (64, 4096)
+
+
+def _slices(docs) -> Iterator[list]:
+    """The rows of ``docs`` in order, in lists: a :func:`_plain_arrow` dataset's a slice at a time, anything else's
+    one row each, as it iterates."""
+    if not _plain_arrow(docs):
+        yield from ([row] for row in docs)
+        return
+    size, start, n = _SLICES[0], 0, len(docs)
+    while start < n:
+        columns = docs[start:start + size]
+        names = list(columns)
+        yield [dict(zip(names, values)) for values in zip(*columns.values())]
+        start += size
+        size = min(2 * size, _SLICES[1])
+
+
+def _plain_list(docs):
+    """``docs`` as a list of the same dicts when it is a :func:`_plain_arrow` dataset (one arrow conversion, about
+    20x faster than decoding row by row: 0.01 s against 0.2 s for arc_easy's 2,251 training rows); anything else
+    (images, audio, a task's own list) as it is."""
+    return docs.to_list() if _plain_arrow(docs) else docs
 
 
 @contextlib.contextmanager
