@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpitp.evaluation.dispatch import make_chunks, prefetch_order
+from mpitp.evaluation.dispatch import make_chunks, prefetch_order, refill_now
 
 
 @pytest.mark.parametrize("n,groups,batch", [(1, 4, 1), (7, 2, 1), (100, 4, 4), (333, 3, 8), (50, 1, 16)])
@@ -116,3 +116,11 @@ def test_rolling_windows_reassemble_per_request(seed):
 ])
 def test_prefetch_leaves_rank_0s_group_a_chunk(chunks, groups, prefetch, order):
     assert prefetch_order(chunks, groups, prefetch) == order
+
+
+def test_a_remote_group_is_refilled_ahead_only_while_chunks_are_plenty():
+    """Prefetched while more chunks are left than groups; on the last ones a group holding a chunk gets no second one
+    (rank 0's group takes it instead of idling at the end), a group holding none gets the next at once."""
+    assert refill_now(left=5, n_groups=2, holding=1) and refill_now(left=3, n_groups=2, holding=1)
+    assert not refill_now(left=2, n_groups=2, holding=1) and not refill_now(left=1, n_groups=4, holding=1)
+    assert refill_now(left=2, n_groups=2, holding=0) and refill_now(left=1, n_groups=2, holding=0)
