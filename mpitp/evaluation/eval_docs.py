@@ -5,14 +5,14 @@ run the task's ``process_docs`` (a ``datasets.map`` over the whole split, e.g. h
 dataset whose every iteration decodes each row into a new dict again. ``simple_evaluate`` reads it several times on
 global rank 0: to count documents, to build the requests and again to compute the metrics after the last request,
 while every DP group waits. Inside :func:`listed_once` a task's documents are produced once and kept, lazily (a
-``--limit 10`` run of a large split decodes ten of them, not the split): the same documents, in the same order. Each
+``--limit 10`` run of a large split decodes its first slice, not the split): the same documents, in the same order. Each
 pass still gets documents of its own, as from arrow (a structural copy, much cheaper than decoding), so a task's
 function that edits a document in place sees the same input on every pass as without this block.
 
 A split whose features need no decoding (text, numbers, lists) is read from arrow a slice at a time (64 rows, then
-twice as many each time up to 4096) instead of row by row: the same dicts, about 20x faster. The row-by-row read was
-0.6-0.7 s of full hellaswag's metrics phase on rank 0 (a run whose requests come from lm-eval's request cache reads
-the documents there first), while every DP group waits.
+twice as many each time up to 4096) instead of row by row: the same dicts, about 10x faster (hellaswag's 10,042
+documents: 0.035 s against 0.35 s). The row-by-row read was most of full hellaswag's metrics phase on rank 0 (a run
+whose requests come from lm-eval's request cache reads the documents there first), while every DP group waits.
 """
 
 from __future__ import annotations
