@@ -4,7 +4,8 @@
     python bench/run_all.py --before DIR [--pairs N] [--only NAME,...]     # before/after, side by side
 
 Runs the ``bench/`` scripts one after another (each as its own process, the way bench/README.md runs it), collects
-the ``RATIO <name> <value>`` lines each ends with, and prints every ratio as it lands and a table at the end::
+the ``RATIO <name> <value>`` lines each ends with, and prints every ratio as it lands and a table at the end (each
+script's whole output is kept under ``bench/.cache/run_all/``, its path printed)::
 
     RATIO tp_all_bytes_per_token 42.15  (bench_tp_traffic, <commit>, 73 s)
 
@@ -46,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 README = BENCH / "README.md"
+#: each script's whole output, one file per run (the lines besides its ``RATIO`` ones: phases, per-group busy ...)
+LOGS = BENCH / ".cache" / "run_all"
 RATIO = re.compile(r"^RATIO (\S+) (.+)$", re.M)
 #: the lines around the block ``--readme`` writes in bench/README.md
 BEGIN = "<!-- run_all.py --readme writes from here to its end line: edits in between are lost -->"
@@ -221,6 +224,7 @@ def run(b: Bench, args: list[str], timeout: float, rev: str, tree: str = "") -> 
         print(f"RATIO {b.name} TIMEOUT  ({b.script}, {rev}, over {timeout:.0f} s)", flush=True)
         return [Row(b.name, "TIMEOUT", b.script, None, tree)]
     took = time.perf_counter() - t0
+    print(f"[run_all] {b.name}'s output: {keep_log(b, tree, p.stdout, p.stderr)}", flush=True)
     found = RATIO.findall(p.stdout)
     if p.returncode != 0 or not found:
         tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
@@ -231,6 +235,15 @@ def run(b: Bench, args: list[str], timeout: float, rev: str, tree: str = "") -> 
         goal = f", {r.judged}" if r.goal else ""
         print(f"RATIO {r.name} {r.value}  ({b.script}, {rev}, {took:.0f} s{goal})", flush=True)
     return rows
+
+
+def keep_log(b: Bench, tree: str, stdout: str, stderr: str) -> Path:
+    """Write a script's output to :data:`LOGS` (``<name>[-<tree>]-<UTC time>-<pid>.log``); returns the path."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    path = LOGS / f"{b.name}{f'-{tree}' if tree else ''}-{stamp}-{os.getpid()}.log"
+    path.write_text(stdout + (f"\n--- stderr ---\n{stderr}" if stderr else ""), encoding="utf-8")
+    return path
 
 
 def paired_table(rows: list[Row]) -> list[tuple[str, str, str, str]]:

@@ -136,3 +136,16 @@ def test_before_is_refused_without_a_tree_or_with_the_readme(tmp_path):
                             text=True, timeout=60).stdout
     ran = [line.split()[0] for line in listed.splitlines() if "skipped" not in line]
     assert ran == [b.name for b in run_all.BENCHES if b.paired is not None] and "launch" in ran
+
+
+def test_a_scripts_whole_output_is_kept(tmp_path, monkeypatch, capsys):
+    """Beside its RATIO lines, a script's other lines (phases, per-group busy) land in a log whose path is printed."""
+    script = tmp_path / "bench_tiny.py"
+    script.write_text("import sys\nprint('group 0 busy 1.5 s')\nprint('RATIO tiny 0.5')\n"
+                      "print('warn', file=sys.stderr)\n")
+    monkeypatch.setattr(run_all, "LOGS", tmp_path / "logs")
+    rows = run_all.run(run_all.Bench("tiny", str(script)), [], 60, "abc1234", "after")
+    assert [(r.name, r.value, r.tree) for r in rows] == [("tiny", "0.5", "after")]
+    logs = list((tmp_path / "logs").glob("tiny-after-*.log"))
+    assert len(logs) == 1 and str(logs[0]) in capsys.readouterr().out
+    assert logs[0].read_text().splitlines() == ["group 0 busy 1.5 s", "RATIO tiny 0.5", "", "--- stderr ---", "warn"]
