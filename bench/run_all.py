@@ -264,10 +264,7 @@ def paired_table(rows: list[Row]) -> list[tuple[str, str, str, str]]:
                 except (ValueError, IndexError):
                     continue
             cells.append(f"{median(numbers):.4g}" if numbers else (values[-1] if values else "-"))
-        goal = GOALS.get(name)
-        verdict = "" if goal is None else f"target {goal}: " + {True: "met", False: "MISSED", None: "-"}[
-            goal.met(cells[1])]
-        table.append((name, cells[0], cells[1], verdict))
+        table.append((name, cells[0], cells[1], Row(name, cells[1], "", None).judged))
     return table
 
 

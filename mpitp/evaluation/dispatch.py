@@ -139,7 +139,6 @@ class Dispatcher:
         chunks = make_chunks(kind, items, weights, self.n_groups, per_group, min_items=self.batch_size)
         results: list = [None] * len(items)
         queue = deque(chunks)
-        outstanding = 0
 
         def land(c: Chunk, res: list, busy_s: float | None = None) -> None:
             self.requests.landed(c.cid, [owners[i] for i in c.indices] if owners else [None] * len(c.indices), res,
@@ -151,11 +150,10 @@ class Dispatcher:
                 on_chunk(c.indices, res)
 
         by_cid = {c.cid: c for c in chunks}
-        held: dict[int, int] = {}  # chunk id -> the remote group it was sent to, until its results land
+        held: dict[int, int] = {}  # chunk id -> the remote group it was sent to, until its results land: in flight
         sends: list = []
 
         def send_next(dest: int) -> bool:
-            nonlocal outstanding
             if not queue:
                 return False
             c = queue.popleft()
@@ -164,12 +162,10 @@ class Dispatcher:
             self.requests.sent(c.cid, dest)
             held[c.cid] = dest
             sends.append(pending)
-            outstanding += 1
             self.handed_out += len(c.indices)
             return True
 
         def receive(block: bool) -> bool:
-            nonlocal outstanding
             if block:
                 got = mpicomm.recv_obj(self.comm, tag=TAG_RESULT, timeout=self.timeout,
                                        phase=f"waiting for {kind} results from DP groups")
@@ -178,7 +174,6 @@ class Dispatcher:
                 if got is None:
                     return False
             (_, cid, res, *busy), src, _ = got  # busy: the group's compute seconds for the chunk
-            outstanding -= 1
             del held[cid]
             if refill_now(len(queue), self.n_groups, sum(d == src for d in held.values())):
                 send_next(src)  # the group's next chunk first: recording this one must not keep it waiting
@@ -192,7 +187,7 @@ class Dispatcher:
 
         for dest in prefetch_order(len(queue), self.n_groups, self.prefetch):
             send_next(dest)
-        while queue or outstanding:
+        while queue or held:
             tick()
             if queue:
                 c = queue.popleft()
@@ -200,7 +195,7 @@ class Dispatcher:
                 self.requests.sent(c.cid, 0)
                 land(c, self.compute(c.kind, c.items, tick))
                 testing.stall("between_chunks")
-            elif outstanding:
+            elif held:
                 receive(block=True)
         for s in sends:
             s.wait(self.timeout, "handing out chunks")
