@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -49,7 +50,10 @@ CHILD = textwrap.dedent("""
     path, resume, snap = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3])
     w = ResultWriter(path, META, resume=resume, snapshot_interval_s=snap)
     have = {{k[1] for k in w.stored_rows()}}
-    print("started", len(have), flush=True)
+    def say(line):  # one write per whole line, so a kill cannot leave "durable" without its number
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
+    say(f"started {{len(have)}}")
     for c in range(CHUNKS):
         todo = {{t: [r for r in rs if r["doc_id"] not in have] for t, rs in rows_of(c).items()}}
         if not any(todo.values()):
@@ -58,10 +62,10 @@ CHILD = textwrap.dedent("""
             w.append(t, rs)
         if c % 5 == 0:
             w.flush()
-            print("durable", c, flush=True)
+            say(f"durable {{c}}")
         time.sleep(0.002)
     w.finish({{"results": {{}}}}, 1.0)
-    print("done", flush=True)
+    say("done")
 """)
 
 
@@ -126,9 +130,12 @@ def test_sigkill_at_random_instants_leaves_a_readable_file_and_resume_completes(
                     break
             time.sleep(rng.uniform(0.0, 0.05))
         child.send_signal(signal.SIGKILL)
-        out, err = child.communicate(timeout=60)
-        lines += out.splitlines()
-        durable = [int(line.split()[1]) for line in lines if line.startswith("durable")]
+        child.wait(timeout=60)
+        # the rest through the same reader (communicate would bypass what readline already buffered); only whole
+        # lines count: a line cut by the kill says nothing about what was flushed
+        lines += child.stdout.read().splitlines(keepends=True)
+        child.stderr.read()
+        durable = [int(m[1]) for line in lines if (m := re.fullmatch(r"durable (\d+)\n", line))]
         if not path.exists():
             report.append(f"kill {attempt}: before the first snapshot")
             continue
