@@ -66,3 +66,28 @@ def test_any_other_name_asked_of_the_stand_in_is_the_real_modules():
         "print(real.dumps(dict(forwarded=forwarded, loads=loads('[3]'), same=loads is sys.modules['json'].loads,\n"
         "                      gone=sys.modules['json'] is not stand_in)))\n")
     assert got == {"forwarded": "[1, 2]", "loads": [3], "same": True, "gone": True}
+
+
+_MODELS = (
+    "import json, sys\n"
+    "import transformers.models, transformers.modeling_utils\n"
+    "import transformers.utils.import_utils as iu\n"
+    "lazy = sys.modules['transformers.models']\n"
+    "scan = iu.create_import_structure_from_path\n"
+    "print(json.dumps(dict(misses=scan.cache_info().misses, hits=scan.cache_info().hits,\n"
+    "                      restored=hasattr(scan, 'cache_info') and scan.__module__ == iu.__name__,\n"
+    "                      finders=[type(f).__module__ for f in sys.meta_path],\n"
+    "                      names=sorted(lazy._class_to_module.items()), modules=sorted(lazy._modules))))\n")
+
+
+def test_transformers_scans_its_model_folders_once_and_builds_the_same_table():
+    """``import transformers`` and ``transformers.models`` each read every model file for their lazy tables; under
+    the policy the second is the first's (one cache hit, half the misses), the table of names the same as without
+    it, the scanning function transformers' own again afterwards and the finder gone."""
+    with_policy = _python("from mpitp import importpolicy\nimportpolicy.start_up()\n" + _MODELS)
+    without = _python(_MODELS)
+    assert without["hits"] == 0 and with_policy["hits"] == 1
+    assert with_policy["misses"] * 2 <= without["misses"] + 2, (with_policy["misses"], without["misses"])
+    assert with_policy["names"] == without["names"] and len(without["names"]) > 1000
+    assert with_policy["modules"] == without["modules"]
+    assert with_policy["restored"] and "mpitp.importpolicy" not in with_policy["finders"]

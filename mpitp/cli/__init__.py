@@ -2,8 +2,10 @@
 
 One module per command (``check``: check and prefetch, ``evaluate``: eval, ``run``, ``submit``, ``inspect``,
 ``info``, ``tasks``, ``rescore``, ``report``), each a thin click layer over library code that imports the heavy
-libraries (torch, lm-eval, h5py) only when it runs, so that ``mpitp --help`` stays fast. :func:`register` adds them
-to the group; an import error there is a bug and surfaces as one, not as a missing command.
+libraries (torch, lm-eval, h5py) only when it runs, so that ``mpitp --help`` stays fast. The group imports a
+command's module when the command is asked for (:data:`COMMANDS`, click's lazy group): ``mpitp eval`` on every rank
+does not import ``submit``'s templates and YAML (60 ms); an import error there is a bug and surfaces as one (in
+``mpitp --help`` too), not as a missing command.
 
 ``main`` is the failure boundary: a :class:`UsageError` becomes one line on rank 0 and exit status 2 on every rank;
 any other exception on any rank is printed once with its rank and aborts the whole MPI job.
@@ -15,6 +17,7 @@ from mpitp.parallel.walltime import finished, listen_early
 
 listen_early()  # first of all, before numpy and MPI load: a walltime signal while a rank starts must not be lost
 
+import importlib  # noqa: E402
 import sys  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
@@ -38,27 +41,38 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+#: each subcommand -> (the module defining it, the command's name there); imported when the command is asked for
+COMMANDS: dict[str, tuple[str, str]] = {
+    "check": ("mpitp.cli.check", "check_command"),
+    "eval": ("mpitp.cli.evaluate", "eval_command"),
+    "info": ("mpitp.cli.info", "info_command"),
+    "inspect": ("mpitp.cli.inspect", "inspect_command"),
+    "prefetch": ("mpitp.cli.check", "prefetch_command"),
+    "report": ("mpitp.cli.report", "report_command"),
+    "rescore": ("mpitp.cli.rescore", "rescore_command"),
+    "run": ("mpitp.cli.run", "run_command"),
+    "submit": ("mpitp.cli.submit", "submit_command"),
+    "tasks": ("mpitp.cli.tasks", "tasks_command"),
+}
+
+
+class _Commands(click.Group):
+    """:data:`COMMANDS`, each imported when asked for (``mpitp --help`` lists them alphabetically)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, name = COMMANDS[cmd_name]
+        return getattr(importlib.import_module(module), name)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mpitp")
 def cli() -> None:
     """Evaluate Hugging Face models on lm-eval tasks under MPI: TP inside DP groups, results in HDF5."""
-
-
-def register(group: click.Group) -> None:
-    """Add every subcommand to ``group`` (``mpitp --help`` lists them alphabetically)."""
-    from mpitp.cli.check import check_command, prefetch_command
-    from mpitp.cli.evaluate import eval_command
-    from mpitp.cli.info import info_command
-    from mpitp.cli.inspect import inspect_command
-    from mpitp.cli.report import report_command
-    from mpitp.cli.rescore import rescore_command
-    from mpitp.cli.run import run_command
-    from mpitp.cli.submit import submit_command
-    from mpitp.cli.tasks import tasks_command
-
-    for command in (check_command, prefetch_command, eval_command, info_command, run_command, tasks_command,
-                    submit_command, rescore_command, inspect_command, report_command):
-        group.add_command(command)
 
 
 def _finalize_wait() -> float:
@@ -78,7 +92,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         gcpolicy.start_up()  # what it never calls imported when first called (mpitp.importpolicy)
         importpolicy.start_up()
     install_excepthook()
-    register(cli)
     try:
         hooks()  # MPITP_TEST_* read on every rank before any work: a malformed one is one usage error, together
         # click's and Python's internals mpitp reaches (already imported: microseconds); lm-eval's, transformers' and
