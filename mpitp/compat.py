@@ -73,7 +73,7 @@ KINDS = {
     "source": "its source read as syntax (forward_tree)",
     "defer": "a name it imports at module level, bound to a stand-in that imports the real one on first use "
              "(mpitp.importpolicy)",
-    "reuse": "a cached function asked, while one module executes, with the key the library filled already "
+    "reuse": "a cached function answered, while the library imports, with what it computed before "
              "(mpitp.importpolicy)",
 }
 
@@ -166,7 +166,9 @@ TARGETS: dict[str, Target] = _by_name((
     # scipy's optimiser, bound at module level by transformers' detection losses: put off to its first call
     Target(_TP, "transformers.loss.loss_for_object_detection", "linear_sum_assignment", TRANSFORMERS,
            "mpitp.importpolicy", optional=True, kind="defer"),
-    # the scan of transformers' model folders, made by `import transformers`, reused by `transformers.models`
+    # requests, imported by lm-eval's utilities for its API models: put off to the first name read of it
+    Target("lm-eval", "lm_eval.utils", "requests", LM_EVAL, "mpitp.importpolicy", optional=True, kind="defer"),
+    # the scan of transformers' model folders: kept in this user's cache, reused by `transformers.models`
     Target(_TP, "transformers.utils.import_utils", "create_import_structure_from_path", TRANSFORMERS,
            "mpitp.importpolicy", optional=True, kind="reuse"),
     Target(_TP, "transformers.distributed.mixin", "apply_tensor_parallelism", TRANSFORMERS, "mpitp.replica.pipeline"),

@@ -1,7 +1,8 @@
 """What the console command's imports cost and a run never uses, saved: scipy's optimiser under transformers'
-detection losses put off to its first call, and transformers' scan of its model folders done once, not twice.
+detection losses and lm-eval's ``requests`` put off to their first use, and transformers' scan of its model folders
+done once, not twice.
 
-Why: a small launch's start-up is imports (bench/README, "Session 16"), every rank's. Two shares of them compute
+Why: a small launch's start-up is imports (bench/README, "Session 16"), every rank's. Three shares of them compute
 nothing an evaluation needs:
 
 - ``transformers.modeling_utils`` imports its table of losses (``transformers.loss.loss_utils``), and three of the
@@ -12,25 +13,35 @@ nothing an evaluation needs:
   calls the real function on its first call. Any other name asked of the stand-in (a release that imports more from
   it) imports the real module then and there and hands back the real attribute, so the deferral can be slower than
   planned but never wrong. Once that module has executed (or failed), the stand-in is taken out of ``sys.modules``.
-- ``import transformers`` reads every file under ``transformers/models`` (``define_import_structure`` of the folder,
-  0.25 s here) for its lazy table of names, and ``transformers.models``, imported by the auto classes, reads them
-  all again: its ``__init__`` asks for the same folder by its ``__init__.py``, a different key of the same
-  ``lru_cache`` (``create_import_structure_from_path(path)``, whose first step is ``dirname`` of a file). While that
-  package executes, the function answers a file's path with its folder's, spelt as the first import spelt it (a
-  ``Path``); a release that spells it otherwise scans again, as without the policy (bench/README, "Session 20").
+  The same for ``requests`` (with ``chardet``, 0.06-0.09 s), which ``lm_eval.utils`` imports at module level for
+  its API models' HTTP sessions and reads only when one is made: no name of it is bound at import.
+- ``import transformers`` reads every file under ``transformers/models`` (``create_import_structure_from_path`` of
+  the folder, 0.25-0.35 s here) for its lazy table of names, and ``transformers.models``, imported by the auto
+  classes, reads them all again: its ``__init__`` asks for the same folder by its ``__init__.py``, a different key
+  of the same ``lru_cache``. From the end of ``transformers.utils.import_utils``'s execution to the end of
+  ``transformers``' own, the scan of the model folder is read from this user's cache (``<mpitp cache>/import-scan``,
+  ``MPITP_IMPORT_CACHE=DIR`` moves it, ``=0`` turns it off) where it was kept by an earlier process, or made and kept
+  there: keyed by the folder, the name, size and modification time of every file and folder under it and the
+  scanning module's own file (45 ms to compute; a model added or edited, or another transformers, is a new key),
+  every type checked on reading, and believed only from a file of this user's alone (the names it holds are the
+  modules ``transformers.X`` imports). While ``transformers.models`` executes, its own scan is that one.
+  bench/README, "Session 20".
 
-Each is confined to the execution of the one module it covers (:data:`COVERED`), for the process's own command only
-(:func:`start_up`, called beside :func:`mpitp.gcpolicy.start_up`): afterwards the module's loader is its own again,
+Each is confined to the execution of the modules it covers (:data:`COVERED`), for the process's own command only
+(:func:`start_up`, called beside :func:`mpitp.gcpolicy.start_up`): afterwards a module's loader is its own again,
 what was replaced is put back, and the finder that did this leaves ``sys.meta_path`` once every covered module has
-executed. All that stays is the forwarding function bound in transformers' loss modules and one more entry in
-transformers' own cache. ``mpitp.compat`` lists both (kind ``defer`` and ``reuse``).
+been found. All that stays is the forwarding function bound in transformers' loss modules and the stand-in bound as
+``lm_eval.utils.requests`` (the real module's names, imported on the first read). ``mpitp.compat`` lists them (kind
+``defer`` and ``reuse``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.abc
+import logging
 import os
 import sys
 import types
@@ -43,12 +54,20 @@ from mpitp import compat
 #: module whose execution the stand-in covers -> (the module put off, the names it forwards)
 DEFERRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "transformers.loss.loss_utils": ("scipy.optimize", ("linear_sum_assignment",)),
+    "lm_eval.utils": ("requests", ()),  # for lm-eval's API models' HTTP sessions: every name read when called
 }
-#: the package whose execution scans its folder again -> the scanning function (its :mod:`mpitp.compat` target)
-REUSED: dict[str, str] = {
-    "transformers.models": "transformers.utils.import_utils.create_import_structure_from_path",
-}
-COVERED = (*DEFERRED, *REUSED)
+#: transformers' scan of a package's folder (its :mod:`mpitp.compat` target), and the modules whose execution it
+#: covers: once the first has executed, the scan of the model folders is read from this user's cache or made and
+#: kept there until the second (the package) has executed; the third asks for the same folder again
+SCAN = "transformers.utils.import_utils.create_import_structure_from_path"
+KEEPS, KEPT_UNTIL, REUSES = "transformers.utils.import_utils", "transformers", "transformers.models"
+COVERED = (*DEFERRED, KEEPS, KEPT_UNTIL, REUSES)
+#: the kept scan's format (a new one: every kept file is stale) and the bound on its size
+FORMAT, MAX_BYTES = 1, 8 << 20
+
+log = logging.getLogger("mpitp")
+_scans: dict[str, Any] = {}  # the model folder -> its scan, kept or made while this process imported transformers
+_held = contextlib.ExitStack()  # the scan replaced from KEEPS's execution to the end of KEPT_UNTIL's
 
 
 def _real(module: str) -> types.ModuleType:
@@ -95,27 +114,161 @@ def _stand_in(deferred: str, names: tuple[str, ...]) -> Iterator[None]:
             del sys.modules[deferred]
 
 
+def _folder(module_path) -> str:
+    """The folder a scan of ``module_path`` reads (its first step: a file's folder), resolved."""
+    path = os.fspath(module_path)
+    return os.path.realpath(os.path.dirname(path) if os.path.isfile(path) else path)
+
+
+def _encode(node: dict) -> list:
+    """A scan as JSON: each entry ``["d", folder, scan]`` or ``["b", backends, [[module, names], ...]]``, in order."""
+    return [["d", k, _encode(v)] if isinstance(k, str) else ["b", sorted(k), [[m, sorted(n)] for m, n in v.items()]]
+            for k, v in node.items()]
+
+
+def _strs(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("not a list of names")
+    return value
+
+
+def _decode(entries: Any, depth: int = 0) -> dict:
+    """:func:`_encode` undone, every type checked (ValueError on anything else: the file is not believed)."""
+    if not isinstance(entries, list) or depth > 16:
+        raise ValueError("not a scan")
+    node: dict = {}
+    for entry in entries:
+        if isinstance(entry, list) and len(entry) == 3 and entry[0] == "d" and isinstance(entry[1], str):
+            node[entry[1]] = _decode(entry[2], depth + 1)
+        elif isinstance(entry, list) and len(entry) == 3 and entry[0] == "b" and isinstance(entry[2], list):
+            modules = {}
+            for pair in entry[2]:
+                if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
+                    raise ValueError("not a module's names")
+                modules[pair[0]] = set(_strs(pair[1]))
+            node[frozenset(_strs(entry[1]))] = modules
+        else:
+            raise ValueError("not a scan entry")
+    return node
+
+
+def _key(folder: str, scanner: str) -> list:
+    """What the scan depends on: every file and folder under ``folder`` (name, size, modification time) and the
+    scanning module's own file; a model added, removed or edited, or a new transformers, is a new key."""
+    h = hashlib.sha256()
+    for path in (scanner,):
+        st = os.stat(path)
+        h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    for top, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            st = os.stat(os.path.join(top, name))
+            h.update(f"{top}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        h.update(f"{top}/\n".encode())
+    return [FORMAT, folder, h.hexdigest()]
+
+
+def _kept_file(key: list):
+    from mpitp.results.privatefile import keyed_file
+    from mpitp.tasks.demo import cache_folder
+
+    return keyed_file(cache_folder("MPITP_IMPORT_CACHE", "import-scan"), key, "transformers' model scan")
+
+
+def _read_kept(path, key: list) -> dict | None:
+    """The scan kept in ``path`` for ``key``; None when there is none, or it is not this user's alone (said once),
+    stale or malformed."""
+    from mpitp.results.privatefile import NotPrivate, read_private_json
+    from mpitp.results.untrusted import BadInput
+
+    try:
+        data = read_private_json(path, "transformers' model scan", max_bytes=MAX_BYTES)
+        if not isinstance(data, dict) or data.get("key") != key:
+            return None
+        return _decode(data.get("scan"))
+    except NotPrivate as exc:
+        log.warning("%s: ignored, scanning again", exc)
+    except (BadInput, OSError, ValueError):
+        pass
+    return None
+
+
+def _scan_kept(scan, folder: str, scanner: str):
+    """``scan`` (transformers' own), answering for the model folder ``folder`` from this user's cache (kept there
+    after a scan) and from ``_scans`` after the first time; any other folder scanned as it asks."""
+
+    def scan_models(module_path):
+        path = os.fspath(module_path)
+        if os.path.basename(path.rstrip(os.sep)) != "models" or _folder(path) != folder:
+            return scan(module_path)
+        if folder not in _scans:
+            key = _key(folder, scanner)
+            kept = _kept_file(key)
+            found = _read_kept(kept, key) if kept is not None else None
+            if found is None:
+                found = scan(module_path)
+                if kept is not None:
+                    from mpitp.results.privatefile import write_private_json
+
+                    write_private_json(kept, {"key": key, "scan": _encode(found)}, "transformers' model scan")
+            _scans[folder] = found
+        return _scans[folder]
+
+    return scan_models
+
+
+def _scanning() -> tuple[Any, Any] | None:
+    """(the scan, the module holding it) when it is transformers' ``lru_cache``-d function still; else None."""
+    target = compat.TARGETS[SCAN]
+    module = sys.modules.get(target.module)
+    scan = getattr(module, target.attribute, None)
+    return (scan, module) if scan is not None and hasattr(scan, "cache_info") else None
+
+
 @contextlib.contextmanager
-def _folder_scanned_once(key: str) -> Iterator[None]:
-    """The function ``key`` names (an ``lru_cache``-d scan of a folder, given the folder or a file in it) asked for a
-    file's folder as a ``Path`` for the block: the key ``import transformers`` filled. Put back after."""
-    target = compat.TARGETS[key]
-    scan = getattr(sys.modules.get(target.module), target.attribute, None)
-    if scan is None or not hasattr(scan, "cache_info"):  # not there, or no longer a cache: leave it alone
+def _keep_scan() -> Iterator[None]:
+    """After :data:`KEEPS` has executed: its scan answers for the model folder from the kept scan, until
+    :func:`_release_scan` (the end of :data:`KEPT_UNTIL`'s execution)."""
+    yield
+    found = _scanning()
+    if found is not None:
+        scan, module = found
+        folder = os.path.realpath(os.path.join(os.path.dirname(module.__file__), os.pardir, "models"))
+        _held.enter_context(compat.replaced(SCAN, _scan_kept(scan, folder, module.__file__)))
+
+
+@contextlib.contextmanager
+def _release_scan() -> Iterator[None]:
+    try:
+        yield
+    finally:
+        _held.close()
+
+
+@contextlib.contextmanager
+def _reuse_scan() -> Iterator[None]:
+    """While :data:`REUSES` executes: a scan of its own folder (asked by its ``__init__.py``) is the one ``import
+    transformers`` made or read; failing that, asked as that import asks (a ``Path`` of the folder: its cache key)."""
+    found = _scanning()
+    if found is None:
         yield
         return
+    scan = found[0]
 
     def scan_folder(module_path):
+        folder = _folder(module_path)
+        if folder in _scans:
+            return _scans[folder]
         return scan(Path(os.path.dirname(module_path)) if os.path.isfile(module_path) else module_path)
 
-    with compat.replaced(key, scan_folder):
+    with compat.replaced(SCAN, scan_folder):
         yield
 
 
 def _cover(fullname: str) -> contextlib.AbstractContextManager:
     if fullname in DEFERRED:
         return _stand_in(*DEFERRED[fullname])
-    return _folder_scanned_once(REUSED[fullname])
+    return {KEEPS: _keep_scan, KEPT_UNTIL: _release_scan, REUSES: _reuse_scan}[fullname]()
 
 
 class _Covering(importlib.abc.Loader):

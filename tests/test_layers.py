@@ -21,9 +21,9 @@ FLOORS: list[tuple[str, ...]] = [  # lowest first; a unit imports only from the 
     ("escape.py", "version.py", "watchdog.py", "digest.py", "isolated.py", "gcpolicy.py"),
     ("errors.py",),
     ("testing.py", "compat.py"),
-    ("importpolicy.py",),  # its patches are compat's targets
     ("parallel/", "results/"),  # results/: a library that knows no MPI
     ("replica/", "tasks/"),  # tasks/ reads results/'s guards for files from elsewhere (untrusted, safefile)
+    ("importpolicy.py",),  # its patches are compat's targets; its kept scan a private file in mpitp's cache
     ("evaluation/",),
     ("jobs/",),  # job files, sweeps, submission, and `mpitp check` / `prefetch` (readiness, prefetch)
     ("cli/",),
