@@ -24,8 +24,8 @@ nothing an evaluation needs:
   there: keyed by the folder, the name, size and modification time of every file and folder under it and the
   scanning module's own file (45 ms to compute; a model added or edited, or another transformers, is a new key),
   every type checked on reading, and believed only from a file of this user's alone (the names it holds are the
-  modules ``transformers.X`` imports). While ``transformers.models`` executes, its own scan is that one.
-  bench/README, "Session 20".
+  modules ``transformers.X`` imports); any other is scanned again and replaced. While ``transformers.models``
+  executes, its own scan is that one. bench/README, "Session 20".
 
 Each is confined to the execution of the modules it covers (:data:`COVERED`), for the process's own command only
 (:func:`start_up`, called beside :func:`mpitp.gcpolicy.start_up`): afterwards a module's loader is its own again,
@@ -41,7 +41,6 @@ import contextlib
 import hashlib
 import importlib
 import importlib.abc
-import logging
 import os
 import sys
 import types
@@ -65,7 +64,6 @@ COVERED = (*DEFERRED, KEEPS, KEPT_UNTIL, REUSES)
 #: the kept scan's format (a new one: every kept file is stale) and the bound on its size
 FORMAT, MAX_BYTES = 1, 8 << 20
 
-log = logging.getLogger("mpitp")
 _scans: dict[str, Any] = {}  # the model folder -> its scan, kept or made while this process imported transformers
 _held = contextlib.ExitStack()  # the scan replaced from KEEPS's execution to the end of KEPT_UNTIL's
 
@@ -176,9 +174,9 @@ def _kept_file(key: list):
 
 
 def _read_kept(path, key: list) -> dict | None:
-    """The scan kept in ``path`` for ``key``; None when there is none, or it is not this user's alone (said once),
-    stale or malformed."""
-    from mpitp.results.privatefile import NotPrivate, read_private_json
+    """The scan kept in ``path`` for ``key``; None when there is none, or it is not this user's alone, stale or
+    malformed (silently: every rank reads it, and the scan made instead replaces the file, privately)."""
+    from mpitp.results.privatefile import read_private_json
     from mpitp.results.untrusted import BadInput
 
     try:
@@ -186,11 +184,8 @@ def _read_kept(path, key: list) -> dict | None:
         if not isinstance(data, dict) or data.get("key") != key:
             return None
         return _decode(data.get("scan"))
-    except NotPrivate as exc:
-        log.warning("%s: ignored, scanning again", exc)
-    except (BadInput, OSError, ValueError):
-        pass
-    return None
+    except (BadInput, OSError, ValueError):  # NotPrivate is a BadInput
+        return None
 
 
 def _scan_kept(scan, folder: str, scanner: str):
