@@ -166,11 +166,18 @@ def _key(folder: str, scanner: str) -> list:
     return [FORMAT, folder, h.hexdigest()]
 
 
-def _kept_file(key: list):
-    from mpitp.results.privatefile import keyed_file
+def kept_folder() -> Path | None:
+    """Where scans are kept (``<mpitp cache>/import-scan``, ``MPITP_IMPORT_CACHE``); None when that is off. What it
+    holds follows from the installation's files alone (``mpitp check`` does not count it among a check's inputs)."""
     from mpitp.tasks.demo import cache_folder
 
-    return keyed_file(cache_folder("MPITP_IMPORT_CACHE", "import-scan"), key, "transformers' model scan")
+    return cache_folder("MPITP_IMPORT_CACHE", "import-scan")
+
+
+def _kept_file(key: list):
+    from mpitp.results.privatefile import keyed_file
+
+    return keyed_file(kept_folder(), key, "transformers' model scan")
 
 
 def _read_kept(path, key: list) -> dict | None:

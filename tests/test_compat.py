@@ -8,6 +8,7 @@ import contextlib
 import os
 import types
 
+import pytest
 import torch
 
 from mpitp import compat
@@ -40,6 +41,20 @@ def test_a_missing_target_is_one_line_naming_the_supported_range():
     lines = compat.missing({"a": gone, "b": optional})
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert "lm_eval.evaluator._no_such_function" in lines[0] and f"lm-eval{compat.LM_EVAL}" in lines[0], lines[0]
+
+
+def test_a_target_checked_at_use_is_left_out_of_the_start_up_check_and_refused_where_it_is_used(monkeypatch):
+    """The DCP reader's private class is checked where a DCP checkpoint is read (importing its module costs every
+    other run 40 ms of rank 0's start): start-up passes without it, its first use refuses in the same one line."""
+    from mpitp.errors import UsageError
+
+    assert compat.TARGETS["torch.distributed.checkpoint.filesystem._StorageInfo"].at_use
+    gone = compat.Target("torch", "torch.serialization", "_no_such_class", compat.TORCH, "mpitp.z", at_use=True)
+    monkeypatch.setitem(compat.TARGETS, gone.name, gone)
+    compat.check()
+    with pytest.raises(UsageError, match=r"^torch\.serialization\._no_such_class \(used by mpitp\.z\) is missing"):
+        compat.require(gone.name)
+    compat.require("torch.distributed.checkpoint.filesystem._StorageInfo")
 
 
 def test_every_patch_is_undone_after_use_even_on_error():

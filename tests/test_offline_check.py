@@ -211,6 +211,7 @@ def test_a_ready_model_is_not_checked_again_until_a_folder_it_read_changes(tmp_p
     from support.offline_data import arc_rows, write_jsonl
 
     monkeypatch.setenv("MPITP_CHECK_CACHE", str(tmp_path / "verdicts"))
+    monkeypatch.setenv("MPITP_IMPORT_CACHE", str(tmp_path / "scans"))  # transformers' kept scan (importpolicy)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # two cores: the child starts
     model = tmp_path / "model"
     shutil.copytree(STORIES, model)
@@ -225,6 +226,9 @@ def test_a_ready_model_is_not_checked_again_until_a_folder_it_read_changes(tmp_p
     assert run() == (True, False, [])  # checked in the child, kept
     (kept,) = (tmp_path / "verdicts").iterdir()
     assert run() == (False, True, [])  # not checked again
+    assert [p.suffix for p in (tmp_path / "scans").iterdir()] == [".json"]  # the child read or kept the scan there
+    (tmp_path / "scans" / "another-installation.json").write_text("{}")  # not an input of this check
+    assert run() == (False, True, [])
     from mpitp.cli.check import run_checks
 
     assert run_checks([spec]) == ([], {str(model)})  # and the ready line says so

@@ -64,8 +64,15 @@ def _key(spec: CheckSpec) -> list:
 
 
 def _skipped_roots() -> tuple[str, ...]:
-    """Where the check's own code lives (keyed by :func:`installation` instead) and the kernel's files."""
+    """Where the check's own code lives (keyed by :func:`installation` instead), transformers' kept model scans (a
+    function of that installation: a scan another installation keeps there is no input of this check) and the
+    kernel's files."""
+    from mpitp.importpolicy import kept_folder
+
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(__file__).resolve().parents[1])}
+    kept = kept_folder()
+    if kept is not None:
+        roots.update((os.path.abspath(kept), os.path.realpath(kept)))
     # A Python installed at the root ("/") would skip everything: its prefix is then no root to skip.
     return tuple(os.path.join(r, "") for r in roots if os.path.dirname(r) != r) + ("/proc/", "/sys/", "/dev/")
 
@@ -85,7 +92,7 @@ def watch() -> set[str]:
             path = os.path.abspath(os.fsdecode(args[0] if args[0] is not None else "."))
         except (TypeError, ValueError):
             return
-        if path not in path_entries and not path.startswith(skip):
+        if path not in path_entries and not os.path.join(path, "").startswith(skip):  # a skipped folder itself too
             seen.add(path)
 
     sys.addaudithook(hook)

@@ -18,6 +18,7 @@ import struct
 import zipfile
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from mpitp import compat
 from mpitp.errors import UsageError
 
 if TYPE_CHECKING:
@@ -46,8 +47,6 @@ class _MetadataPickle(pickle.Unpickler):
                 return obj
         elif (module, name) in (("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                                 ("torch.serialization", "_get_layout")):  # private names the pickle itself holds
-            from mpitp import compat
-
             return compat.attribute(f"{module}.{name}")
         elif (module, name) == ("torch", "Size"):
             return torch.Size
@@ -66,6 +65,8 @@ class _MetadataPickle(pickle.Unpickler):
 def read_metadata(path: str) -> Metadata:
     """The checkpoint's ``Metadata``, read with :class:`_MetadataPickle`; a :class:`UsageError` line otherwise."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    compat.require("torch.distributed.checkpoint.filesystem._StorageInfo")  # checked here, not at start-up
 
     try:
         with open(os.path.join(path, METADATA), "rb") as f:
