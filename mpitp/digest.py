@@ -26,6 +26,19 @@ def update_fileobj(h, f: BinaryIO) -> None:
         h.update(block)
 
 
+def update_tree_stat(h, root: str | os.PathLike, suffix: str = "", folders: bool = False) -> None:
+    """Feed ``h`` one line per file under ``root`` whose name ends in ``suffix`` (path, size, modification time; in
+    sorted order, ``__pycache__`` left out), and with ``folders`` one per folder too (an empty one counts): for a
+    cache key that changes when a file there is added, removed or edited, without reading the files."""
+    for top, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(suffix)):
+            st = os.stat(os.path.join(top, name))
+            h.update(f"{top}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        if folders:
+            h.update(f"{top}/\n".encode())
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """The hex SHA-256 of the file at ``path``."""
     h = hashlib.sha256()

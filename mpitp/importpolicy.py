@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from mpitp import compat
+from mpitp.digest import update_tree_stat
 
 #: module whose execution the stand-in covers -> (the module put off, the names it forwards)
 DEFERRED: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -154,15 +155,9 @@ def _key(folder: str, scanner: str) -> list:
     """What the scan depends on: every file and folder under ``folder`` (name, size, modification time) and the
     scanning module's own file; a model added, removed or edited, or a new transformers, is a new key."""
     h = hashlib.sha256()
-    for path in (scanner,):
-        st = os.stat(path)
-        h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    for top, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            st = os.stat(os.path.join(top, name))
-            h.update(f"{top}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-        h.update(f"{top}/\n".encode())
+    st = os.stat(scanner)
+    h.update(f"{scanner}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    update_tree_stat(h, folder, folders=True)
     return [FORMAT, folder, h.hexdigest()]
 
 

@@ -27,6 +27,7 @@ import stat
 import sys
 from pathlib import Path
 
+from mpitp.digest import update_tree_stat
 from mpitp.jobs.readiness_spec import CheckSpec
 
 log = logging.getLogger("mpitp")
@@ -43,13 +44,8 @@ _ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE"
 
 def _mpitp_sources() -> str:
     """A digest of every mpitp source file's path, size and modification time: an edited check is a new key."""
-    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(f for f in files if f.endswith(".py")):
-            st = os.stat(os.path.join(folder, name))
-            h.update(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    update_tree_stat(h, Path(__file__).resolve().parents[1], suffix=".py")
     return h.hexdigest()
 
 
