@@ -51,3 +51,27 @@ def test_the_console_command_leaves_frozen(argv):
         "from mpitp.cli import main\n"
         f"try:\n    {call}\nexcept SystemExit:\n    pass\n")
     assert out.splitlines()[-1] == ("frozen" if argv is None else "not frozen")
+
+
+def test_trim_heap_gives_freed_heap_pages_back():
+    """Blocks under malloc's mmap threshold freed behind one still in use stay resident until :func:`trim_heap`
+    (glibc's ``malloc_trim``) gives their pages back; the process's private memory falls by most of them."""
+    out = _python(
+        "import ctypes\n"
+        "from mpitp import gcpolicy\n"
+        "def anon():\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('RssAnon')).split()[1]) // 1024\n"
+        "libc = ctypes.CDLL(None)\n"
+        "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
+        "libc.free.argtypes = [ctypes.c_void_p]\n"
+        "blocks = [libc.malloc(64 << 10) for _ in range(1600)]\n"  # 100 MiB in 64 KiB blocks: in the heap
+        "for b in blocks:\n"
+        "    ctypes.memset(b, 1, 64 << 10)\n"
+        "pin = libc.malloc(64 << 10)\n"  # the heap's top stays in use: only trimming gives the pages below back
+        "for b in blocks:\n"
+        "    libc.free(b)\n"
+        "before = anon()\n"
+        "done = gcpolicy.trim_heap()\n"
+        "print(done, before - anon())\n")
+    done, freed = out.split()
+    assert done == "True" and int(freed) >= 80, out

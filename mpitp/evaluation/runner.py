@@ -227,6 +227,7 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
         kept.head_check_s = head_check_s
     if kept is not None and kept.tokenizer is not None:
         tokenizer = kept.tokenizer
+    gcpolicy.trim_heap()  # what loading and the probes freed, given back before the requests (mpitp.gcpolicy)
     state = None
     budget = None
     if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
