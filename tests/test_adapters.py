@@ -246,8 +246,9 @@ def _state(model) -> dict:
 
 
 def test_apply_restore_cycles_give_the_base_back_bit_for_bit(tmp_path):
-    """Five apply/restore cycles over three adapters (every projection, rsLoRA with patterns, a saved lm_head and
-    biases): after each restore every parameter equals the base bit for bit, while each apply did change it."""
+    """Ten apply/restore cycles over three adapters (every projection, rsLoRA with patterns, a saved lm_head and
+    biases), the last five keeping the base values from one merge to the next as a sweep does: after each restore
+    every parameter equals the base bit for bit, while each apply did change it."""
     import torch
 
     from mpitp.replica import adapters
@@ -262,14 +263,21 @@ def test_apply_restore_cycles_give_the_base_back_bit_for_bit(tmp_path):
                                         **k)) for i, k in enumerate(kinds)]
     model = _tiny_llama()
     base = _state(model)
-    for cycle in range(5):
-        done = adapters.apply(model, read[cycle % 3], keep=True)
+    originals: dict = {}  # a sweep's: each parameter's base values copied on its first touch, kept for the next
+    for cycle in range(10):
+        shared = cycle >= 5
+        before = {k: v[1] for k, v in originals.items()}
+        done = adapters.apply(model, read[cycle % 3], keep=True, originals=originals if shared else None)
         moved = [k for k, v in model.state_dict().items() if not torch.equal(v, base[k])]
         assert moved and done.changed >= len(moved), f"cycle {cycle}: the adapter changed nothing"
         touched = {f"{p.module}.weight" for p in read[cycle % 3].pairs} | set(read[cycle % 3].saved)
+        assert done.touched == touched
         assert done.restore() == len(touched)  # a copy of exactly the parameters it touched
         diff = [k for k, v in model.state_dict().items() if not torch.equal(v, base[k])]
         assert not diff, f"cycle {cycle}: not restored bit for bit: {diff[:5]}"
+        if shared:  # copied once: the copies of earlier cycles reused, the new ones kept
+            assert all(originals[k][1] is v for k, v in before.items()) and touched <= set(originals)
+    assert set(originals) == set().union(*({f"{p.module}.weight" for p in a.pairs} | set(a.saved) for a in read))
 
 
 def test_failed_apply_leaves_the_base_untouched(tmp_path):

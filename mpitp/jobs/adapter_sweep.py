@@ -70,6 +70,7 @@ class BaseModel:
     error: str | None = None
     kept: object = None  # mpitp.evaluation.runner.KeptChecks: the tokenizer and checks kept between adapters
     head_names: frozenset = frozenset()  # the parameters of the output head (the head check re-runs if one changes)
+    originals: dict = dataclasses.field(default_factory=dict)  # this load's base values of what adapters changed
 
     def get(self) -> PreTrainedModel:
         if self.error is not None:  # a base that failed to load is not retried for every adapter
@@ -87,7 +88,7 @@ class BaseModel:
             self.loads += 1
             from mpitp.evaluation.runner import KeptChecks
 
-            self.kept, self.head_names = KeptChecks(), head_parameters(self.model)
+            self.kept, self.head_names, self.originals = KeptChecks(), head_parameters(self.model), {}
             if self.rt.world.rank == 0:
                 log.info("adapter sweep: base model %s loaded and sharded (load %d) in %.1f s", self.cfg.model,
                          self.loads, time.perf_counter() - t0)
@@ -103,13 +104,15 @@ def head_parameters(model: PreTrainedModel) -> frozenset:
     return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
 
 
-def _apply_everywhere(model, adapter: str, rt: Runtime):
-    """Every rank merges ``adapter`` into its shard, keeping the original values; if any rank fails, every rank
-    restores what it changed and raises :class:`LoadFailed` (the sweep goes on with the base intact)."""
+def _apply_everywhere(base: BaseModel, adapter: str, rt: Runtime):
+    """Every rank merges ``adapter`` into its shard, keeping the original values (once per parameter for the whole
+    sweep: ``base.originals``); if any rank fails, every rank restores what it changed and raises
+    :class:`LoadFailed` (the sweep goes on with the base intact)."""
     from mpitp.replica import adapters
 
-    return everywhere(lambda: adapters.apply(model, adapters.read(adapter), keep=True), rt,
-                      f"applying adapter {adapter}", undo=lambda done: done.restore())
+    model = base.get()
+    return everywhere(lambda: adapters.apply(model, adapters.read(adapter), keep=True, originals=base.originals),
+                      rt, f"applying adapter {adapter}", undo=lambda done: done.restore())
 
 
 def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel) -> dict | None:
@@ -118,10 +121,10 @@ def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel
     checked = check_item(cfg, rt, state, f"checking {cfg.peft}")
     with checked:  # the claim on this adapter's output (mpitp.results.claim)
         model = base.get()
-        done = _apply_everywhere(model, cfg.peft, rt)
+        done = _apply_everywhere(base, cfg.peft, rt)
         # No parameter of the head changed (same on every rank: each holds its shard of the same parameters): the
         # base's head check stands. A head LoRA or a saved copy of the head re-runs it.
-        base.kept.recheck_head = bool(base.head_names & set(done.saved))
+        base.kept.recheck_head = bool(base.head_names & done.touched)
         try:
             return evaluate_item(model, cfg, rt, state, checked, t_start, kept=base.kept)
         finally:
