@@ -62,7 +62,7 @@ def _shards(vocab: int, tp: int):
     return [(r * per, min(vocab, (r + 1) * per)) for r in range(tp)]
 
 
-def _run_sharded(weight, h, targets, tp, block_elems=1 << 24):
+def _run_sharded(weight, h, targets, tp, block_elems=1 << 24, rows=None):
     group = FakeGroup(tp)
     out: dict = {}
 
@@ -72,7 +72,7 @@ def _run_sharded(weight, h, targets, tp, block_elems=1 << 24):
         try:
             head = VocabParallelHead(weight=weight[lo:hi], offset=lo, vocab_size=weight.shape[0],
                                      ops=FakeOps(group, r), block_elems=block_elems)
-            lp, greedy = head.score(h, targets)
+            lp, greedy = head.score(h, targets, rows=rows)
             out[r] = (lp, greedy, head.argmax(h), head.ops.reduce_counter.bytes)
         except BaseException as exc:  # noqa: BLE001 - surfaced below; a dead rank must fail the test
             errors.append(exc)
@@ -109,6 +109,26 @@ def test_matches_log_softmax(vocab, tp):
         assert torch.equal(am, logits.argmax(-1))
         if tp > 1:  # score: 4 + 8 + 4 bytes per token; argmax: one gather of (max, index) as float64, 16
             assert nbytes == n * 16 + n * 16
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_targets_sharing_a_row_score_as_that_row_repeated(tp):
+    """``rows``: several targets scored at one row of ``h`` (a prefix tree's context predicts each continuation's
+    first token), in any order and over several blocks: the scores of the same rows given once per target, the same
+    16 bytes per target crossing ranks."""
+    g = torch.Generator().manual_seed(tp)
+    vocab, hidden, u = 509, 16, 23
+    weight, h = torch.randn(vocab, hidden, generator=g), torch.randn(u, hidden, generator=g)
+    rows = torch.cat([torch.arange(u), torch.randint(0, u, (30,), generator=g)])[torch.randperm(u + 30, generator=g)]
+    targets = torch.randint(0, vocab, (rows.numel(),), generator=g)
+    targets[:6] = (h[rows[:6]] @ weight.T).argmax(-1)  # some greedy hits
+    shared = _run_sharded(weight, h, targets, tp, block_elems=vocab * 4, rows=rows)
+    repeated = _run_sharded(weight, h[rows], targets, tp, block_elems=vocab * 4)
+    for r in range(tp):
+        torch.testing.assert_close(shared[r][0], repeated[r][0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(shared[r][1], repeated[r][1]) and shared[r][1][:6].all()
+        if tp > 1:  # score's bytes per target as without rows (argmax's differ: fewer rows)
+            assert shared[r][3] - u * 16 == repeated[r][3] - rows.numel() * 16 == rows.numel() * 16
 
 
 def test_argmax_reports_nan_rows_past_the_vocabulary():

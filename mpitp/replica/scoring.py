@@ -202,12 +202,13 @@ class VocabParallelHead:
             bias = None if self.bias is None else self.bias[rows]
             yield rows.start, self.transform.apply_logits(torch.nn.functional.linear(h, w[rows], bias).float())
 
-    def _shard_summary(self, h: torch.Tensor, targets: torch.Tensor, head_input: bool) -> torch.Tensor:
-        """Per row of ``h``, this shard's [maximum logit, sum of exp(logit - that maximum), the target's logit (0
-        where another shard holds the target), global index of the first maximum]: ``[N, 4]``."""
-        rows = h.shape[0]
+    def _shard_summary(self, h: torch.Tensor, targets: torch.Tensor, head_input: bool,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Per target, this shard's [maximum logit, sum of exp(logit - that maximum), the target's logit (0 where
+        another shard holds the target), global index of the first maximum] of its row of ``h`` (``rows[i]``; the
+        i-th row without): ``[N, 4]``, each row's logits made once however many targets it has."""
         maxes, sums, firsts = [], [], []
-        target = torch.zeros(rows, dtype=torch.float32, device=h.device)
+        target = torch.zeros(targets.shape[0], dtype=torch.float32, device=h.device)
         local = targets - self.offset
         for start, logits in self._logit_chunks(h, head_input):
             width = logits.shape[-1]
@@ -215,36 +216,46 @@ class VocabParallelHead:
                 continue
             top, first = logits.max(dim=-1)  # torch.max: the first maximal index
             inside = (local >= start) & (local < start + width)
-            picked = logits.gather(1, (local - start).clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+            column = (local - start).clamp(0, width - 1)
+            picked = logits[rows, column] if rows is not None else logits.gather(1, column.unsqueeze(1)).squeeze(1)
             target = torch.where(inside, picked, target)
             sums.append(logits.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1))  # in place: the piece ends here
             maxes.append(top)
             firsts.append(first + (start + self.offset))
         if not maxes:
-            none = torch.full((rows,), float("-inf"), device=h.device)
+            none = torch.full((targets.shape[0],), float("-inf"), device=h.device)
             return torch.stack([none, torch.zeros_like(none), target, none.neg()], dim=-1)  # adds nothing
         top_k = torch.stack(maxes)
         top, k = top_k.max(dim=0)  # the first piece holding the maximum (a NaN maximum: NaN)
         sumexp = _rescaled_sum(top_k, torch.stack(sums), top)
         first = torch.stack(firsts).gather(0, k.unsqueeze(0)).squeeze(0)
+        if rows is not None:
+            top, sumexp, first = top[rows], sumexp[rows], first[rows]
         exact = torch.float32 if self.vocab_size < 1 << 24 else torch.float64  # every index exact in the float
         return torch.stack([x.to(exact) for x in (top, sumexp, target, first)], dim=-1)
 
     @torch.no_grad()
-    def score(self, h: torch.Tensor, targets: torch.Tensor,
-              head_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, h: torch.Tensor, targets: torch.Tensor, head_input: bool = False,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(target) (float32) and whether target is the argmax, for hidden states ``h`` [N, H] (``head_input``:
-        as :meth:`local_logits`): each rank's :meth:`_shard_summary` gathered, one collective per block."""
-        n = h.shape[0]
+        as :meth:`local_logits`): each rank's :meth:`_shard_summary` gathered, one collective per block of rows.
+        ``rows``: the row of ``h`` each target is scored at (several targets may share one: a prefix tree's context
+        predicts every continuation's first token), ascending-sorted or not; without, target i at row i."""
+        n = targets.shape[0]
         out_lp = torch.empty(n, dtype=torch.float32, device=h.device)
         out_greedy = torch.empty(n, dtype=torch.bool, device=h.device)
-        for sl in self._blocks(n):
-            parts = self.ops.gather(self._shard_summary(h[sl], targets[sl], head_input))  # [size, rows, 4]
+        for sl in self._blocks(h.shape[0]):
+            if rows is None:
+                which, at = sl, None
+            else:
+                which = ((rows >= sl.start) & (rows < sl.stop)).nonzero().squeeze(1)
+                at = rows[which] - sl.start
+            parts = self.ops.gather(self._shard_summary(h[sl], targets[which], head_input, at))  # [size, n, 4]
             top_r, sums_r, target_r, first_r = parts.unbind(-1)
             gmax, pick = _first_of_max(top_r, first_r)  # a NaN maximum: log-probability NaN, never greedy
             sumexp = _rescaled_sum(top_r, sums_r, gmax)
-            out_lp[sl] = target_r.sum(dim=0) - gmax - torch.log(sumexp)
-            out_greedy[sl] = pick == targets[sl].to(pick.dtype)
+            out_lp[which] = target_r.sum(dim=0) - gmax - torch.log(sumexp)
+            out_greedy[which] = pick == targets[which].to(pick.dtype)
         return out_lp, out_greedy
 
     @torch.no_grad()
