@@ -6,7 +6,8 @@ targets are identical become one packed sequence -- the context once, then each 
 token -- with position ids that restart at the context's end for every continuation. In every layer the context
 attends causally to itself and each continuation to the context and causally to itself, never to another
 continuation: exactly the attention each row has alone, so the log-probs are the same up to rounding. The context's
-last position predicts every row's first target; the rest are predicted inside each continuation.
+last position predicts every row's first target (its head row made once: :meth:`mpitp.replica.shard.ReplicaShard.score`
+hands the head each target's row); the rest are predicted inside each continuation.
 
 The attention runs in :func:`tree_attention`, under an attention function of its own (:func:`sdpa_or_tree`, registered
 with transformers as ``mpitp_tree`` and set on mpitp's model only: ``"sdpa"`` itself is never replaced) that runs
