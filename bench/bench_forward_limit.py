@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -181,6 +182,11 @@ class Replay:
         return times, mismatched
 
 
+#: mpitp's own verdicts on what it ran (its summary lines), kept in the cell's line: a run whose probe turned prefix
+#: sharing or pipeline chunks off is slower for that reason, and says so (one rolling pp=2 run took 2x, session 21)
+SWITCHES = r"^(?:prefix sharing|pipeline chunks): (?:on|off[^;\n]*)"
+
+
 def summarise(workload: str, layout: str, run: dict, lines: list[dict]) -> dict:
     """The cell's mpitp side: busy (largest DP group's), forwards and tokens logged, /stats forwards to check."""
     st = run["h5_stats"] or {}
@@ -188,7 +194,8 @@ def summarise(workload: str, layout: str, run: dict, lines: list[dict]) -> dict:
     return dict(workload=workload, layout=layout, busy=max(busy), busy_groups=busy, forwards=len(lines),
                 tokens=sum(x["tokens"] for x in lines), stats_forwards=int(sum(st.get("forwards", [0]))),
                 wall=run["time_s"], row_tokens=int(sum(st.get("row_tokens", [0]))),
-                tokens_read=int(sum(st.get("tokens_read", [0]))))
+                tokens_read=int(sum(st.get("tokens_read", [0]))),
+                switches=re.findall(SWITCHES, run["stdout"] + run["stderr"], re.M))
 
 
 def describe(cell: dict, ratio: float) -> str:
@@ -203,7 +210,7 @@ def describe(cell: dict, ratio: float) -> str:
             out += f" (/stats counts {cell['stats_forwards']} forwards: the log and the file disagree)"
     if cell["mismatched"]:
         out += f"; {cell['mismatched']} cache lengths differed from the log"
-    return out
+    return "; ".join([out, *cell["switches"]])
 
 
 def measure(model: str, replay: Replay, workload: str, layout: str, args) -> tuple[dict, float]:
