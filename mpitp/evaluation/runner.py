@@ -228,10 +228,9 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
     if kept is not None and kept.tokenizer is not None:
         tokenizer = kept.tokenizer
     gcpolicy.trim_heap()  # what loading and the probes freed, given back before the requests (mpitp.gcpolicy)
+    # --batch_size auto: the memory budget is agreed collectively over the replica, before the roles split
+    budget = agreed_budget(lay.replica_comm, rt.device, rt.world.local_size) if is_auto(cfg.batch_size) else None
     state = None
-    budget = None
-    if is_auto(cfg.batch_size):  # collective over the replica, before the roles split
-        budget = agreed_budget(lay.replica_comm, rt.device, rt.world.local_size)
     if not lay.is_leader:
         ReplicaWorker(shard, rt.timeout).serve()
         _merge_stage_stats(stats, lay, rt.timeout)

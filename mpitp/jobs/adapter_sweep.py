@@ -104,15 +104,14 @@ def head_parameters(model: PreTrainedModel) -> frozenset:
     return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
 
 
-def _apply_everywhere(base: BaseModel, adapter: str, rt: Runtime):
+def _apply_everywhere(model, adapter: str, rt: Runtime, originals: dict):
     """Every rank merges ``adapter`` into its shard, keeping the original values (once per parameter for the whole
-    sweep: ``base.originals``); if any rank fails, every rank restores what it changed and raises
-    :class:`LoadFailed` (the sweep goes on with the base intact)."""
+    sweep, in ``originals``); if any rank fails, every rank restores what it changed and raises :class:`LoadFailed`
+    (the sweep goes on with the base intact)."""
     from mpitp.replica import adapters
 
-    model = base.get()
-    return everywhere(lambda: adapters.apply(model, adapters.read(adapter), keep=True, originals=base.originals),
-                      rt, f"applying adapter {adapter}", undo=lambda done: done.restore())
+    return everywhere(lambda: adapters.apply(model, adapters.read(adapter), keep=True, originals=originals), rt,
+                      f"applying adapter {adapter}", undo=lambda done: done.restore())
 
 
 def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel) -> dict | None:
@@ -121,7 +120,7 @@ def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel
     checked = check_item(cfg, rt, state, f"checking {cfg.peft}")
     with checked:  # the claim on this adapter's output (mpitp.results.claim)
         model = base.get()
-        done = _apply_everywhere(base, cfg.peft, rt)
+        done = _apply_everywhere(model, cfg.peft, rt, base.originals)
         # No parameter of the head changed (same on every rank: each holds its shard of the same parameters): the
         # base's head check stands. A head LoRA or a saved copy of the head re-runs it.
         base.kept.recheck_head = bool(base.head_names & done.touched)
