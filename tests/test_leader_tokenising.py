@@ -59,6 +59,27 @@ def test_encode_cache_memoises_the_leaders_encodings(both):
         lm.encode_cache = None
 
 
+def test_a_chunks_shared_contexts_are_encoded_once(both):
+    """A multiple-choice document's requests share their context: outside a sweep the chunk's encodings are
+    memoised for the call (each distinct text encoded once), the rows are lm-eval's, and nothing is kept after."""
+    from lm_eval.api.instance import Instance
+
+    ref, lm = both
+    ctxs = ["The cat sat", "Lily liked to play. ", "A"]
+    pairs = [(c, f" ending {j}") for c in ctxs for j in range(4)]
+    ref.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
+    texts: list[str] = []
+    encode = lm.tokenizer.encode
+    lm.tokenizer.encode = lambda text, **kw: texts.append(text) or encode(text, **kw)
+    try:
+        rows = lm.score_rows_of(pairs)
+    finally:
+        del lm.tokenizer.encode
+    assert [row for row, _ in rows] == [ctx + cont for ctx, cont in ref.seen]
+    assert len(texts) == len(set(texts)) == len(pairs) + len(ctxs)  # each whole text, each context once
+    assert lm.encode_cache is None
+
+
 def test_templates_compiled_once_render_the_same():
     import lm_eval.utils as lm_utils
 
