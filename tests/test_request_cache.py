@@ -46,6 +46,39 @@ def test_key_follows_what_shapes_requests(test_tasks, tmp_path):
     assert enable(EvalConfig(tasks=["arc_easy_local"], limit=5), tm, "tok") == {}  # --limit: off
 
 
+def test_cache_file_written_with_the_c_pickler(tmp_path):
+    """Inside ``used`` lm-eval's ``save_to_cache`` writes the C pickler's bytes (dill's pure-Python pickler took 2.4
+    s of rank 0 for full hellaswag), at lm-eval's own file name, private, read back by lm-eval's ``load_from_cache``;
+    an object only dill can pickle is lm-eval's own dill file; lm-eval's function is back after the block."""
+    import pickle
+
+    import dill
+    import lm_eval.api.task as lm_task
+    from lm_eval.api.instance import Instance
+    from lm_eval.caching.cache import load_from_cache
+
+    from mpitp.evaluation.requestcache import used
+
+    original = lm_task.save_to_cache
+    instances = [[Instance("loglikelihood", {"ctx": f"doc {i}"}, (f"doc {i}", f" ending {j}"), j, ("t", i, 1))
+                  for j in range(4)] for i in range(3)]
+    odd = [{"fn": lambda x: x + 1}]  # a function the C pickler refuses: lm-eval's dill
+    folder = tmp_path / "keyed"
+    with used(str(folder)):
+        assert lm_task.save_to_cache is not original
+        lm_task.save_to_cache(file_name="requests-a", obj=instances)
+        lm_task.save_to_cache(file_name="requests-b", obj=odd)
+        back = load_from_cache(file_name="requests-a", cache=True)
+        assert load_from_cache(file_name="requests-b", cache=True)[0]["fn"](1) == 2
+    assert lm_task.save_to_cache is original
+    a, b = (next(folder.glob(f"requests-{k}.*.pickle")) for k in "ab")  # lm-eval's suffix: a hash of its own
+    assert a.read_bytes() == pickle.dumps(instances, protocol=pickle.HIGHEST_PROTOCOL)
+    assert b.read_bytes() == dill.dumps(odd)
+    assert a.stat().st_mode & 0o777 == 0o600 and sorted(p.name for p in folder.iterdir()) == [a.name, b.name]
+    assert [[(r.arguments, r.idx, r.doc) for r in g] for g in back] == \
+        [[(r.arguments, r.idx, r.doc) for r in g] for g in instances]
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_second_full_run_reuses_built_requests(tmp_path):
