@@ -55,6 +55,11 @@ def main() -> None:
     args = ap.parse_args()
     env = common.bench_env(**({"PYTHONPATH": args.tree} if args.tree else {}))
     include = common.include_path()
+    # Each launch imports mpitp from its tree: its bytecode compiled first, as installing a package does. A checkout
+    # run with PYTHONDONTWRITEBYTECODE=1 (this project's VMs) otherwise compiles its ~100 modules in every process
+    # of every launch: 0.7 s of the small launch's rank 0 alone (session 22, bench/README).
+    subprocess.run([common.PYTHON, "-m", "compileall", "-q", str(Path(args.tree or common.ROOT) / "mpitp")],
+                   env=env, check=True, capture_output=True)
     mpitp = [common.PYTHON, "-m", "mpitp"]
     common.say(common.machine())
     common.say(f"tree {args.tree or common.ROOT}; stories260K, {TASKS}, --limit {args.limit}, reps {args.reps}")
