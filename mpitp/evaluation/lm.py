@@ -197,14 +197,14 @@ class MPITPLM(HFLM):
         ``_encode_pair`` encodes each request's context alone besides the whole text, and a multiple-choice document's
         requests share their context (hellaswag: 4 of them): outside a sweep the encodings are memoised for the
         call, so each context is encoded once (the same ``tok_encode``, the same ids)."""
-        reqs = [_Req(tuple(p)) for p in pairs]
-        if self.encode_cache is not None:
-            return HFLM.loglikelihood(self, reqs, disable_tqdm=True)
-        self.encode_cache = {}
+        for_call = self.encode_cache is None
+        if for_call:
+            self.encode_cache = {}
         try:
-            return HFLM.loglikelihood(self, reqs, disable_tqdm=True)
+            return HFLM.loglikelihood(self, [_Req(tuple(p)) for p in pairs], disable_tqdm=True)
         finally:
-            self.encode_cache = None
+            if for_call:
+                self.encode_cache = None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         """Reached from :meth:`score_rows_of` with lm-eval's encodings, one per request, in request order: the rows
