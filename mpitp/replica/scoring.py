@@ -121,9 +121,12 @@ def head_product(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
 
     Why: MKL's single product over a whole vocabulary shard (25k-50k columns) runs at 50-60 GFLOP/s on a core where the
     same product in blocks of 512 columns runs at 90 (1.5x at hidden 512, 1.05x at 4096; never slower in
-    ``bench/README.md``'s table), and the blocks compute each logit by the same kernel over the same hidden
-    dimension, bit for bit the numbers of the single product (``tests/test_scoring_math.py``). A GPU keeps one
-    product."""
+    ``bench/README.md``'s table). Each logit is one dot product over the same hidden dimension either way; whether
+    the rounding matches the single product bit for bit depends on the kernels MKL picks for the shapes: it did on
+    the AMD VMs of sessions 1-22, while on an Intel AVX-512 VM (session 23) two threads split a one-row product's
+    reduction differently and bf16 products of 100+ rows at hidden 512 round differently, by one unit in the last
+    place (``tests/test_scoring_math.py`` holds them to that). lm-eval's own logits move as much with its batch's
+    shape, and parity's rule is 1e-5 relative. A GPU keeps one product."""
     pieces = cpu_pieces(w)
     if pieces is None or h.dim() != 2:
         return torch.nn.functional.linear(h, w, bias)
