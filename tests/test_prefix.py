@@ -112,18 +112,38 @@ def test_a_trees_rows_run_as_micro_batches():
     ids = flat[: b * t].view(b, t)
     spec = prefix.TreeSpec.from_packed(flat, **size)
     with torch.no_grad():
-        whole = shard.base(input_ids=ids, position_ids=spec.position_ids, use_cache=False,
-                           **{prefix.SPEC_KW: spec}).last_hidden_state
+        whole = shard.base(input_ids=ids, use_cache=False, **spec.forward_kwargs()).last_hidden_state
         parts = []
         for r0, r1 in ((0, 1), (1, 3), (3, 4)):
             sub = spec.rows(r0, r1)
-            kw = {} if sub is None else dict(position_ids=sub.position_ids, **{prefix.SPEC_KW: sub})
+            kw = {} if sub is None else sub.forward_kwargs()
             parts.append(shard.base(input_ids=ids[r0:r1], use_cache=False, **kw).last_hidden_state)
     assert spec.rows(1, 2) is None  # the row alone: causal throughout
     assert spec.rows(3, 4) is None  # single-token continuations: the context alone
     real = ids != 0  # padding past a sequence's end is computed and never read
     d = (torch.cat(parts) - whole).abs()[real]
     assert float(d.max()) <= 1e-5 * max(1.0, float(whole.abs().max())), float(d.max())
+
+
+def test_a_tree_forward_builds_no_transformers_mask():
+    """A tree's forward arguments (:meth:`TreeSpec.forward_kwargs`) let transformers skip its ``[b, 1, t, t]`` mask,
+    which :func:`tree_attention` never reads: with the restarting position ids alone transformers builds one for
+    packed sequences (several ms a forward at hellaswag's lengths, bench/README "Session 23")."""
+    from transformers.masking_utils import create_causal_mask
+
+    shard = _shard("llama")
+    assert prefix_probe.check_sharing(shard) is None
+    flat, size, _ = prefix.pack(_batch())
+    kw = prefix.TreeSpec.from_packed(flat, **size).forward_kwargs()
+    assert kw[prefix.SPEC_KW].b == size["b"] and kw["attention_mask"].shape == (size["b"], size["t"])
+    embeds = torch.zeros((size["b"], size["t"], shard.model.config.hidden_size))
+
+    def mask(**given):
+        return create_causal_mask(config=shard.model.config, inputs_embeds=embeds, past_key_values=None,
+                                  position_ids=kw["position_ids"], **given)
+
+    assert mask(attention_mask=None).dim() == 4  # the packed-sequence mask the spec's arguments avoid
+    assert mask(attention_mask=kw["attention_mask"]) is None
 
 
 def test_group_rows_and_pack_layout():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mpitp import compat
-from mpitp.replica.prefix import SPEC_KW, Group, TreeSpec, install, pack, uninstall
+from mpitp.replica.prefix import Group, TreeSpec, install, pack, uninstall
 
 #: Token ids a later pipeline stage's probe draws from: they only key its stand-in activations (one random vector
 #: each), so a small table serves; the model's vocabulary (``vocab x hidden`` random floats: 4 GB at 128k x 8192)
@@ -165,7 +165,7 @@ def _check_stage_probe(shard) -> str | None:
         kw = stage_inputs(shard, ids)
         spec = TreeSpec.from_packed(flat, **size) if tree else None
         if spec is not None:
-            kw.update(position_ids=spec.position_ids, **{SPEC_KW: spec})
+            kw.update(spec.forward_kwargs())
         h = shard.base(**kw, use_cache=False).last_hidden_state
         hs = h.reshape(b * t, -1).index_select(0, sel).float()
         out = torch.zeros((max(owner) + 1, hs.shape[-1]), device=hs.device)

@@ -20,7 +20,7 @@ from mpitp import compat, testing
 from mpitp.parallel.cpu_reduce import MPIReductions, TorchDistributedOverMPI
 from mpitp.replica.generation import chosen_token_logits
 from mpitp.replica.pipeline import HEAD_ONLY_KWARGS, StageLink, base_model
-from mpitp.replica.prefix import SPEC_KW, TreeSpec, flop_weights
+from mpitp.replica.prefix import TreeSpec, flop_weights
 from mpitp.replica.scoring import TPOps, VocabParallelHead
 from mpitp.replica.stage_chunks import MIN_CHUNK, pieces, prefill_chunks
 from mpitp.replica.stage_head import head_input
@@ -93,8 +93,7 @@ class ReplicaShard:
         if self.pipeline:
             return list(self._pipeline([(ids, sel, tgt, spec)]))[0]
         if r:
-            hidden = self.base(input_ids=ids, position_ids=spec.position_ids, use_cache=False,
-                               **{SPEC_KW: spec}).last_hidden_state
+            hidden = self.base(input_ids=ids, use_cache=False, **spec.forward_kwargs()).last_hidden_state
             if self.share and spec.calls != self.attention_layers:  # the probe saw every layer take the tree
                 raise RuntimeError(f"prefix sharing: the tree reached {spec.calls} of {self.attention_layers} "
                                    f"layers' attention")
@@ -148,7 +147,7 @@ class ReplicaShard:
                 kw = dict(use_cache=True, cache=cache) if chunked else dict(use_cache=False)
                 sub = spec.rows(p.rows.start, p.rows.stop) if spec is not None else None
                 if sub is not None:
-                    kw.update(position_ids=sub.position_ids, **{SPEC_KW: sub})
+                    kw.update(sub.forward_kwargs())
                 if lay.first_stage:
                     out = base(input_ids=ids[p.rows, p.cols], **kw)
                 else:
