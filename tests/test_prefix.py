@@ -139,7 +139,7 @@ def test_a_tree_forward_builds_no_transformers_mask():
     embeds = torch.zeros((size["b"], size["t"], shard.model.config.hidden_size))
 
     def mask(**given):
-        return create_causal_mask(config=shard.model.config, inputs_embeds=embeds, past_key_values=None,
+        return create_causal_mask(config=shard.model.config, inputs_embeds=embeds, cache=None,
                                   position_ids=kw["position_ids"], **given)
 
     assert mask(attention_mask=None).dim() == 4  # the packed-sequence mask the spec's arguments avoid
