@@ -300,7 +300,7 @@ class TreeSpec:
         """The base model's keyword arguments for this tree: its position ids, the spec itself and an all-ones 2-D
         attention mask. Why the mask: given position ids that restart and no mask, transformers takes the batch for
         packed sequences and builds a ``[b, 1, t, t]`` mask with its Python mask functions, which
-        :func:`tree_attention` never reads (8.8 ms of a 130 ms forward of stories260K at b=4, t=736: bench/README,
+        :func:`tree_attention` never reads (8.8 ms of a 120-160 ms forward of stories260K at b=4, t=736: bench/README,
         "Session 23"); a mask that says "no padding", with as many queries as keys, lets its ``sdpa`` mask builder
         return none."""
         ones = torch.ones((self.b, self.t), dtype=torch.long, device=self.position_ids.device)

@@ -124,7 +124,7 @@ def head_product(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     ``bench/README.md``'s table). Each logit is one dot product over the same hidden dimension either way; whether
     the rounding matches the single product bit for bit depends on the kernels MKL picks for the shapes: it did on
     the AMD VMs of sessions 1-22, while on an Intel AVX-512 VM (session 23) two threads split a one-row product's
-    reduction differently and bf16 products of 100+ rows at hidden 512 round differently, by one unit in the last
+    reduction differently and bf16 products of 100+ rows at hidden 512 round differently, by a unit or so in the last
     place (``tests/test_scoring_math.py`` holds them to that). lm-eval's own logits move as much with its batch's
     shape, and parity's rule is 1e-5 relative. A GPU keeps one product."""
     pieces = cpu_pieces(w)
