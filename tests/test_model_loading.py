@@ -104,3 +104,32 @@ def test_a_class_whose_plans_match_nothing_is_refused_before_loading_and_its_dec
         m4, m = AutoModelForCausalLM.from_config(llama4), AutoModelForCausalLM.from_config(LlamaConfig(**small))
     assert m4.base_model is m4 and base_model(m4) is m4.model
     assert base_model(m) is m.model is m.base_model
+
+
+def test_a_waiting_rank_warms_a_local_models_class_silently_and_nothing_else(tmp_path):
+    """Issue 41: a rank that waits for rank 0's checks on a spare core imports the model's class and builds it once
+    (``warm_model_code``), so its load no longer holds rank 0 at the barrier. Not for a path without a config, a
+    config with remote code (``auto_map``) or one transformers cannot read; none of these raises or prints. In a new
+    interpreter: this one has imported Llama's module already."""
+    import json
+    import subprocess
+    import sys
+
+    from support import STORIES
+
+    config = json.loads((STORIES / "config.json").read_text())
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "remote" / "config.json").write_text(json.dumps({**config, "auto_map": {
+        "AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    module = "transformers.models.llama.modeling_llama"
+    script = (f"import sys; from mpitp.replica.loading import warm_model_code\n"
+              f"for path in {[str(tmp_path / n) for n in ('absent', 'remote', 'broken')]!r}:\n"
+              f"    warm_model_code(path)\n"
+              f"    assert {module!r} not in sys.modules, path\n"
+              f"warm_model_code({str(STORIES)!r})\n"
+              f"assert {module!r} in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == done.stderr == ""

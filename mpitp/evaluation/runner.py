@@ -22,9 +22,11 @@ from mpitp.evaluation.finish import RootResult
 from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.progress import TqdmProgress, make_progress
 from mpitp.evaluation.provenance import run_metadata
+from mpitp.evaluation.quiet import quiet_integration
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.runtime import Launch, Runtime, barrier_after_load, warm_imports
+from mpitp.parallel.runtime import Launch, Runtime, barrier_after_load
+from mpitp.replica.loading import warm_for_load
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -90,13 +92,11 @@ class EvalPlan:
 
 
 def prepare_eval(cfg: EvalConfig, launch: Launch) -> EvalPlan:
-    """``mpitp eval``'s checks: rank 0 checks the input (the other ranks warm their imports where cores allow, then
+    """``mpitp eval``'s checks: rank 0 checks the input (the other ranks warm the model's code where cores allow, then
     wait for its verdict: no deadline, only rank 0 works)."""
-    from mpitp.evaluation.quiet import quiet_integration
-
     quiet_integration(cfg.verbosity, launch.world.rank == 0)
     t_start = time.perf_counter()
-    warm_imports(launch.world)
+    warm_for_load(launch.world, cfg.model)
     checked = check_on_root(cfg, launch, None, "checking input")
     return EvalPlan(cfg, checked, t_start, time.perf_counter() - t_start)
 

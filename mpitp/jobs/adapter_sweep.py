@@ -167,7 +167,8 @@ class AdapterSweepPlan(PlanWithoutClaim):
 
 def prepare_adapter_sweep(cfg: EvalConfig, launch: Launch) -> AdapterSweepPlan:
     """The adapters and their outputs, agreed before torch starts; pipeline stages refused."""
-    from mpitp.parallel.runtime import agree, warm_imports
+    from mpitp.parallel.runtime import agree
+    from mpitp.replica.loading import warm_for_load
 
     check_one_kind(cfg.model, cfg.peft, collective=True)
     if launch.layout.pp > 1:
@@ -176,5 +177,5 @@ def prepare_adapter_sweep(cfg: EvalConfig, launch: Launch) -> AdapterSweepPlan:
     adapters = agree(lambda: expand_models(cfg.peft, "--peft"), launch.world.comm, launch.timeout,
                      "expanding --peft")
     names, outputs = name_outputs(cfg.output, adapters, launch)
-    warm_imports(launch.world)  # the other ranks import the loading code while rank 0 checks the first adapter
+    warm_for_load(launch.world, cfg.model)  # other ranks warm the loading code while rank 0 checks the first adapter
     return AdapterSweepPlan(cfg, adapters, names, outputs)

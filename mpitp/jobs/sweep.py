@@ -423,11 +423,12 @@ class SweepPlan(PlanWithoutClaim):
 def prepare_sweep(cfg: EvalConfig, launch: Launch) -> SweepPlan:
     """The sweep's checkpoints and outputs, agreed before torch starts (the other ranks then import the loading code
     while rank 0 checks the first checkpoint)."""
-    from mpitp.parallel.runtime import agree, warm_imports
+    from mpitp.parallel.runtime import agree
+    from mpitp.replica.loading import warm_for_load
 
     models = agree(lambda: expand_models(cfg.model), launch.world.comm, launch.timeout, "expanding --model")
     names, outputs = name_outputs(cfg.output, models, launch)
-    warm_imports(launch.world)
+    warm_for_load(launch.world, models[0])
     return SweepPlan(cfg, models, names, outputs)
 
 

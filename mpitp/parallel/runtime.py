@@ -203,7 +203,7 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
                                     comm=comm, iface=iface, stage_dir=stage_dir))
 
 
-def warm_imports(world: World) -> None:
+def warm_imports(world: World) -> bool:
     """Ranks with a core to spare import torch and transformers' model code before they wait for rank 0's checks, so
     that :func:`open_replica` and the load find them done: a node's first ``cores`` ranks (local rank below the
     node's core count; on rank 0's node rank 0 checks on one of those cores). The others wait idle: on an
@@ -211,10 +211,14 @@ def warm_imports(world: World) -> None:
     and slow a refused run. Extra importers at a lower CPU priority were measured and do not help: the ranks
     ``mpiexec`` starts sit in separate scheduler groups (autogroups), between which nice values do not count (three
     nice-19 spinners took rank 0's checks from 4.8 to 8.4 s). The imports run in the main thread: in a thread they
-    could deadlock with the main thread's own imports on a package's import cycles."""
-    if warms_imports(world):
-        import torch  # noqa: F401
-        import transformers.modeling_utils  # noqa: F401
+    could deadlock with the main thread's own imports on a package's import cycles. True where this rank imported
+    (its caller may then warm the model's own code: :func:`mpitp.replica.loading.warm_model_code`)."""
+    if not warms_imports(world):
+        return False
+    import torch  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+    return True
 
 
 def warms_imports(world: World) -> bool:

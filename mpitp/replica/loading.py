@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from safetensors import safe_open
     from transformers import PreTrainedConfig, PreTrainedModel
 
+    from mpitp.parallel.world import World
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -58,6 +60,39 @@ def load_config(model: str, revision: str | None = None, trust_remote_code: bool
     except Exception as exc:  # noqa: BLE001 - every failure here is the user's model argument
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot load model config for {model!r}: {first}") from None
+
+
+def warm_for_load(world: World, model: str) -> None:
+    """:func:`mpitp.parallel.runtime.warm_imports`, then, where this rank imported, :func:`warm_model_code`."""
+    from mpitp.parallel.runtime import warm_imports
+
+    if warm_imports(world):
+        warm_model_code(model)
+
+
+def warm_model_code(model: str) -> None:
+    """On a rank that waits for rank 0's checks with a core to spare (:func:`mpitp.parallel.runtime.warm_imports`):
+    the model's causal-LM class imported, so that this rank's load finds it done instead of importing it while
+    rank 0, which imported it during its checks, waits at the barrier after loading (small launch: load phase 0.4
+    -> 0.25 s, bench/README "Session 24"). Best effort, and silent: a local Hugging Face folder only (no download),
+    no remote code; whatever fails here is for rank 0's checks to report."""
+    import warnings
+
+    path = os.path.expanduser(model)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+            name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+            if name and not getattr(config, "auto_map", None):
+                getattr(transformers, name)
+        except Exception:  # noqa: BLE001 - rank 0's checks read the same config and say what is wrong
+            return
 
 
 def check_tp(config: PreTrainedConfig, tp: int) -> None:
