@@ -159,6 +159,13 @@ def test_table_real_run(demo_file):
                 assert len(row) == 1, (task, key, out)
                 assert math.isclose(float(row[0][3]), value, rel_tol=1e-3, abs_tol=1e-4), (row, value)
     _check_speed(demo_file, out)
+    # the demo's model (built, or found in the cache) is rank 0's first phase, inside the run's wall time
+    from mpitp.results.speed import PHASE_ORDER, phases_of
+
+    phases = phases_of(load(demo_file).attrs)
+    assert phases["demo"] >= 0 and "\nphases      demo " in out, (phases, out)
+    serial = sum(phases[k] for k in PHASE_ORDER if k in phases and k != "writing")  # writing: a thread beside them
+    assert phases["demo"] + phases["checks"] + phases["load"] <= serial <= phases["wall"] + 0.01, phases
 
 
 def _check_speed(path: str, out: str) -> None:

@@ -1,5 +1,5 @@
-"""Rank 0's seconds per phase of one evaluation (checks, load, requests, tokenising, dispatch, metrics, writing), for
-the HDF5 file's ``phases_json`` and the run's closing line."""
+"""Rank 0's seconds per phase of one evaluation ((the demo's model,) checks, load, requests, tokenising, dispatch,
+metrics, writing), for the HDF5 file's ``phases_json`` and the run's closing line."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.progress import TqdmProgress, make_progress
 from mpitp.evaluation.provenance import run_metadata
 from mpitp.evaluation.quiet import quiet_integration
+from mpitp.evaluation.request_rows import result_from_row, rows_by_task
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import Launch, Runtime, barrier_after_load
@@ -42,30 +42,6 @@ log = logging.getLogger("mpitp")
 # ----------------------------------------------------------------------------------------------------- run
 
 
-def _result_from_row(row: dict, kind: str):
-    from mpitp.evaluation.lm import KIND_GENERATE
-
-    if kind == KIND_GENERATE:
-        return (row["generation"], int(row["n_tokens"]))
-    return (float(row["loglikelihood"]), bool(row["is_greedy"]), int(row["n_tokens"]))
-
-
-def _request_row(inst, result, kind: str, repeat: int = 0) -> dict:
-    from mpitp.evaluation.lm import KIND_GENERATE, args_hash
-
-    if kind == KIND_GENERATE:
-        text, n = result
-        ll, greedy = math.nan, False
-    else:
-        ll, greedy, n = result
-        text = ""
-    # Generated text can hold lone surrogates (byte-level tokens decoded mid-character); HDF5 stores UTF-8.
-    text = text.encode("utf-8", "replace").decode("utf-8")
-    return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
-                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args),
-                repeat=int(repeat))
-
-
 @dataclass
 class EvalPlan:
     """One evaluation checked on rank 0 (every rank holds the verdict), before any torch starts: what
@@ -74,8 +50,8 @@ class EvalPlan:
 
     cfg: EvalConfig
     checked: Checked
-    t_start: float
-    checks_s: float
+    t_start: float  # where the run's clock starts: the checks, or the demo's model before them
+    phases: dict[str, float]  # rank 0's seconds so far: (demo,) checks
 
     def __enter__(self) -> EvalPlan:
         return self
@@ -91,14 +67,16 @@ class EvalPlan:
         return 0
 
 
-def prepare_eval(cfg: EvalConfig, launch: Launch) -> EvalPlan:
+def prepare_eval(cfg: EvalConfig, launch: Launch, demo_s: float | None = None) -> EvalPlan:
     """``mpitp eval``'s checks: rank 0 checks the input (the other ranks warm the model's code where cores allow, then
-    wait for its verdict: no deadline, only rank 0 works)."""
+    wait for its verdict: no deadline, only rank 0 works). ``demo_s``: the seconds the demo's model took just before
+    (the run's clock and its phases count them)."""
     quiet_integration(cfg.verbosity, launch.world.rank == 0)
-    t_start = time.perf_counter()
+    t_checks = time.perf_counter()
     warm_for_load(launch.world, cfg.model)
     checked = check_on_root(cfg, launch, None, "checking input")
-    return EvalPlan(cfg, checked, t_start, time.perf_counter() - t_start)
+    before = {} if demo_s is None else {"demo": demo_s}
+    return EvalPlan(cfg, checked, t_checks - (demo_s or 0.0), {**before, "checks": time.perf_counter() - t_checks})
 
 
 def run_eval(plan: EvalPlan, rt: Runtime) -> dict | None:
@@ -115,7 +93,7 @@ def run_eval(plan: EvalPlan, rt: Runtime) -> dict | None:
         log.info("pipeline: %s", describe_split(num_layers(checked.config), rt.layout.pp))
     testing.report_io("model loaded", rt.world)
     barrier_after_load(rt)
-    phases = {"checks": plan.checks_s, "load": time.perf_counter() - plan.t_start - plan.checks_s}
+    phases = {**plan.phases, "load": time.perf_counter() - plan.t_start - sum(plan.phases.values())}
     return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=checked.task_manager,
                            t_start=plan.t_start, phases=phases)
 
@@ -366,7 +344,7 @@ class _RootRun:
         """Store the rows of requests whose results are complete (``indices`` into ``todo``). The rows are built and
         written on the writer's thread: the dispatch loop pays O(1) per chunk."""
         if self.writer is not None:
-            self.writer.record(functools.partial(_rows_by_task, kind, instances, keys, todo, indices, res))
+            self.writer.record(functools.partial(rows_by_task, kind, instances, keys, todo, indices, res))
 
     def _save_landed(self) -> None:
         """After a failure: what landed goes to disk before the job is torn down."""
@@ -412,7 +390,7 @@ class _RootRun:
         for i, key in enumerate(keys):
             row = self.stored.get(key)
             if row is not None and row["kind"] == kind:
-                results[i] = _result_from_row(row, kind)
+                results[i] = result_from_row(row, kind)
             else:
                 todo.append(i)
         if len(todo) < len(keys):
@@ -489,12 +467,3 @@ class _RootRun:
         finally:
             self.progress.close()
         return res, doc_scores
-
-
-def _rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indices, res) -> dict[str, list]:
-    """The HDF5 rows of the requests ``todo[i]`` for ``i`` in ``indices`` (results ``res``), grouped by task."""
-    by_task: dict[str, list] = {}
-    for i, r in zip(indices, res):
-        inst = instances[todo[i]]
-        by_task.setdefault(inst.task_name, []).append(_request_row(inst, r, kind, keys[todo[i]][4]))
-    return by_task

@@ -11,6 +11,7 @@ imports this module, never the reverse.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -64,6 +65,7 @@ def prepare(cfg: EvalConfig, launch: Launch, watch: Watch | None = None) -> Plan
     from mpitp.jobs.adapter_sweep import check_one_kind, prepare_adapter_sweep
     from mpitp.jobs.sweep import is_sweep, prepare_sweep
 
+    t0 = time.perf_counter()
     if cfg.demo:
         cfg = demo_config(cfg, launch)
     if watch is not None:
@@ -80,7 +82,7 @@ def prepare(cfg: EvalConfig, launch: Launch, watch: Watch | None = None) -> Plan
         return prepare_sweep(cfg, launch)
     if cfg.output is None:
         cfg.output = default_output(cfg)
-    return prepare_eval(cfg, launch)
+    return prepare_eval(cfg, launch, demo_s=time.perf_counter() - t0 if cfg.demo else None)
 
 
 def run_config(cfg: EvalConfig, launch: Launch, watch: Watch | None = None) -> int:

@@ -1,11 +1,11 @@
 """How fast a run was, from its results file: what ``mpitp inspect`` prints, ``inspect diff`` compares and the report
 shows (one formatter each, shared: the page and the terminal say the same).
 
-A results file keeps rank 0's seconds per phase (``phases_json``, written at the end of the run: checks, load,
-building requests, tokenising, dispatch, metrics, writing, in that order), the wall time and each DP group's busy
-seconds (``/stats``). From them: the seconds rank 0 spent outside the groups' busy time (what a launch costs: ``rank
-0 alone``), device-seconds (ranks x wall: what the allocation paid) and throughput. Two files from two clusters,
-layouts or versions then compare without a stopwatch.
+A results file keeps rank 0's seconds per phase (``phases_json``, written at the end of the run: the demo's model when
+``--demo`` runs, checks, load, building requests, tokenising, dispatch, metrics, writing, in that order), the wall time
+and each DP group's busy seconds (``/stats``). From them: the seconds rank 0 spent outside the groups' busy time (what a
+launch costs: ``rank 0 alone``), device-seconds (ranks x wall: what the allocation paid) and throughput. Two files from
+two clusters, layouts or versions then compare without a stopwatch.
 
 ``speed_json`` (files written since it exists; absent from older ones, and then nothing of it is shown) says where
 the groups' time went: per task its requests, tokens, busy seconds and request latency quantiles, per DP group the
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 #: Rank 0's phases in the order a run passes through them (the stored dict's keys may come in another order).
-PHASE_ORDER = ("checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
+PHASE_ORDER = ("demo", "checks", "load", "requests", "tokenising", "dispatch", "metrics", "writing")
 #: Keys of ``phases_json`` that are totals rather than rank 0's phases (shown on their own).
 _TOTALS = ("wall", "max_group_busy", "final_snapshot", "head_check")
 _MAX_PHASES = 32

@@ -1,0 +1,39 @@
+"""Between lm-eval's requests and the HDF5 file's request rows: a computed result as the row that keeps it, and a
+stored row back as the result it was (a resumed run reuses it instead of computing it again)."""
+
+from __future__ import annotations
+
+import math
+
+
+def result_from_row(row: dict, kind: str):
+    from mpitp.evaluation.lm import KIND_GENERATE
+
+    if kind == KIND_GENERATE:
+        return (row["generation"], int(row["n_tokens"]))
+    return (float(row["loglikelihood"]), bool(row["is_greedy"]), int(row["n_tokens"]))
+
+
+def request_row(inst, result, kind: str, repeat: int = 0) -> dict:
+    from mpitp.evaluation.lm import KIND_GENERATE, args_hash
+
+    if kind == KIND_GENERATE:
+        text, n = result
+        ll, greedy = math.nan, False
+    else:
+        ll, greedy, n = result
+        text = ""
+    # Generated text can hold lone surrogates (byte-level tokens decoded mid-character); HDF5 stores UTF-8.
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
+                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args),
+                repeat=int(repeat))
+
+
+def rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indices, res) -> dict[str, list]:
+    """The HDF5 rows of the requests ``todo[i]`` for ``i`` in ``indices`` (results ``res``), grouped by task."""
+    by_task: dict[str, list] = {}
+    for i, r in zip(indices, res):
+        inst = instances[todo[i]]
+        by_task.setdefault(inst.task_name, []).append(request_row(inst, r, kind, keys[todo[i]][4]))
+    return by_task
