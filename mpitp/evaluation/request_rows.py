@@ -7,6 +7,8 @@ import math
 
 
 def result_from_row(row: dict, kind: str):
+    """A stored row as the result the LM's request method returns: ``(text, n_tokens)`` for generation,
+    ``(loglikelihood, is_greedy, n_tokens)`` otherwise."""
     from mpitp.evaluation.lm import KIND_GENERATE
 
     if kind == KIND_GENERATE:
@@ -15,6 +17,7 @@ def result_from_row(row: dict, kind: str):
 
 
 def request_row(inst, result, kind: str, repeat: int = 0) -> dict:
+    """The row (:data:`mpitp.results.schema.REQUEST_FIELDS`) that keeps ``result`` of request ``inst``."""
     from mpitp.evaluation.lm import KIND_GENERATE, args_hash
 
     if kind == KIND_GENERATE:
