@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import dill
@@ -122,6 +123,35 @@ def test_request_cache_folders_are_made_private_and_files_kept_private_under_uma
     (written,) = keyed.iterdir()
     assert written.stat().st_mode & 0o777 == 0o664 & ~0o020
     assert cache_dir(cfg, tm, "tok") == str(keyed) and written.exists()
+    with used(path):
+        assert lm_cache.load_from_cache(NAME, cache=True) == ["built"]
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_request_cache_temporaries_of_killed_writes_go_once_old_and_a_live_ones_stay(setup, caplog):
+    """A write killed between its temporary and the rename leaves ``.NAME.XXXXXXXX.tmp`` in the cache folder, and
+    nothing else ever removed it. The next run's check removes the ones older than ``TEMP_AGE_S`` and keeps a younger
+    one (another run of the same job may be writing it now), the cache file itself, and another user's name."""
+    from mpitp.evaluation.requestcache import TEMP_AGE_S
+    from mpitp.results.safefile import temp_beside
+
+    cfg, tm, root, keyed, _ = setup
+    path = cache_dir(cfg, tm, "tok")
+    with used(path):
+        lm_cache.save_to_cache(NAME, ["built"])
+    (written,) = keyed.iterdir()
+    temps = []
+    for age in (TEMP_AGE_S + 60, TEMP_AGE_S - 60):
+        fd, temp = temp_beside(str(written), 0o600)
+        os.write(fd, b"half a pickle")
+        os.close(fd)
+        os.utime(temp, (time.time() - age,) * 2)
+        temps.append(Path(temp))
+    other = keyed / "notes.old.tmp"  # not of temp_beside's pattern: stays, whatever its age
+    other.write_bytes(b"")
+    os.utime(other, (0, 0))
+    assert cache_dir(cfg, tm, "tok") == str(keyed)
+    assert sorted(keyed.iterdir()) == sorted([written, temps[1], other])
     with used(path):
         assert lm_cache.load_from_cache(NAME, cache=True) == ["built"]
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -113,11 +113,17 @@ def cache_dir(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str) -
     return path if _private(path) else None
 
 
+#: A temporary (:func:`_save` writes beside and renames) older than this has no live writer: writing the largest
+#: request file takes seconds, and runs of the same job share the folder, so a younger one may be another's write.
+TEMP_AGE_S = 3600.0
+
+
 def _private(path: str) -> bool:
     """Whether ``path`` (the keyed folder) and its root are folders only this user can write (created so when
     missing), with every file in it this user's and unwritable by others; files that are not are removed (lm-eval
-    rebuilds them). False (one warning line: the cache is off for this run) when the folders are not private or a
-    file cannot be removed."""
+    rebuilds them), and so are the temporaries of writes killed more than :data:`TEMP_AGE_S` ago. False (one warning
+    line: the cache is off for this run) when the folders are not private or a file cannot be removed."""
+    from mpitp.results.safefile import remove_old_temps
     from mpitp.results.untrusted import private_dir, private_problem, shown
 
     why = "lm-eval's cache files are pickles, and loading one runs its code"
@@ -125,6 +131,7 @@ def _private(path: str) -> bool:
     if problem:
         log.warning("request cache off: %s; %s", problem, why)
         return False
+    remove_old_temps(path, TEMP_AGE_S)
     for name in sorted(os.listdir(path)):
         entry = os.path.join(path, name)
         try:

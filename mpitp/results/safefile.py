@@ -21,11 +21,14 @@ import re
 import secrets
 import stat
 import tempfile
+import time
 
 #: O_NOFOLLOW/O_CLOEXEC are POSIX; 0 where a platform lacks them (then O_EXCL alone still refuses a planted link).
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _SUFFIX = ".tmp"
+#: the random part and suffix of :func:`temp_beside`'s names (``mkstemp``'s 8 characters, :func:`temp_name`'s 12)
+_TEMP_BODY = r"[A-Za-z0-9_]{6,12}" + re.escape(_SUFFIX)
 
 
 def umask() -> int:
@@ -111,19 +114,30 @@ def remove_own_temps(target: str) -> list[str]:
     Anything else beside ``target`` (``NAME.tmpl``, another user's file, a link) is not provably ours and stays.
     """
     folder, prefix = _prefix(target)
-    pattern = re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{6,12}" + re.escape(_SUFFIX))
+    return _remove_own(folder, re.compile(re.escape(prefix) + _TEMP_BODY), 0.0)
+
+
+def remove_old_temps(folder: str, older_than_s: float) -> list[str]:
+    """Remove from ``folder`` the temporaries of :func:`temp_beside` (any target's) that are this user's regular
+    files last written more than ``older_than_s`` seconds ago: those of writers killed mid-write, in a folder where
+    no claim says whether a writer is still live (a cache several runs write), so only age tells."""
+    return _remove_own(folder, re.compile(r"\..+\." + _TEMP_BODY), older_than_s)
+
+
+def _remove_own(folder: str, name: re.Pattern, older_than_s: float) -> list[str]:
     removed = []
     try:
         names = os.listdir(folder)
     except OSError:
         return removed
-    for name in names:
-        if not pattern.fullmatch(name):
+    now = time.time()
+    for entry in names:
+        if not name.fullmatch(entry):
             continue
-        path = os.path.join(folder, name)
+        path = os.path.join(folder, entry)
         try:
             st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime >= older_than_s:
                 os.unlink(path)
                 removed.append(path)
         except OSError:
