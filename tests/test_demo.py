@@ -18,6 +18,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from mpitp.tasks import demo  # noqa: E402
 from mpitp.tasks.demo import DEMO_TASKS, build_demo_model, demo_tasks_dir, prepare_demo  # noqa: E402
 from mpitp.tasks.demo import model as demo_model  # noqa: E402
+from support import torch_threads  # noqa: E402
 
 MAX_LENGTH = 64
 LIMIT = 5
@@ -185,7 +186,6 @@ def demo_eval(tmp_path_factory):
     """One real single-process lm-eval run over the three demo tasks."""
     import lm_eval
     import lm_eval.utils
-    import torch
     from lm_eval.tasks import TaskManager
 
     model_dir, include_path, tasks = prepare_demo(tmp_path_factory.mktemp("cache"))
@@ -199,9 +199,7 @@ def demo_eval(tmp_path_factory):
         tokens_in.append(len(kwargs["token_list"] if "token_list" in kwargs else args[0]))
         return iter(got)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: threading only adds overhead on busy CI machines
-    try:
+    with torch_threads(1):  # tiny model: threading only adds overhead on busy CI machines
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(lm_eval.utils, "get_rolling_token_windows", spy)
             mp.chdir(tmp_path_factory.mktemp("cwd"))
@@ -214,8 +212,6 @@ def demo_eval(tmp_path_factory):
                 device="cpu",
                 batch_size=1,
             )
-    finally:
-        torch.set_num_threads(threads)
     return res, windows, tokens_in, model_dir
 
 

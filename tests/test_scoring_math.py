@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mpitp.replica.scoring import CommCounter, TPOps, VocabParallelHead
+from support import torch_threads
 
 
 class FakeGroup:
@@ -168,9 +169,7 @@ def test_head_product_in_blocks_is_the_single_product(dtype, bias, threads):
 
     g = torch.Generator().manual_seed(7)
     vocab = 3 * CPU_HEAD_COLUMNS + 77  # blocks, the last one partial
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for hidden in (96, 512):
             w = torch.randn(vocab, hidden, generator=g).to(dtype)
             b = torch.randn(vocab, generator=g).to(dtype) if bias else None
@@ -182,8 +181,6 @@ def test_head_product_in_blocks_is_the_single_product(dtype, bias, threads):
                 size = h.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0.0)
                 d = (got.double() - ref.double()).abs()
                 assert bool((d <= 4 * torch.finfo(dtype).eps * size).all()), (hidden, rows, float(d.max()))
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

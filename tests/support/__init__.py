@@ -12,7 +12,9 @@ Importing this package puts the suite into offline mode (no network but package 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,3 +36,16 @@ def tiny_llama(seed: int = 0):
     cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, pad_token_id=0)
     return LlamaForCausalLM(cfg).eval()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block, and put back after it (tests share one process)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
