@@ -124,17 +124,17 @@ def remove_old_temps(folder: str, older_than_s: float) -> list[str]:
     return _remove_own(folder, re.compile(r"\..+\." + _TEMP_BODY), older_than_s)
 
 
-def _remove_own(folder: str, name: re.Pattern, older_than_s: float) -> list[str]:
+def _remove_own(folder: str, pattern: re.Pattern, older_than_s: float) -> list[str]:
     removed = []
     try:
         names = os.listdir(folder)
     except OSError:
         return removed
     now = time.time()
-    for entry in names:
-        if not name.fullmatch(entry):
+    for name in names:
+        if not pattern.fullmatch(name):
             continue
-        path = os.path.join(folder, entry)
+        path = os.path.join(folder, name)
         try:
             st = os.lstat(path)
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime >= older_than_s:
