@@ -4,9 +4,9 @@ Question (issue 17): how many requests per second can global rank 0 hand out and
 it? Every rank of ``mpiexec -n N`` is a DP group of one; its "compute" returns synthetic scoring results after
 ``--per-request-ms`` per request (rank 0's own group too, calling ``tick()`` as real compute does). Rank 0 runs the real
 :class:`mpitp.evaluation.dispatch.Dispatcher` (token-balanced chunks, two in flight per remote group) and records every
-landed chunk as ``mpitp eval`` does: :func:`mpitp.evaluation.runner._request_row` per request (on the writer thread)
-through :class:`mpitp.results.store.ResultWriter` (journal + HDF5 snapshot). Requests are lm-eval-like: ``--tokens``
-token ids per row, arguments of ~300 characters (hashed into the resume key), eight tasks.
+landed chunk as ``mpitp eval`` does: :func:`mpitp.evaluation.request_rows.request_row` per request (on the writer
+thread) through :class:`mpitp.results.store.ResultWriter` (journal + HDF5 snapshot). Requests are lm-eval-like:
+``--tokens`` token ids per row, arguments of ~300 characters (hashed into the resume key), eight tasks.
 
 Printed: sustained requests/s (all requests / wall of the dispatch), rank 0's CPU seconds per chunk on the dispatch
 thread and per request on the writer thread, the remote groups' waits for their next chunk (the answer latency),
@@ -116,7 +116,7 @@ def child(args) -> None:
         return
 
     from mpitp.evaluation.lm import KIND_SCORE
-    from mpitp.evaluation.runner import _request_row
+    from mpitp.evaluation.request_rows import request_row
     from mpitp.results.store import ResultWriter
 
     items, weights, insts = synthetic(args.requests, args.tokens)
@@ -132,7 +132,7 @@ def child(args) -> None:
         def rows():
             by_task: dict[str, list] = {}
             for i, r in zip(indices, res):
-                by_task.setdefault(insts[i].task_name, []).append(_request_row(insts[i], r, KIND_SCORE))
+                by_task.setdefault(insts[i].task_name, []).append(request_row(insts[i], r, KIND_SCORE))
             return by_task
 
         writer.record(rows)
@@ -200,7 +200,15 @@ def child(args) -> None:
 def main() -> None:
     args = parse()
     if args.child:
-        child(args)
+        try:
+            child(args)
+        except BaseException:  # one rank's failure ends the job now, not after the others' 600 s deadlines
+            import traceback
+
+            from mpitp.errors import abort
+
+            traceback.print_exc()
+            abort(1)
         return
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     d = tempfile.mkdtemp(prefix="bench_coordinator-")
