@@ -40,7 +40,6 @@ def test_every_name_a_bench_script_imports_from_mpitp_exists():
     name moved or renamed in mpitp fails here, not 600 s into ``run_all.py`` (session 24 moved ``_request_row`` out of
     the runner, and the coordinator bench's rank 0 died on the import while 63 ranks waited at a barrier)."""
     import ast
-    import importlib
 
     missing = []
     for path in sorted((REPO / "bench").glob("*.py")):
