@@ -200,15 +200,10 @@ def child(args) -> None:
 def main() -> None:
     args = parse()
     if args.child:
-        try:
-            child(args)
-        except BaseException:  # one rank's failure ends the job now, not after the others' 600 s deadlines
-            import traceback
+        from mpitp.errors import install_excepthook
 
-            from mpitp.errors import abort
-
-            traceback.print_exc()
-            abort(1)
+        install_excepthook()  # one rank's failure ends the job now, not after the others' 600 s deadlines
+        child(args)
         return
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     d = tempfile.mkdtemp(prefix="bench_coordinator-")

@@ -128,10 +128,11 @@ def test_request_cache_folders_are_made_private_and_files_kept_private_under_uma
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
-def test_request_cache_temporaries_of_killed_writes_go_once_old_and_a_live_ones_stay(setup, caplog):
+def test_request_cache_temporaries_of_killed_writes_go_once_old_and_a_live_one_stays(setup, caplog):
     """A write killed between its temporary and the rename leaves ``.NAME.XXXXXXXX.tmp`` in the cache folder, and
     nothing else ever removed it. The next run's check removes the ones older than ``TEMP_AGE_S`` and keeps a younger
-    one (another run of the same job may be writing it now), the cache file itself, and another user's name."""
+    one (another run of the same job may be writing it now), the cache file itself, and an old file whose name is not
+    a temporary's."""
     from mpitp.evaluation.requestcache import TEMP_AGE_S
     from mpitp.results.safefile import temp_beside
 
