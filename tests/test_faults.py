@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
@@ -230,10 +229,7 @@ def test_stall_longer_than_timeout_fails_naming_the_phase(layout, tmp_path):
                 env={"MPITP_TEST_STALL": "between_chunks:40"}) as job:
         job.wait_rows(out)
         t_rows = time.monotonic()
-        try:
-            rc = job.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"still running 60 s after the first rows\n{job.explain()}")
+        rc = job.wait(timeout=60)
     took = job.t_end - t_rows
     assert rc != 0, job.explain()
     assert took < 25, f"job ended {took:.1f} s after the first rows (stall 40 s, timeout 10 s)\n{job.explain()}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,11 +111,38 @@ class Launch:
         pytest.fail(f"no rows after {timeout} s\n{self.explain()}")
 
     def wait(self, timeout: float = 300) -> int:
+        """mpiexec's exit status; fails the test if it still runs after ``timeout`` s, with every rank's stack."""
+        try:
+            return self._wait(timeout)
+        except subprocess.TimeoutExpired:
+            stacks = self.stacks()  # finds the ranks first
+            pytest.fail(f"mpiexec still running {timeout:.0f} s after the launch or the strike (ranks alive: "
+                        f"{self.ranks_alive()})\n{self.explain()}\n{stacks}")
+
+    def _wait(self, timeout: float) -> int:
         rc = self.proc.wait(timeout=timeout)
         self.t_end = time.monotonic()
         for t in self.readers:
             t.join(timeout=10)
         return rc
+
+    def stacks(self) -> str:
+        """Where each rank is now, Python and native frames (``py-spy dump``): a hang found in a CI log explains
+        itself instead of waiting to be reproduced (session 25's one hang in 1324 tests never came back in 30 tries).
+        """
+        py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        if py_spy is None:
+            return "--- no stacks: py-spy is not installed (pip install py-spy)"
+        parts = []
+        for rank, pid in sorted({**self.pids, **self.rank_pids()}.items()):
+            try:
+                dump = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=30)
+                text = dump.stdout or dump.stderr
+            except subprocess.TimeoutExpired:
+                text = "py-spy dump took over 30 s"
+            parts.append(f"--- rank {rank} (pid {pid})\n{text.strip()}")
+        return "\n".join(parts) or "--- no stacks: no rank process found"
 
     def ranks_alive(self) -> list[int]:
         alive = []
@@ -128,11 +156,7 @@ class Launch:
 
     def gone_within(self, t_strike: float, bound: float) -> float:
         """Wait for mpiexec and every rank to go; returns seconds since ``t_strike`` (asserts ``bound``)."""
-        try:
-            self.wait(timeout=bound + 30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"mpiexec still running {bound + 30:.0f} s after the strike (ranks alive: "
-                        f"{self.ranks_alive()})\n{self.explain()}")
+        self.wait(timeout=bound + 30)
         while self.ranks_alive() and time.monotonic() - t_strike < bound:
             time.sleep(0.1)
         took = time.monotonic() - t_strike
@@ -152,7 +176,7 @@ class Launch:
             except ProcessLookupError:
                 pass
         try:
-            self.wait(timeout=30)
+            self._wait(timeout=30)
         except subprocess.TimeoutExpired:  # pragma: no cover
             pass
 
