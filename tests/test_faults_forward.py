@@ -70,7 +70,6 @@ def test_leader_fails_inside_a_forward_under_the_api(tmp_path):
                  "mpitp.evaluate, tp2 leader raises"))
 
 
-
 def test_a_launch_still_running_fails_with_each_rank_stack(tmp_path):
     """The drills' harness: a launch that outlives its wait fails the test with where every rank stands (py-spy), so a
     hang seen once in CI is diagnosed from its log (session 25: one hang in 1324 tests, none in 30 tries alone)."""
@@ -81,6 +80,8 @@ def test_a_launch_still_running_fails_with_each_rank_stack(tmp_path):
         with pytest.raises(pytest.fail.Exception) as failed:
             job.wait(timeout=2)
     message = str(failed.value)
+    if "py-spy: " in message and ("ermission" in message or "not permitted" in message):
+        pytest.skip("this machine does not let py-spy read another process (ptrace): no stacks in hang reports here")
     assert "mpiexec still running 2 s" in message, message
     assert message.count("stuck_here (stuck.py:4)") == 2, message  # rank 0 and rank 1 (py-spy: a dev dependency)
     assert "--- rank 0" in message and "--- rank 1" in message and "ranks alive: [0, 1]" in message, message

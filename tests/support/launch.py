@@ -133,14 +133,23 @@ class Launch:
         py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
         if py_spy is None:
             return "--- no stacks: py-spy is not installed (pip install py-spy)"
+        try:
+            self.rank_pids()
+        except psutil.Error:  # mpiexec left meanwhile: the ranks found before, if any
+            pass
         parts = []
-        for rank, pid in sorted({**self.pids, **self.rank_pids()}.items()):
-            try:
-                dump = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
-                                      text=True, timeout=30)
-                text = dump.stdout or dump.stderr
-            except subprocess.TimeoutExpired:
-                text = "py-spy dump took over 30 s"
+        for rank, pid in sorted(self.pids.items()):
+            text = ""
+            for native in (["--native"], []):  # native frames need libunwind's view of the process: else Python's
+                try:
+                    dump = subprocess.run([py_spy, "dump", *native, "--pid", str(pid)], capture_output=True,
+                                          text=True, timeout=30)
+                except subprocess.TimeoutExpired:
+                    text = "py-spy dump took over 30 s"
+                    continue
+                text = dump.stdout if dump.returncode == 0 else f"py-spy: {dump.stderr.strip()}"
+                if dump.returncode == 0:
+                    break
             parts.append(f"--- rank {rank} (pid {pid})\n{text.strip()}")
         return "\n".join(parts) or "--- no stacks: no rank process found"
 
