@@ -37,11 +37,11 @@ class Launch:
     """``mpiexec -n N python -m mpitp ARGS`` in its own session; output lines are kept with their arrival time."""
 
     def __init__(self, n: int, args: list[str], env: dict | None = None, cwd=None, script=None,
-                 launcher: list[str] | None = None):
-        """``script``: run ``python SCRIPT ARGS`` instead of ``python -m mpitp ARGS``. ``launcher``: the launch prefix
+                 launcher: list[str] | None = None, module: str = "mpitp"):
+        """``script``: run ``python SCRIPT ARGS`` instead of ``python -m MODULE ARGS``. ``launcher``: the launch prefix
         for N ranks instead of the local ``mpiexec -n N`` (ranks started over ssh on other nodes:
         :mod:`support.nodes`); the ranks are then found by the tag this launch puts in their environment."""
-        entry = [str(script)] if script else ["-m", "mpitp"]
+        entry = [str(script)] if script else ["-m", module]
         cmd = [*(launcher or mpiexec_cmd(n)), sys.executable, *entry, *args]
         self.t0 = time.monotonic()
         self.t_end: float | None = None
@@ -118,6 +118,18 @@ class Launch:
             stacks = self.stacks()  # finds the ranks first
             pytest.fail(f"mpiexec still running {timeout:.0f} s after the launch or the strike (ranks alive: "
                         f"{self.ranks_alive()})\n{self.explain()}\n{stacks}")
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """:meth:`wait`, then the run as ``subprocess.run(..., capture_output=True, text=True)`` gives it (text mode's
+        newlines: a progress bar's ``\\r`` ends a line), with ``elapsed`` seconds from launch to exit."""
+        rc = self.wait(timeout)
+
+        def text(s: str) -> str:
+            return s.replace("\r\n", "\n").replace("\r", "\n")
+
+        proc = subprocess.CompletedProcess(self.proc.args, rc, text(self.stdout), text(self.stderr))
+        proc.elapsed = self.t_end - self.t0
+        return proc
 
     def _wait(self, timeout: float) -> int:
         rc = self.proc.wait(timeout=timeout)

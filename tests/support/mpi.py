@@ -14,12 +14,9 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-
-from . import OFFLINE_ENV
 
 #: The test being run (set by tests/conftest.py around each test's setup, call and teardown); None outside tests.
 _running_test: pytest.Item | None = None
@@ -125,23 +122,21 @@ def mpi_env() -> dict:
 def run_mpi(n: int, args: list[str], timeout: float = 600, env: dict | None = None, cwd=None,
             module: str = "mpitp", launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n N python -m mpitp ARGS`` (or another module); returns the finished process with timing.
-    ``launcher``: another launch prefix for the N ranks (across emulated nodes: :mod:`support.nodes`)."""
-    cmd = [*(launcher or mpiexec_cmd(n)), sys.executable, "-m", module, *args]
-    full_env = {**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})}
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
-    proc.elapsed = time.monotonic() - t0
-    return proc
+    ``launcher``: another launch prefix for the N ranks (across emulated nodes: :mod:`support.nodes`). A launch still
+    running after ``timeout`` fails the test with every rank's stack (:meth:`support.launch.Launch.wait`)."""
+    from .launch import Launch  # here: launch.py builds on this module
+
+    with Launch(n, args, env=env, cwd=cwd, launcher=launcher, module=module) as job:
+        return job.finish(timeout)
 
 
 def run_mpi_script(n: int, script: Path, args: list[str] = (), timeout: float = 300,
                    env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [*mpiexec_cmd(n), sys.executable, str(script), *args]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **OFFLINE_ENV, **mpi_env(), **(env or {})})
-    proc.elapsed = time.monotonic() - t0
-    return proc
+    """``mpiexec -n N python SCRIPT ARGS``, as :func:`run_mpi`."""
+    from .launch import Launch
+
+    with Launch(n, list(args), env=env, script=script) as job:
+        return job.finish(timeout)
 
 
 _OPENMPI_BANNER = re.compile(r"^-{20,}\n(?:.*\n)*?-{20,}\n?", flags=re.M)
