@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import psutil  # accelerate's dependency: always installed beside mpitp
 import pytest
 
 from . import OFFLINE_ENV
-from .mpi import mpi_env, mpiexec_cmd
+from .mpi import installed, mpi_env, mpiexec_cmd
 
 
 def file_rows(path) -> tuple[str | None, int]:
@@ -142,7 +141,7 @@ class Launch:
         """Where each rank is now, Python and native frames (``py-spy dump``): a hang found in a CI log explains
         itself instead of waiting to be reproduced (session 25's one hang in 1324 tests never came back in 30 tries).
         """
-        py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        py_spy = installed("py-spy")
         if py_spy is None:
             return "--- no stacks: py-spy is not installed (pip install py-spy)"
         try:

@@ -89,6 +89,12 @@ def mpi_family() -> str:
     return found
 
 
+def installed(program: str) -> str | None:
+    """``program`` installed beside this Python (the venv's own, from PyPI), else the one on PATH, else None."""
+    here = Path(sys.executable).parent / program
+    return str(here) if here.exists() else shutil.which(program)
+
+
 def mpiexec_path() -> str:
     """``MPITP_TEST_MPIEXEC`` if set, else the ``mpiexec`` installed beside this Python (PyPI's MPICH or Open MPI),
     else the one on PATH. Fails the running test unless it is marked ``mpi``."""
@@ -96,8 +102,7 @@ def mpiexec_path() -> str:
     override = os.environ.get("MPITP_TEST_MPIEXEC")
     if override:
         return override
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
+    found = installed("mpiexec")
     if not found:
         pytest.skip("no mpiexec available")
     return found
