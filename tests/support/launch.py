@@ -27,6 +27,23 @@ def file_rows(path) -> tuple[str | None, int]:
         return None, 0
 
 
+def _dump(py_spy: str, pid: int) -> str:
+    """``py-spy dump`` of one process: Python and native frames, Python's alone where native unwinding fails; else
+    what py-spy said."""
+    said = ""
+    for native in (["--native"], []):
+        try:
+            dump = subprocess.run([py_spy, "dump", *native, "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=30)
+        except subprocess.TimeoutExpired:
+            said = "py-spy dump took over 30 s"
+            continue
+        if dump.returncode == 0:
+            return dump.stdout.strip()
+        said = f"py-spy: {dump.stderr.strip()}"
+    return said
+
+
 def inspect_diff(a, b, *extra) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mpitp", "inspect", "diff", str(a), str(b), *extra],
                           capture_output=True, text=True, timeout=120)
@@ -148,20 +165,7 @@ class Launch:
             self.rank_pids()
         except psutil.Error:  # mpiexec left meanwhile: the ranks found before, if any
             pass
-        parts = []
-        for rank, pid in sorted(self.pids.items()):
-            text = ""
-            for native in (["--native"], []):  # native frames need libunwind's view of the process: else Python's
-                try:
-                    dump = subprocess.run([py_spy, "dump", *native, "--pid", str(pid)], capture_output=True,
-                                          text=True, timeout=30)
-                except subprocess.TimeoutExpired:
-                    text = "py-spy dump took over 30 s"
-                    continue
-                text = dump.stdout if dump.returncode == 0 else f"py-spy: {dump.stderr.strip()}"
-                if dump.returncode == 0:
-                    break
-            parts.append(f"--- rank {rank} (pid {pid})\n{text.strip()}")
+        parts = [f"--- rank {rank} (pid {pid})\n{_dump(py_spy, pid)}" for rank, pid in sorted(self.pids.items())]
         return "\n".join(parts) or "--- no stacks: no rank process found"
 
     def ranks_alive(self) -> list[int]:
