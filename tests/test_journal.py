@@ -7,6 +7,7 @@ The full-run drill (kill -9 of rank 0 of a real ``mpiexec`` evaluation, then ``-
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -203,3 +204,44 @@ def test_journal_of_another_run_is_ignored(tmp_path):
     assert request_counts(str(path)) == {}
     with pytest.raises(KeyError):
         read_requests(str(path), "t_mc")
+
+
+def test_a_journal_is_read_record_by_record_within_its_cap(tmp_path, monkeypatch):
+    """A journal is untrusted (it sits beside a results file in a shared folder): read a record at a time, so memory
+    follows its whole records, never the file's size (a valid head and a 1 GiB sparse tail: read at once before, a
+    MemoryError's traceback at 30 GiB) or a length a record declares; and the writer keeps to the same cap, splitting
+    what it records at once into records of the same seq (checked with the cap made 2,000 bytes)."""
+    import tracemalloc
+
+    from mpitp.results import journal
+
+    path = tmp_path / "j.h5"
+    w = ResultWriter(str(path), META)
+    w.record(lambda: rows_of(0))  # one record
+    w.close()
+    jp = journal_path(str(path))
+    with open(jp, "ab") as f:
+        f.write(journal._FRAME.pack(journal.MAX_RECORD_BYTES + 1, 0))
+    os.truncate(jp, 1 << 30)
+    tracemalloc.start()
+    try:
+        header, records = read_journal(jp)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert header is not None and len(records) == 1 and peak < 8 << 20, (len(records), peak)
+    assert sum(request_counts(str(path)).values()) == PER_CHUNK
+
+    monkeypatch.setattr(journal, "MAX_RECORD_BYTES", 2000)
+    path = tmp_path / "split.h5"
+    w = ResultWriter(str(path), META)
+    for c in range(2):
+        w.record(lambda c=c: rows_of(c))
+        w.flush()
+    w.close()
+    _, records = read_journal(journal_path(str(path)))
+    assert len(records) > 4 and {r["seq"] for r in records} == {1, 2}, [r["seq"] for r in records]
+    assert max(len(json.dumps(r, separators=(",", ":"), ensure_ascii=False).encode()) for r in records) <= 2000
+    got = read_requests(str(path), "t_mc")
+    assert sorted(got["doc_id"].tolist()) == [n for c in range(2) for n in range(c * PER_CHUNK, (c + 1) * PER_CHUNK)
+                                             if n % 7]

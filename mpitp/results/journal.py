@@ -24,11 +24,16 @@ import struct
 import zlib
 
 from mpitp.results.safefile import fsync_dir, temp_beside
+from mpitp.results.untrusted import MAX_JSON_CHARS
 
-__all__ = ["MAGIC", "Journal", "frame", "fsync_dir", "journal_path", "read_journal"]
+__all__ = ["MAGIC", "MAX_RECORD_BYTES", "Journal", "RecordTooLong", "frame", "fsync_dir", "journal_path",
+           "read_journal"]
 
 MAGIC = b"MPITPJ1\n"
 _FRAME = struct.Struct("<II")
+#: No record is longer (its JSON's UTF-8 bytes): a reader takes a longer one for a torn tail, and the writer splits
+#: what it records at once (:mod:`mpitp.results.store`) to stay within it. JSON's own cap, so a record always parses.
+MAX_RECORD_BYTES = MAX_JSON_CHARS
 
 
 def journal_path(results_path: str) -> str:
@@ -38,6 +43,10 @@ def journal_path(results_path: str) -> str:
 def frame(obj: object) -> bytes:
     payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class RecordTooLong(ValueError):
+    """A record the readers would take for a torn tail: the writer records its rows in parts instead."""
 
 
 class Journal:
@@ -66,7 +75,12 @@ class Journal:
         self.bytes = 0
 
     def append(self, obj: object) -> None:
+        """Append one record; :class:`RecordTooLong` (nothing written) where its JSON is over
+        :data:`MAX_RECORD_BYTES`."""
         data = frame(obj)
+        if len(data) - _FRAME.size > MAX_RECORD_BYTES:
+            raise RecordTooLong(f"a journal record of {len(data) - _FRAME.size} bytes, over the {MAX_RECORD_BYTES} "
+                                f"a reader takes")
         view = memoryview(data)
         while view:
             n = os.write(self.fd, view)
@@ -90,10 +104,10 @@ class Journal:
         fsync_dir(self.path)
 
 
-def _read_regular(path: str) -> bytes | None:
-    """The bytes of the regular file at ``path`` (None when there is none). The journal sits in a directory others
+def _open_regular(path: str):
+    """The regular file at ``path`` open for reading (None when there is none). The journal sits in a directory others
     may write to: a link there (to ``/dev/zero``, a FIFO, another user's file) is refused as bad input, never
-    followed, and no more than the file's size at open is read."""
+    followed."""
     from mpitp.results.untrusted import BadInput, shown
 
     try:
@@ -102,41 +116,48 @@ def _read_regular(path: str) -> bytes | None:
         return None
     except OSError as exc:  # ELOOP: a symbolic link
         raise BadInput(f"{shown(path)}: refused: the journal is a link or cannot be opened ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if stat.S_ISDIR(st.st_mode):
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInput(f"{shown(path)}: refused: the journal is not a regular file")
-        return f.read(st.st_size)
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(f.fileno())
+    if stat.S_ISDIR(st.st_mode):
+        f.close()
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise BadInput(f"{shown(path)}: refused: the journal is not a regular file")
+    return f
 
 
 def read_journal(path: str) -> tuple[dict | None, list[dict]]:
     """(header, records) of the journal at ``path``; (None, []) when it is missing or has no whole header.
 
-    Reading stops at the first short, oversized or corrupt record: a torn tail (a kill mid-write) is ignored.
+    Read record by record: memory grows with the whole records the file really holds, never with its size (a sparse
+    30 GB file read at once was a MemoryError) or a length a record declares (over :data:`MAX_RECORD_BYTES`, which the
+    writer keeps to, a record is not one). Reading stops at the first short, oversized or corrupt record: a torn tail
+    (a kill mid-write) is ignored.
     """
     from mpitp.results.untrusted import load_json
 
-    data = _read_regular(path)
-    if data is None:
+    f = _open_regular(path)
+    if f is None:
         return None, []
-    if not data.startswith(MAGIC):
-        return None, []
-    pos, out = len(MAGIC), []
-    while pos + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, pos)
-        start, end = pos + _FRAME.size, pos + _FRAME.size + length
-        if end > len(data):
-            break
-        payload = data[start:end]
-        if zlib.crc32(payload) != crc:
-            break
-        try:  # no size cap beyond the frame's; depth bounded (a deep record was a RecursionError's traceback)
-            out.append(load_json(payload, f"{path}: record {len(out)}", max_chars=None))
-        except ValueError:  # BadInput included: a record that is not JSON ends the journal there, as a torn one
-            break
-        pos = end
+    out = []
+    with f:
+        if f.read(len(MAGIC)) != MAGIC:
+            return None, []
+        while True:
+            head = f.read(_FRAME.size)
+            if len(head) < _FRAME.size:
+                break
+            length, crc = _FRAME.unpack(head)
+            if length > MAX_RECORD_BYTES:
+                break
+            payload = f.read(length)
+            if len(payload) < length or zlib.crc32(payload) != crc:
+                break
+            try:  # depth bounded (a deep record was a RecursionError's traceback)
+                out.append(load_json(payload, f"{path}: record {len(out)}"))
+            except ValueError:  # BadInput included: a record that is not JSON ends the journal there, as a torn one
+                break
     if not out or not isinstance(out[0], dict) or "run_id" not in out[0]:
         return None, []
     return out[0], out[1:]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mpitp.results.journal import Journal, fsync_dir, journal_path
+from mpitp.results.journal import Journal, RecordTooLong, fsync_dir, journal_path
 from mpitp.results.rows import load_rows
 from mpitp.results.safefile import NOFOLLOW, new_mode, remove_own_temps, temp_name
 from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, h5_attr, open_h5, py_value
@@ -99,9 +99,22 @@ class ResultWriter:
         if not self._pending:
             return
         self.seq += 1
-        self._journal.append({"seq": self.seq, "tasks": self._pending})
+        self._append_rows(self._pending)
         self._pending = {}
         self._journal.sync()
+
+    def _append_rows(self, tasks: dict[str, dict[str, list]]) -> None:
+        """``tasks``' rows as one journal record of ``self.seq``, or as several (halves, recursively) where one would
+        be longer than a reader takes (:data:`mpitp.results.journal.MAX_RECORD_BYTES`): a whole batch of queued
+        chunks, or a resume's reused rows, can be."""
+        try:
+            self._journal.append({"seq": self.seq, "tasks": tasks})
+        except RecordTooLong:
+            halves = _halves(tasks)
+            if halves is None:  # one row longer than a record: no reader could take it
+                raise
+            for half in halves:
+                self._append_rows(half)
 
     def _snapshot_and_rotate(self) -> None:
         """Write the snapshot (all rows up to ``self.seq``), then start an empty journal after it."""
@@ -293,3 +306,17 @@ class ResultWriter:
             st.create_dataset("dp_rank", data=np.arange(len(self.stats), dtype=np.int32))
             for col in STATS_FIELDS:
                 st.create_dataset(col, data=np.asarray([s.get(col, 0) for s in self.stats], dtype=np.float64))
+
+
+def _halves(tasks: dict[str, dict[str, list]]) -> tuple[dict, dict] | None:
+    """``tasks``' rows in two parts: its tasks halved, or a single task's rows; None for a single row."""
+    names = list(tasks)
+    if len(names) > 1:
+        cut = len(names) // 2
+        return {k: tasks[k] for k in names[:cut]}, {k: tasks[k] for k in names[cut:]}
+    cols = tasks[names[0]]
+    n = len(cols["doc_id"])
+    if n < 2:
+        return None
+    return ({names[0]: {c: v[: n // 2] for c, v in cols.items()}},
+            {names[0]: {c: v[n // 2:] for c, v in cols.items()}})
