@@ -129,6 +129,61 @@ def test_declared_size_beyond_the_file_is_refused_before_reading(tmp_path):
     assert "refused: /stats/busy_s declares (1125899906842624,) x 8 B" in line
 
 
+def _one_string_for_every_row(path: str, chunked: bool, n: int = 3000) -> None:
+    """``path``'s generation column made ``n`` rows that all name one stored 1 MiB string (a 1 MB file): HDF5 reads
+    every row's copy, so readers allocated 3 GB before the check counted strings (session 27's probe: 6.2 GB RSS)."""
+    import zlib
+
+    with h5py.File(path, "a") as f:
+        del f[GEN]
+        d = f.create_dataset(GEN, shape=(n,), dtype=h5py.string_dtype(),
+                             **(dict(chunks=(n,), compression="gzip") if chunked else {}))
+        d[0] = "x" * (1 << 20)
+        if chunked:
+            mask, raw = d.id.read_direct_chunk((0,))
+            data = zlib.decompress(raw)
+            size = len(data) // n
+            d.id.write_direct_chunk((0,), zlib.compress(data[:size] * n), mask)
+            return
+        offset = d.id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        first = fh.read(16)
+        fh.seek(offset)
+        fh.write(first * n)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked-gzip", "contiguous"])
+def test_strings_named_by_many_rows_are_refused_before_reading(chunked, tmp_path):
+    path = make_file(tmp_path / "strings.h5")
+    _one_string_for_every_row(path, chunked)
+    assert os.path.getsize(path) < 2 << 20
+    for args in ([], ["--task", "syn_gen", "--requests"]):
+        line = one_line_exit_2(invoke(path, *args))
+        assert "refused: its variable-length strings come to 3145" in line and GEN in line, line  # 3000 MiB + 1 kB
+
+
+def test_attributes_of_many_strings_or_other_variable_length_data_are_refused(tmp_path):
+    """mpitp writes one string per attribute, no variable-length data but strings, and no string fill value: an
+    attribute of 1,000 strings naming one (3 GB read by plain ``inspect`` and ``report``), a variable-length sequence
+    and a string column read as copies of its fill value are refused unread."""
+    path = make_file(tmp_path / "attrs.h5")
+    with h5py.File(path, "a") as f:
+        f.attrs.create("model_extra", np.array(["a", "b"], dtype=object), dtype=h5py.string_dtype())
+    assert "/ attribute model_extra holds 2 variable-length strings" in one_line_exit_2(invoke(path))
+    path = make_file(tmp_path / "vlen.h5")
+    with h5py.File(path, "a") as f:
+        f["tasks/syn_mc"].create_dataset("extra", shape=(1,), dtype=h5py.vlen_dtype(np.int64))[0] = np.arange(3)
+    line = one_line_exit_2(invoke(path))
+    assert "/tasks/syn_mc/extra holds variable-length data other than strings" in line, line
+    path = make_file(tmp_path / "fill.h5")  # 2,000 unwritten rows, each read as a copy of a 1 MiB fill value
+    with h5py.File(path, "a") as f:
+        f["tasks/syn_mc"].create_dataset("extra", shape=(2000,), chunks=(100,), dtype=h5py.string_dtype(),
+                                         fillvalue=b"x" * (1 << 20))
+    line = one_line_exit_2(invoke(path))
+    assert "/tasks/syn_mc/extra holds variable-length strings whose unwritten rows read as a 1048576-byte" in line
+
+
 @pytest.mark.parametrize("planted", ["dev_zero_link", "fifo"])
 def test_planted_journal_is_refused_not_read(planted, tmp_path):
     """A journal beside the file is in a directory others may write to: a link to /dev/zero or a FIFO there is one

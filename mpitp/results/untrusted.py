@@ -10,7 +10,9 @@ bound or print terminal control codes.
   in a named raw file, e.g. ``~/.ssh/id_rsa``), virtual datasets (a dataset mapped onto other files' datasets), and
   datasets whose declared sizes add up to more than the file can hold (:data:`MAX_DATASET_BYTES`, or
   :data:`EXPANSION` times the file's size, for all its datasets together): a chunked dataset with no chunks written
-  reads as fill values, so a 10 kB file can declare 2^50 rows and make a reader allocate them.
+  reads as fill values, so a 10 kB file can declare 2^50 rows and make a reader allocate them. Variable-length
+  strings, datasets' and attributes', are measured too (:mod:`mpitp.results.h5_strings`): many references to one
+  stored string read as that many copies, so all of them together must fit in the file.
   :func:`mpitp.results.schema.open_h5` calls it on every read-only open, so every reader path (``inspect`` and its
   ``--requests`` and ``--samples``, ``diff``, ``rescore``, ``--resume``, ``report``, sweeps) goes through it.
 - :func:`load_json` parses JSON from a file within a size and a depth (checked without recursing), as one line.
@@ -71,17 +73,20 @@ def _limit(size: int) -> int:
 
 def check_h5(f: h5py.File, path: str) -> None:
     """Refuse (one-line :class:`BadInput`) an open h5py file that links to other files or objects, keeps data
-    outside itself, or whose datasets declare more data in all than the file can hold. Walks every link once with
+    outside itself, or whose datasets declare more data in all than the file can hold, or whose strings (datasets'
+    and attributes') would read as more than it holds. Walks every link once with
     HDF5's own visitor (links are looked at, never followed; low-level calls: a few microseconds per object, so
     every open can afford it)."""
-    from h5py import h5d, h5l, h5o
+    from h5py import h5l, h5o
 
     key = _identity(f)
     if key is not None and key in _CHECKED:
         return
-    limit = _limit(key[2] if key is not None else _size(path))
+    size = key[2] if key is not None else _size(path)
+    limit = _limit(size)
     problems: list[str] = []
     total = [0, 0, ""]  # declared bytes of every dataset so far, the largest one's bytes and its description
+    strings = _Strings(f, size)
 
     def look(name: bytes, info: h5py.h5l.LinkInfo) -> None:
         where = shown("/" + name.decode("utf-8", "replace"))
@@ -93,8 +98,14 @@ def check_h5(f: h5py.File, path: str) -> None:
             problems.append(f"{where} is a soft link (to {shown(f.id.links.get_val(name).decode('utf-8', 'replace'))})")
         elif info.type != h5l.TYPE_HARD:
             problems.append(f"{where} is a link of an unknown kind ({info.type})")
-        elif h5o.get_info(f.id, name).type == h5o.TYPE_DATASET:
-            problems.extend(_dataset_problems(h5d.open(f.id, name), where, limit, total))
+        else:
+            obj = h5o.open(f.id, name)
+            if h5o.get_info(f.id, name).type == h5o.TYPE_DATASET:
+                problems.extend(_dataset_problems(obj, where, limit, total))
+                if not problems:
+                    problems.extend(strings.dataset(obj, where))
+            if not problems:
+                problems.extend(strings.attributes(obj, where))
 
     damaged: list[BaseException] = []
 
@@ -106,7 +117,9 @@ def check_h5(f: h5py.File, path: str) -> None:
         return 1 if problems or damaged else None  # non-None stops the walk
 
     try:
-        f.id.links.visit(visit, info=True)
+        problems.extend(strings.attributes(f.id, "/"))
+        if not problems:
+            f.id.links.visit(visit, info=True)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:  # what HDF5 says of a damaged file
         damaged.append(exc)
     if damaged:
@@ -117,6 +130,55 @@ def check_h5(f: h5py.File, path: str) -> None:
                        f"data than it holds")
     if key is not None and _identity(f) == key:
         _CHECKED.add(key)
+
+
+class _Strings:
+    """The variable-length strings of one file, measured as :func:`check_h5` walks it (:mod:`mpitp.results.h5_strings`):
+    all together within the file's size (plus :data:`SMALL_DATASET_BYTES`), each object's one-line problems."""
+
+    def __init__(self, f: h5py.File, size: int):
+        self.f, self.size = f, size
+        self.limit = SMALL_DATASET_BYTES + size
+        self.bytes = 0
+
+    def _add(self, measure, where: str) -> list[str]:
+        from mpitp.results.h5_strings import Unmeasurable
+
+        try:
+            self.bytes += measure()
+        except Unmeasurable as exc:
+            return [f"{where} holds {exc}, which mpitp does not write"]
+        if self.bytes > self.limit:
+            return [f"its variable-length strings come to {self.bytes} bytes or more (at {where}), over the "
+                    f"{self.limit} a file of this size holds: strings named more than once"]
+        return []
+
+    def dataset(self, d, where: str) -> list[str]:
+        from mpitp.results import h5_strings
+
+        kind = h5_strings.type_kind(d.get_type())
+        if kind == h5_strings.OTHER:
+            return [f"{where} holds variable-length data other than strings, which mpitp does not write"]
+        if kind == h5_strings.FIXED:
+            return []
+        fd, stored = self.f.id.get_vfd_handle(), h5_strings.stored_size(self.f.id)
+        return self._add(lambda: h5_strings.dataset_bytes(d, fd, self.size, stored), where)
+
+    def attributes(self, obj, where: str) -> list[str]:
+        from h5py import h5a
+
+        from mpitp.results import h5_strings
+
+        for i in range(h5a.get_num_attrs(obj)):
+            attr = h5a.open(obj, index=i)
+            at = f"{where} attribute {shown(attr.get_name().decode('utf-8', 'replace'))}"
+            kind = h5_strings.type_kind(attr.get_type())
+            if kind == h5_strings.OTHER:
+                return [f"{at} holds variable-length data other than strings, which mpitp does not write"]
+            problems = [] if kind == h5_strings.FIXED else self._add(lambda a=attr: h5_strings.attribute_bytes(a), at)
+            if problems:
+                return problems
+        return []
 
 
 def _size(path: str) -> int:
