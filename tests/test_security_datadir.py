@@ -128,3 +128,24 @@ def test_honest_names_still_serve(tmp_path):
 
     data = plant(tmp_path / "données", "ARC Easy – test.jsonl")
     assert split_files(data, "arc_easy") == {"test": data.resolve() / "arc_easy" / "ARC Easy – test.jsonl"}
+
+
+def test_a_huge_file_without_newlines_beside_the_split_is_read_only_so_far(tmp_path):
+    """A data file is tried for a split by its first row's keys: a planted ``*.jsonl`` of no newline (1 GiB, sparse)
+    beside the real file was one "line" read whole (2.1 GB of memory for ``mpitp tasks``; 30 GiB: killed). Only its
+    first :data:`mpitp.tasks.offline.FIRST_ROW_BYTES` are read now, so it does not fit and the real file serves."""
+    import tracemalloc
+
+    from mpitp.tasks.offline import FIRST_ROW_BYTES, split_files
+
+    data = plant(tmp_path / "data", "ARC-Easy_test.jsonl")
+    with open(data / "arc_easy" / "zz_test.jsonl", "wb") as f:
+        f.truncate(1 << 30)
+    tracemalloc.start()
+    try:
+        found = split_files(data, "arc_easy")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == {"test": data.resolve() / "arc_easy" / "ARC-Easy_test.jsonl"}
+    assert peak < 2 * FIRST_ROW_BYTES + (8 << 20), peak
