@@ -572,7 +572,8 @@ def _mpitp(*args, timeout: float = 30):
 def test_fifos_and_devices_named_as_results_are_refused_or_skipped_not_waited_on(tmp_path):
     """Item 5: a FIFO named ``*.h5`` (or a sweep summary) blocked ``open`` forever in ``inspect`` and ``report DIR``.
     Named on the command line: one line, exit 2. Found in a directory: skipped with one warning line each (a link
-    to ``/dev/zero`` too), and the report of the regular files is written."""
+    to ``/dev/zero`` too), and the report of the regular files is written. A link another user planted there to a
+    results file of yours (which they cannot read) is skipped too, not published in your report; your own is read."""
     shared = tmp_path / "shared"
     shared.mkdir()
     make_file(shared / "good.h5")
@@ -581,6 +582,11 @@ def test_fifos_and_devices_named_as_results_are_refused_or_skipped_not_waited_on
     os.symlink("/dev/zero", shared / "zero.h5")
     os.mkfifo(tmp_path / "summary.json")
     out = tmp_path / "report.html"
+    private = make_file(tmp_path / "private.h5")  # yours; a co-user links it into the shared folder to read it
+    with h5py.File(private, "a") as f:
+        f.attrs["model"] = "private/model"
+    os.symlink(private, shared / "theirs.h5")
+    os.lchown(shared / "theirs.h5", 4321, 4321)
 
     proc = _mpitp("inspect", shared / "planted.h5")
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
@@ -594,8 +600,13 @@ def test_fifos_and_devices_named_as_results_are_refused_or_skipped_not_waited_on
     assert sorted(proc.stderr.splitlines()) == [
         f"mpitp: warning: skipped {shared / 'planted.h5'}: a FIFO, not a regular file",
         f"mpitp: warning: skipped {shared / 'sweep-summary.json'}: a FIFO, not a regular file",
+        f"mpitp: warning: skipped {shared / 'theirs.h5'}: a link made by uid 4321, not by this user "
+        f"(uid {os.geteuid()}): not followed",
         f"mpitp: warning: skipped {shared / 'zero.h5'}: a character device, not a regular file"], proc.stderr
-    assert "synthetic/model" in out.read_text()
+    assert "synthetic/model" in out.read_text() and "private/model" not in out.read_text()
+    os.lchown(shared / "theirs.h5", os.geteuid(), os.getegid())  # a link of your own is followed
+    proc = _mpitp("report", shared, "-o", out, "--bootstrap-iters", "0")
+    assert proc.returncode == 0 and "private/model" in out.read_text(), proc.stderr
 
 
 @pytest.mark.parametrize("checked", ["moved away", "deleted"])

@@ -58,8 +58,10 @@ def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tu
     """Result files and sweep summaries named by ``inputs`` (a directory contributes its ``*.h5`` and summary).
 
     A directory may be shared: what is found there under those names but is not a regular file (a FIFO, whose open
-    would wait forever; a device; a socket) is skipped, each with one line to ``warn``. A file named on the command
-    line is read as given (a FIFO there is refused by the reader, one line)."""
+    would wait forever; a device; a socket), and a link another user made (to a file of yours they cannot read: the
+    report would publish it; the rule of Linux's ``protected_symlinks``, which covers sticky folders only), are
+    skipped, each with one line to ``warn``. A file named on the command line is read as given (a FIFO there is
+    refused by the reader, one line)."""
     files, summaries = [], []
     for p in inputs:
         if os.path.isdir(p):
@@ -68,6 +70,11 @@ def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tu
             found += [summary] if os.path.lexists(summary) else []
             for f in found:
                 try:
+                    link = os.lstat(f)
+                    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+                        (warn or log.warning)(f"skipped {shown(f)}: a link made by uid {link.st_uid}, not by this "
+                                              f"user (uid {os.geteuid()}): not followed")
+                        continue
                     mode = os.stat(f).st_mode
                 except OSError as exc:  # a dangling link
                     mode, why = None, exc.strerror or str(exc)
