@@ -46,3 +46,19 @@ def test_evaluate_between_training_steps(shared_dir, tmp_path):
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     print(f"evaluate twice between SGD steps (4 ranks, tp=2): {len(one)} requests per call, the calls differ by up "
           f"to {max(d):.3g} in ll; mpitp eval on the saved weights vs the 2nd call: max relative |d ll| {worst:.2e}")
+
+
+def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_job():
+    """Without mpitp's excepthook: an unknown task and ``limit=0`` found by rank 0 alone once the other rank served
+    left it in a collective for the deadline (an hour by default); now both raise UsageError on every rank before any
+    work. Then rank 1 leaves ``with mpitp.start()`` with an error while rank 0 waits for it: the job ends at once,
+    naming it (before: rank 1 waited in MPI_Finalize and rank 0 in the collective, for ever)."""
+    proc = run_mpi_script(2, Path(__file__).parent / "mpi" / "api_refusals.py", [str(STORIES), DEMO_TASKS],
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "went on" not in out, explain(proc)
+    for rank in (0, 1):
+        assert f"rank {rank} refused: unknown task 'no_such_task'" in out, explain(proc)
+        assert f"rank {rank} refused: mpitp.evaluate: limit=0: expected a positive integer" in out, explain(proc)
+    assert "[rank 1] mpitp: fatal ValueError: planted on rank 1 only" in out, explain(proc)
+    assert proc.elapsed < 60, proc.elapsed

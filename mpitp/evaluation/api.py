@@ -149,12 +149,14 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     from mpitp import compat
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
+    task_manager = _checked(cfg, layout, timeout)
     was_training = model.training
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
     try:
         with torch.no_grad():
-            result = evaluate_loaded(model, tokenizer, cfg, rt, out=output, extra_lm_eval=lm_eval_kwargs)
+            result = evaluate_loaded(model, tokenizer, cfg, rt, out=output, task_manager=task_manager,
+                                     extra_lm_eval=lm_eval_kwargs)
     finally:
         model.train(was_training)
         if attention is not None and compat.attention_implementation(model.config) != attention:
@@ -163,3 +165,28 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     # can reach; its exception must go straight to the caller (or the abort) instead of waiting out the timeout.
     mpicomm.barrier(layout.world.comm, None, phase="end of mpitp.evaluate")
     return result
+
+
+def _checked(cfg, layout: Layout, timeout: float):
+    """The run's values and task names checked on global rank 0 before any rank starts serving, the verdict shared
+    (:func:`mpitp.parallel.runtime.agree`): a refusal is a :class:`~mpitp.errors.UsageError` on every rank alike.
+    Found on rank 0 alone after the others had begun to serve, an unknown task or ``limit=0`` left them inside a
+    collective until the deadline (an hour by default). Returns lm-eval's TaskManager on rank 0 (None elsewhere)."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.runner import task_manager_for
+    from mpitp.evaluation.setting_values import BadValue, yaml_batch_size, yaml_limit
+    from mpitp.parallel.runtime import agree
+
+    built = []
+
+    def check() -> None:
+        for name, value, rule in (("limit", cfg.limit, yaml_limit), ("batch_size", cfg.batch_size, yaml_batch_size)):
+            try:
+                if value is not None:
+                    rule(value)
+            except BadValue as exc:
+                raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
+        built.append(task_manager_for(cfg))
+
+    agree(check, layout.world.comm, timeout, "checking mpitp.evaluate's settings")
+    return built[0] if built else None

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from mpitp.errors import UsageError, exit_bound
+from mpitp.errors import UsageError, exit_bound, report_and_abort
 from mpitp.parallel import check_ep
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.layout import Layout, make_layout
@@ -72,7 +72,17 @@ class Runtime(Launch):
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Close; but an exception leaving the block on this rank alone first ends the whole job, naming it
+        (:func:`mpitp.errors.report_and_abort`, as ``mpitp eval``'s excepthook does): its peers may sit in a
+        collective it will never join, and a script's rank leaving with an error held them there until the
+        deadline (an hour by default; in ``MPI_Finalize``, for ever). A refusal every rank raised together
+        (a collective :class:`~mpitp.errors.UsageError`), ``sys.exit`` and the end of a generator leave normally.
+        Only ``with mpitp.start() as rt`` reaches here: the commands' runs own their world through
+        :func:`replica_world`."""
+        collective = isinstance(exc, UsageError) and exc.collective
+        if exc is not None and not collective and not isinstance(exc, (SystemExit, GeneratorExit)):
+            report_and_abort(exc)
         self.close()
 
 
@@ -198,7 +208,7 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
           pp: int = 1, iface: str | None = None, stage_dir: str | None = None) -> Runtime:
     """The public :func:`mpitp.start`: :func:`make_launch` and :func:`open_replica` in one call, for a script that
     builds and evaluates its own model. Collective. Use the result in a ``with`` block (or call ``close()``) to tear
-    its torch world down."""
+    its torch world down; an exception that leaves the block on one rank ends the job (:meth:`Runtime.__exit__`)."""
     return open_replica(make_launch(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, world=world,
                                     comm=comm, iface=iface, stage_dir=stage_dir))
 
