@@ -1,5 +1,5 @@
 """Pure selection logic with no GPU and no second node: the device each rank computes on, and the address a
-cross-node pipeline rendezvous listens on."""
+cross-node pipeline rendezvous listens on; one launch for a device no rank can use."""
 
 from __future__ import annotations
 
@@ -102,3 +102,21 @@ def test_interface_addresses_of_this_host():
     """The real enumeration (SIOCGIFADDR) finds the loopback at least, as IPv4 text."""
     found = interface_addresses()
     assert found.get("lo") == ["127.0.0.1"], found
+
+
+@pytest.mark.mpi
+def test_a_device_no_rank_can_use_is_refused_in_one_line(tmp_path):
+    """``--device cuda`` where no rank sees a GPU: each rank refused on its own and aborted, so the line came once per
+    rank (before the abort reached the others); now the ranks agree on the first refusal and rank 0 prints it."""
+    import torch
+
+    from support.mpi import explain, run_mpi
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_mpi(2, ["eval", "--demo", "--tp", "2", "--device", "cuda", "--output", str(tmp_path / "d.h5")],
+                   timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.strip().splitlines() == [
+        "mpitp: error: --device cuda: no CUDA device is visible to this process (torch sees 0; check "
+        "CUDA_VISIBLE_DEVICES and the CUDA build of torch)"], explain(proc)

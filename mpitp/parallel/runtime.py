@@ -162,7 +162,16 @@ def open_replica(launch: Launch) -> Runtime:
     world; the caller owns the result (:meth:`Runtime.close`, or use :func:`replica_world`)."""
     import torch
 
-    plan = _device_plan(launch.device, launch.world.local_rank)
+    plan, why = None, None
+    try:
+        plan = _device_plan(launch.device, launch.world.local_rank)
+    except UsageError as exc:
+        why = str(exc) if launch.world.rank == 0 else f"rank {launch.world.rank} on {launch.world.node_name}: {exc}"
+    # Ranks may see different GPUs, so each decides; the first refusal is everyone's, printed once (each rank's own
+    # abort printed it once per rank).
+    why = mpicomm.first_objection(why, launch.world.comm, launch.timeout, phase="choosing the device")
+    if why is not None:
+        raise UsageError(why, collective=True)
     torch.set_num_threads(launch.threads)
     cudnn_before = None
     if plan.device.startswith("cuda"):
@@ -259,7 +268,6 @@ def _device_plan(device: str | None, local_rank: int):
     from mpitp.parallel.device import plan_device
 
     # GPUs are not counted for "cpu": counting starts CUDA, after which hiding them would no longer take effect.
-    # Not a collective error: ranks may see different GPUs; one that cannot run ends the job (exit 2) on its own.
     wants_cpu = (device or "").strip().lower() == "cpu"
     plan = plan_device(device, local_rank, None if wants_cpu else
                        torch.cuda.device_count() if torch.cuda.is_available() else 0)
