@@ -138,12 +138,16 @@ def test_walltime_signal_to_rank0_stops_with_75_then_resume(reference, tmp_path)
 
 
 def test_sigterm_then_sigint_to_mpiexec_then_resume(reference, tmp_path):
-    """SIGTERM to mpiexec mid-run; resume; SIGINT (Ctrl-C) to mpiexec mid-resume; resume."""
+    """SIGTERM to mpiexec mid-run (PBS's walltime signal: exit 75, the stop's status); resume; SIGINT (Ctrl-C) to
+    mpiexec mid-resume; resume."""
     out = tmp_path / "signalled.h5"
     report: list[str] = []
     total = reference[1]
     kept = _strike(out, 0, total, _signal_mpiexec(signal.SIGTERM), GONE_AFTER_SIGNAL, "SIGTERM to mpiexec", report,
                    resume=False)
+    # The walltime stop's status, which the batch script requeues on: the ranks Hydra signals with rank 0 wait for
+    # its stop instead of dying first (they made it "signal 15", exit 15).
+    assert _last_returncode[0] == 75 and "mpitp: stopping on SIGTERM" in _last_stderr[0], _last_stderr[0][-3000:]
     kept = _strike(out, kept, total, _signal_mpiexec(signal.SIGINT), GONE_AFTER_SIGNAL,
                    "SIGINT to mpiexec (during --resume)", report, resume=True)
     _finish(out, reference, report, kept)

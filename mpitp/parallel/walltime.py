@@ -89,8 +89,8 @@ def _default_in_child() -> None:
 
 
 def install(rank: int) -> None:
-    """Rank 0 stops the job on SIGUSR1 or SIGTERM; other ranks ignore SIGUSR1 (rank 0's abort ends them) and keep
-    the default for SIGTERM (a launcher that SIGTERMs every rank ends them anyway)."""
+    """Rank 0 stops the job on SIGUSR1 or SIGTERM; other ranks ignore SIGUSR1 (rank 0's abort ends them) and give
+    rank 0 :data:`STOP_GRACE_S` on SIGTERM before they die by it (:func:`_await_stop`)."""
     global _owner_pid
     import os
 
@@ -104,6 +104,34 @@ def install(rank: int) -> None:
             _stop(_early, None)
     else:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _await_stop)
+
+
+#: How long a rank other than 0 outlives a SIGTERM: rank 0's stop (the writer flushed, at most :data:`FLUSH_S`, then
+#: the abort with :data:`STOP_EXIT`) ends it first, unless rank 0 never got the signal or cannot act on it.
+STOP_GRACE_S = FLUSH_S + 5.0
+
+
+def _await_stop(signum, frame) -> None:
+    """SIGTERM on a rank other than 0: die by it only after :data:`STOP_GRACE_S`. PBS at the walltime (and Hydra's
+    ``mpiexec`` given SIGTERM) signals every rank at once; dying at once as before, these ranks ended the job with
+    the launcher's "signal 15" (exit 15) before rank 0's stop could end it with :data:`STOP_EXIT`, the status the
+    batch script requeues on."""
+    import os
+    import threading
+
+    if _owner_pid is not None and os.getpid() != _owner_pid:  # a fork that kept the handler: die as by default
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+
+    def die() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Timer(STOP_GRACE_S, die)
+    timer.daemon = True
+    timer.start()
 
 
 def _stop(signum, frame) -> None:
