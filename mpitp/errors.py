@@ -4,6 +4,8 @@ Two kinds of failure exist and they must look different to the user:
 
 - :class:`UsageError`: bad input (a missing model, tp not dividing the world, ...). Detected on rank 0 (or agreed by
   all ranks), printed as one line, every rank exits with status 2.
+- :class:`JobError` (a deadline that ran out, memory that ran out in a replica with workers): a fault of the job,
+  not a bug; the rank that sees it prints one line naming itself, its node and what happened, and aborts the job.
 - anything else: a bug or a fault on some rank. The first rank that sees it prints it once, prefixed with its rank,
   and aborts the whole MPI job so that no other rank waits forever in a collective.
 """
@@ -40,8 +42,20 @@ class UsageError(Exception):
         self.collective = collective
 
 
-class DeadlineError(RuntimeError):
+class JobError(RuntimeError):
+    """A fault of the job rather than a bug of this rank: printed as one line naming the rank, its node and the
+    message, with no traceback (it would only show where the rank happened to be, and bury the line that says what to
+    do). The message is one line and says what happened and, where there is one, the remedy."""
+
+
+class DeadlineError(JobError):
     """A collective did not complete before its deadline. The message names the phase and the timeout."""
+
+
+class ReplicaOutOfMemory(JobError):
+    """Out of memory in a forward of a replica with workers: its peers may sit inside a collective of the very forward
+    that failed, so no retry can be agreed with them and the job ends. The message names the batch and the remedy.
+    Not a ``torch.OutOfMemoryError``: a handler that retries those must not catch it."""
 
 
 def _stderr():
@@ -146,8 +160,8 @@ def report_and_abort(exc: BaseException) -> None:
 
         _stderr().write(f"mpitp: error: {shown(exc)}\n")
         abort(USAGE_EXIT)
-    if isinstance(exc, DeadlineError):
-        # A wait that ran out is a fault of the job, not a bug of this rank: one line naming where, no traceback.
+    if isinstance(exc, JobError):
+        # A wait or the memory that ran out is a fault of the job, not a bug of this rank: one line, no traceback.
         _stderr().write(f"\nmpitp: error: rank {rank} on {_node_name()}: {exc}\n")
         abort(1)
     if _peer_lost(exc):

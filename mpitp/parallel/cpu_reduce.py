@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from mpitp.parallel.comm import Poller
+from mpitp.parallel.comm import Poller, torch_deadline
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -117,6 +117,7 @@ class TorchDistributedOverMPI:
                    async_op: bool = False):
         red = self.reductions
         if async_op or op not in red.ops or not red.takes(tensor, group):
-            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+            with torch_deadline("TP all-reduce", red.timeout):  # gloo's timeout: the line an MPI wait gives
+                return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         red.all_reduce(tensor, op)
         return None

@@ -22,6 +22,7 @@ from mpitp import compat, testing
 from mpitp.replica.generation import GenerationState, takes_growing_cache
 from mpitp.replica.prefix import next_batch, pack, plan
 from mpitp.replica.protocol import (
+    OOM_ERRORS,
     OP_GEN_BEGIN,
     OP_GEN_END,
     OP_GEN_FORWARD,
@@ -31,6 +32,7 @@ from mpitp.replica.protocol import (
     OP_STOP,
     BufferPool,
     ControlChannel,
+    batch_words,
 )
 
 if TYPE_CHECKING:
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
     from mpitp.replica.shard import ReplicaShard
 
 log = logging.getLogger("mpitp")
-_OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (RuntimeError,)
 
 
 class ReplicaLeader:
@@ -88,11 +89,11 @@ class ReplicaLeader:
             batch, n_rows = next_batch(queue, batch_size)
             try:
                 results = self._score_batch(batch, n_rows)
-            except _OOM as exc:
+            except OOM_ERRORS as exc:
                 if self.has_workers:
                     # The workers may sit inside a collective of the very forward that failed: a retry cannot be
                     # agreed with them, so the job fails fast (rows computed so far stay in the file).
-                    raise self._fatal_oom(exc, f"on a batch of {n_rows} rows") from exc
+                    raise self.channel.out_of_memory(exc, batch_words(n_rows)) from exc
                 if n_rows == 1:
                     raise
                 batch_size = max(1, n_rows // 2)
@@ -118,21 +119,16 @@ class ReplicaLeader:
         for view, p in zip(views, batches):
             view.copy_(p.flat)
         sizes = [p.size for p in batches]
-        self.channel.send(OP_SCORE_STAGES, {"packed": packed}, sizes=sizes)
+        rows = max(p.n_rows for p in batches)
+        self.channel.send(OP_SCORE_STAGES, {"packed": packed}, sizes=sizes, rows=rows)
         scored = self.shard.score_batches(list(zip(views, sizes)))
         for p in batches:
             try:
                 lp, greedy = next(scored)
-            except _OOM as exc:
-                raise self._fatal_oom(exc, f"in a batch of at most {max(q.n_rows for q in batches)} rows") from exc
+            except OOM_ERRORS as exc:
+                raise self.channel.out_of_memory(exc, batch_words(rows, at_most=True)) from exc
             _place(p.groups, self._results(p.groups, p.n_rows, p.size, p.owner, lp, greedy), out, tick)
         return out
-
-    def _fatal_oom(self, exc: BaseException, where: str) -> BaseException:
-        """The error that ends the job after an out-of-memory error in a replica with workers: they may sit inside a
-        collective of the very forward that failed, so a retry cannot be agreed with them."""
-        return _OOM[0](f"out of memory {where} in a replica of {self.channel.size} ranks "
-                       f"({str(exc).splitlines()[0][:160]}); rerun with a smaller --batch-size and --resume")
 
     def _score_batch(self, groups, n_rows: int) -> list[tuple[float, bool, int]]:
         testing.check_oom(n_rows)
@@ -140,7 +136,7 @@ class ReplicaLeader:
         packed = self.buffers.view(flat.numel())
         packed.copy_(flat)
         if self.has_workers:
-            self.channel.send(OP_SCORE, {"packed": packed}, **size)
+            self.channel.send(OP_SCORE, {"packed": packed}, rows=n_rows, **size)
         lp, greedy = self.shard.score(packed, **size)
         return self._results(groups, n_rows, size, owner, lp, greedy)
 
@@ -179,9 +175,17 @@ class ReplicaLeader:
         def mirrored_forward(*args, **kwargs):
             if args:
                 raise TypeError("mpitp mirrors keyword-argument forwards only")
-            if self.has_workers:
-                plain, tensors = gen.encode(kwargs)
-                self.channel.send(OP_GEN_FORWARD, tensors, plain=plain)
+            if not self.has_workers:
+                return forward(kwargs)
+            rows = _batch_rows(kwargs)
+            plain, tensors = gen.encode(kwargs)
+            self.channel.send(OP_GEN_FORWARD, tensors, plain=plain, rows=rows)
+            try:
+                return forward(kwargs)
+            except OOM_ERRORS as exc:  # the workers may sit in a collective of this forward: no retry, one line
+                raise self.channel.out_of_memory(exc, batch_words(rows)) from exc
+
+        def forward(kwargs):
             if shard.pipeline:
                 if self.has_workers:
                     self.stats.forwards += 1
@@ -236,6 +240,14 @@ def _place(groups, results: list, out: list, tick: Callable[[], object] | None) 
         out[i] = r
     if tick is not None:
         tick()
+
+
+def _batch_rows(kwargs: dict) -> int | None:
+    """The rows of a ``generate`` forward's batch (None: no input tensor to tell)."""
+    for name in ("input_ids", "inputs_embeds"):
+        if torch.is_tensor(kwargs.get(name)):
+            return int(kwargs[name].shape[0])
+    return None
 
 
 def _free_cache(device: torch.device) -> None:

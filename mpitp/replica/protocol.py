@@ -17,6 +17,9 @@ Operations (``op``):
 ``idle``           no forward until the next dispatch run: wait without a deadline
 ``stop``           leave the worker loop
 =================  ===================================================================================
+
+Each forward's message also carries ``rows``, the rows of its batch (at most, for ``score_stages``): a worker that
+runs out of memory names them in its one line, as the leader would (:meth:`ControlChannel.out_of_memory`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mpitp.errors import ReplicaOutOfMemory
 from mpitp.parallel import comm as mpicomm
 
 if TYPE_CHECKING:
@@ -41,6 +45,9 @@ OP_GEN_FORWARD = "gen_forward"
 OP_GEN_END = "gen_end"
 OP_STOP = "stop"
 OP_IDLE = "idle"
+
+#: What a forward raises when its device is out of memory.
+OOM_ERRORS = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (RuntimeError,)
 
 # How long a worker waits beyond its leader's deadline: when a stall upstream trips the deadline, the leader's
 # message (which names the upstream phase) is the one the user sees.
@@ -85,7 +92,7 @@ class ControlChannel:
         mpicomm.bcast_obj({"op": op, "meta": meta, "specs": specs}, self.layout.replica_comm, root=0,
                           timeout=self.timeout, phase=phase)
         for t in tensors.values():
-            self._broadcast(t)
+            self._broadcast(t, phase)
 
     def recv(self, phase: str, idle: bool = False) -> Message:
         """Worker: the next message's dict (its tensors come with :meth:`recv_tensors`). An idle worker (its leader
@@ -94,24 +101,41 @@ class ControlChannel:
         msg = mpicomm.bcast_obj(None, self.layout.replica_comm, root=0, timeout=timeout, phase=phase)
         return Message(msg["op"], msg["meta"], msg["specs"])
 
-    def recv_tensors(self, msg: Message, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def recv_tensors(self, msg: Message, out: dict[str, torch.Tensor] | None = None,
+                     phase: str = "TP control") -> dict[str, torch.Tensor]:
         """Worker: the tensors that follow ``msg``, received into ``out``'s tensors where given, else new ones."""
         got = {}
         for name, shape, dtype in msg.specs:
             t = (out or {}).get(name)
             if t is None:
                 t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            got[name] = self._broadcast(t)
+            got[name] = self._broadcast(t, phase)
         return got
 
-    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+    def _broadcast(self, t: torch.Tensor, phase: str) -> torch.Tensor:
         if self.has_workers:
             import torch.distributed as dist
 
             if self.counter is not None:
                 self.counter.add(t)
-            dist.broadcast(t, src=0, group=self.group)
+            with mpicomm.torch_deadline(phase, self.timeout):  # gloo's timeout: the one line naming the phase
+                dist.broadcast(t, src=0, group=self.group)
         return t
+
+    def out_of_memory(self, exc: BaseException, batch: str) -> ReplicaOutOfMemory:
+        """The error that ends the job when a forward of this replica ran out of memory on any of its ranks (the
+        message names the ``batch`` and the remedy): the replica's other ranks may sit inside a collective of the very
+        forward that failed, so a retry with fewer rows cannot be agreed with them."""
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        return ReplicaOutOfMemory(f"out of memory in a forward of {batch} in a replica of {self.size} ranks ({first}); "
+                                  f"rerun with a smaller --batch-size and --resume")
+
+
+def batch_words(rows: object, at_most: bool = False) -> str:
+    """A forward's batch as the out-of-memory line names it (``rows``: None where a message did not say)."""
+    if not isinstance(rows, int):
+        return "a batch"
+    return f"a batch of {'at most ' if at_most else ''}{rows} rows"
 
 
 class BufferPool:

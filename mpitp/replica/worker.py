@@ -15,6 +15,7 @@ from mpitp import testing
 from mpitp.replica.generation import GenerationState
 from mpitp.replica.prefix import packed_size
 from mpitp.replica.protocol import (
+    OOM_ERRORS,
     OP_GEN_BEGIN,
     OP_GEN_END,
     OP_GEN_FORWARD,
@@ -24,6 +25,7 @@ from mpitp.replica.protocol import (
     OP_STOP,
     BufferPool,
     ControlChannel,
+    batch_words,
 )
 
 if TYPE_CHECKING:
@@ -56,25 +58,36 @@ class ReplicaWorker:
             op = msg.op
             idle = op == OP_IDLE
             testing.check_raise(self.layout.rank, self.stats.forwards)
-            if op == OP_SCORE:
-                size = {k: msg.meta[k] for k in ("b", "t", "n", "r")}
-                packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(packed_size(**size))})["packed"]
-                self.shard.score(packed, **size)
-            elif op == OP_SCORE_STAGES:
-                self._score_stages(msg)
-            elif op == OP_GEN_BEGIN:
-                reserve = msg.meta.get("reserve")
-                self.gen.begin(bool(msg.meta.get("greedy")), None if reserve is None else int(reserve))
-            elif op == OP_GEN_FORWARD:
-                self._gen_forward(msg)
-            elif op == OP_GEN_END:
-                self.gen.end()
-            elif op == OP_STOP:
+            if op == OP_STOP:
                 return
-            elif op == OP_IDLE:
-                pass
-            else:  # pragma: no cover - protocol bug
-                raise RuntimeError(f"unknown TP control op {op!r}")
+            try:
+                self._run(msg)
+            except OOM_ERRORS as exc:
+                # One line naming the batch and the remedy, as on the leader: not a traceback of this worker's
+                # forward. The leader may sit in a collective of the same forward: the abort that follows ends it.
+                batch = batch_words(msg.meta.get("rows"), at_most=op == OP_SCORE_STAGES)
+                raise self.channel.out_of_memory(exc, batch) from exc
+
+    def _run(self, msg) -> None:
+        """One message's part of the leader's work (every op but ``stop``)."""
+        op = msg.op
+        if op == OP_SCORE:
+            size = {k: msg.meta[k] for k in ("b", "t", "n", "r")}
+            packed = self.channel.recv_tensors(msg, {"packed": self.buffers.view(packed_size(**size))})["packed"]
+            self.shard.score(packed, **size)
+        elif op == OP_SCORE_STAGES:
+            self._score_stages(msg)
+        elif op == OP_GEN_BEGIN:
+            reserve = msg.meta.get("reserve")
+            self.gen.begin(bool(msg.meta.get("greedy")), None if reserve is None else int(reserve))
+        elif op == OP_GEN_FORWARD:
+            self._gen_forward(msg)
+        elif op == OP_GEN_END:
+            self.gen.end()
+        elif op == OP_IDLE:
+            pass
+        else:  # pragma: no cover - protocol bug
+            raise RuntimeError(f"unknown TP control op {op!r}")
 
     def _score_stages(self, msg) -> None:
         sizes = msg.meta["sizes"]
