@@ -31,7 +31,6 @@ DEMO_MC = ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "6", "--batc
            "0", "--timeout", TIMEOUT]
 
 
-
 def _oom_line(rank: int) -> str:
     """The whole line an out-of-memory error in a forward (rank ``rank``, its third, batch size 1, tp=2) prints."""
     return (f"mpitp: error: rank {rank} on {socket.gethostname()}: out of memory in a forward of a batch of 1 rows in "
@@ -113,7 +112,7 @@ def test_a_launch_still_running_fails_with_each_rank_stack(tmp_path):
 
 GLOO_PAIR = """
 import sys, time, datetime, torch, torch.distributed as dist
-from mpitp.parallel.comm import torch_deadline
+from mpitp.parallel.deadline import torch_deadline
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=2))

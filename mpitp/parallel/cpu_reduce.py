@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from mpitp.parallel.comm import Poller, torch_deadline
+from mpitp.parallel.comm import Poller
+from mpitp.parallel.deadline import torch_deadline
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

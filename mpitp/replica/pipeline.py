@@ -26,6 +26,7 @@ import torch
 
 from mpitp import compat
 from mpitp.errors import UsageError
+from mpitp.parallel.deadline import torch_deadline
 from mpitp.parallel.layout import split_layers
 
 if TYPE_CHECKING:
@@ -360,7 +361,8 @@ class StageLink:
         import torch.distributed as dist
 
         t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=self.prev if src is None else src)
+        with torch_deadline("pipeline stage receiving activations", None):
+            dist.recv(t, src=self.prev if src is None else src)
         return t
 
     def send_activation(self, t: torch.Tensor, dst: int | None = None) -> None:
@@ -376,8 +378,9 @@ class StageLink:
         return self.recv(shape, dtype, device, src)
 
     def flush(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
+        with torch_deadline("pipeline stage sending activations", None):
+            for work, _ in self._pending:
+                work.wait()
         self._pending.clear()
 
 

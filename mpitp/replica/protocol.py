@@ -31,6 +31,7 @@ import torch
 
 from mpitp.errors import ReplicaOutOfMemory
 from mpitp.parallel import comm as mpicomm
+from mpitp.parallel.deadline import torch_deadline
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -118,7 +119,7 @@ class ControlChannel:
 
             if self.counter is not None:
                 self.counter.add(t)
-            with mpicomm.torch_deadline(phase, self.timeout):  # gloo's timeout: the one line naming the phase
+            with torch_deadline(phase, self.timeout):  # gloo's timeout: the one line naming the phase
                 dist.broadcast(t, src=0, group=self.group)
         return t
 

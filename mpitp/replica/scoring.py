@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mpitp.parallel.deadline import torch_deadline
 from mpitp.replica.logits import HeadTransform, head_transform
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ class TPOps:
             if self.mpi is not None and self.mpi.takes(t, self.group):
                 self.mpi.all_reduce(t, op)
             else:
-                dist.all_reduce(t, op=op, group=self.group)
+                with torch_deadline("TP all-reduce", None):
+                    dist.all_reduce(t, op=op, group=self.group)
         return t
 
     def max(self, t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,8 @@ class TPOps:
         if self.mpi is not None and self.mpi.takes(t, self.group):
             return self.mpi.all_gather(t)
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+        with torch_deadline("TP all-gather", None):
+            dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.stack(parts)
 
 
@@ -302,13 +305,15 @@ class VocabParallelHead:
         import torch.distributed as dist
 
         sizes = [torch.zeros(2, dtype=torch.long, device=h.device) for _ in range(self.ops.size)]
-        dist.all_gather(sizes, torch.tensor([local.shape[1], self.offset], device=h.device), group=self.ops.group)
+        with torch_deadline("TP all-gather", None):
+            dist.all_gather(sizes, torch.tensor([local.shape[1], self.offset], device=h.device), group=self.ops.group)
         width = int(max(int(s[0]) for s in sizes))
         padded = torch.full((local.shape[0], width), float("-inf"), device=h.device)
         padded[:, : local.shape[1]] = local
         parts = [torch.empty_like(padded) for _ in range(self.ops.size)]
         self.ops.counter.add(padded)
-        dist.all_gather(parts, padded, group=self.ops.group)
+        with torch_deadline("TP all-gather", None):
+            dist.all_gather(parts, padded, group=self.ops.group)
         order = sorted(range(self.ops.size), key=lambda r: int(sizes[r][1]))
         return torch.cat([parts[r][:, : int(sizes[r][0])] for r in order], dim=1)
 
