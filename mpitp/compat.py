@@ -189,6 +189,13 @@ TARGETS: dict[str, Target] = _by_name((
     Target(_TP, "transformers.core_model_loading", "Split", TRANSFORMERS, "mpitp.replica.tp_plans", kind="read"),
     Target(_TP, "transformers.generation.utils", "GenerationMixin._supports_default_dynamic_cache", TRANSFORMERS,
            "mpitp.replica.generation", kind="read"),
+    # --gen_kwargs checked before the load: the defaults and logits processors generate builds, called, its log quiet
+    Target(_TP, "transformers.generation.configuration_utils", "GenerationConfig._get_default_generation_params",
+           TRANSFORMERS, "mpitp.evaluation.gen_kwargs_check", kind="read"),
+    Target(_TP, "transformers.generation.utils", "GenerationMixin._get_logits_processor", TRANSFORMERS,
+           "mpitp.evaluation.gen_kwargs_check", kind="read"),
+    Target(_TP, "transformers.generation.configuration_utils", "logger", TRANSFORMERS,
+           "mpitp.evaluation.gen_kwargs_check"),
     # on the leader's model only, for one greedy call: lm-eval's stop criteria asked row by row (finished_rows)
     Target(_TP, "transformers.generation.utils", "GenerationMixin.generate", TRANSFORMERS,
            "mpitp.replica.finished_rows"),

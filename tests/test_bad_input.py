@@ -245,3 +245,66 @@ def test_readme_shows_the_measured_table():
     shown = readme[start:].split("\n\n", 1)[0].splitlines()
     assert shown[:2] == [table[0], "|---|---|---|"] and len(shown) > 2
     assert set(shown[2:]) <= set(table[1:]), set(shown[2:]) - set(table[1:])
+
+
+# --gen_kwargs: each value checked on rank 0 (lm-eval's reading, then transformers' GenerationConfig and logits
+# processors) before the model loads, in every layout. In-process: the values as lm-eval's command line reads them.
+GEN_KWARGS_REFUSED = [
+    ("temperature=abc", 1, "--gen_kwargs temperature=abc: temperature must be a number"),
+    ("max_gen_toks=abc", 1, "--gen_kwargs max_gen_toks=abc: max_gen_toks must be a positive integer (tokens to "
+                            "generate)"),
+    ("max_gen_toks=-5", 1, "--gen_kwargs max_gen_toks=-5: max_gen_toks must be a positive integer (tokens to "
+                           "generate)"),
+    ("do_sample=True,temperature=0", 2, "--gen_kwargs do_sample=True,temperature=0: `temperature` (=0) has to be a "
+                                        "strictly positive float"),
+    ("top_k=-1,do_sample=True", 1, "--gen_kwargs top_k=-1,do_sample=True: `top_k` has to be a strictly positive "
+                                   "integer"),
+    ("until=5", 1, "--gen_kwargs until=5: until must be a stop string or a list of them"),
+    ("do_sample=maybe", 1, "--gen_kwargs do_sample=maybe: do_sample must be true or false"),
+    ("repetition_penalty=0", 1, "--gen_kwargs repetition_penalty=0: `penalty` has to be a strictly positive float"),
+]
+#: run by ``lm_eval --model hf`` as they are (temperature=0 is greedy, sampling flags without do_sample are ignored)
+GEN_KWARGS_ACCEPTED = ["temperature=0", "do_sample=False", "do_sample=False,temperature=0.7", "temperature=0.7",
+                       "top_p=0.9", "do_sample=True,temperature=0.7,top_p=0.9,top_k=40", "max_gen_toks=12,until=Q:"]
+
+
+def _check_gen_kwargs(gen_kwargs, tp: int) -> None:
+    """What ``check_all`` does with ``--gen_kwargs`` (no model: these checks need none)."""
+    from mpitp.evaluation import checks
+    from mpitp.evaluation.gen_kwargs_check import check_generation
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+
+    if isinstance(gen_kwargs, str):
+        gen_kwargs = parse_eval_args(["--model", "hf", "--model_args", "pretrained=m", "--tasks", "t",
+                                      "--gen_kwargs", gen_kwargs]).cfg.gen_kwargs
+    check_generation(checks._check_gen_kwargs(gen_kwargs, tp, 1))
+
+
+@pytest.mark.parametrize("text,tp,message", GEN_KWARGS_REFUSED, ids=[t for t, _, _ in GEN_KWARGS_REFUSED])
+def test_bad_gen_kwargs_refused_before_the_model_loads(text, tp, message):
+    from mpitp.errors import UsageError
+
+    with pytest.raises(UsageError) as err:
+        _check_gen_kwargs(text, tp)
+    line = str(err.value)
+    assert line.startswith(message) and "\n" not in line, line
+
+
+@pytest.mark.parametrize("gen_kwargs", [*GEN_KWARGS_ACCEPTED, {"until": ["\n\n", "Question:"], "max_gen_toks": 5,
+                                                               "do_sample": False}])
+def test_gen_kwargs_lm_eval_runs_are_accepted(gen_kwargs):
+    for tp in (1, 2):
+        _check_gen_kwargs(gen_kwargs, tp)
+
+
+@pytest.mark.mpi
+def test_bad_gen_kwargs_under_mpiexec(tmp_path):
+    """End to end, tp=1: one line from rank 0, exit status 2 on every rank, no traceback, no results file."""
+    proc = run_mpi(2, ["eval", "--demo", "--tasks", "mpitp_demo_gen", "--limit", "2", "--output", "out.h5",
+                       "--gen_kwargs", "temperature=abc"], timeout=120, cwd=str(tmp_path))
+    message = _err("--gen_kwargs temperature=abc: temperature must be a number")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, explain(proc)
+    assert "Traceback" not in out and out.count(message) == 1, explain(proc)
+    assert message in proc.stderr.splitlines(), explain(proc)
+    assert not (tmp_path / "out.h5").exists()

@@ -216,19 +216,17 @@ def refuse_unsupported_generation(kwargs: dict, generation_config: GenerationCon
                          f"caches would not follow); run with --tp 1 --pp 1 or drop it")
 
 
-def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> None:
-    if not gen_kwargs or (tp == 1 and pp == 1):
-        return
-    if isinstance(gen_kwargs, str):
-        from lm_eval.utils import simple_parse_args_string
+def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> dict:
+    """``--gen_kwargs`` as lm-eval reads it, each value checked (:mod:`mpitp.evaluation.gen_kwargs_check`, no torch);
+    with TP workers or pipeline stages, a generate mode that forks the KV cache is refused too."""
+    if not gen_kwargs:
+        return {}
+    from mpitp.evaluation.gen_kwargs_check import parse_gen_kwargs
 
-        try:
-            parsed = simple_parse_args_string(gen_kwargs)
-        except Exception as exc:  # noqa: BLE001 - lm-eval's parser raises plain errors on bad syntax
-            raise UsageError(f"--gen-kwargs {gen_kwargs!r}: {exc}") from None
-    else:
-        parsed = dict(gen_kwargs)
-    refuse_unsupported_generation(parsed, None, "--gen-kwargs", f"tp={tp} pp={pp}")
+    parsed = parse_gen_kwargs(gen_kwargs)
+    if tp > 1 or pp > 1:
+        refuse_unsupported_generation(parsed, None, "--gen-kwargs", f"tp={tp} pp={pp}")
+    return parsed
 
 
 @dataclass
@@ -294,7 +292,7 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
     if cfg.gen_kwargs and "use_cache" in str(cfg.gen_kwargs):
         raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
                          "KV cache (it passes use_cache=True itself)")
-    _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
+    gen_kwargs = _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
     own = tasks is None  # YAMLs written here are removed here if a later check refuses
     tasks = tasks or check_tasks_once(cfg)
     try:
@@ -317,6 +315,9 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         check_pp(config, pp)
         check_plans_apply(config, tp, pp, ep)
         check_decoder_mode(config)
+        from mpitp.evaluation.gen_kwargs_check import check_generation
+
+        check_generation(gen_kwargs)  # transformers' generation checks: torch is imported by now
         # Resolving these imports torch and transformers' model code (seconds on a loaded node): after the input
         # checks, so that bad input is refused without them.
         compat.check(packages=("transformers", "torch"))
