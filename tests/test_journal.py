@@ -245,3 +245,75 @@ def test_a_journal_is_read_record_by_record_within_its_cap(tmp_path, monkeypatch
     got = read_requests(str(path), "t_mc")
     assert sorted(got["doc_id"].tolist()) == [n for c in range(2) for n in range(c * PER_CHUNK, (c + 1) * PER_CHUNK)
                                              if n % 7]
+
+
+FULL_CHILD = textwrap.dedent("""
+    import os, sys
+    sys.path[:0] = {paths!r}
+    from mpitp.errors import install_excepthook
+    install_excepthook()  # as under mpitp eval: a failure h5py reports from a deallocation used to abort here
+    from test_journal import META, rows_of
+    from mpitp.results.store import ResultWriter
+    path, step = sys.argv[1], sys.argv[2]
+    w = ResultWriter(path, META, snapshot_interval_s=1e9)
+    for c in range(3):
+        for t, rs in rows_of(c).items():
+            w.append(t, rs)
+    w.flush()
+    fd = os.open(os.path.join(os.path.dirname(path), "filler"), os.O_WRONLY | os.O_CREAT)
+    try:  # the rest of the file system
+        while os.write(fd, bytes(4096)):
+            pass
+    except OSError:
+        os.close(fd)
+    try:
+        if step == "finish":  # the last snapshot, as in a run that completes
+            w.finish({{"results": {{}}}}, 1.0)
+        elif step == "save":  # a snapshot whose caller waits for it
+            w.save()
+        else:
+            for c in range(3, 40):
+                for t, rs in rows_of(c).items():
+                    w.append(t, rs)
+                w.flush()
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+""")
+
+
+@pytest.fixture
+def full_fs(tmp_path):
+    """A 1 MiB tmpfs of its own (root only: skipped where mounting is not allowed), unmounted after."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("step", ["finish", "save", "journal"])
+def test_a_full_disk_ends_in_one_line_with_no_temporary_and_nothing_lost(full_fs, step):
+    """A real full file system under the snapshot (HDF5 reported it from a deallocation: mpitp's excepthook aborted
+    mid-write with a traceback, its temporary left filling the disk; ``save`` never returned) and under the journal
+    (a bare OSError, wrapped in a RuntimeError): one
+    :class:`ResultsWriteError` line naming the file, the errno and what is kept; no temporary left; once space is
+    freed, the file and its journal hold every row flushed before, and a resume takes them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = full_fs / "x.h5"
+    child = subprocess.run([sys.executable, "-c", FULL_CHILD.format(paths=[here, os.path.dirname(here)]), str(path),
+                            step], capture_output=True, text=True, timeout=20)
+    assert child.returncode == 0, child.stderr
+    assert "Traceback" not in child.stderr, child.stderr
+    what = f"the results file {path}" if step != "journal" else f"the results journal {path}.journal"
+    assert child.stdout.startswith(f"ResultsWriteError cannot write {what}: No space left on device (errno 28); "), \
+        child.stdout
+    assert "--resume" in child.stdout
+    os.remove(full_fs / "filler")
+    assert sorted(os.listdir(full_fs)) == ["x.h5", "x.h5.journal"]  # nothing else: no temporary
+    want = sum(len(rs) for c in range(3) for rs in rows_of(c).values())
+    assert sum(request_counts(str(path)).values()) >= want
+    w = ResultWriter(str(path), META, resume=True)
+    assert len(w.stored_rows()) >= want
+    w.close()

@@ -16,6 +16,7 @@ No mpitp imports: the results writer, the job tools and rescoring all use it.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -105,6 +106,37 @@ def temp_name(target: str) -> str:
     writer that creates the file itself exclusively (HDF5's ``"x"`` mode: ``O_CREAT | O_EXCL``)."""
     folder, prefix = _prefix(target)
     return os.path.join(folder, f"{prefix}{secrets.token_hex(6)}{_SUFFIX}")
+
+
+def remove_temp(path: str) -> None:
+    """Remove the temporary ``path`` this writer created, after its write failed: left there it would hold the very
+    space whose lack may be why the write failed. Only a regular file of this user is removed (never a link); one that
+    cannot be removed (a read-only file system) stays, since the write's own error is the one to report."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+#: The errnos of a file system refusing a write (full, over quota, over the file size limit, failing, read-only):
+#: a fault of where the file is, not a bug of the writer.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
+#: How HDF5 quotes the failed system call in the messages h5py raises (as OSError or RuntimeError, errno unset).
+_HDF5_ERRNO = re.compile(r"errno = (\d+), error message = '([^']*)'")
+
+
+def write_failure(exc: BaseException | None) -> tuple[int, str] | None:
+    """(errno, its text) where ``exc`` is the operating system refusing a write (:data:`WRITE_ERRNOS`): an
+    ``OSError`` carrying it, or h5py's error quoting HDF5's failed write; None for anything else (a bug stays one)."""
+    if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+        return exc.errno, exc.strerror or os.strerror(exc.errno)
+    if isinstance(exc, (OSError, RuntimeError)):
+        found = _HDF5_ERRNO.search(str(exc))
+        if found and int(found.group(1)) in WRITE_ERRNOS:
+            return int(found.group(1)), found.group(2) or os.strerror(int(found.group(1)))
+    return None
 
 
 def remove_own_temps(target: str) -> list[str]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
@@ -12,17 +13,30 @@ import uuid
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+import h5py
 import numpy as np
 
+from mpitp.errors import JobError
+from mpitp.escape import shown
 from mpitp.results.journal import Journal, RecordTooLong, fsync_dir, journal_path
 from mpitp.results.rows import load_rows
-from mpitp.results.safefile import NOFOLLOW, new_mode, remove_own_temps, temp_name
-from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, h5_attr, open_h5, py_value
+from mpitp.results.safefile import new_mode, remove_own_temps, remove_temp, temp_beside, write_failure
+from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, h5_attr, py_value
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from mpitp.results.docscores import DocScores
+
+
+class ResultsWriteError(JobError):
+    """The file system refused a write of the results file or its journal (full, over quota, failing, read-only):
+    one line saying which file, why and what is kept (:mod:`mpitp.errors` prints a :class:`JobError` so, without a
+    traceback), since nothing is lost and the remedy is the user's: free space and resume."""
+
+
+_REMEDY = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the quota",
+           errno.EFBIG: "raise the file size limit", errno.EROFS: "make the file system writable"}
 
 
 class ResultWriter:
@@ -62,7 +76,9 @@ class ResultWriter:
         self.snapshots = 0
         self._pending: dict[str, dict[str, list]] = {}
         self._journal: Journal | None = None
+        self._started = False
         self._snapshot_and_rotate()
+        self._started = True
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="mpitp-results", daemon=True)
@@ -99,9 +115,10 @@ class ResultWriter:
         if not self._pending:
             return
         self.seq += 1
-        self._append_rows(self._pending)
+        with _WriteFailures(self, journal=True):
+            self._append_rows(self._pending)
+            self._journal.sync()
         self._pending = {}
-        self._journal.sync()
 
     def _append_rows(self, tasks: dict[str, dict[str, list]]) -> None:
         """``tasks``' rows as one journal record of ``self.seq``, or as several (halves, recursively) where one would
@@ -121,8 +138,9 @@ class ResultWriter:
         self._write_snapshot()
         if self._journal is not None:
             self._journal.close()
-        self._journal = Journal(journal_path(self.path), {"run_id": self.attrs["run_id"], "base_seq": self.seq},
-                                mode=new_mode(self.path))  # the rows are the results file's: its mode
+        with _WriteFailures(self, journal=True):
+            self._journal = Journal(journal_path(self.path), {"run_id": self.attrs["run_id"], "base_seq": self.seq},
+                                    mode=new_mode(self.path))  # the rows are the results file's: its mode
         self._snap_rows, self._snap_time = self._n_rows(), time.monotonic()
 
     def _maybe_snapshot(self) -> None:
@@ -139,14 +157,14 @@ class ResultWriter:
                 except queue.Empty:
                     break
             t0, c0 = time.perf_counter(), time.thread_time()
-            done = []
+            # every waiter of the batch is woken, also after a failure (it then raises it): one left waiting for an
+            # op that failed never returned (save() after a refused snapshot hung)
+            done = [op for op in ops if op is not None and not callable(op)]
             try:
                 if self._error is None:
                     for op in ops:
                         if callable(op):
                             op()
-                        elif op is not None:
-                            done.append(op)
                     self._flush_journal()
                     self._maybe_snapshot()
             except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's next call
@@ -160,6 +178,8 @@ class ResultWriter:
 
     # ------------------------------------------------------------------ the caller's side (dispatch thread)
     def _check(self) -> None:
+        if isinstance(self._error, ResultsWriteError):
+            raise ResultsWriteError(str(self._error)) from self._error.__cause__  # the same line on every call
         if self._error is not None:
             err, self._error = self._error, RuntimeError("results writer failed earlier")
             raise RuntimeError(f"writing results to {self.path} failed: {err}") from err
@@ -253,29 +273,64 @@ class ResultWriter:
         self._check()
 
     def _write_snapshot(self) -> None:
+        """The snapshot: built in memory, then written whole to a new temporary beside the output (a random name,
+        created exclusively, never through a planted link, with the mode of the file it replaces), fsync'd and
+        renamed into place.
+
+        Why in memory: HDF5 writing a file on disk writes also when an object's last reference goes, and a refused
+        write there (a full disk) comes from a deallocation, which Cython reports to ``sys.excepthook`` (mpitp's
+        aborts the job mid-write, temporary left behind), and after which HDF5 is not safe to go on with (a
+        segmentation fault closing the file). Written by ``os.write``, a refusal is an ``OSError`` here like any
+        other: the temporary is removed and the error is one line. It costs the file's size in memory, briefly:
+        less than the rows the writer holds."""
         t0 = time.perf_counter()
-        # A random name HDF5 creates exclusively ("x": O_CREAT | O_EXCL, so never through a planted link), with the
-        # mode of the file it replaces (a user's chmod 600 survives), set on HDF5's own descriptor.
-        tmp, mode = temp_name(self.path), new_mode(self.path)
         self.attrs["journal_seq"] = int(self.seq)
-        f = open_h5(tmp, "x")  # raises (FileExistsError) before anything of ours exists
-        try:
-            with f:
-                os.fchmod(f.id.get_vfd_handle(), mode)
-                self._write_h5(f)
-            fd = os.open(tmp, os.O_RDONLY | NOFOLLOW)
+        image = self._h5_image()
+        with _WriteFailures(self, journal=False):
+            fd, tmp = temp_beside(self.path, new_mode(self.path))
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.lexists(tmp):
-                os.remove(tmp)  # ours: created above, and a failed snapshot must not pile up
-            raise
+                try:
+                    view = memoryview(image)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.path)
+            except BaseException:
+                remove_temp(tmp)  # ours: created above, and a failed snapshot must not hold the space or pile up
+                raise
         fsync_dir(self.path)
         self.snapshots += 1
         self.snapshot_s = getattr(self, "snapshot_s", 0.0) + time.perf_counter() - t0
+
+    def _h5_image(self) -> bytes:
+        """The snapshot's bytes: an HDF5 file in memory only (the core driver without a backing store), flushed."""
+        f = h5py.File(f"mpitp-snapshot-{uuid.uuid4().hex}.h5", "w", driver="core", backing_store=False,
+                      block_size=1 << 20)  # the name: nothing on disk, unique among the files open in HDF5
+        try:
+            self._write_h5(f)  # its groups and datasets are closed on return: the flush writes everything
+            f.flush()
+            return f.id.get_file_image()
+        finally:
+            f.close()
+
+    def _failure_line(self, failure: tuple[int, str], journal: bool) -> str:
+        """The one line for a refused write: which file, why, what is kept and what to do."""
+        code, text = failure
+        out, jp = shown(self.path), shown(journal_path(self.path))
+        what = f"the results journal {jp}" if journal else f"the results file {out}"
+        remedy = _REMEDY.get(code, "check the file system")
+        if not self._started:
+            kept = "nothing of this run was computed yet"
+            again = "run again" + (" with --resume" if self.attrs.get("journal_seq") or self.tasks else "")
+        elif journal:  # a record may be torn: readers stop at the last whole one
+            kept = f"the rows that landed are in {out} and its journal up to the last whole record"
+            again = "rerun with --resume"
+        else:
+            kept = f"the rows that landed are in its journal {jp}"
+            again = "rerun with --resume"
+        return f"cannot write {what}: {text} (errno {code}); {kept}: {remedy} and {again}"
 
     def _write_h5(self, f) -> None:
         """The snapshot's content, from memory, into the new file ``f``."""
@@ -306,6 +361,23 @@ class ResultWriter:
             st.create_dataset("dp_rank", data=np.arange(len(self.stats), dtype=np.int32))
             for col in STATS_FIELDS:
                 st.create_dataset(col, data=np.asarray([s.get(col, 0) for s in self.stats], dtype=np.float64))
+
+
+class _WriteFailures:
+    """Turns the file system refusing a write inside the block (:func:`mpitp.results.safefile.write_failure`) into
+    one :class:`ResultsWriteError` line; anything else (a bug) goes on as it is."""
+
+    def __init__(self, writer: ResultWriter, journal: bool):
+        self.writer, self.journal = writer, journal
+
+    def __enter__(self) -> _WriteFailures:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        failure = None if isinstance(exc, ResultsWriteError) else write_failure(exc)
+        if failure is not None:
+            raise ResultsWriteError(self.writer._failure_line(failure, self.journal)) from exc
+        return False
 
 
 def _halves(tasks: dict[str, dict[str, list]]) -> tuple[dict, dict] | None:
