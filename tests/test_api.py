@@ -59,6 +59,6 @@ def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_jo
     assert proc.returncode != 0 and "went on" not in out, explain(proc)
     for rank in (0, 1):
         assert f"rank {rank} refused: unknown task 'no_such_task'" in out, explain(proc)
-        assert f"rank {rank} refused: mpitp.evaluate: limit=0: expected a positive integer" in out, explain(proc)
+        assert f"rank {rank} refused: mpitp.evaluate: limit=0: must be > 0, got 0" in out, explain(proc)
     assert "[rank 1] mpitp: fatal ValueError: planted on rank 1 only" in out, explain(proc)
     assert proc.elapsed < 60, proc.elapsed

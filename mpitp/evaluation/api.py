@@ -174,13 +174,13 @@ def _checked(cfg, layout: Layout, timeout: float):
     collective until the deadline (an hour by default). Returns lm-eval's TaskManager on rank 0 (None elsewhere)."""
     from mpitp.errors import UsageError
     from mpitp.evaluation.runner import task_manager_for
-    from mpitp.evaluation.setting_values import BadValue, yaml_batch_size, yaml_limit
+    from mpitp.evaluation.setting_values import BadValue, limit_value, yaml_batch_size
     from mpitp.parallel.runtime import agree
 
     built = []
 
     def check() -> None:
-        for name, value, rule in (("limit", cfg.limit, yaml_limit), ("batch_size", cfg.batch_size, yaml_batch_size)):
+        for name, value, rule in (("limit", cfg.limit, limit_value), ("batch_size", cfg.batch_size, yaml_batch_size)):
             try:
                 if value is not None:
                     rule(value)
