@@ -117,30 +117,38 @@ def _await_stop(signum, frame) -> None:
     ``mpiexec`` given SIGTERM) signals every rank at once; dying at once as before, these ranks ended the job with
     the launcher's "signal 15" (exit 15) before rank 0's stop could end it with :data:`STOP_EXIT`, the status the
     batch script requeues on."""
-    import os
     import threading
 
-    if _owner_pid is not None and os.getpid() != _owner_pid:  # a fork that kept the handler: die as by default
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    if _died_as_a_fork(signum):
         return
-
-    def die() -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    timer = threading.Timer(STOP_GRACE_S, die)
+    timer = threading.Timer(STOP_GRACE_S, _die_by, args=(signum,))
     timer.daemon = True
     timer.start()
 
 
-def _stop(signum, frame) -> None:
+def _died_as_a_fork(signum) -> bool:
+    """In a process forked from the rank that kept a handler of the rank's (one forked while it ran): the signal's
+    default action now (it ends the process), and True; False in the rank itself."""
     import os
+
+    if _owner_pid is None or os.getpid() == _owner_pid:
+        return False
+    _die_by(signum)
+    return True
+
+
+def _die_by(signum) -> None:
+    """``signum``'s default action, now: the process ends by it (as the launcher and the scheduler expect)."""
+    import os
+
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _stop(signum, frame) -> None:
     import threading
 
-    if _owner_pid is not None and os.getpid() != _owner_pid:  # a fork that kept the handler: die as by default
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    if _died_as_a_fork(signum):
         return
 
     global _stopping
