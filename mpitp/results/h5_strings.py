@@ -158,3 +158,52 @@ def attribute_bytes(attr) -> int:
     if isinstance(item, str):
         return len(item.encode("utf-8", "surrogateescape"))
     return len(item) if isinstance(item, bytes) else 0
+
+
+_NOT_STRINGS = "holds variable-length data other than strings, which mpitp does not write"
+
+
+class StringBudget:
+    """The variable-length strings of one open file, measured as :func:`mpitp.results.untrusted.check_h5` walks it:
+    all of them together within ``limit`` (the file's size and a little), each object's problems as one-line texts."""
+
+    def __init__(self, f, size: int, limit: int):
+        self.f, self.size, self.limit = f, size, limit
+        self.bytes = 0
+
+    def _add(self, measure, where: str) -> list[str]:
+        try:
+            self.bytes += measure()
+        except Unmeasurable as exc:
+            return [f"{where} holds {exc}, which mpitp does not write"]
+        if self.bytes > self.limit:
+            return [f"its variable-length strings come to {self.bytes} bytes or more (at {where}), over the "
+                    f"{self.limit} a file of this size holds: strings named more than once"]
+        return []
+
+    def dataset(self, d, where: str) -> list[str]:
+        """Dataset ``d`` (a low-level DatasetID) at ``where``: its strings counted, or why they cannot be."""
+        kind = type_kind(d.get_type())
+        if kind == OTHER:
+            return [f"{where} {_NOT_STRINGS}"]
+        if kind == FIXED:
+            return []
+        fd, stored = self.f.id.get_vfd_handle(), stored_size(self.f.id)
+        return self._add(lambda: dataset_bytes(d, fd, self.size, stored), where)
+
+    def attributes(self, obj, where: str) -> list[str]:
+        """The attributes of ``obj`` (a low-level object ID) at ``where``: their strings counted, one at a time."""
+        from h5py import h5a
+
+        from mpitp.escape import shown
+
+        for i in range(h5a.get_num_attrs(obj)):
+            attr = h5a.open(obj, index=i)
+            at = f"{where} attribute {shown(attr.get_name().decode('utf-8', 'replace'))}"
+            kind = type_kind(attr.get_type())
+            if kind == OTHER:
+                return [f"{at} {_NOT_STRINGS}"]
+            problems = [] if kind == FIXED else self._add(lambda a=attr: attribute_bytes(a), at)
+            if problems:
+                return problems
+        return []

@@ -86,7 +86,9 @@ def check_h5(f: h5py.File, path: str) -> None:
     limit = _limit(size)
     problems: list[str] = []
     total = [0, 0, ""]  # declared bytes of every dataset so far, the largest one's bytes and its description
-    strings = _Strings(f, size)
+    from mpitp.results.h5_strings import StringBudget
+
+    strings = StringBudget(f, size, SMALL_DATASET_BYTES + size)
 
     def look(name: bytes, info: h5py.h5l.LinkInfo) -> None:
         where = shown("/" + name.decode("utf-8", "replace"))
@@ -130,55 +132,6 @@ def check_h5(f: h5py.File, path: str) -> None:
                        f"data than it holds")
     if key is not None and _identity(f) == key:
         _CHECKED.add(key)
-
-
-class _Strings:
-    """The variable-length strings of one file, measured as :func:`check_h5` walks it (:mod:`mpitp.results.h5_strings`):
-    all together within the file's size (plus :data:`SMALL_DATASET_BYTES`), each object's one-line problems."""
-
-    def __init__(self, f: h5py.File, size: int):
-        self.f, self.size = f, size
-        self.limit = SMALL_DATASET_BYTES + size
-        self.bytes = 0
-
-    def _add(self, measure, where: str) -> list[str]:
-        from mpitp.results.h5_strings import Unmeasurable
-
-        try:
-            self.bytes += measure()
-        except Unmeasurable as exc:
-            return [f"{where} holds {exc}, which mpitp does not write"]
-        if self.bytes > self.limit:
-            return [f"its variable-length strings come to {self.bytes} bytes or more (at {where}), over the "
-                    f"{self.limit} a file of this size holds: strings named more than once"]
-        return []
-
-    def dataset(self, d, where: str) -> list[str]:
-        from mpitp.results import h5_strings
-
-        kind = h5_strings.type_kind(d.get_type())
-        if kind == h5_strings.OTHER:
-            return [f"{where} holds variable-length data other than strings, which mpitp does not write"]
-        if kind == h5_strings.FIXED:
-            return []
-        fd, stored = self.f.id.get_vfd_handle(), h5_strings.stored_size(self.f.id)
-        return self._add(lambda: h5_strings.dataset_bytes(d, fd, self.size, stored), where)
-
-    def attributes(self, obj, where: str) -> list[str]:
-        from h5py import h5a
-
-        from mpitp.results import h5_strings
-
-        for i in range(h5a.get_num_attrs(obj)):
-            attr = h5a.open(obj, index=i)
-            at = f"{where} attribute {shown(attr.get_name().decode('utf-8', 'replace'))}"
-            kind = h5_strings.type_kind(attr.get_type())
-            if kind == h5_strings.OTHER:
-                return [f"{at} holds variable-length data other than strings, which mpitp does not write"]
-            problems = [] if kind == h5_strings.FIXED else self._add(lambda a=attr: h5_strings.attribute_bytes(a), at)
-            if problems:
-                return problems
-        return []
 
 
 def _size(path: str) -> int:
