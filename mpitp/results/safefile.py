@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import secrets
 import stat
 import tempfile
 import time
@@ -28,7 +27,7 @@ import time
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _SUFFIX = ".tmp"
-#: the random part and suffix of :func:`temp_beside`'s names (``mkstemp``'s 8 characters, :func:`temp_name`'s 12)
+#: the random part and suffix of :func:`temp_beside`'s names (``mkstemp``'s 8 characters; 12 in files of older versions)
 _TEMP_BODY = r"[A-Za-z0-9_]{6,12}" + re.escape(_SUFFIX)
 
 
@@ -101,17 +100,11 @@ def temp_beside(target: str, mode: int | None = None) -> tuple[int, str]:
     return fd, path
 
 
-def temp_name(target: str) -> str:
-    """A fresh random temporary name beside ``target`` (same pattern as :func:`temp_beside`), not created: for a
-    writer that creates the file itself exclusively (HDF5's ``"x"`` mode: ``O_CREAT | O_EXCL``)."""
-    folder, prefix = _prefix(target)
-    return os.path.join(folder, f"{prefix}{secrets.token_hex(6)}{_SUFFIX}")
-
-
 def remove_temp(path: str) -> None:
-    """Remove the temporary ``path`` this writer created, after its write failed: left there it would hold the very
-    space whose lack may be why the write failed. Only a regular file of this user is removed (never a link); one that
-    cannot be removed (a read-only file system) stays, since the write's own error is the one to report."""
+    """Remove the temporary ``path`` a writer created (:func:`write_replace`), after its write failed: left there it
+    would hold the very space whose lack may be why the write failed. Only a regular file of this user is removed
+    (never a link); one that cannot be removed (a read-only file system) stays, since the write's own error is the
+    one to report."""
     try:
         st = os.lstat(path)
         if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
@@ -203,9 +196,6 @@ def write_replace(target: str, data: bytes, mode: int | None = None) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        remove_temp(tmp)
         raise
     fsync_dir(target)

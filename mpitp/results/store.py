@@ -18,9 +18,9 @@ import numpy as np
 
 from mpitp.errors import JobError
 from mpitp.escape import shown
-from mpitp.results.journal import Journal, RecordTooLong, fsync_dir, journal_path
+from mpitp.results.journal import Journal, RecordTooLong, journal_path
 from mpitp.results.rows import load_rows
-from mpitp.results.safefile import new_mode, remove_own_temps, remove_temp, temp_beside, write_failure
+from mpitp.results.safefile import new_mode, remove_own_temps, write_failure, write_replace
 from mpitp.results.schema import REQUEST_FIELDS, STATS_FIELDS, STR, h5_attr, py_value
 
 if TYPE_CHECKING:
@@ -275,32 +275,19 @@ class ResultWriter:
     def _write_snapshot(self) -> None:
         """The snapshot: built in memory, then written whole to a new temporary beside the output (a random name,
         created exclusively, never through a planted link, with the mode of the file it replaces), fsync'd and
-        renamed into place.
+        renamed into place (:func:`mpitp.results.safefile.write_replace`, which removes its temporary on failure).
 
         Why in memory: HDF5 writing a file on disk writes also when an object's last reference goes, and a refused
         write there (a full disk) comes from a deallocation, which Cython reports to ``sys.excepthook`` (mpitp's
         aborts the job mid-write, temporary left behind), and after which HDF5 is not safe to go on with (a
         segmentation fault closing the file). Written by ``os.write``, a refusal is an ``OSError`` here like any
-        other: the temporary is removed and the error is one line. It costs the file's size in memory, briefly:
+        other and the error is one line. It costs the file's size in memory, briefly:
         less than the rows the writer holds."""
         t0 = time.perf_counter()
         self.attrs["journal_seq"] = int(self.seq)
         image = self._h5_image()
         with _WriteFailures(self, journal=False):
-            fd, tmp = temp_beside(self.path, new_mode(self.path))
-            try:
-                try:
-                    view = memoryview(image)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, self.path)
-            except BaseException:
-                remove_temp(tmp)  # ours: created above, and a failed snapshot must not hold the space or pile up
-                raise
-        fsync_dir(self.path)
+            write_replace(self.path, image, new_mode(self.path))
         self.snapshots += 1
         self.snapshot_s = getattr(self, "snapshot_s", 0.0) + time.perf_counter() - t0
 
