@@ -75,10 +75,8 @@ class ResultWriter:
         self.cpu_s = 0.0  # of which CPU (the rest: waiting for the disk or the interpreter lock)
         self.snapshots = 0
         self._pending: dict[str, dict[str, list]] = {}
-        self._journal: Journal | None = None
-        self._started = False
+        self._journal: Journal | None = None  # None until the first snapshot and journal are written
         self._snapshot_and_rotate()
-        self._started = True
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="mpitp-results", daemon=True)
@@ -308,7 +306,7 @@ class ResultWriter:
         out, jp = shown(self.path), shown(journal_path(self.path))
         what = f"the results journal {jp}" if journal else f"the results file {out}"
         remedy = _REMEDY.get(code, "check the file system")
-        if not self._started:
+        if self._journal is None:  # the first snapshot or journal, at the start
             kept = "nothing of this run was computed yet"
             again = "run again" + (" with --resume" if self.attrs.get("journal_seq") or self.tasks else "")
         elif journal:  # a record may be torn: readers stop at the last whole one
