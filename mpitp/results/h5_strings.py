@@ -168,7 +168,8 @@ class StringBudget:
     all of them together within ``limit`` (the file's size and a little), each object's problems as one-line texts."""
 
     def __init__(self, f, size: int, limit: int):
-        self.f, self.size, self.limit = f, size, limit
+        self.size, self.limit = size, limit
+        self.fd, self.stored = f.id.get_vfd_handle(), stored_size(f.id)  # where the columns' raw bytes are read
         self.bytes = 0
 
     def _add(self, measure, where: str) -> list[str]:
@@ -188,8 +189,7 @@ class StringBudget:
             return [f"{where} {_NOT_STRINGS}"]
         if kind == FIXED:
             return []
-        fd, stored = self.f.id.get_vfd_handle(), stored_size(self.f.id)
-        return self._add(lambda: dataset_bytes(d, fd, self.size, stored), where)
+        return self._add(lambda: dataset_bytes(d, self.fd, self.size, self.stored), where)
 
     def attributes(self, obj, where: str) -> list[str]:
         """The attributes of ``obj`` (a low-level object ID) at ``where``: their strings counted, one at a time."""
