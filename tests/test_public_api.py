@@ -45,3 +45,26 @@ def test_public_names_are_lazy_and_are_the_real_functions():
     assert got["missing"] == "module 'mpitp' has no attribute 'no_such_name'"
     assert got["all"] == ["__version__", "evaluate", "load_model", "start"]
     assert got["dir"] == ["evaluate", "load_model", "start"]
+
+
+NOT_A_MODEL = """
+import mpi4py
+mpi4py.rc.initialize = False
+import mpitp
+from mpi4py import MPI
+try:
+    mpitp.evaluate("path/to/model", "path/to/model", ["mpitp_demo_mc"], limit=2)
+except TypeError as exc:
+    print(f"TypeError: {exc}")
+print("MPI initialised:", MPI.Is_initialized())
+"""
+
+
+def test_evaluate_given_a_path_says_so_before_any_collective():
+    """A path where the loaded model belongs (a slip of ``mpitp eval``'s habits) is named in one TypeError before MPI
+    or any collective is touched (it was an AttributeError from deep inside, on every rank)."""
+    p = subprocess.run([sys.executable, "-c", NOT_A_MODEL], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        "TypeError: mpitp.evaluate takes a loaded model (a torch.nn.Module), not str 'path/to/model': load it first, "
+        "e.g. mpitp.load_model(path, rt.layout.tp, rt.device)", "MPI initialised: False"], p.stdout

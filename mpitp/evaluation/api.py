@@ -52,11 +52,24 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...);
     ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
     (:mod:`mpitp.replica.headcheck`); ``no_prefix_sharing=True`` scores every row on its own
-    (:mod:`mpitp.replica.prefix`).
+    (:mod:`mpitp.replica.prefix`). ``timeout`` bounds the MPI waits (handing out requests, the closing barrier);
+    the replica's torch collectives keep the timeout its process group was created with
+    (``mpitp.start(timeout=...)``), which torch does not let a caller change afterwards.
     """
+    _check_model(model)
     layout, group = layout_for(model, comm, layout)
     return _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
                      timeout, max_length, device, overwrite, lm_eval_kwargs)
+
+
+def _check_model(model) -> None:
+    """A model that is not a loaded module (a path, say) is the caller's mistake, named before any collective; every
+    rank holds the same argument, so every rank raises alike."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"mpitp.evaluate takes a loaded model (a torch.nn.Module), not {type(model).__name__} "
+                        f"{model!r:.80}: load it first, e.g. mpitp.load_model(path, rt.layout.tp, rt.device)")
 
 
 _LAYOUTS: list[tuple] = []  # (our duplicate of the caller's communicator, tp, layout), one per layout ever used
