@@ -85,3 +85,16 @@ def test_inspect_reports_its_own_bugs(tmp_path, monkeypatch):
         f["tasks/t"] = [1, 2]
     with pytest.raises(ins.BadInput, match="is not an mpitp results file"):
         ins.load(str(path))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs procfs")
+def test_output_on_a_filesystem_that_makes_no_files_is_named_as_such():
+    """procfs answers a new file with ENOENT: the line said "/proc: No such file or directory" of a folder that
+    exists."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_output
+    from mpitp.evaluation.settings import EvalConfig
+
+    with pytest.raises(UsageError) as err:
+        check_output(EvalConfig(model="m", tasks=["t"], output="/proc/mpitp-results.h5"))
+    assert str(err.value) == "cannot write output /proc/mpitp-results.h5: /proc: no files can be created there"

@@ -8,6 +8,7 @@ Each failure is a one-line :class:`UsageError` that spells out what is wrong (``
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import logging
 import os
@@ -145,8 +146,9 @@ def check_output(cfg: EvalConfig) -> str:
 
         with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".mpitp-probe-"):
             pass
-    except OSError as exc:
-        raise UsageError(f"cannot write output {out}: {probe_dir}: {exc.strerror or exc}") from None
+    except OSError as exc:  # ENOENT for a folder that exists: a filesystem that makes no files (/proc, /sys)
+        reason = "no files can be created there" if exc.errno == errno.ENOENT else exc.strerror or exc
+        raise UsageError(f"cannot write output {out}: {probe_dir}: {reason}") from None
     return out
 
 
