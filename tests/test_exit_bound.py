@@ -11,6 +11,7 @@ an emulated node cut while the ranks leave, issue 42's own reproduction, is a ce
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -121,3 +122,20 @@ def test_a_rank_failing_before_mpi_started_ends_the_job():
     assert err.count("mpitp: fatal RuntimeError: deliberate failure before MPI started") == 1, explain(proc)
     assert "got past the barrier" not in proc.stdout, explain(proc)
     assert proc.elapsed < 30, (proc.elapsed, explain(proc))
+
+
+def test_a_stop_before_the_results_file_exists_does_not_point_at_one(monkeypatch, capfd):
+    """SIGTERM during the checks or the model load: there is no results file of this run yet, so the stop line says
+    that no request was scored instead of "every request that landed is in the results file"."""
+    from mpitp.parallel import walltime
+
+    aborted = []
+    monkeypatch.setattr(walltime, "_writer", None)
+    monkeypatch.setattr(walltime, "_dispatcher", None)
+    monkeypatch.setattr(walltime, "abort", aborted.append)
+    walltime._flush_and_abort(signal.SIGTERM)
+    sys.__stderr__.flush()
+    err = capfd.readouterr().err
+    assert aborted == [walltime.STOP_EXIT]
+    assert "mpitp: stopping on SIGTERM: no request of this run had been scored yet; run the job file again" in err
+    assert "results file" not in err, err

@@ -167,7 +167,9 @@ def _flush_and_abort(signum) -> None:
             _stderr().write(f"\nmpitp: the results writer did not confirm the last rows: {exc}\n")
     d = _dispatcher() if _dispatcher is not None else None
     lost = f"{d.handed_out - d.landed} requests in flight abandoned, " if d is not None else ""
-    _stderr().write(f"\nmpitp: stopping on {_NAMES.get(signum, signum)}: {lost}every request that landed is in the "
-                    f"results file (status running); run the job file again (or mpitp eval with --resume) to "
-                    f"continue; exit {STOP_EXIT}\n")
+    # No writer yet (checks, model load): there is no results file of this run to point at.
+    kept = ("every request that landed is in the results file (status running)" if w is not None
+            else "no request of this run had been scored yet")
+    _stderr().write(f"\nmpitp: stopping on {_NAMES.get(signum, signum)}: {lost}{kept}; run the job file again (or "
+                    f"mpitp eval with --resume) to continue; exit {STOP_EXIT}\n")
     abort(STOP_EXIT)
