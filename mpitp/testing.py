@@ -137,12 +137,6 @@ def stage_chunk() -> int | None:
     return hooks().stage_chunk
 
 
-def _oom_error():
-    import torch
-
-    return torch.OutOfMemoryError if hasattr(torch, "OutOfMemoryError") else RuntimeError
-
-
 def stall(where: str) -> None:
     """Sleep on this rank at ``where`` when ``MPITP_TEST_STALL`` names it (rank 0's points: fault drills)."""
     spec = hooks().stall
@@ -165,7 +159,9 @@ def check_oom(rows: int) -> None:
     """Fail a batch of more than ``MPITP_TEST_OOM_ABOVE`` rows as out of memory (the leader's retry path)."""
     limit = hooks().oom_above
     if limit is not None and rows > limit:
-        raise _oom_error()(f"test hook: simulated out of memory for {rows} rows")
+        import torch
+
+        raise torch.OutOfMemoryError(f"test hook: simulated out of memory for {rows} rows")
 
 
 def check_raise(rank: int, forwards: int) -> None:
@@ -189,7 +185,9 @@ def install_forward_fault(layers: torch.nn.ModuleList | None, rank: int, forward
         if done > after:
             where = f"inside a forward on rank {rank} after {done - 1} forwards"
             if oom:
-                raise _oom_error()(f"test hook: simulated out of memory {where}")
+                import torch
+
+                raise torch.OutOfMemoryError(f"test hook: simulated out of memory {where}")
             raise RuntimeError(f"test hook: injected failure {where}")
 
     layers[-1].register_forward_pre_hook(hook)

@@ -48,7 +48,7 @@ OP_STOP = "stop"
 OP_IDLE = "idle"
 
 #: What a forward raises when its device is out of memory.
-OOM_ERRORS = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (RuntimeError,)
+OOM_ERRORS = (torch.OutOfMemoryError,)
 
 # How long a worker waits beyond its leader's deadline: when a stall upstream trips the deadline, the leader's
 # message (which names the upstream phase) is the one the user sees.
