@@ -79,12 +79,32 @@ def _assert_same(ours: dict, theirs: dict, base: dict) -> None:
     dict(r=4, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
          rank_pattern={"down_proj": 2}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3}),
     dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], bias="lora_only"),
-], ids=["attn_mlp", "rslora_patterns", "modules_to_save_bias"])
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),
+], ids=["attn_mlp", "rslora_patterns", "modules_to_save_bias", "lm_head"])
 def test_merge_matches_peft_merge_and_unload(tmp_path, lora):
-    """Our merge of each LoRA option gives the weights peft's own merge gives (float32, to 1e-6)."""
+    """Our merge of each LoRA option gives the weights peft's own merge gives (float32, to 1e-6). ``lm_head``: peft
+    saves the head's base weight beside its pair (copied after the merge, it undid the head's delta)."""
     path = _save_adapter(_tiny_llama(), tmp_path / "a", perturb=("lm_head", "bias"), **lora)
     _assert_same(_merged_by_mpitp(_tiny_llama, path), _merged_by_peft(_tiny_llama, path),
                  _tiny_llama().state_dict())
+
+
+def test_pipeline_stage_skips_the_head_another_stage_holds(tmp_path):
+    """A stage without the head (transformers' PP plan leaves a PipelineIdentityLayer there) merges the rest and
+    leaves the head's pair to the last stage; it was refused ("lm_head has no weight to merge into")."""
+    import torch
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    from mpitp.replica import adapters
+
+    path = _save_adapter(_tiny_llama(), tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
+    stage, base = _tiny_llama(), _tiny_llama().state_dict()
+    stage.lm_head = PipelineIdentityLayer()
+    assert adapters.apply(stage, adapters.read(path), stubbed=True).changed == 2  # the two layers' q_proj
+    theirs = _merged_by_peft(_tiny_llama, path)
+    for k, v in stage.state_dict().items():
+        assert torch.allclose(v, theirs[k], rtol=0, atol=1e-6), k
+        assert torch.equal(v, base[k]) == ("q_proj.weight" not in k), k
 
 
 def test_fan_in_fan_out_matches_peft(tmp_path):

@@ -271,6 +271,13 @@ def apply(model: PreTrainedModel, adapter: Adapter, stubbed: bool = False, keep:
     return done
 
 
+def _pipeline_stub(module) -> bool:
+    """Whether ``module`` stands in for one another pipeline stage holds (transformers' PP plan)."""
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    return isinstance(module, PipelineIdentityLayer)
+
+
 def _merge(model, adapter: Adapter, stubbed: bool, done: Restore, keep: bool) -> None:
     import torch
 
@@ -291,8 +298,25 @@ def _merge(model, adapter: Adapter, stubbed: bool, done: Restore, keep: bool) ->
         return p
 
     with torch.no_grad():
+        # Saved parameters first: peft saves the base weight of a LoRA-wrapped head or embedding ("base_layer", its
+        # save_embedding_layers) beside the pair, and loads it under the pair's delta; copied after the merge, it
+        # put the base weight back over it (an lm_head adapter was silently ignored).
+        for name, full in adapter.saved.items():
+            p = target(name, "saved parameter")
+            if p is None:
+                continue
+            if tuple(full.shape) != tuple(p.shape):
+                raise _one_line(adapter.path, f"saved {name} is {tuple(full.shape)} but the model's is "
+                                              f"{tuple(p.shape)}")
+            local, part = _local_slice(p, full.to(p.device), name, adapter.path)
+            if keep:
+                done.keep(name, local)
+            local.copy_(part.to(local.dtype))
+            done.changed += 1
         for pair in adapter.pairs:
             mod = modules.get(pair.module)
+            if stubbed and _pipeline_stub(mod):
+                continue  # the stage that holds this module (the head, an embedding) merges it
             if mod is not None and not hasattr(mod, "weight"):
                 raise _one_line(adapter.path, f"{pair.module} ({type(mod).__name__}) has no weight to merge into")
             p = target(f"{pair.module}.weight", "LoRA target")
@@ -306,16 +330,4 @@ def _merge(model, adapter: Adapter, stubbed: bool, done: Restore, keep: bool) ->
             if keep:
                 done.keep(f"{pair.module}.weight", local)
             pair.add_to(local, index)
-            done.changed += 1
-        for name, full in adapter.saved.items():
-            p = target(name, "saved parameter")
-            if p is None:
-                continue
-            if tuple(full.shape) != tuple(p.shape):
-                raise _one_line(adapter.path, f"saved {name} is {tuple(full.shape)} but the model's is "
-                                              f"{tuple(p.shape)}")
-            local, part = _local_slice(p, full.to(p.device), name, adapter.path)
-            if keep:
-                done.keep(name, local)
-            local.copy_(part.to(local.dtype))
             done.changed += 1
