@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from lm_eval import utils as lm_utils
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import normalize_gen_kwargs
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
@@ -186,8 +187,13 @@ class MPITPLM(HFLM):
         top = sorted(range(len(items)), key=lambda i: -weights[i])[:sample]
         if kind == KIND_SCORE:
             return max((len(row) for row, _ in self.score_rows_of([items[i] for i in top])), default=1)
-        return max((len(self.tok_encode(items[i][0])) + int(items[i][1].get("max_gen_toks", self.max_gen_toks))
+        return max((len(self.tok_encode(items[i][0])) + self.new_tokens(items[i][1])
                     for i in top), default=1)  # generate_until: prompt plus the tokens to generate
+
+    def new_tokens(self, gen_kwargs: dict) -> int:
+        """The tokens a request may generate, read as lm-eval's HFLM reads them (``max_gen_toks`` or one of its
+        aliases, ``max_new_tokens`` ..., else the model's default)."""
+        return int(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)["max_gen_toks"])
 
     # ------------------------------------------------------------------ a DP leader: lm-eval's encodings
     def score_rows_of(self, pairs: list) -> list[tuple[list[int], int]]:
@@ -211,7 +217,13 @@ class MPITPLM(HFLM):
         lm-eval's ``_loglikelihood_tokens`` would score (input plus last target, number of targets)."""
         rows = []
         for _, ctx, cont in requests:
-            assert len(ctx) > 0 and len(cont) > 0 and len(cont) <= self.max_length
+            if not 0 < len(cont) <= self.max_length:  # lm-eval asserts it: a traceback, from a DP leader mid-run
+                from mpitp.errors import UsageError
+
+                raise UsageError(f"a request's continuation is {len(cont)} tokens, which lm-eval cannot score with "
+                                 f"the model's max_length {self.max_length} (it must be 1 to max_length tokens): pass "
+                                 "a larger --max-length if the model allows it")
+            assert ctx, "lm-eval's _encode_pair never gives an empty context"
             rows.append(((ctx + cont)[-(self.max_length + 1):], len(cont)))
         return rows
 
@@ -239,7 +251,14 @@ class MPITPLM(HFLM):
         items = [(*req.args, sample_seed(self.seed, key)) for req, key in zip(requests, keys)]
         # Weighed by characters (~4 per token, a balance proxy only) plus the tokens to generate: the DP leader that
         # gets a request tokenises it (``HFLM.generate_until``), rank 0 does not.
-        weights = [len(ctx) // 4 + 1 + int(kw.get("max_gen_toks", self.max_gen_toks)) for ctx, kw, _ in items]
+        new = [self.new_tokens(kw) for _, kw, _ in items]
+        if new and max(new) >= self.max_length:  # lm-eval asserts it per batch, after the others have started
+            from mpitp.errors import UsageError
+
+            raise UsageError(f"max_gen_toks {max(new)} leaves no room for the prompt in the model's max_length "
+                             f"{self.max_length} (lm-eval refuses it too): lower max_gen_toks (--gen_kwargs) or pass "
+                             "a larger --max-length")
+        weights = [len(ctx) // 4 + 1 + n for (ctx, _, _), n in zip(items, new)]
         out = self.serve_requests(KIND_GENERATE, items, weights, requests)
         return [text for text, _ in out]
 
@@ -261,7 +280,7 @@ class MPITPLM(HFLM):
         if kind == KIND_GENERATE:
             if self.auto is not None:  # one size for the chunk, from its longest prompt plus the tokens to generate
                 longest = max(len(self.tok_encode(item[0])) for item in items)  # items: (context, kwargs, seed)
-                new = max(int(item[1].get("max_gen_toks", self.max_gen_toks)) for item in items)
+                new = max(self.new_tokens(item[1]) for item in items)
                 self.batch_size_per_gpu = self.auto.size(min(longest, self.max_length), new)
             self._tick = tick
             try:
