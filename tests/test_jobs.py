@@ -35,18 +35,18 @@ def mpitp_cli(*args, timeout=120, cwd=None) -> subprocess.CompletedProcess:
 
 
 def summary(stdout: str) -> tuple[str, dict[str, dict]]:
-    """The job summary printed by rank 0: its headline and ``{run: {tp, status, wall, output}}``."""
+    """The job summary printed by rank 0: its headline and ``{run: {tp, pp, status, wall, output}}``."""
     lines = stdout.splitlines()
     start = max(i for i, line in enumerate(lines) if line.startswith("job ") and "runs ok" in line)
     head, table = lines[start], lines[start + 1:]
-    assert table[0].split()[:3] == ["run", "tp", "status"] and set(table[1]) <= {"-", " "}, table[:2]
+    assert table[0].split()[:4] == ["run", "tp", "pp", "status"] and set(table[1]) <= {"-", " "}, table[:2]
     rows = {}
     for line in table[2:]:
         if not line.strip():
             break
         cells = re.split(r"\s{2,}", line.strip())
-        assert len(cells) == 5, line
-        rows[cells[0]] = dict(tp=int(cells[1]), status=cells[2], wall=cells[3], output=cells[4])
+        assert len(cells) == 6, line
+        rows[cells[0]] = dict(tp=int(cells[1]), pp=int(cells[2]), status=cells[3], wall=cells[4], output=cells[5])
     return head, rows
 
 
@@ -133,10 +133,21 @@ def test_job_with_a_failing_run(tmp_path):
     p = run_mpi(4, ["run", str(job), "--fail-fast"], timeout=600, cwd=str(tmp_path))
     assert p.returncode == 1, explain(p)
     head, rows = summary(p.stdout)
-    assert head == f"job {job}: 1/2 runs ok", head
+    assert head == f"job {job}: 1/3 runs ok", head
     assert {n: r["status"] for n, r in rows.items()} == {
-        "good-tp1": "skipped (complete)", "bad-tp3": f"FAILED: {reason}"}
+        "good-tp1": "skipped (complete)", "bad-tp3": f"FAILED: {reason}", "good-tp2": "not started (--fail-fast)"}
     assert "good-tp2" not in p.stderr and not good["good-tp2"][0].exists()
+
+    # 4. a run edited after its output completed is not skipped over the old numbers: refused, naming the change
+    stamp = os.stat(good["good-tp1"][0]).st_mtime_ns
+    job.write_text(JOB.replace("  limit: 3\n", "  limit: 4\n"))
+    p = run_mpi(4, ["run", str(job), "--fail-fast"], timeout=600, cwd=str(tmp_path))
+    assert p.returncode == 1, explain(p)
+    head, rows = summary(p.stdout)
+    assert rows["good-tp1"]["status"] == (
+        f"FAILED: cannot resume {good['good-tp1'][0]}: different settings: limit 3 in the file, 4 now; it is complete "
+        "for those: give this run another output, or move the file away to recompute it"), rows["good-tp1"]
+    assert os.stat(good["good-tp1"][0]).st_mtime_ns == stamp
 
 
 @pytest.mark.slow

@@ -135,7 +135,7 @@ def check_output(cfg: EvalConfig) -> str:
         if cfg.resume:
             check_resumable(out, cfg)
     elif cfg.resume:
-        log.info("--resume: %s does not exist yet, starting a new run", out)
+        log.info("%s does not exist yet: starting a new run", out)
     probe_dir = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(probe_dir):
         probe_dir = os.path.dirname(probe_dir)

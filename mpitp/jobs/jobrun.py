@@ -37,10 +37,15 @@ class RunOutcome:
 
     name: str
     tp: int
+    pp: int
     status: str
     wall_s: float
     output: str
     failed: bool = False
+
+    @classmethod
+    def of(cls, spec: RunSpec, status: str, wall_s: float = 0.0, failed: bool = False) -> RunOutcome:
+        return cls(spec.name, spec.tp, spec.pp, status, wall_s, spec.output, failed)
 
 
 def eval_config(spec: RunSpec) -> EvalConfig:
@@ -84,16 +89,18 @@ def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | No
     for i, spec in enumerate(job.runs, 1):
         t0 = time.perf_counter()
         state = agree(lambda: output_status(spec.output), world.comm, timeout, "checking outputs")
-        if state == "complete":
-            summary.append(RunOutcome(spec.name, spec.tp, "skipped (complete)", 0.0, spec.output))
-            continue
-        if world.rank == 0:
-            log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
-                     f", pp={spec.pp}" if spec.pp > 1 else "",
-                     " resuming" if state == "running" else "")
         try:
+            if state == "complete":
+                agree(lambda: _same_settings(spec), world.comm, timeout, "checking a complete output")
+                summary.append(RunOutcome.of(spec, "skipped (complete)"))
+                continue
+            if world.rank == 0:
+                log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
+                         f", pp={spec.pp}" if spec.pp > 1 else "", " resuming" if state == "running" else "")
             cfg = agree(lambda: eval_config(spec), world.comm, timeout, "reading the run's settings")
-            cfg.resume = state == "running"
+            # Always: a file another job creates after the status was read is resumed (or refused while it writes)
+            # the way the job file promises, not met with eval's "exists: pass --resume or --overwrite".
+            cfg.resume = True
             launch = make_launch(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                                  timeout=spec.timeout or timeout, world=world, iface=spec.iface,
                                  stage_dir=spec.stage_dir, ep=spec.ep)
@@ -102,15 +109,15 @@ def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | No
                 cfg.resume, cfg.overwrite = True, False
             failed = run_config(cfg, launch) != 0  # its own torch world, torn down before the next run
             status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)" if failed else "complete"
-            summary.append(RunOutcome(spec.name, spec.tp, status, time.perf_counter() - t0, spec.output, failed))
+            summary.append(RunOutcome.of(spec, status, time.perf_counter() - t0, failed))
         except UsageError as exc:
             if not exc.collective:
                 raise
-            summary.append(RunOutcome(spec.name, spec.tp, f"FAILED: {exc}", time.perf_counter() - t0, spec.output,
-                                      failed=True))
+            summary.append(RunOutcome.of(spec, f"FAILED: {exc}", time.perf_counter() - t0, failed=True))
             if world.rank == 0:
                 log.error("run %s failed: %s", spec.name, exc)
             if fail_fast:
+                summary += [RunOutcome.of(s, "not started (--fail-fast)", failed=True) for s in job.runs[i:]]
                 break
         mpicomm.barrier(world.comm, timeout, phase=f"end of run {spec.name}")
     if world.rank == 0:
@@ -118,9 +125,28 @@ def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | No
     return 1 if any(r.failed for r in summary) else 0
 
 
+def _same_settings(spec: RunSpec) -> None:
+    """Rank 0, for a run whose output is already complete: a :class:`UsageError` naming the difference unless that
+    file was made with this run's settings and checkpoint (the test ``--resume`` applies). Skipped on its status
+    alone, an edited run (another limit, task or model) reported "skipped (complete)" over the old numbers."""
+    from mpitp.evaluation.checks import check_resumable
+    from mpitp.jobs.orchestrate import with_demo
+    from mpitp.tasks.demo import prepare_demo
+
+    cfg = eval_config(spec)
+    if cfg.demo:
+        cfg = with_demo(cfg, prepare_demo())
+    try:
+        check_resumable(spec.output, cfg)
+    except UsageError as exc:
+        raise UsageError(f"{exc}; it is complete for those: give this run another output, or move the file away to "
+                         "recompute it") from None
+
+
 def print_summary(path: Path, summary: list[RunOutcome]) -> None:
     from mpitp.results.texttable import format_table
 
-    rows = [dict(run=r.name, tp=r.tp, status=r.status, wall=f"{r.wall_s:.1f}s", output=r.output) for r in summary]
+    rows = [dict(run=r.name, tp=r.tp, pp=r.pp, status=r.status, wall=f"{r.wall_s:.1f}s", output=r.output)
+            for r in summary]
     print(f"\njob {path}: {sum(1 for r in summary if not r.failed)}/{len(rows)} runs ok")
-    print(format_table(rows, ["run", "tp", "status", "wall", "output"]))
+    print(format_table(rows, ["run", "tp", "pp", "status", "wall", "output"]))

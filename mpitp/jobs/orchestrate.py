@@ -40,8 +40,14 @@ def demo_config(cfg: EvalConfig, launch: Launch) -> EvalConfig:
     paths = None
     if launch.world.rank == 0:
         paths = prepare_demo()
-    model_dir, include_path, tasks = mpicomm.bcast_obj(paths, launch.world.comm, timeout=launch.timeout,
-                                                       phase="demo preparation")
+    return with_demo(cfg, mpicomm.bcast_obj(paths, launch.world.comm, timeout=launch.timeout,
+                                            phase="demo preparation"))
+
+
+def with_demo(cfg: EvalConfig, paths: tuple) -> EvalConfig:
+    """``cfg`` with the demo's model, task folder and tasks (:func:`mpitp.tasks.demo.prepare_demo`'s ``paths``)
+    where it names none of its own."""
+    model_dir, include_path, tasks = paths
     cfg.model = cfg.model or model_dir
     cfg.include_path = [include_path, cfg.include_path] if cfg.include_path else include_path
     cfg.tasks = cfg.tasks or list(tasks)

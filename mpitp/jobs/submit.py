@@ -442,6 +442,7 @@ def job_summary(job: Job) -> tuple[int, str]:
     from mpitp.jobs.jobrun import output_status
     from mpitp.results.texttable import format_table
 
-    rows = [dict(run=r.name, tp=r.tp, status=output_status(r.output), output=r.output) for r in job.runs]
+    rows = [dict(run=r.name, tp=r.tp, pp=r.pp, status=output_status(r.output), output=r.output) for r in job.runs]
     ok = sum(1 for r in rows if r["status"] == "complete")
-    return ok, f"job {job.path}: {ok}/{len(rows)} runs ok\n" + format_table(rows, ["run", "tp", "status", "output"])
+    return ok, f"job {job.path}: {ok}/{len(rows)} runs ok\n" + format_table(rows, ["run", "tp", "pp", "status",
+                                                                                      "output"])
