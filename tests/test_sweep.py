@@ -127,6 +127,19 @@ def test_sweep_over_checkpoints_with_two_tokenizers_and_a_broken_one(setup):
     rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
     assert [r["status"] for r in rows] == ["skipped (complete)"] * 2
 
+    # rerun without --resume, or resumed with another limit: one line before any checkpoint, the summary kept (each
+    # checkpoint failed on its own, and the summary was rewritten with every row failed and no metrics)
+    kept = (out / "sweep-summary.json").read_bytes()
+    for extra, line in (([], f"mpitp: error: output {out}/step-1.h5 already exists (2 of the sweep's 2 files do): "
+                             "pass --resume to continue the sweep (complete files are skipped) or --overwrite to "
+                             "replace them"),
+                        (["--resume", "--limit", "5"], f"mpitp: error: cannot resume {out}/step-1.h5: different "
+                                                       "settings: limit 4 in the file, 5 now")):
+        proc = run_mpi(2, ["eval", "--model", f"{ck}/step-1,{ck}/step-2", *common, "--output", f"{out}/", *extra],
+                       timeout=600, cwd=str(d))
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == line, explain(proc)
+        assert (out / "sweep-summary.json").read_bytes() == kept
+
 
 @pytest.mark.mpi
 def test_sweep_bad_output_is_one_line(setup):

@@ -176,6 +176,6 @@ def prepare_adapter_sweep(cfg: EvalConfig, launch: Launch) -> AdapterSweepPlan:
                          "after loading); use --tp or one launch per adapter", collective=True)
     adapters = agree(lambda: expand_models(cfg.peft, "--peft"), launch.world.comm, launch.timeout,
                      "expanding --peft")
-    names, outputs = name_outputs(cfg.output, adapters, launch)
+    names, outputs = name_outputs(cfg, "peft", adapters, launch)
     warm_for_load(launch.world, cfg.model)  # other ranks warm the loading code while rank 0 checks the first adapter
     return AdapterSweepPlan(cfg, adapters, names, outputs)

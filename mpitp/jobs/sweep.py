@@ -427,21 +427,40 @@ def prepare_sweep(cfg: EvalConfig, launch: Launch) -> SweepPlan:
     from mpitp.replica.loading import warm_for_load
 
     models = agree(lambda: expand_models(cfg.model), launch.world.comm, launch.timeout, "expanding --model")
-    names, outputs = name_outputs(cfg.output, models, launch)
+    names, outputs = name_outputs(cfg, "model", models, launch)
     warm_for_load(launch.world, models[0])
     return SweepPlan(cfg, models, names, outputs)
 
 
-def name_outputs(spec: str | None, items: list[str], rt: Launch) -> tuple[list[str], list[str]]:
-    """Each checkpoint's or adapter's short name and results file (``--output`` a directory or a pattern), the same
-    on every rank."""
+def name_outputs(cfg: EvalConfig, field: str, items: list[str], rt: Launch) -> tuple[list[str], list[str]]:
+    """Each checkpoint's or adapter's (``field``: ``model`` or ``peft``) short name and results file (``--output`` a
+    directory or a pattern), the same on every rank; existing files checked first (:func:`_refuse_existing`)."""
     from mpitp.parallel.runtime import agree
 
     names = checkpoint_names(items)
     default_dir = agree(default_sweep_dir, rt.world.comm, rt.timeout, "naming outputs")
-    outputs = agree(lambda: [output_for(spec, n, default_dir) for n in names], rt.world.comm, rt.timeout,
+    outputs = agree(lambda: [output_for(cfg.output, n, default_dir) for n in names], rt.world.comm, rt.timeout,
                     "naming outputs")
+    agree(lambda: _refuse_existing(cfg, field, items, outputs), rt.world.comm, rt.timeout, "checking outputs")
     return names, outputs
+
+
+def _refuse_existing(cfg: EvalConfig, field: str, items: list[str], outputs: list[str]) -> None:
+    """Rank 0, before the first item: a sweep rerun without ``--resume``/``--overwrite`` over files that exist, or
+    resumed with settings its files were not made with, is one line (as one ``mpitp eval`` is). Found item by item,
+    it failed every item and rewrote the sweep summary with none of its metrics. With ``--resume`` only the first
+    existing file is read here: a setting of the sweep (limit, tasks, few-shot) shows in any of them; a checkpoint
+    rewritten since is that item's own failure, found when its turn comes."""
+    existing = [(item, out) for item, out in zip(items, outputs) if os.path.exists(out)]
+    if not existing or cfg.overwrite:
+        return
+    if not cfg.resume:
+        raise UsageError(f"output {existing[0][1]} already exists ({len(existing)} of the sweep's {len(outputs)} "
+                         "files do): pass --resume to continue the sweep (complete files are skipped) or --overwrite "
+                         "to replace them")
+    from mpitp.evaluation.checks import check_resumable
+
+    check_resumable(existing[0][1], item_config(cfg, field, *existing[0]))
 
 
 def summarise(rt: Runtime, rows: list[Row], outputs: list[str], t0: float, **extra) -> int:
