@@ -135,8 +135,10 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _peer_lost(exc: BaseException) -> bool:
-    """A torch.distributed error that says a peer of this rank's collective went away (gloo, NCCL)."""
-    return any(s in str(exc) for s in _PEER_LOST)
+    """A torch.distributed error that says a peer of this rank's collective went away (gloo, NCCL), or any MPI error:
+    mpitp's MPI calls fail when a peer has gone (MPICH under srun: "process_vm_readv failed (errno 3)" in a receive
+    from rank 0 that had just aborted on scancel), and the abort that follows is the job's real message."""
+    return any(s in str(exc) for s in _PEER_LOST) or type(exc).__module__ == "mpi4py.MPI"
 
 
 def _node_name() -> str:

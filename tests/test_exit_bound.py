@@ -139,3 +139,14 @@ def test_a_stop_before_the_results_file_exists_does_not_point_at_one(monkeypatch
     assert aborted == [walltime.STOP_EXIT]
     assert "mpitp: stopping on SIGTERM: no request of this run had been scored yet; run the job file again" in err
     assert "results file" not in err, err
+
+
+def test_an_mpi_error_waits_for_the_peer_abort_that_caused_it():
+    """A rank in a receive when its peer aborts (scancel: rank 0 stops, aborts) gets an MPI error from its MPI call;
+    it waits for the abort instead of printing a traceback of its own at once (``report_and_abort``)."""
+    probe = ("import mpi4py; mpi4py.rc.initialize = False\n"  # no MPI world in the test's process
+             "from mpi4py import MPI\nfrom mpitp.errors import _peer_lost\n"
+             "print(_peer_lost(MPI.Exception(MPI.ERR_OTHER)), _peer_lost(RuntimeError('[gloo] Connection closed by "
+             "peer [10.0.0.2]:1234')), _peer_lost(RuntimeError('a bug of this rank')))")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["True", "True", "False"], p.stdout + p.stderr
