@@ -150,3 +150,24 @@ def test_an_mpi_error_waits_for_the_peer_abort_that_caused_it():
              "peer [10.0.0.2]:1234')), _peer_lost(RuntimeError('a bug of this rank')))")
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert p.stdout.split() == ["True", "True", "False"], p.stdout + p.stderr
+
+
+def test_nothing_new_starts_while_a_stop_aborts(monkeypatch):
+    """The dispatcher's next chunk, a job's next run and a sweep's next item wait while a stop is under way (its own
+    thread flushes and aborts); they went on, into the next run and the job's summary."""
+    import inspect
+    import threading
+
+    from mpitp.evaluation import dispatch
+    from mpitp.jobs import jobrun, sweep
+    from mpitp.parallel import walltime
+    for where in (dispatch.Dispatcher.run, jobrun.run_job, sweep.run_each):
+        assert "hold_if_stopping()" in inspect.getsource(where), where.__qualname__
+    monkeypatch.setattr(walltime, "_stopping", True)
+    t = threading.Thread(target=walltime.hold_if_stopping, daemon=True)
+    t.start()
+    t.join(1.2)
+    assert t.is_alive()
+    walltime._stopping = False
+    t.join(2)
+    assert not t.is_alive()

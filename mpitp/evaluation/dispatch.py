@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from mpitp import testing
 from mpitp.evaluation.requestlog import RequestLog
 from mpitp.parallel import comm as mpicomm
+from mpitp.parallel.walltime import hold_if_stopping
 
 if TYPE_CHECKING:
     from mpitp.parallel.layout import Layout
@@ -154,6 +155,7 @@ class Dispatcher:
         sends: list = []
 
         def send_next(dest: int) -> bool:
+            hold_if_stopping()
             if not queue:
                 return False
             c = queue.popleft()
@@ -189,6 +191,7 @@ class Dispatcher:
             send_next(dest)
         while queue or held:
             tick()
+            hold_if_stopping()
             if queue:
                 c = queue.popleft()
                 self.handed_out += len(c.indices)

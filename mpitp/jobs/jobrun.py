@@ -77,7 +77,7 @@ def _load(path):
 def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | None, timeout: float,
             log_all_ranks: bool) -> int:
     """Execute every run of the job file; returns the exit status (0 when every run completed or was skipped)."""
-    from mpitp.parallel.walltime import install
+    from mpitp.parallel.walltime import hold_if_stopping, install
 
     world = world_from_comm()
     setup_logging(world.rank, log_all_ranks)
@@ -87,6 +87,7 @@ def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | No
     agree(lambda: [output_status(spec.output) for spec in job.runs], world.comm, timeout, "checking outputs")
     summary = []
     for i, spec in enumerate(job.runs, 1):
+        hold_if_stopping()
         t0 = time.perf_counter()
         state = agree(lambda: output_status(spec.output), world.comm, timeout, "checking outputs")
         try:

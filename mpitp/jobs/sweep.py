@@ -339,9 +339,11 @@ def run_each(rt: Runtime, what: str, items: list[str], outputs: list[str], names
     the loop goes on."""
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.runtime import agree
+    from mpitp.parallel.walltime import hold_if_stopping
 
     rows = [] if rows is None else rows
     for i, (item, out, name) in enumerate(zip(items, outputs, names)):
+        hold_if_stopping()
         cfg_i = configure(item, out)
         t0 = time.perf_counter()
         if rt.world.rank == 0:

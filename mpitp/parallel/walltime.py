@@ -77,6 +77,17 @@ def watch_writer(writer) -> None:
     _writer = weakref.ref(writer)
 
 
+def hold_if_stopping() -> None:
+    """Where new work would start (the dispatcher's next chunk, a job file's next run, a sweep's next item): while a
+    stop flushes and aborts on its own thread (:func:`_flush_and_abort`, rank 0), the main thread starts nothing and
+    waits for the abort. It went on: a run that finished in that window led into the next run and the job's summary
+    (exit 1, not :data:`STOP_EXIT`), and the stop line counted requests in flight that then landed."""
+    import time
+
+    while _stopping:
+        time.sleep(0.5)
+
+
 _owner_pid: int | None = None  # the rank's own process: a fork of it (lm-eval's bootstrap pool) is not the rank
 
 
