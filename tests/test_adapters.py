@@ -121,6 +121,33 @@ def test_fan_in_fan_out_matches_peft(tmp_path):
     _assert_same(_merged_by_mpitp(gpt2, path), _merged_by_peft(gpt2, path), gpt2().state_dict())
 
 
+@pytest.mark.mpi
+def test_adapter_refused_after_the_load_is_printed_once(tmp_path, shared_dir):
+    """A refusal only the loaded shards show (GPT-2's packed c_attn under TP) is met by every rank of the replica;
+    the first in rank order is printed once (it was once per rank), every rank exits 2."""
+    import shutil
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    torch.manual_seed(0)
+    base = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4)).save_pretrained(str(base))
+    for f in (shared_dir / "tokenizers" / "gpt2").iterdir():
+        if f.name != "config.json":  # the tokenizer's files, not GPT-2's own config
+            shutil.copyfile(f, base / f.name)
+    adapter = _save_adapter(GPT2LMHeadModel.from_pretrained(str(base)), tmp_path / "lora", r=2, lora_alpha=4,
+                            target_modules=["c_attn"], fan_in_fan_out=True)
+    proc = run_mpi(2, ["eval", "--model", str(base), "--peft", adapter, "--tasks", "mpitp_demo_mc", "--include-path",
+                       demo_tasks_dir(), "--limit", "2", "--tp", "2", "--output", str(tmp_path / "out.h5")],
+                   timeout=300)
+    message = "transformer.h.0.attn.c_attn is sharded as _S(1, 3) under TP: adapters on packed/strided shards"
+    assert proc.returncode == 2, explain(proc)
+    assert (proc.stdout + proc.stderr).count(message) == 1 and "Traceback" not in proc.stderr, explain(proc)
+
+
 def _edit_config(path, **changes) -> None:
     cfg_path = f"{path}/adapter_config.json"
     with open(cfg_path) as f:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpitp import gcpolicy, testing
+from mpitp.errors import UsageError
 from mpitp.evaluation import requestlog
 from mpitp.evaluation.checks import Checked, check_on_root, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.envinfo import EnvInfoEarly
@@ -86,13 +87,16 @@ def run_eval(plan: EvalPlan, rt: Runtime) -> dict | None:
     cfg, checked = plan.cfg, plan.checked
     testing.report_io("before loading", rt.world)
     source = staged_model(cfg.model, rt.stage_dir, rt.world, rt.timeout, cfg.revision, cfg.subfolder)
-    model = load_for_layout(source, _with_assets(cfg, source), rt)
+    try:
+        model, refused = load_for_layout(source, _with_assets(cfg, source), rt), None
+    except UsageError as exc:
+        model, refused = None, exc
+    barrier_after_load(rt, refused)
     if rt.layout.pp > 1 and rt.layout.is_root:
         from mpitp.replica.pipeline import describe_split, num_layers
 
         log.info("pipeline: %s", describe_split(num_layers(checked.config), rt.layout.pp))
     testing.report_io("model loaded", rt.world)
-    barrier_after_load(rt)
     phases = {**plan.phases, "load": time.perf_counter() - plan.t_start - sum(plan.phases.values())}
     return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=checked.task_manager,
                            t_start=plan.t_start, phases=phases)

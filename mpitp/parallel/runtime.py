@@ -252,12 +252,17 @@ def warms_imports(world: World) -> bool:
 LOAD_SKEW_S = 30.0
 
 
-def barrier_after_load(rt: Runtime) -> None:
+def barrier_after_load(rt: Runtime, refused: UsageError | None = None) -> None:
     """Every rank has its shard: a deadline from this rank's own end of loading (ranks load the same bytes and
     finish close together, while a node whose link went down during the load would otherwise hold every rank here),
-    at least :data:`LOAD_SKEW_S`."""
+    at least :data:`LOAD_SKEW_S`. ``refused``: this rank's load refused what it found (an adapter this layout cannot
+    merge, say); the first refusal in rank order is raised on every rank alike, so it is printed once, not once per
+    rank that met it."""
     deadline = None if rt.timeout is None else max(rt.timeout, LOAD_SKEW_S)
-    mpicomm.barrier(rt.world.comm, deadline, phase="model loading")
+    first = mpicomm.first_objection(None if refused is None else str(refused), rt.world.comm, deadline,
+                                    phase="model loading")
+    if first is not None:
+        raise UsageError(first, collective=True)
 
 
 def _device_plan(device: str | None, local_rank: int):
