@@ -108,11 +108,12 @@ def test_sweep_over_checkpoints_with_two_tokenizers_and_a_broken_one(setup):
     assert comps and {(c["a"], c["b"]) for c in comps} == {("step-1", "step-2"), ("step-2", "step-3")}
     assert any(c["metric"] == "acc,none" and c["test"].startswith("McNemar") for c in comps)
 
-    # step-3 (loaded tasks and token ids reused from step-1) equals a separate launch
-    sep = d / "separate.h5"
-    proc = run_mpi(2, ["eval", "--model", str(ck / "step-3"), *common, "--output", str(sep)], timeout=600,
-                   cwd=str(d))
-    assert proc.returncode == 0, explain(proc)
+    # step-3 (loaded tasks and token ids reused from step-1) equals a separate launch, whose {name} pattern names its
+    # file as a sweep of one would (it was written as the literal "{name}.h5")
+    sep = d / "separate" / "step-3.h5"
+    proc = run_mpi(2, ["eval", "--model", str(ck / "step-3"), *common, "--output", f"{d}/separate/{{name}}.h5"],
+                   timeout=600, cwd=str(d))
+    assert proc.returncode == 0 and sep.exists(), explain(proc)
     for task in TASKS.split(","):
         assert read_metrics(str(sep), task) == read_metrics(str(out / "step-3.h5"), task)
         a, b = read_requests(str(sep), task), read_requests(str(out / "step-3.h5"), task)
