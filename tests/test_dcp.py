@@ -4,6 +4,8 @@ The run is written by ``tests/support/titan_ckpt.py`` from the real stories260K:
 ``step-2`` (a full training state: optimizer, lr_scheduler, dataloader, train_state beside the model's names),
 ``step-10`` (the model under a ``model.`` prefix), torchtitan's names and q/k row order, and each step's Hugging Face
 twin (``hf/step-N``). The MPI tests compare every request with single-process ``lm_eval --model hf`` on the twins.
+``tied`` is stories260K itself (``tie_word_embeddings: true``) saved by ``dcp.save`` of its own ``state_dict()``,
+compared with its HF folder.
 """
 
 from __future__ import annotations
@@ -30,6 +32,27 @@ LIMIT = 4
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, shared_dir):
     return write_run(tmp_path_factory.mktemp("titan") / "run")
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory, shared_dir):
+    """stories260K, whose config ties the head to the embedding, saved by ``dcp.save`` of its own ``state_dict()``
+    (which holds the embedding twice: as ``lm_head.weight`` too): ``step-1`` in HF names (an outside tester's
+    checkpoint, refused before the fix), ``step-2`` in torchtitan's (``output.weight``), ``step-3`` in HF names under
+    ``model.`` (accelerate's FSDP SHARDED_STATE_DICT)."""
+    from transformers import AutoModelForCausalLM
+
+    from support import STORIES
+    from support.titan_ckpt import save
+
+    model = AutoModelForCausalLM.from_pretrained(STORIES)
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # one tensor
+    root = tmp_path_factory.mktemp("tied") / "checkpoint"
+    save(state, root / "step-1")
+    save(dcp.hf_to_titan_names(state, model.config), root / "step-2")
+    save({"model": state}, root / "step-3")
+    return root
 
 
 # ------------------------------------------------------------------------------------------------ fast
@@ -131,6 +154,50 @@ def test_hf_names_under_a_model_prefix(run, tmp_path):
     m = dcp.from_pretrained(str(path), str(run["assets"]))
     ref = AutoModelForCausalLM.from_pretrained(run["hf/step-1"])
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
+def test_a_tied_models_own_state_dict_loads_its_embedding_once_and_verifies_the_head(tied, tmp_path, monkeypatch):
+    """A tied model's ``state_dict()`` holds the embedding as ``lm_head.weight`` too (torchtitan: ``output.weight``):
+    that name is no parameter of the config's model, so it was refused. It is the embedding's twin now: not loaded,
+    compared with it; a twin that differs (a checkpoint of an untied model) or has another shape is refused in one
+    line, through the slice reader (in blocks: the difference is in a later one) and through DCP's own."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mpitp.replica import dcp_load
+    from mpitp.replica.loading import load_model
+    from support import STORIES
+    from support.titan_ckpt import save
+
+    config = AutoConfig.from_pretrained(STORIES)
+    expect = {"step-1": ("hf", "", "model.embed_tokens.weight", "lm_head.weight"),
+              "step-2": ("torchtitan", "", "tok_embeddings.weight", "output.weight"),
+              "step-3": ("hf", "model.", "model.model.embed_tokens.weight", "model.lm_head.weight")}
+    for step, (naming, prefix, key, twin) in expect.items():
+        plan = dcp.check(str(tied / step), config)
+        assert (plan.naming, plan.prefix) == (naming, prefix), step
+        assert plan.entries["model.embed_tokens.weight"] == dcp.Entry(key, None, twin), step
+        assert "lm_head.weight" not in plan.entries and sum(e.twin is not None for e in plan.entries.values()) == 1
+    monkeypatch.setattr(dcp_load, "TWIN_BLOCK", 3 * 64 * 4)  # compared three rows a read
+    ref = AutoModelForCausalLM.from_pretrained(STORIES)
+    m = load_model(str(tied / "step-1"), 1, "cpu", "auto", hf_assets=str(STORIES))
+    assert m.lm_head.weight is m.model.embed_tokens.weight  # the tie gives the head
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values(), strict=True))
+
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    state["lm_head.weight"][400, 3] += 1e-3  # one element, past the first blocks of rows
+    save(state, tmp_path / "untied")
+    for parse in (dcp.SliceReader._parse, lambda *a: None):  # the slice reader's blocks, then DCP's reader
+        monkeypatch.setattr(dcp.SliceReader, "_parse", staticmethod(parse))
+        with pytest.raises(UsageError) as exc:
+            load_model(str(tmp_path / "untied"), 1, "cpu", "auto", hf_assets=str(STORIES))
+        assert "lm_head.weight differs from model.embed_tokens.weight in the checkpoint, but the config ties them" \
+            in str(exc.value) and "\n" not in str(exc.value)
+    state["lm_head.weight"] = state["lm_head.weight"][:500]
+    save(state, tmp_path / "short")
+    with pytest.raises(UsageError) as exc:
+        dcp.check(str(tmp_path / "short"), config)
+    assert ("lm_head.weight has shape [500, 64] in the checkpoint, but the config's model ties lm_head.weight to "
+            "model.embed_tokens.weight of shape [512, 64]") in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_unparsed_chunks_go_to_dcps_own_reader(run, monkeypatch):
@@ -408,6 +475,27 @@ def test_sweep_of_dcp_steps_at_tp2_dp2_matches_lm_eval_on_the_hf_twins(run, tmp_
             assert ".metadata" in fp["model_files"] and "tokenizer.json" in fp["tokenizer_files"]
             assert f.attrs["tokenizer"] == str(run["assets"])
     print(f"DCP sweep tp=2 x dp=2: 3 steps, max relative |d ll| = {worst:.2e}, wall {proc.elapsed:.1f} s")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_tied_models_own_state_dict_at_tp2_pp2_matches_lm_eval_on_its_hf_folder(tied, tmp_path):
+    """An outside tester's case: ``dcp.save(model.state_dict())`` of a tied model was refused for every step
+    (``lm_head.weight names no parameter of the config's llama model``). A sweep of the three ``tied`` steps at
+    tp=2 x pp=2 (one replica on 4 ranks: each stage's TP ranks hold half the embedding and compare it with their half
+    of the saved head; the last stage's head is the tied embedding there): every request equals single-process
+    ``lm_eval --model hf`` on stories260K's own folder."""
+    from support import STORIES
+    from support.mpi import explain, run_mpi
+
+    out = tmp_path / "out"
+    args = _eval_args(str(tied / "step-*"), {"assets": STORIES}, f"{out}/")
+    proc = run_mpi(4, [*args, "--tp", "2", "--pp", "2"], timeout=900, cwd=str(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    assert "sweep: 3/3 checkpoints ok" in proc.stdout, explain(proc)
+    reference = _reference(STORIES)
+    worst = max(_assert_parity(reference, str(out / f"{step}.h5")) for step in ("step-1", "step-2", "step-3"))
+    print(f"tied DCP sweep tp=2 x pp=2: 3 steps, max relative |d ll| = {worst:.2e}, wall {proc.elapsed:.1f} s")
 
 
 def _complete(path) -> bool:

@@ -2,7 +2,10 @@
 
 Found from a DCP checkpoint's ``.metadata`` alone (:func:`plan_loading`), before any rank loads, so that an unknown
 name, a missing parameter or a shape that differs from the config's model is refused naming the parameter: a
-checkpoint is never loaded wrong. torchtitan's Llama 3 / Qwen 3 names are verified against torchtitan's
+checkpoint is never loaded wrong. A tied parameter's second name (``lm_head.weight`` of a ``tie_word_embeddings``
+model: HF's ``state_dict()`` holds it beside the embedding, so a DCP save stores the tensor twice) is no parameter of
+the model: its tensor is not loaded but kept as the loaded one's ``twin``, which the load verifies equal (see
+:class:`Entry`). torchtitan's Llama 3 / Qwen 3 names are verified against torchtitan's
 ``state_dict_adapter.py``; torchtitan keeps Llama's q/k rows in Meta's interleaved rotary order, and
 :func:`titan_to_hf_rows` is HF's ``convert_llama_weights_to_hf.py`` permutation (rows move only inside a head).
 Imports no torch: the plan is checked on rank 0 (and by ``mpitp check`` on a login node) from names and shapes.
@@ -45,8 +48,29 @@ TITAN_NAMES = {"llama": _LLAMA, "qwen3": _QWEN3}
 
 @dataclass(frozen=True)
 class Entry:
+    """The checkpoint tensor that fills a parameter.
+
+    ``twin``: the same tensor saved a second time under a tied name (a tied model's ``state_dict()`` holds the
+    embedding as ``lm_head.weight`` too, and ``dcp.save`` stores both). Only ``key`` is loaded (the tie gives the
+    other name its values), but each rank then compares its region of ``twin`` with what it loaded and refuses a
+    difference: a twin that differs means the checkpoint was saved from an untied model, whose head a tied config
+    would silently replace by its embedding. That costs each rank one more read of its region of the tensor, in
+    bounded blocks (:func:`mpitp.replica.dcp_load.check_twin`): the price of never loading a checkpoint wrong.
+    """
+
     key: str  # the name in the checkpoint
     permute: str | None  # "q" / "k": torchtitan's rotary row order, permuted to HF's after loading
+    twin: str | None = None  # the same tensor under its tied name in the checkpoint, verified equal after loading
+
+
+class Params(dict):
+    """``{HF name: global shape}`` of each parameter of the config's model, and ``tied``: ``{second name: the
+    parameter it is}`` for the names ``named_parameters`` leaves out because they are tied (``lm_head.weight`` ->
+    ``model.embed_tokens.weight``), found from the model itself so that any architecture's ties are known."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tied: dict[str, str] | None = None):
+        super().__init__(shapes)
+        self.tied = dict(tied or {})
 
 
 @dataclass
@@ -69,7 +93,13 @@ def _titan_to_hf(name: str, table: dict) -> tuple[str, str | None] | None:
 
 def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tuple[int, ...]], where: str) -> Plan:
     """Map every checkpoint tensor onto the parameters ``params`` (``{HF name: global shape}``, of the model the
-    config builds); a :class:`UsageError` naming the first unknown, missing or mis-shaped parameter."""
+    config builds; a :class:`Params` also names its tied second names); a :class:`UsageError` naming the first
+    unknown, missing or mis-shaped parameter.
+
+    A tensor under a tied second name becomes its parameter's ``twin`` (verified equal when loaded): the second
+    name is no parameter on any rank (under pp transformers keeps a tied embedding on the head's stage too, and the
+    head is it there), so the parameter's own tensor is the one loaded."""
+    tied = getattr(params, "tied", {})
     flat = [k for k in tensors if "_flat_param" in k or "_fsdp_wrapped_module" in k]
     if flat:
         raise UsageError(f"{where}: {flat[0]} is an FSDP1 flat parameter, which mpitp does not read: save the "
@@ -92,6 +122,7 @@ def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tupl
                          f"of a '{model_type}' model")
     naming, prefix = candidates[0]
     entries: dict[str, Entry] = {}
+    twins: dict[str, str] = {}  # parameter -> the checkpoint key of its tensor under its tied second name
     for key in sorted(tensors):
         if not key.startswith(prefix):
             raise UsageError(f"{where}: unknown entry {key} (the model's weights are under '{prefix}')")
@@ -103,12 +134,16 @@ def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tupl
             hf, permute = hit
         else:
             hf, permute = name, None
+        if hf in tied and hf not in params:
+            shape = tensors[key][0]
+            if tuple(shape) != tuple(params[tied[hf]]):
+                raise UsageError(f"{where}: {key} has shape {list(shape)} in the checkpoint, but the config's "
+                                 f"model ties {hf} to {tied[hf]} of shape {list(params[tied[hf]])}")
+            twins[tied[hf]] = key
+            continue
         if hf not in params:
-            why = (" (the config ties the head to the embedding: tie_word_embeddings)"
-                   if hf == "lm_head.weight" and getattr(config.get_text_config(), "tie_word_embeddings", False)
-                   else "")
             raise UsageError(f"{where}: {key} names no parameter of the config's {model_type} model "
-                             f"({hf} does not exist){why}")
+                             f"({hf} does not exist)")
         shape = tensors[key][0]
         if tuple(shape) != tuple(params[hf]):
             raise UsageError(f"{where}: {key} has shape {list(shape)} in the checkpoint, but the config's model "
@@ -118,6 +153,8 @@ def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tupl
     if missing:
         raise UsageError(f"{where}: the checkpoint has no tensor for {missing[0]}"
                          + (f" (and {len(missing) - 1} more parameters)" if len(missing) > 1 else ""))
+    for hf, key in twins.items():
+        entries[hf] = Entry(entries[hf].key, entries[hf].permute, key)
     embed = next((e.key for n, e in entries.items() if "embed" in n), next(iter(entries.values())).key)
     return Plan(entries, naming, prefix, tensors[embed][1])
 

@@ -231,17 +231,8 @@ class SliceReader:
     def fill(self, key: str, target: torch.Tensor) -> bool:
         """Fill ``target`` (a parameter's local tensor, or a DTensor: its local shard) with its region of checkpoint
         tensor ``key``; False (nothing written) when a chunk it needs is not one this reader parses."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(target, DTensor):
-            regions = target.__create_chunk_list__()
-            local = target.to_local()
-            if len(regions) != 1 or tuple(regions[0].sizes) != tuple(local.shape) or not local.is_contiguous():
-                return False
-            lo = tuple(regions[0].offsets)
-        else:
-            local, lo = target, (0,) * target.dim()
-        return self.read_region(key, local, lo)
+        region = local_region(target)
+        return region is not None and self.read_region(key, *region)
 
     def read_region(self, key: str, local: torch.Tensor, lo: tuple) -> bool:
         """Fill ``local`` with the region of tensor ``key`` that starts at global offsets ``lo`` (see :meth:`fill`)."""
@@ -298,6 +289,20 @@ class SliceReader:
                 raise UsageError(f"model path {self.path}: a .distcp shard ends early (truncated checkpoint)")
             done += n
         self.nbytes += done
+
+
+def local_region(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(the local tensor, its global offsets) of a parameter or its DTensor shard; None for a shard that is not one
+    contiguous box (left to DCP's reader)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, DTensor):
+        return target, (0,) * target.dim()
+    regions = target.__create_chunk_list__()
+    local = target.to_local()
+    if len(regions) != 1 or tuple(regions[0].sizes) != tuple(local.shape) or not local.is_contiguous():
+        return None
+    return local, tuple(regions[0].offsets)
 
 
 def _bytes(t):
