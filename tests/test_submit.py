@@ -340,7 +340,7 @@ def test_cli_usage_error(job):
 def test_cli_geometry_error(job):
     result = CliRunner().invoke(submit_command, [str(job), "--scheduler", "slurm", "--nodes", "1",
                                                  "--gpus-per-node", "3", "--time", "01:00:00", "--dry-run"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input, as mpitp run says of the same job file
     assert result.output == (f"Error: {job}: run 2 ('demo-tp2'): tp=2 does not divide gpus-per-node 3, "
                              "so a TP group would span nodes\n")
 
@@ -356,5 +356,5 @@ def test_cli_job_file_error(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("runs: [{model: demo, tasks: a, dtype: bf16}]\n")
     result = CliRunner().invoke(submit_command, [str(bad), "--scheduler", "slurm", *CLI_BASE, "--dry-run"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "field 'dtype'" in result.output and "did you mean 'bfloat16'?" in result.output

@@ -11,6 +11,7 @@ from mpitp.jobs.jobfile import JobFileError, load_job
 from mpitp.jobs.submit import (
     DEFAULT_SIGNAL_GRACE,
     SCHEDULERS,
+    BadJob,
     SubmitError,
     SubmitUsageError,
     follow_command,
@@ -76,7 +77,11 @@ def submit_command(job_file: str, scheduler: str, nodes: int, ranks_per_node: in
         raise click.exceptions.Exit(2) from None
     except SubmitUsageError as exc:
         raise click.UsageError(str(exc)) from None
-    except (SubmitError, JobFileError) as exc:
+    except (BadJob, JobFileError) as exc:  # bad input, as mpitp run reports the same job file: exit 2
+        err = click.ClickException(str(exc))
+        err.exit_code = 2
+        raise err from None
+    except SubmitError as exc:
         raise click.ClickException(str(exc)) from None
     if dry_run:
         click.echo(result, nl=False)

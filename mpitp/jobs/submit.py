@@ -53,6 +53,11 @@ class SubmitError(Exception):
     """Submission failed (bad job geometry, missing scheduler, scheduler error)."""
 
 
+class BadJob(SubmitError):
+    """The job file does not fit the allocation asked for (a TP group across nodes, a layout the ranks do not
+    divide): bad input, exit 2 like the job file's own errors, not a failed submission."""
+
+
 class SubmitUsageError(SubmitError, ValueError):
     """An option value is malformed; the CLI reports it as a usage error."""
 
@@ -267,10 +272,10 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
     unit = "GPUs" if ranks_per_node == gpus_per_node else "ranks"
     for index, run in enumerate(job.runs, 1):
         if ranks_per_node % run.tp:
-            raise SubmitError(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} does not divide "
+            raise BadJob(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} does not divide "
                               f"{per_node}, so a TP group would span nodes")
         if (nodes * ranks_per_node) % (run.tp * run.pp):
-            raise SubmitError(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} x pp={run.pp} = "
+            raise BadJob(f"{os.fspath(job_path)}: run {index} ({run.name!r}): tp={run.tp} x pp={run.pp} = "
                               f"{run.tp * run.pp} does not divide {nodes} nodes x {ranks_per_node} {unit} = "
                               f"{nodes * ranks_per_node} ranks")
     log_dir = _log_dir(job)
