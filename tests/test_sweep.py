@@ -284,3 +284,20 @@ def test_inspect_sweep_summary_plot(tmp_path):
     assert plot_summary(str(path), str(tmp_path / "t.png"), lambda **kw: made.append(Recording(**kw)) or made[-1]) == 1
     (xs, ys, errs), = made[0].calls
     assert xs == [0, 1, 2] and ys == pytest.approx([0.6, 0.7, 0.8]) and errs == [0.05] * 3
+
+
+def test_two_sweeps_in_one_folder_keep_a_summary_each(tmp_path):
+    """Patterns with more than the name (``{name}-arc.h5``, ``{name}-piqa.h5``) get a summary each, and the report
+    of the folder finds both: the second sweep's summary replaced the first's."""
+    from mpitp.results.report import expand
+    from mpitp.results.sweepsummary import summary_path
+
+    names = ["step-1", "step-2"]
+    paths = {tag: summary_path([str(tmp_path / f"{n}-{tag}.h5") for n in names], names) for tag in ("arc", "piqa")}
+    assert paths == {tag: str(tmp_path / f"sweep-summary-{tag}.json") for tag in ("arc", "piqa")}
+    assert summary_path([str(tmp_path / f"{n}.h5") for n in names], names) == str(tmp_path / "sweep-summary.json")
+    for p in paths.values():
+        open(p, "w").write("{}")
+    (tmp_path / "step-1-arc.h5").write_bytes(b"")
+    files, summaries = expand([str(tmp_path)])
+    assert files == [str(tmp_path / "step-1-arc.h5")] and summaries == sorted(paths.values())

@@ -468,7 +468,7 @@ def _refuse_existing(cfg: EvalConfig, field: str, items: list[str], outputs: lis
 def summarise(rt: Runtime, rows: list[Row], outputs: list[str], t0: float, **extra) -> int:
     """Rank 0 writes ``sweep-summary.json`` (with ``extra``) and prints it. Exit status 1 when an item failed."""
     if rt.world.rank == 0:
-        path = summary_path(outputs)
+        path = summary_path(outputs, [r.name for r in rows] if len(rows) == len(outputs) else None)
         write_summary(path, rows, time.perf_counter() - t0, **extra)
         print(render_summary(rows, path))
     return 1 if any(r.status == "failed" for r in rows) else 0

@@ -39,6 +39,7 @@ from mpitp.results.report_sweep import (
     sweep_panels,
     sweep_tests,
 )
+from mpitp.results.sweepsummary import SUMMARY_GLOB
 from mpitp.results.untrusted import kind, shown
 
 if TYPE_CHECKING:
@@ -50,9 +51,6 @@ __all__ = ["DIFF_ITERS", "PAIR_BOUND", "SAMPLE_CAP", "TEXT_BUDGET", "Report", "b
            "pairs", "render", "script_json", "write"]
 
 log = logging.getLogger("mpitp")
-
-SUMMARY_NAME = "sweep-summary.json"
-
 
 def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tuple[list[str], list[str]]:
     """Result files and sweep summaries named by ``inputs`` (a directory contributes its ``*.h5`` and summary).
@@ -66,8 +64,8 @@ def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tu
     for p in inputs:
         if os.path.isdir(p):
             found = sorted(glob.glob(os.path.join(p, "*.h5")))
-            summary = os.path.join(p, SUMMARY_NAME)
-            found += [summary] if os.path.lexists(summary) else []
+            summary_files = sorted(glob.glob(os.path.join(p, SUMMARY_GLOB)))  # one per sweep (summary_path)
+            found += summary_files
             for f in found:
                 try:
                     link = os.lstat(f)
@@ -79,7 +77,7 @@ def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tu
                 except OSError as exc:  # a dangling link
                     mode, why = None, exc.strerror or str(exc)
                 if mode is not None and stat.S_ISREG(mode):
-                    (summaries if f == summary else files).append(f)
+                    (summaries if f in summary_files else files).append(f)
                 else:
                     why = kind(mode) if mode is not None else why
                     (warn or log.warning)(f"skipped {shown(f)}: {why}, not a regular file")

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 SUMMARY_NAME = "sweep-summary.json"
+SUMMARY_GLOB = "sweep-summary*.json"  # every sweep's summary in a folder (:func:`summary_path`)
 
 
 def natural_key(s: str) -> list[int | str]:
@@ -49,9 +50,17 @@ def is_metric(key: str) -> bool:
     return bool(sep) and metric not in NON_METRIC_KEYS and not metric.endswith("_stderr")
 
 
-def summary_path(outputs: list[str]) -> str:
-    """``sweep-summary.json`` beside the first results file."""
-    return os.path.join(os.path.dirname(os.path.abspath(outputs[0])) if outputs else ".", SUMMARY_NAME)
+def summary_path(outputs: list[str], names: list[str] | None = None) -> str:
+    """``sweep-summary.json`` beside the first results file; ``sweep-summary-<tag>.json`` when the files are named
+    by a pattern with more than the checkpoint's name (``{name}-arc.h5``: tag ``arc``, ``names`` each file's
+    ``{name}``), so that two sweeps writing into one folder with different patterns keep a summary each (the second
+    replaced the first's)."""
+    folder = os.path.dirname(os.path.abspath(outputs[0])) if outputs else "."
+    patterns = {os.path.basename(out).replace(name, "{name}", 1) for out, name in zip(outputs, names or [])}
+    if len(patterns) != 1 or patterns == {"{name}.h5"}:
+        return os.path.join(folder, SUMMARY_NAME)
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "_", patterns.pop().removesuffix(".h5").replace("{name}", "")).strip("-_.")
+    return os.path.join(folder, f"sweep-summary-{tag}.json" if tag else SUMMARY_NAME)
 
 
 def _comparisons(rows: list[Row], iters: int = 2000) -> list[dict]:
