@@ -1,13 +1,19 @@
 """``mpitp eval --watch DIR``: evaluate checkpoints as a training job writes them, in one MPI launch.
 
-Rank 0 scans ``DIR`` every :data:`POLL_S` seconds for subdirectories that are complete checkpoints: a
-``config.json`` and weights (every shard a ``*.index.json`` lists, or at least one ``*.safetensors``/``*.bin``), or a
-torch DCP ``.metadata`` file (torchtitan's ``step-N``: it writes ``.metadata`` last), and the same sizes and
-modification times on two scans :data:`POLL_S` apart (a checkpoint still being written keeps growing).
+Rank 0 scans ``DIR`` every :data:`POLL_S` seconds for subdirectories that are complete checkpoints
+(:func:`_readiness`), with the same sizes and modification times on two scans :data:`POLL_S` apart (a checkpoint
+still being written keeps growing). Complete means a ``config.json`` and whole weights: every shard a ``*.index.json``
+lists, every ``NAME-0000i-of-0000N`` shard of a set that has begun and the index (Hugging Face writes the shards first
+and the index last), each ``*.safetensors`` file as long as its own header says; or a torch DCP ``.metadata`` file
+(torchtitan's ``step-N``: it writes ``.metadata`` last). Sizes alone cannot tell: a writer paused by a slow
+filesystem leaves a truncated file unchanged for longer than one poll.
+
 Each new one is evaluated like a sweep's checkpoint (:func:`mpitp.jobs.sweep.run_models`: its own results file, the
 task manager and loaded tasks shared); one whose results file is already ``complete`` for the same weights is skipped,
-a ``running`` one resumed, so a watch killed with its allocation picks up where it stopped. The watch ends after
-``--watch-idle`` seconds without a new complete checkpoint, then writes the sweep summary.
+a ``running`` one resumed, so a watch killed with its allocation picks up where it stopped. A checkpoint that failed
+is evaluated again once its files change (a writer that replaces a bad file), never while they stay as they failed.
+The watch ends after ``--watch-idle`` seconds without a new complete checkpoint, then writes the sweep summary and
+names the subdirectories that never became complete.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,34 +36,100 @@ if TYPE_CHECKING:
 log = logging.getLogger("mpitp")
 
 POLL_S = 2.0
+#: A safetensors header longer than this is not read: a real one is a few MB at most (one JSON entry per tensor),
+#: and eight stray bytes at the start of a file being written could claim up to 16 EB.
+MAX_HEADER_BYTES = 100 * 2**20
+#: A shard of a sharded save (``model-00001-of-00002.safetensors``, ``pytorch_model-00001-of-00003.bin``).
+SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.(?P<ext>safetensors|bin)")
+WEIGHTS = (".safetensors", ".bin")
 
 
 def _snapshot(path: str) -> tuple | None:
     """(name, size, mtime) of every file of a checkpoint directory, or None when it is not (yet) complete."""
+    return _readiness(path)[0]
+
+
+def _readiness(path: str) -> tuple[tuple | None, str]:
+    """``(snapshot, "")`` for a complete checkpoint, else ``(None, why)``; ``why`` is empty for a directory that
+    holds no checkpoint at all (logs, a tokenizer), which the end of the watch need not mention."""
     try:
         names = sorted(os.listdir(path))
-    except OSError:
-        return None
+    except OSError as exc:
+        return None, f"cannot be listed ({exc.strerror})"
     if ".metadata" in names:  # a torch DCP step: torchtitan writes .metadata last, once every shard is written
-        return _stat_all(path, names)
+        return _stat_all(path, names), "a file vanished while it was read"
+    if any(n.endswith(".distcp") for n in names):
+        return None, "no .metadata yet (torch DCP writes it last)"
     if "config.json" not in names:
-        return None
-    return _hf_snapshot(path, names)
+        return None, "weights but no config.json" if any(n.endswith(WEIGHTS) for n in names) else ""
+    why = _hf_incomplete(path, names)
+    if why:
+        return None, why
+    snap = _stat_all(path, names)
+    return snap, "" if snap else "a file vanished while it was read"
 
 
-def _hf_snapshot(path: str, names: list[str]) -> tuple | None:
-    index = next((n for n in names if n.endswith(".index.json")), None)
-    if index is not None:
+def _hf_incomplete(path: str, names: list[str]) -> str:
+    """Why a Hugging Face checkpoint's weights are not all written yet ("" when they are)."""
+    present = set(names)
+    expected, indexes = set(), [n for n in names if n.endswith(".index.json")]
+    for n in names:
+        m = SHARD.fullmatch(n)
+        if m:
+            width, total = len(m["i"]), int(m["n"])
+            expected |= {f"{m['stem']}-{i:0{width}d}-of-{m['n']}.{m['ext']}" for i in range(1, total + 1)}
+    for index in indexes:
         try:
             with open(os.path.join(path, index)) as f:
-                shards = set(json.load(f).get("weight_map", {}).values())
-        except (OSError, ValueError):
-            return None
-        if not shards or not shards <= set(names):
-            return None
-    elif not any(n.endswith((".safetensors", ".bin")) for n in names):
-        return None
-    return _stat_all(path, names)
+                listed = set(json.load(f).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError, TypeError):
+            return f"{index} is not a whole weight map yet"
+        if not listed:
+            return f"{index} lists no shard"
+        expected |= listed
+    missing = sorted(expected - present)
+    if missing:
+        return f"{missing[0]} not written yet" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+    if expected and not indexes:
+        return "every shard but no *.index.json yet (written last)"
+    weights = [n for n in names if n.endswith(WEIGHTS)]
+    if not weights:
+        return "config.json but no weights yet"
+    for n in weights:
+        why = n.endswith(".safetensors") and safetensors_incomplete(os.path.join(path, n))
+        if why:
+            return f"{n}: {why}"
+    return ""
+
+
+def safetensors_incomplete(path: str) -> str:
+    """Why ``path`` is not a whole safetensors file ("" when it is), from its header alone: 8 bytes of header length
+    (little-endian), that much JSON, then the tensors' bytes, which must end exactly at the end of the file.
+
+    Reads at most :data:`MAX_HEADER_BYTES`: a file being written is checked every poll, its tensors never."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than the header length"
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                return f"a header of {n} bytes claimed (over {MAX_HEADER_BYTES // 2**20} MB: not read)"
+            if 8 + n > size:
+                return f"{size} bytes, its header alone needs {8 + n}"
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    except (ValueError, RecursionError):
+        return "its header is not valid JSON"
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        return "its header declares no data offsets"
+    if 8 + n + end != size:
+        return f"{size} bytes where its header declares {8 + n + end}"
+    return ""
 
 
 def _stat_all(path: str, names: list[str]) -> tuple | None:
@@ -71,26 +144,54 @@ def _stat_all(path: str, names: list[str]) -> tuple | None:
 
 
 class Scanner:
-    """Rank 0: which checkpoints under ``directory`` are complete and unchanged since the previous scan."""
+    """Rank 0: which checkpoints under ``directory`` are complete, unchanged since the previous scan, and not yet
+    evaluated as they are now.
+
+    An evaluated checkpoint is :meth:`settle`-d: done for good when it ran (or was skipped as complete), remembered
+    with the files it failed with otherwise, so the same files are not evaluated again, while a checkpoint whose files
+    changed (a writer that was still at it, or replaced a bad file) is."""
 
     def __init__(self, directory: str):
         self.directory = directory
         self.previous: dict[str, tuple] = {}
+        self.done: set[str] = set()
+        self.failed: dict[str, tuple] = {}  # path -> the snapshot it failed with
+        self.waiting: dict[str, str] = {}  # path -> why it was not complete at the last scan
 
     def stable(self) -> list[str]:
-        from mpitp.jobs.sweep import natural_key
-
+        """The checkpoints to evaluate now, in natural order: complete, unchanged since the previous scan, not
+        yet evaluated with these files."""
         now: dict[str, tuple] = {}
-        for entry in sorted(os.listdir(self.directory), key=natural_key):
-            path = os.path.join(self.directory, entry)
-            if entry.startswith(".") or not os.path.isdir(path):
+        self.waiting = {}
+        for path in self._subdirectories():
+            if path in self.done:
                 continue
-            snap = _snapshot(path)
+            snap, why = _readiness(path)
             if snap is not None:
                 now[path] = snap
-        ready = [p for p, snap in now.items() if self.previous.get(p) == snap]
+            elif why:
+                self.waiting[path] = why
+        ready = [p for p, snap in now.items() if self.previous.get(p) == snap and self.failed.get(p) != snap]
+        for p in ready:
+            if p in self.failed:
+                log.info("watch: %s changed since it failed: evaluating it again", p)
         self.previous = now
         return ready
+
+    def settle(self, path: str, failed: bool) -> None:
+        """``path`` was evaluated (as handed out by the last :meth:`stable`)."""
+        if failed:
+            self.failed[path] = self.previous[path]
+        else:
+            self.done.add(path)
+            self.failed.pop(path, None)
+
+    def _subdirectories(self) -> list[str]:
+        from mpitp.jobs.sweep import natural_key
+
+        entries = os.listdir(self.directory)
+        paths = (os.path.join(self.directory, e) for e in sorted(entries, key=natural_key) if not e.startswith("."))
+        return [p for p in paths if os.path.isdir(p)]
 
 
 def default_watch_dir(directory: str) -> str:
@@ -156,12 +257,12 @@ def _watch_loop(cfg: EvalConfig, rt: Runtime, directory, idle_s, poll_s, base, s
     from mpitp.parallel.runtime import agree
 
     scanner = Scanner(directory) if rt.world.rank == 0 else None
-    rows, seen = [], set()
+    rows: list = []
     last_new = time.monotonic()
     while True:
         decision = None
         if rt.world.rank == 0:
-            fresh = [p for p in scanner.stable() if p not in seen]
+            fresh = scanner.stable()
             if fresh:
                 decision = ("run", fresh)
             elif time.monotonic() - last_new > idle_s:
@@ -175,10 +276,31 @@ def _watch_loop(cfg: EvalConfig, rt: Runtime, directory, idle_s, poll_s, base, s
         if kind == "wait":
             time.sleep(poll_s)
             continue
-        seen.update(fresh)
         names = [os.path.basename(os.path.normpath(p)) for p in fresh]
         outputs = agree(lambda: [output_for(cfg.output, n, base) for n in names], rt.world.comm, rt.timeout,
                         "naming outputs")
-        run_models(cfg, rt, fresh, outputs, names, state, rows)
+        new = _run_again(rows, lambda: run_models(cfg, rt, fresh, outputs, names, state, rows))
+        if scanner is not None:
+            for row in new:
+                scanner.settle(row.model, row.status == "failed")
         last_new = time.monotonic()
+    if scanner is not None:
+        for path, why in scanner.waiting.items():
+            log.warning("watch: %s was never a complete checkpoint: %s", path, why)
     return rows
+
+
+def _run_again(rows: list, run) -> list:
+    """``run()`` (which appends rows), each new row in the place of an earlier one of the same checkpoint (one that
+    failed, now evaluated again): the summary keeps one row per checkpoint, the latest, in the order they appeared."""
+    start = len(rows)
+    place = {r.model: i for i, r in enumerate(rows)}
+    run()
+    new = rows[start:]
+    del rows[start:]
+    for row in new:
+        if row.model in place:
+            rows[place[row.model]] = row
+        else:
+            rows.append(row)
+    return new
