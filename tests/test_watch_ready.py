@@ -1,4 +1,5 @@
-"""``--watch``: when a checkpoint counts as written, and what happens to one that failed.
+"""``--watch``: when a checkpoint counts as written, what happens to one that failed, and to a watched folder that
+goes.
 
 The checkpoints are written by ``save_pretrained`` (a tiny random Llama; shards with a small ``max_shard_size``), then
 cut back to what a training job has written at some moment: Hugging Face writes ``config.json``, the shards one by
@@ -8,6 +9,7 @@ one, the ``*.index.json`` last. The scanner is rank 0's and MPI-free; one launch
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -45,6 +47,18 @@ def _partial(src: Path, dst: Path, names) -> Path:
 def _scans(scanner: Scanner, n: int = 3) -> list[list[str]]:
     """``n`` scans, as the watch makes them :data:`mpitp.jobs.watch.POLL_S` apart (the files do not change)."""
     return [scanner.stable() for _ in range(n)]
+
+
+@pytest.fixture
+def warnings_of_mpitp():
+    """The warnings the ``mpitp`` logger emits (it does not propagate once a launch set it up)."""
+    got: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: got.append(record.getMessage())
+    logger = logging.getLogger("mpitp")
+    logger.addHandler(handler)
+    yield got
+    logger.removeHandler(handler)
 
 
 def test_a_sharded_save_caught_mid_write_is_ready_once_every_shard_and_the_index_exist(saved, tmp_path):
@@ -121,6 +135,20 @@ def test_a_failed_checkpoint_is_looked_at_again_once_its_files_change(saved, tmp
     assert _scans(scanner) == [[], [], []]  # evaluated: done for this watch, whatever happens to its files
 
 
+def test_a_watched_folder_that_disappears_counts_as_empty_with_one_warning(saved, tmp_path, warnings_of_mpitp):
+    ck = tmp_path / "ck"
+    step = str(_partial(saved["single"], ck / "step-1", ["config.json", "model.safetensors"]))
+    scanner = Scanner(str(ck))
+    assert _scans(scanner, 2) == [[], [step]]
+    shutil.rmtree(ck)
+    assert _scans(scanner) == [[], [], []]
+    assert warnings_of_mpitp == [f"watch: {ck} cannot be read (No such file or directory): counted as empty until "
+                                 "it comes back or --watch-idle runs out"]
+    step2 = str(_partial(saved["single"], ck / "step-2", ["config.json", "model.safetensors"]))
+    assert _scans(scanner, 2) == [[], [step2]]  # back: its new checkpoints are found
+    assert len(warnings_of_mpitp) == 1
+
+
 def test_a_torch_dcp_step_is_ready_once_its_metadata_exists(tmp_path):
     step = tmp_path / "ck" / "step-10"
     step.mkdir(parents=True)
@@ -134,10 +162,10 @@ def test_a_torch_dcp_step_is_ready_once_its_metadata_exists(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_a_watch_waits_for_half_written_steps_and_retries_a_fixed_one(shared_dir, tmp_path):
+def test_a_watch_waits_for_half_written_steps_retries_a_fixed_one_and_outlives_its_folder(shared_dir, tmp_path):
     """One launch: step-5, a sharded save caught after its first shard, is evaluated once it is whole (not failed at
     once); step-6, whose config names no known architecture, fails, and is evaluated again when the writer fixes its
-    config; the summary has one row each, the latest."""
+    config; the watched folder then goes (``rm -rf``): one warning, the idle time runs out, the summary is written."""
     from transformers import AutoModelForCausalLM
 
     from mpitp.tasks.demo import demo_tasks_dir
@@ -162,8 +190,10 @@ def test_a_watch_waits_for_half_written_steps_and_retries_a_fixed_one(shared_dir
         shutil.copyfile(stories / "config.json", step6 / "config.json")
         assert _wait_for(lambda: _complete(out / "step-5.h5") and _complete(out / "step-6.h5"), 300, job.proc), \
             job.explain()
+        shutil.rmtree(ck)
         proc = job.finish(300)
     assert proc.returncode == 0, job.explain()
     rows = json.loads((out / "sweep-summary.json").read_text())["checkpoints"]
     assert sorted((r["name"], r["status"]) for r in rows) == [("step-5", "complete"), ("step-6", "complete")]
     assert f"checkpoint {step5} failed" not in proc.stderr and "Traceback" not in proc.stderr, job.explain()
+    assert proc.stderr.count(f"watch: {ck} cannot be read (No such file or directory)") == 1, job.explain()

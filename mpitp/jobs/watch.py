@@ -12,8 +12,8 @@ Each new one is evaluated like a sweep's checkpoint (:func:`mpitp.jobs.sweep.run
 task manager and loaded tasks shared); one whose results file is already ``complete`` for the same weights is skipped,
 a ``running`` one resumed, so a watch killed with its allocation picks up where it stopped. A checkpoint that failed
 is evaluated again once its files change (a writer that replaces a bad file), never while they stay as they failed.
-The watch ends after ``--watch-idle`` seconds without a new complete checkpoint, then writes the sweep summary and
-names the subdirectories that never became complete.
+A watched directory that disappears counts as empty. The watch ends after ``--watch-idle`` seconds without a new
+complete checkpoint, then writes the sweep summary and names the subdirectories that never became complete.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ class Scanner:
         self.done: set[str] = set()
         self.failed: dict[str, tuple] = {}  # path -> the snapshot it failed with
         self.waiting: dict[str, str] = {}  # path -> why it was not complete at the last scan
+        self.unreadable = False
 
     def stable(self) -> list[str]:
         """The checkpoints to evaluate now, in natural order: complete, unchanged since the previous scan, not
@@ -187,9 +188,21 @@ class Scanner:
             self.failed.pop(path, None)
 
     def _subdirectories(self) -> list[str]:
+        """The directory's subdirectories; none while the directory cannot be read (removed, or replaced by a
+        file), said once: a training job that deletes and recreates its checkpoint folder has not ended."""
         from mpitp.jobs.sweep import natural_key
 
-        entries = os.listdir(self.directory)
+        try:
+            entries = os.listdir(self.directory)
+        except OSError as exc:
+            if not self.unreadable:
+                log.warning("watch: %s cannot be read (%s): counted as empty until it comes back or --watch-idle "
+                            "runs out", self.directory, exc.strerror)
+            self.unreadable = True
+            return []
+        if self.unreadable:
+            log.info("watch: %s is back", self.directory)
+            self.unreadable = False
         paths = (os.path.join(self.directory, e) for e in sorted(entries, key=natural_key) if not e.startswith("."))
         return [p for p in paths if os.path.isdir(p)]
 
