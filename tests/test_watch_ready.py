@@ -1,5 +1,5 @@
-"""``--watch``: when a checkpoint counts as written, what happens to one that failed, and to a watched folder that
-goes.
+"""``--watch``: when a checkpoint counts as written, what happens to one that failed, to a watched folder that goes,
+and which ``--watch-idle`` is refused.
 
 The checkpoints are written by ``save_pretrained`` (a tiny random Llama; shards with a small ``max_shard_size``), then
 cut back to what a training job has written at some moment: Hugging Face writes ``config.json``, the shards one by
@@ -160,6 +160,19 @@ def test_a_torch_dcp_step_is_ready_once_its_metadata_exists(tmp_path):
     assert _scans(scanner, 2) == [[], [str(step)]]
 
 
+def test_watch_idle_that_would_never_end_is_refused():
+    from mpitp.errors import UsageError
+    from mpitp.jobs.watch import MAX_IDLE_S, check_idle
+
+    for value, message in ((float("inf"), "--watch-idle: must be a finite number of seconds, got inf"),
+                           (1e12, "--watch-idle: must be at most 604800 s (a week), got 1e+12")):
+        with pytest.raises(UsageError) as info:
+            check_idle(value)
+        assert str(info.value) == message
+    check_idle(MAX_IDLE_S)
+    check_idle(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_a_watch_waits_for_half_written_steps_retries_a_fixed_one_and_outlives_its_folder(shared_dir, tmp_path):
@@ -170,6 +183,7 @@ def test_a_watch_waits_for_half_written_steps_retries_a_fixed_one_and_outlives_i
 
     from mpitp.tasks.demo import demo_tasks_dir
     from support.launch import Launch
+    from support.mpi import run_mpi
     from test_sweep import _complete, _wait_for
 
     stories = shared_dir / "models" / "stories260K"
@@ -197,3 +211,10 @@ def test_a_watch_waits_for_half_written_steps_retries_a_fixed_one_and_outlives_i
     assert sorted((r["name"], r["status"]) for r in rows) == [("step-5", "complete"), ("step-6", "complete")]
     assert f"checkpoint {step5} failed" not in proc.stderr and "Traceback" not in proc.stderr, job.explain()
     assert proc.stderr.count(f"watch: {ck} cannot be read (No such file or directory)") == 1, job.explain()
+
+    # --watch-idle that would never end: one line, before any checkpoint is looked at
+    ck.mkdir()
+    proc = run_mpi(1, [*args[:4], "inf", *args[5:]], timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "mpitp: error: --watch-idle: must be a finite number of seconds, " \
+        "got inf"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -39,6 +40,8 @@ POLL_S = 2.0
 #: A safetensors header longer than this is not read: a real one is a few MB at most (one JSON entry per tensor),
 #: and eight stray bytes at the start of a file being written could claim up to 16 EB.
 MAX_HEADER_BYTES = 100 * 2**20
+#: The longest --watch-idle accepted (see :func:`check_idle`).
+MAX_IDLE_S = 7 * 24 * 3600.0
 #: A shard of a sharded save (``model-00001-of-00002.safetensors``, ``pytorch_model-00001-of-00003.bin``).
 SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.(?P<ext>safetensors|bin)")
 WEIGHTS = (".safetensors", ".bin")
@@ -247,11 +250,26 @@ class WatchPlan(PlanWithoutClaim):
         return 1 if any(r.status == "failed" for r in rows) else 0
 
 
+def check_idle(idle_s: float) -> None:
+    """Refuse, in one line, a ``--watch-idle`` that would never end the watch (rank 0, before torch starts).
+
+    The command line refuses what is not > 0 (nan included); infinity passes that test, and a watch that cannot end
+    holds its allocation until the scheduler kills it, so its sweep summary is never written. The bound is finite too,
+    :data:`MAX_IDLE_S` (a week): a training job that writes no checkpoint for a week has ended or died, and a week
+    outlasts the walltime limit of most clusters' queues, so a longer value changes nothing but the odds that a
+    mistaken unit (milliseconds) or a wish for "forever" goes unnoticed while it holds nodes that evaluate nothing."""
+    if not math.isfinite(idle_s):
+        raise UsageError(f"--watch-idle: must be a finite number of seconds, got {idle_s}")
+    if idle_s > MAX_IDLE_S:
+        raise UsageError(f"--watch-idle: must be at most {MAX_IDLE_S:.0f} s (a week), got {idle_s:g}")
+
+
 def prepare_watch(cfg: EvalConfig, launch: Launch, directory: str, idle_s: float, poll_s: float = POLL_S) -> WatchPlan:
     """Rank 0 checks the watched directory and the settings; every rank gets the verdict."""
     from mpitp.parallel.runtime import agree
 
     def check() -> bool:
+        check_idle(idle_s)
         if not os.path.isdir(directory):
             raise UsageError(f"--watch {directory}: no such directory")
         if cfg.model:
