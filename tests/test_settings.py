@@ -232,3 +232,16 @@ def test_runtime_options_are_the_runtime_settings():
     assert [(f.name, f.default) for f in fields(RuntimeOptions)] == [(s.name, s.default) for s in RUNTIME]
     opts = parse_eval_args([*CLI, "--tp", "2", "--pp", "2", "--timeout", "30", "--stage-dir", "/tmp/x"]).runtime
     assert (opts.tp, opts.pp, opts.timeout, opts.stage_dir, opts.watch) == (2, 2, 30.0, "/tmp/x", None)
+
+
+def test_seconds_refuse_a_deadline_that_never_comes():
+    """``--timeout inf`` (and ``--watch-idle inf``) passed the "> 0" rule: every wait would be unbounded."""
+    import argparse
+
+    from mpitp.evaluation.setting_values import cli_positive_float
+
+    assert cli_positive_float("1e6") == 1e6
+    for bad, said in (("inf", "must be a finite number of seconds, got 'inf'"), ("nan", "must be > 0, got 'nan'"),
+                      ("0", "must be > 0, got '0'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            cli_positive_float(bad)

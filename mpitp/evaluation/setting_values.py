@@ -254,6 +254,8 @@ def cli_positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+    if math.isinf(v):  # a deadline that never comes: the wait it bounds could hang for ever
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {value!r}")
     return v
 
 
