@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from mpitp.errors import UsageError
 from mpitp.jobs.readiness import CheckSpec, block_network, check
 from support import OFFLINE_ENV, STORIES
 from support.offline_data import mmlu_dir, small_tasks_dir
@@ -87,15 +88,20 @@ def test_network_guard_refuses_remote_hosts_only():
     assert tried == ["example.org:443", "192.0.2.1:80"]
 
 
+def fake_sbatch(folder: Path, monkeypatch) -> None:
+    """An ``sbatch`` first on PATH that touches ``folder/queued`` and answers as SLURM does."""
+    (folder / "bin").mkdir()
+    sbatch = folder / "bin/sbatch"
+    sbatch.write_text(f'#!/bin/sh\ntouch {folder}/queued\necho "Submitted batch job 42"\n')
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder / 'bin'}{os.pathsep}{os.environ['PATH']}")
+
+
 @pytest.mark.mpi  # submit starts `python -m mpitp check`
 def test_submit_refuses_a_job_that_cannot_run_offline(gap_data, tmp_path, monkeypatch):
     from mpitp.cli.submit import submit_command
 
-    (tmp_path / "bin").mkdir()
-    sbatch = tmp_path / "bin/sbatch"
-    sbatch.write_text(f'#!/bin/sh\ntouch {tmp_path}/queued\necho "Submitted batch job 42"\n')
-    sbatch.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    fake_sbatch(tmp_path, monkeypatch)
     job = tmp_path / "job.yaml"
     job.write_text(f"runs:\n  - name: gap\n    model: {STORIES}\n    tasks: [mmlu_{REMOVED}, mmlu_anatomy]\n"
                    f"    data_dir: {gap_data}\n")
@@ -231,7 +237,7 @@ def test_a_ready_model_is_not_checked_again_until_a_folder_it_read_changes(tmp_p
     assert run() == (False, True, [])
     from mpitp.cli.check import run_checks
 
-    assert run_checks([spec]) == ([], {str(model)})  # and the ready line says so
+    assert run_checks([spec]) == ([], {str(model)}, {})  # and the ready line says so
     kept.chmod(0o664)  # group-writable: anyone in the group could have written "ready"
     with caplog.at_level("WARNING", logger="mpitp"):
         assert run() == (True, False, [])
@@ -243,3 +249,132 @@ def test_a_ready_model_is_not_checked_again_until_a_folder_it_read_changes(tmp_p
     assert (beside, again) == (True, False) and len(problems) == 1, problems
     assert problems[0].startswith(f"model {model}: config not available offline"), problems
     assert kept.stat().st_mtime_ns == written  # the problem was not kept
+
+
+# ------------------------------------------------------------------------------------------------------- sweeps
+# A sweep's --model (a job file's models:) is a glob or a comma list: `mpitp check` took it for one Hub repo id and
+# refused every sweep, so `mpitp submit` queued none without --no-check (an outside tester's report).
+
+
+@pytest.fixture
+def sweep(tmp_path, monkeypatch) -> Path:
+    """Checkpoints step-1, step-2, step-10 (stories260K's files), a data folder, verdicts kept in ``tmp_path``."""
+    import shutil
+
+    from support.offline_data import arc_rows, write_jsonl
+
+    monkeypatch.setenv("MPITP_CHECK_CACHE", str(tmp_path / "verdicts"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # two cores: the child starts
+    for step in (1, 2, 10):
+        shutil.copytree(STORIES, tmp_path / "ckpts" / f"step-{step}")
+    write_jsonl(tmp_path / "DATA" / "arc_easy" / "test.jsonl", arc_rows(3, "sweep"))
+    return tmp_path
+
+
+def check_job(folder: Path, runs: str) -> tuple[int, list[str]]:
+    """``mpitp check JOB`` in this process: its exit status and its own lines (not the libraries' progress bars,
+    which a test before this one may have turned on)."""
+    from mpitp.cli.check import check_command
+
+    job = folder / "job.yaml"
+    job.write_text(f"defaults: {{tasks: [arc_easy], data_dir: {folder / 'DATA'}}}\nruns:\n{runs}")
+    done = CliRunner().invoke(check_command, [str(job)])
+    assert "Traceback" not in done.output, done.output
+    said = done.stdout.splitlines() + done.stderr.splitlines()  # the ready line on stdout, problems on stderr
+    return done.exit_code, [line for line in said if line.startswith(("mpitp ", "  run "))]
+
+
+def test_a_sweep_is_checked_checkpoint_by_checkpoint(sweep):
+    """A glob and a list are expanded as the sweep expands them; each checkpoint's config, tokenizer and layout are
+    checked, so one checkpoint without its files is named alone."""
+    ckpts = sweep / "ckpts"
+    runs = (f"  - {{name: globbed, models: ['{ckpts}/step-*'], output: 'g/{{name}}.h5'}}\n"
+            f"  - {{name: listed, models: [{ckpts}/step-10, {ckpts}/step-2], output: 'l/{{name}}.h5'}}\n")
+    status, lines = check_job(sweep, runs)
+    assert status == 0 and lines == [  # the first run's check kept both checkpoints of the second as ready
+        f"mpitp check: ready offline: arc_easy; model {ckpts}/step-* (3 checkpoints), {ckpts}/step-10,{ckpts}/step-2 "
+        "(2 checkpoints; ready kept from an earlier check: every folder it read is unchanged)"], lines
+    (ckpts / "step-2" / "config.json").unlink()
+    status, lines = check_job(sweep, runs)
+    assert status == 2 and len(lines) == 3 and lines[0] == "mpitp check: not ready offline: 2 problem(s)", lines
+    for line, run in zip(lines[1:], ("globbed", "listed")):  # step-1 and step-10 are ready: only step-2 is named
+        assert line.startswith(f"  run {run}: model {ckpts}/step-2: config not available offline ("), lines
+        assert "Repo id" not in line and "step-1" not in line, line
+
+
+def test_a_sweep_glob_that_matches_nothing_is_refused_as_the_sweep_refuses_it(sweep):
+    from mpitp.jobs.sweep import expand_models
+
+    pattern = f"{sweep}/ckpts/none-*"
+    status, lines = check_job(sweep, f"  - {{name: none, models: ['{pattern}'], output: 'n/{{name}}.h5'}}\n")
+    with pytest.raises(UsageError) as refused:  # the sweep's own line
+        expand_models(pattern)
+    assert status == 2 and lines[1:] == [f"  run none: {refused.value}"], lines
+    assert str(refused.value) == f"--model {pattern}: the pattern matches no directory"
+
+
+def test_checkpoints_with_the_same_config_and_tokenizer_share_one_check(sweep):
+    """Three checkpoints of one architecture are one model check: a layout the model cannot take is said once,
+    naming them all; a checkpoint whose config differs is checked on its own."""
+    from mpitp.jobs.readiness_spec import Report
+    from mpitp.jobs.readiness_sweep import model_groups
+
+    ckpts = sweep / "ckpts"
+    spec = CheckSpec(tasks=("arc_easy",), model=f"{ckpts}/step-*", tp=3)
+    assert [[m.model for m in g] for g in model_groups(spec, Report())] == [
+        [f"{ckpts}/step-1", f"{ckpts}/step-2", f"{ckpts}/step-10"]]
+    run = f"  - {{name: tp3, tp: 3, models: ['{ckpts}/step-*'], output: 't/{{name}}.h5'}}\n"
+    status, lines = check_job(sweep, run)
+    assert status == 2 and lines[1:] == [
+        f"  run tp3: model {ckpts}/step-1: tp=3 does not divide the model's 8 attention heads (the same for "
+        f"{ckpts}/step-2, {ckpts}/step-10: the same config and tokenizer files)"], lines
+    config = json.loads((ckpts / "step-10" / "config.json").read_text())
+    (ckpts / "step-10" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 6}))
+    assert [[m.model for m in g] for g in model_groups(spec, Report())] == [
+        [f"{ckpts}/step-1", f"{ckpts}/step-2"], [f"{ckpts}/step-10"]]
+
+
+def test_a_ready_verdict_is_kept_for_every_checkpoint_that_shared_it(sweep):
+    """The checkpoints checked as one are each kept as ready: a later check of any of them is not done again."""
+    ckpts = sweep / "ckpts"
+    spec = CheckSpec(tasks=("arc_easy",), data_dir=str(sweep / "DATA"), model=f"{ckpts}/step-*")
+    report = check(spec)
+    assert report.ready and report.model_beside and report.swept == 3, [p.line() for p in report.problems]
+    for step in ("step-10", "step-2"):  # never checked by itself
+        again = check(CheckSpec(tasks=("arc_easy",), data_dir=str(sweep / "DATA"), model=f"{ckpts}/{step}"))
+        assert again.ready and again.model_kept and not again.model_beside
+    assert check(spec).model_kept
+
+
+def test_an_adapter_sweep_checks_the_base_once_and_each_adapter(sweep):
+    def adapter(name: str, kind: str = "LORA") -> Path:
+        folder = sweep / "adapters" / name
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": kind, "r": 2, "lora_alpha": 4}))
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+        return folder
+
+    adapter("step-1"), adapter("step-2")
+    run = f"  - {{name: ad, model: {STORIES}, peft: ['{sweep}/adapters/step-*'], output: 'a/{{name}}.h5'}}\n"
+    assert check_job(sweep, run) == (0, [f"mpitp check: ready offline: arc_easy; model {STORIES} (2 adapters)"])
+    bad = adapter("step-3", "IA3")
+    status, lines = check_job(sweep, run)
+    assert status == 2 and lines[1:] == [
+        f"  run ad: --model_args peft={bad}: peft_type IA3 is not supported (LoRA adapters only)"], lines
+
+
+@pytest.mark.mpi  # submit starts `python -m mpitp check`
+def test_submit_queues_a_sweep_that_is_ready_and_refuses_one_that_matches_nothing(sweep, monkeypatch):
+    from mpitp.cli.submit import submit_command
+
+    fake_sbatch(sweep, monkeypatch)
+    job = sweep / "job.yaml"
+    args = [str(job), "--scheduler", "slurm", "--nodes", "1", "--ranks-per-node", "2", "--time", "00:10:00"]
+    for pattern, queued in (("step-*", True), ("none-*", False)):
+        (sweep / "queued").unlink(missing_ok=True)
+        job.write_text(f"defaults: {{tasks: [arc_easy], data_dir: {sweep / 'DATA'}}}\nruns:\n"
+                       f"  - {{name: sw, models: ['ckpts/{pattern}'], output: 'r/{{name}}.h5'}}\n")
+        done = CliRunner().invoke(submit_command, args)
+        assert (done.exit_code == 0) is queued and (sweep / "queued").exists() is queued, done.output
+    assert f"run sw: --model {sweep}/ckpts/none-*: the pattern matches no directory" in done.output
+    assert "nothing queued (mpitp submit --no-check queues it anyway)" in done.output

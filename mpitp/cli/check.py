@@ -35,7 +35,8 @@ def spec_options(f: _F) -> _F:
 
 def specs_from(job_file: str | None, tasks: str | None, model: str | None, tokenizer: str | None,
                revision: str | None, data_dir: str | None, include_path: tuple[str, ...], num_fewshot: int | None,
-               apply_chat_template: bool, trust_remote_code: bool, hf_assets: str | None = None) -> list:
+               apply_chat_template: bool, trust_remote_code: bool, hf_assets: str | None = None,
+               peft: str | None = None) -> list:
     """The :class:`CheckSpec` of the options, or one per (distinct) run of ``job_file``."""
     from mpitp.jobs.readiness import CheckSpec
 
@@ -54,16 +55,17 @@ def specs_from(job_file: str | None, tasks: str | None, model: str | None, token
     return [CheckSpec(tasks=tuple(t for t in (tasks or "").split(",") if t), model=model, tokenizer=tokenizer,
                       revision=revision, data_dir=data_dir, include_path=tuple(include_path), num_fewshot=num_fewshot,
                       apply_chat_template=apply_chat_template, trust_remote_code=trust_remote_code,
-                      hf_assets=hf_assets)]
+                      hf_assets=hf_assets, peft=peft)]
 
 
-def run_checks(specs: list) -> tuple[list, set[str]]:
+def run_checks(specs: list) -> tuple[list, set[str], dict[str, str]]:
     """Check every spec once (runs differing only in what the check does not read share one check): the problems,
-    and the models whose "ready" was kept from an earlier check (:mod:`mpitp.jobs.readiness_cache`), not checked
-    again."""
+    the models whose "ready" was kept from an earlier check (:mod:`mpitp.jobs.readiness_cache`), not checked
+    again, and what each sweep's ``--model`` stands for ("3 checkpoints", "2 adapters"), for the ready line."""
     from dataclasses import replace
 
     from mpitp.jobs.readiness import check
+    from mpitp.jobs.sweep import is_sweep
 
     problems, done = [], {}
     for spec in specs:
@@ -72,25 +74,41 @@ def run_checks(specs: list) -> tuple[list, set[str]]:
             done[key] = check(key)
         problems += [p if not spec.label else replace(p, what=f"run {spec.label}: {p.what}")
                      for p in done[key].problems]
-    return problems, {key.model for key, report in done.items() if report.model_kept}
+    swept = {key.model: f"{report.swept} {'adapters' if is_sweep(key.peft) else 'checkpoints'}"
+             for key, report in done.items() if report.swept}
+    return problems, {key.model for key, report in done.items() if report.model_kept}, swept
+
+
+def _shown_model(model: str, kept: set[str], swept: dict[str, str]) -> str:
+    """``model`` in the ready line, with what its sweep stood for and whether its "ready" was kept (said, so that a
+    user who changed something the check does not look at knows it was not re-read)."""
+    notes = [swept[model]] if model in swept else []
+    if model in kept:
+        notes.append("ready kept from an earlier check: every folder it read is unchanged")
+    return f"{model} ({'; '.join(notes)})" if notes else model
 
 
 @click.command(name="check")
 @click.argument("job_file", required=False, metavar="[JOB.yaml]", type=click.Path(dir_okay=False, exists=True))
 @spec_options
+@click.option("--peft", help="A LoRA adapter of --model, or an adapter sweep's glob or comma list (as mpitp eval "
+                             "--peft): each adapter's config is checked.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write the problems as JSON to this file "
                                                                   "(what mpitp prefetch reads).")
 def check_command(job_file: str | None, tasks: str | None, data_dir: str | None, include_path: tuple[str, ...],
                   model: str | None, tokenizer: str | None, hf_assets: str | None, revision: str | None,
                   num_fewshot: int | None, apply_chat_template: bool, trust_remote_code: bool,
-                  json_out: str | None) -> None:
+                  peft: str | None, json_out: str | None) -> None:
     """Will these tasks (or every run of JOB.yaml) run with no network? Exit 0 when ready, 2 listing what is
     missing and how to fetch it."""
-    if job_file and hf_assets:
-        raise click.UsageError("pass a job file or --hf-assets, not both (a job file's runs say hf_assets:)")
+    if job_file and (hf_assets or peft):
+        raise click.UsageError("pass a job file or --hf-assets/--peft, not both (a job file's runs say hf_assets:, "
+                               "peft:)")
+    if peft and not model:
+        raise click.UsageError("--peft needs --model: the base model its adapters apply to")
     specs = specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
-                       apply_chat_template, trust_remote_code, hf_assets)
-    problems, kept = run_checks(specs)
+                       apply_chat_template, trust_remote_code, hf_assets, peft)
+    problems, kept, swept = run_checks(specs)
     if json_out:
         import json
         from dataclasses import asdict
@@ -110,9 +128,7 @@ def check_command(job_file: str | None, tasks: str | None, data_dir: str | None,
     models = sorted({s.model for s in specs if s.model})
     from mpitp.escape import shown
 
-    if kept:  # said, so that a user who changed something the check does not look at knows it was not re-read
-        models = [f"{m} (ready kept from an earlier check: every folder it read is unchanged)" if m in kept else m
-                  for m in models]
+    models = [_shown_model(m, kept, swept) for m in models]
     click.echo(shown(f"mpitp check: ready offline: {what}" + (f"; model {', '.join(models)}" if models else "")))
 
 

@@ -21,8 +21,8 @@ find a module script" error) and nltk data (found from nltk's ``LookupError``, w
 The parts, each its own module: what is checked and found (:mod:`~mpitp.jobs.readiness_spec`), the network guard
 and quiet logs (:mod:`~mpitp.jobs.readiness_guard`), the model (:mod:`~mpitp.jobs.readiness_model`; a "ready"
 kept while the folders it read are unchanged: :mod:`~mpitp.jobs.readiness_cache`), the tasks
-(:mod:`~mpitp.jobs.readiness_tasks`); this module runs them (:func:`check`) and answers for job files
-(:func:`job_specs`, :func:`require_ready`).
+(:mod:`~mpitp.jobs.readiness_tasks`), a sweep's models (:mod:`~mpitp.jobs.readiness_sweep`); this module runs
+them (:func:`check`) and answers for job files (:func:`job_specs`, :func:`require_ready`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from __future__ import annotations
 import os
 
 from mpitp.errors import UsageError
-from mpitp.jobs.readiness_cache import kept_ready
 from mpitp.jobs.readiness_guard import block_network, quiet_libraries
 from mpitp.jobs.readiness_model import check_model, join_model_check, start_model_check
 from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report
+from mpitp.jobs.readiness_sweep import any_kept, model_groups, settle
 from mpitp.jobs.readiness_tasks import check_tasks
 
 __all__ = ["NO_CHECK_RISK", "CheckSpec", "NotReady", "Problem", "Report", "block_network", "check", "job_specs",
@@ -41,7 +41,9 @@ __all__ = ["NO_CHECK_RISK", "CheckSpec", "NotReady", "Problem", "Report", "block
 
 
 def check(spec: CheckSpec) -> Report:
-    """Whether ``spec`` runs offline: a :class:`Report` of its problems (none when ready)."""
+    """Whether ``spec`` runs offline: a :class:`Report` of its problems (none when ready). A sweep's checkpoints are
+    each checked (:mod:`~mpitp.jobs.readiness_sweep`: those with the same config and tokenizer files once), its tasks
+    once."""
     report = Report()
     tried: list[str] = []
     with quiet_libraries(), block_network(tried):
@@ -49,18 +51,26 @@ def check(spec: CheckSpec) -> Report:
             from mpitp.tasks.layout import use_nltk_data
 
             use_nltk_data(spec.data_dir)
-        apart = spec.model and spec.tasks and not spec.apply_chat_template  # the tasks need no tokenizer
-        if apart and kept_ready(spec):
+        groups = model_groups(spec, report)
+        apart = groups and spec.tasks and not spec.apply_chat_template  # the tasks need no tokenizer
+        todo = [g for g in groups if not (apart and any_kept(g))]
+        if apart and not todo:
             report.model_kept = True  # checked before, every folder it read unchanged: the tasks alone
             check_tasks(spec, report, None)
-        elif apart and (child := start_model_check(spec)):
+        elif apart and (child := start_model_check([g[0] for g in todo])):
             report.model_beside = True
             try:
                 check_tasks(spec, report, None)  # the tokenizer is read only for a chat template
             finally:
-                report.problems[:0] = join_model_check(child, spec, tried)
+                report.problems[:0] = settle(spec, todo, join_model_check(child, [g[0] for g in todo], tried))
         else:
-            tokenizer = check_model(spec, report)
+            tokenizer, answers = None, []
+            for group in todo:
+                found = Report()
+                loaded = check_model(group[0], found)
+                tokenizer = loaded if tokenizer is None else tokenizer  # a chat template's: the first checkpoint's
+                answers.append((found.problems, None))
+            report.problems += settle(spec, todo, answers)
             check_tasks(spec, report, tokenizer)
     report.problems += [Problem(f"tried to reach {host} (no network on compute nodes)") for host in tried]
     return report
@@ -80,7 +90,7 @@ def job_specs(job_file: str | os.PathLike[str]) -> list[CheckSpec]:
                              data_dir=run.data_dir, include_path=tuple([inc] if isinstance(inc, str) else inc or ()),
                              num_fewshot=run.num_fewshot, apply_chat_template=bool(run.apply_chat_template),
                              trust_remote_code=trust, hf_assets=getattr(run, "hf_assets", None), label=run.name,
-                             tp=run.tp, pp=run.pp, ep=run.ep))
+                             tp=run.tp, pp=run.pp, ep=run.ep, peft=run.peft))
     return out
 
 

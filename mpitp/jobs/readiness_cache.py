@@ -4,13 +4,17 @@ Why: the model half is a child interpreter that imports torch and transformers' 
 config and a tokenizer of a few kilobytes and, for a split layout, to build the model on the meta device: 3.5-4 s
 on a 2-core node, the longest part of a check, for files that rarely change between two checks of one job (a sweep
 resubmitted, ``submit`` after ``check``). So a verdict of "ready" is kept, keyed by the spec's model settings (model,
-tokenizer, revision, assets, tp, pp, ep), the working directory, the installation (Python, the modification times
-of the package folders on ``sys.path``, every mpitp source file's) and the environment variables the Hub and
-transformers read, and it holds only while every folder the check read from (found with an audit hook in the child:
-each file it opened, each folder it listed, and the model, tokenizer and assets folders named) has the same
-entries with the same ``stat`` (type, size, modification and change times, inode; links followed): a file added,
-removed, replaced or written there sends the check to the child again. Problems are never kept (a fix shows at
-once), nor a model with ``trust_remote_code`` (its own code could read anything).
+tokenizer, revision, assets, tp, pp, ep, whether an adapter is merged), the working directory, the installation
+(Python, the modification times of the package folders on ``sys.path``, every mpitp source file's) and the
+environment variables the Hub and transformers read, and it holds only while every folder the check read from
+(found with an audit hook in the child: each file it opened, each folder it listed, and the model, tokenizer and
+assets folders named) has the same entries with the same ``stat`` (type, size, modification and change times, inode;
+links followed): a file added, removed, replaced or written there sends the check to the child again. Problems are
+never kept (a fix shows at once), nor a model with ``trust_remote_code`` (its own code could read anything).
+
+A sweep's checkpoints mostly share one architecture and tokenizer: checkpoints whose files the check reads are
+byte for byte the same (:func:`content_key`) share one check, and one kept verdict serves them all: each is kept
+for its own folder (:func:`keep_shared`), and one of them kept and unchanged answers for the others.
 
 Where: this user's cache (``<mpitp cache>/check``; ``MPITP_CHECK_CACHE=DIR`` moves it, ``=0`` turns it off), the
 folder and its files this user's alone, as for the task index: a verdict others could write would send a job to the
@@ -27,12 +31,12 @@ import stat
 import sys
 from pathlib import Path
 
-from mpitp.digest import update_tree_stat
+from mpitp.digest import update_file, update_tree_stat
 from mpitp.jobs.readiness_spec import CheckSpec
 
 log = logging.getLogger("mpitp")
 
-FORMAT = 1
+FORMAT = 2
 #: Folders with more entries than this are not stat'ed on every check: such a verdict is not kept.
 MAX_ENTRIES = 4096
 _MAX_BYTES = 1 << 20
@@ -54,7 +58,7 @@ def _key(spec: CheckSpec) -> list:
 
     named = [spec.model, spec.tokenizer, spec.hf_assets]
     key = [FORMAT, named, [os.path.realpath(os.path.expanduser(p)) if p else None for p in named], spec.revision,
-           spec.tp, spec.pp, spec.ep, os.getcwd(), installation(), _mpitp_sources(),
+           spec.tp, spec.pp, spec.ep, bool(spec.peft), os.getcwd(), installation(), _mpitp_sources(),
            [os.environ.get(k) for k in _ENV]]
     return json.loads(json.dumps(key))  # as read back from the file
 
@@ -173,3 +177,49 @@ def keep_ready(spec: CheckSpec, folders: list[str]) -> None:
     if state is not None:
         path, key = found
         write_private_json(path, {"key": key, "folders": folders, "state": state}, "model check verdict")
+
+
+def content_key(spec: CheckSpec) -> str | None:
+    """A digest of what the model check reads from ``spec``'s local checkpoint folder: its ``config.json`` and
+    tokenizer files (:data:`mpitp.evaluation.fingerprint.TOKENIZER_FILES`), which are present and their bytes, and
+    for a torch DCP checkpoint its ``.metadata`` and the assets folder its config comes from. Two checkpoints of one
+    spec with the same digest get the same verdict (the weights are not read). None where that cannot be said: not a
+    local folder, or ``trust_remote_code`` (the model's own code may read anything)."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.fingerprint import TOKENIZER_FILES
+    from mpitp.replica import dcp
+
+    folder = os.path.expanduser(spec.model) if spec.model else None
+    if spec.trust_remote_code or folder is None or not os.path.isdir(folder):
+        return None
+    h = hashlib.sha256()
+    names = ["config.json", *TOKENIZER_FILES]
+    if dcp.is_dcp(folder):
+        try:
+            assets = os.path.realpath(dcp.assets_dir(folder, spec.hf_assets))
+        except UsageError:  # no config beside it nor in its parent: refused alike, with its own path
+            assets = None
+        names.append(dcp.METADATA)
+        if assets != os.path.realpath(folder):  # a folder all the checkpoints read (or none)
+            h.update(f"assets {assets}\n".encode())
+    try:
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                h.update(f"{name}\n".encode())
+                update_file(h, path)
+                h.update(b"\n")
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def keep_shared(checked: CheckSpec, others: list[CheckSpec], folders: list[str]) -> None:
+    """Keep "ready" for ``checked`` (whose check read ``folders``) and for each of ``others`` (checkpoints with its
+    :func:`content_key`, not checked themselves), each valid while its own folder, in place of ``checked``'s, and the
+    other folders read stay as they are now."""
+    keep_ready(checked, folders)
+    own = os.path.realpath(os.path.expanduser(str(checked.model)))
+    for spec in others:
+        mine = os.path.realpath(os.path.expanduser(str(spec.model)))
+        keep_ready(spec, sorted({mine if f == own else f for f in folders}))

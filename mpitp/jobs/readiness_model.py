@@ -57,7 +57,6 @@ def check_model(spec: CheckSpec, report: Report) -> object | None:
         return None
 
 
-
 def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
     """The run's tp, pp and ep against the model's type, as ``mpitp eval`` checks them before loading: a type that
     has no plan for the layout (or heads the tp does not divide), or a BERT-family decoder whose config lacks
@@ -71,7 +70,7 @@ def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
     except UsageError as exc:
         report.problems.append(Problem(str(exc)))
         return
-    checks = [lambda: check_tp(config, spec.tp), lambda: check_ep(config, spec.ep, spec.pp),
+    checks = [lambda: check_tp(config, spec.tp), lambda: check_ep(config, spec.ep, spec.pp, spec.peft),
               lambda: check_decoder_mode(config)]
     if spec.pp > 1 or spec.tp > 1:
         from mpitp.replica.pipeline import check_plans_apply, check_pp  # imports torch: only for a split layout
@@ -84,13 +83,14 @@ def check_layout(spec: CheckSpec, config: object, report: Report) -> None:
             report.problems.append(Problem(str(exc)))
 
 
-def start_model_check(spec: CheckSpec) -> subprocess.Popen[str] | None:
-    """:func:`check_model` in a child interpreter (:func:`model_check_child`), beside the task checks: importing
-    transformers' config code is about 2.5 s of a 6 s ``mpitp check --tasks mmlu`` on a 2-core machine, building
-    the tasks as long, and the tasks need the tokenizer only for a chat template. A new interpreter, not a fork:
-    by now this process has MPI's and other libraries' threads, which a fork would not copy. Isolated from the
-    working directory (:mod:`mpitp.isolated`: a ``json.py`` there must not run). The ``subprocess.Popen``, or None on
-    one core (nothing to gain)."""
+def start_model_check(specs: list[CheckSpec]) -> subprocess.Popen[str] | None:
+    """:func:`check_model` of each of ``specs`` in one child interpreter (:func:`model_check_child`), beside the task
+    checks: importing transformers' config code is about 2.5 s of a 6 s ``mpitp check --tasks mmlu`` on a 2-core
+    machine, building the tasks as long, and the tasks need the tokenizer only for a chat template. One child for
+    every checkpoint of a sweep: the imports are paid once. A new interpreter, not a fork: by now this process has
+    MPI's and other libraries' threads, which a fork would not copy. Isolated from the working directory
+    (:mod:`mpitp.isolated`: a ``json.py`` there must not run). The ``subprocess.Popen``, or None on one core (nothing
+    to gain)."""
     import json
     import subprocess
     from dataclasses import asdict
@@ -110,7 +110,7 @@ def start_model_check(spec: CheckSpec) -> subprocess.Popen[str] | None:
         return None
     try:
         with proc.stdin:
-            proc.stdin.write(json.dumps(asdict(spec)))
+            proc.stdin.write(json.dumps([asdict(spec) for spec in specs]))
     except OSError:  # it died at once: check the model here instead
         proc.kill()
         proc.communicate()
@@ -119,8 +119,9 @@ def start_model_check(spec: CheckSpec) -> subprocess.Popen[str] | None:
 
 
 def model_check_child() -> None:
-    """The child of :func:`start_model_check`: a :class:`CheckSpec` as JSON on stdin, :func:`check_model` under the
-    same network guard, ``{"problems": [...], "tried": [...]}`` as the last line on stdout. A process of its own,
+    """The child of :func:`start_model_check`: a JSON list of :class:`CheckSpec` on stdin, :func:`check_model` of
+    each under the same network guard, a list of ``{"problems": [...], "tried": [...], "read": [...]}`` (one per
+    spec, each with the hosts and folders of its own check) as the last line on stdout. A process of its own,
     importing torch and transformers: the collector and the deferred imports as the console command sets them
     (:mod:`mpitp.gcpolicy`, :mod:`mpitp.importpolicy`)."""
     import json
@@ -132,43 +133,51 @@ def model_check_child() -> None:
     gcpolicy.start_up()
     importpolicy.start_up()
 
-    fields = json.loads(sys.stdin.read())
-    spec = CheckSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-    report, tried = Report(), []
+    found = []
     seen = readiness_cache.watch()
-    with quiet_libraries(), block_network(tried):
-        check_model(spec, report)
-    found = {"problems": [[p.what, p.fetch] for p in report.problems], "tried": tried,
-             "read": readiness_cache.folders_read(spec, seen)}
+    with quiet_libraries():
+        for fields in json.loads(sys.stdin.read()):
+            spec = CheckSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+            report, tried = Report(), []
+            seen.clear()  # what this spec's check reads: the imports of the first are outside every check folder
+            with block_network(tried):
+                check_model(spec, report)
+            found.append({"problems": [[p.what, p.fetch] for p in report.problems], "tried": tried,
+                          "read": readiness_cache.folders_read(spec, seen)})
     sys.stdout.write("\n" + json.dumps(found) + "\n")
     sys.stdout.flush()
     gcpolicy.leaving()
 
 
-def join_model_check(proc: subprocess.Popen[str], spec: CheckSpec, tried: list[str]) -> list[Problem]:
-    """The child's problems (and the hosts it tried, added to ``tried``); :func:`check_model` here when the child
-    failed to say. A child that found nothing wrong and tried no host leaves its verdict kept
-    (:mod:`mpitp.jobs.readiness_cache`) for the folders it read."""
+def join_model_check(proc: subprocess.Popen[str], specs: list[CheckSpec],
+                     tried: list[str]) -> list[tuple[list[Problem], list[str] | None]]:
+    """The child's answer for each of ``specs``: its problems, and the folders it read when it found nothing wrong
+    and tried no host (a verdict that may be kept: :mod:`mpitp.jobs.readiness_cache`), else None. The hosts it tried
+    are added to ``tried``. :func:`check_model` here when the child failed to say."""
     import json
-
-    from mpitp.jobs import readiness_cache
 
     with proc.stdout:
         out = proc.stdout.read()
     proc.wait()
+    answers = []
     try:
         if proc.returncode != 0:
             raise ValueError(f"exit status {proc.returncode}")
         data = json.loads(out.strip().splitlines()[-1])
-        found = [Problem(str(what), None if fetch is None else str(fetch)) for what, fetch in data["problems"]]
-        hosts = [str(h) for h in data["tried"]]
-        read = [str(f) for f in data["read"]]
+        if not isinstance(data, list) or len(data) != len(specs):
+            raise ValueError("not one answer per spec")
+        for one in data:
+            found = [Problem(str(what), None if fetch is None else str(fetch)) for what, fetch in one["problems"]]
+            hosts = [str(h) for h in one["tried"]]
+            read = [str(f) for f in one["read"]]
+            answers.append((found, hosts, read))
     except (ValueError, TypeError, KeyError, IndexError):  # the child died before answering: ask again here
-        report = Report()
-        check_model(spec, report)
-        return report.problems
-    if not found and not hosts:
-        readiness_cache.keep_ready(spec, read)
-    tried += [h for h in hosts if h not in tried]
-    return found
-
+        again = []
+        for spec in specs:
+            report = Report()
+            check_model(spec, report)
+            again.append((report.problems, None))
+        return again
+    for _, hosts, _ in answers:
+        tried += [h for h in hosts if h not in tried]
+    return [(found, read if not found and not hosts else None) for found, hosts, read in answers]

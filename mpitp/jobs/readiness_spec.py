@@ -32,6 +32,9 @@ class CheckSpec:
     pp: int = 1
     ep: int = 1
     """The run's layout: a model type it cannot be split by is refused here too, before the queue."""
+    peft: str | None = None
+    """The run's LoRA adapter, or an adapter sweep's glob or comma list (``--peft``): each adapter's config is
+    checked as ``mpitp eval`` checks it, the base once."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ class Report:
     (:func:`mpitp.jobs.readiness_model.start_model_check`)."""
     model_kept: bool = False
     """Whether the model was not checked again: a kept verdict whose folders are unchanged
-    (:mod:`mpitp.jobs.readiness_cache`)."""
+    (:mod:`mpitp.jobs.readiness_cache`); for a sweep, every checkpoint's."""
+    swept: int = 0
+    """How many checkpoints (or adapters) a sweep's ``--model`` (``--peft``) glob or list gave; 0 for one model."""
 
     @property
     def ready(self) -> bool:
