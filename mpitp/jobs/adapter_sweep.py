@@ -165,6 +165,12 @@ class AdapterSweepPlan(PlanWithoutClaim):
         return summarise(rt, rows, self.outputs, t0, base=cfg.model, base_loads=base.loads)
 
 
+def pp_refusal(peft: str) -> str:
+    """Why an adapter sweep does not run with pipeline stages (said by the run and by ``mpitp check`` alike)."""
+    return (f"--peft {peft}: adapter sweeps run at --pp 1 (a pipeline stage renumbers its layers after loading); "
+            "use --tp or one launch per adapter")
+
+
 def prepare_adapter_sweep(cfg: EvalConfig, launch: Launch) -> AdapterSweepPlan:
     """The adapters and their outputs, agreed before torch starts; pipeline stages refused."""
     from mpitp.parallel.runtime import agree
@@ -172,8 +178,7 @@ def prepare_adapter_sweep(cfg: EvalConfig, launch: Launch) -> AdapterSweepPlan:
 
     check_one_kind(cfg.model, cfg.peft, collective=True)
     if launch.layout.pp > 1:
-        raise UsageError(f"--peft {cfg.peft}: adapter sweeps run at --pp 1 (a pipeline stage renumbers its layers "
-                         "after loading); use --tp or one launch per adapter", collective=True)
+        raise UsageError(pp_refusal(cfg.peft), collective=True)
     adapters = agree(lambda: expand_models(cfg.peft, "--peft"), launch.world.comm, launch.timeout,
                      "expanding --peft")
     names, outputs = name_outputs(cfg, "peft", adapters, launch)

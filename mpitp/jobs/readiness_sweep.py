@@ -55,6 +55,7 @@ def model_groups(spec: CheckSpec, report: Report) -> list[list[CheckSpec]]:
 def _check_adapters(spec: CheckSpec, report: Report) -> None:
     """Each adapter of ``spec.peft`` (one, or a sweep's) checked as ``mpitp eval`` checks it; an adapter sweep at
     ``pp`` > 1 refused as the sweep refuses it."""
+    from mpitp.jobs.adapter_sweep import pp_refusal
     from mpitp.jobs.sweep import expand_models, is_sweep
     from mpitp.replica.adapters import check_config
 
@@ -66,8 +67,7 @@ def _check_adapters(spec: CheckSpec, report: Report) -> None:
     if is_sweep(spec.peft):
         report.swept = len(adapters)
         if spec.pp > 1:
-            report.problems.append(Problem(f"--peft {spec.peft}: adapter sweeps run at --pp 1 (a pipeline stage "
-                                           "renumbers its layers after loading); use --tp or one launch per adapter"))
+            report.problems.append(Problem(pp_refusal(str(spec.peft))))
     for adapter in adapters:
         try:
             check_config(adapter)
