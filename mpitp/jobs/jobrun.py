@@ -17,7 +17,6 @@ from mpitp.errors import UsageError
 from mpitp.evaluation.setting_values import thaw
 from mpitp.evaluation.settings import EvalConfig, eval_settings
 from mpitp.jobs.orchestrate import run_config
-from mpitp.jobs.sweep import is_sweep
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import agree, make_launch, setup_logging
 from mpitp.parallel.world import world_from_comm
@@ -99,15 +98,13 @@ def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | No
                 log.info("=== run %d/%d: %s (tp=%d%s)%s", i, len(job.runs), spec.name, spec.tp,
                          f", pp={spec.pp}" if spec.pp > 1 else "", " resuming" if state == "running" else "")
             cfg = agree(lambda: eval_config(spec), world.comm, timeout, "reading the run's settings")
-            # Always: a file another job creates after the status was read is resumed (or refused while it writes)
-            # the way the job file promises, not met with eval's "exists: pass --resume or --overwrite".
+            # Always (job files have no --resume/--overwrite): a sweep's files each resume or are skipped when
+            # complete, and a file another job creates after the status was read is resumed (or refused while it
+            # writes) as the job file promises, not met with eval's "exists: pass --resume or --overwrite".
             cfg.resume = True
             launch = make_launch(tp=spec.tp, pp=spec.pp, device=device or spec.device, threads=threads,
                                  timeout=spec.timeout or timeout, world=world, iface=spec.iface,
                                  stage_dir=spec.stage_dir, ep=spec.ep)
-            # a sweep of checkpoints or adapters: one file each; complete ones skipped, running ones resumed
-            if is_sweep(cfg.model) or is_sweep(cfg.peft):
-                cfg.resume, cfg.overwrite = True, False
             failed = run_config(cfg, launch) != 0  # its own torch world, torn down before the next run
             status = "FAILED: a checkpoint of the sweep failed (see its sweep summary)" if failed else "complete"
             summary.append(RunOutcome.of(spec, status, time.perf_counter() - t0, failed))
