@@ -290,12 +290,14 @@ def test_two_sweeps_in_one_folder_keep_a_summary_each(tmp_path):
     """Patterns with more than the name (``{name}-arc.h5``, ``{name}-piqa.h5``) get a summary each, and the report
     of the folder finds both: the second sweep's summary replaced the first's."""
     from mpitp.results.report import expand
-    from mpitp.results.sweepsummary import summary_path
+    from mpitp.results.sweepsummary import Row, summary_path
 
-    names = ["step-1", "step-2"]
-    paths = {tag: summary_path([str(tmp_path / f"{n}-{tag}.h5") for n in names], names) for tag in ("arc", "piqa")}
+    def rows(pattern: str) -> list[Row]:
+        return [Row(f"ck/{n}", n, str(tmp_path / pattern.format(name=n)), "complete") for n in ("step-1", "step-2")]
+
+    paths = {tag: summary_path(rows(f"{{name}}-{tag}.h5")) for tag in ("arc", "piqa")}
     assert paths == {tag: str(tmp_path / f"sweep-summary-{tag}.json") for tag in ("arc", "piqa")}
-    assert summary_path([str(tmp_path / f"{n}.h5") for n in names], names) == str(tmp_path / "sweep-summary.json")
+    assert summary_path(rows("{name}.h5")) == str(tmp_path / "sweep-summary.json")
     for p in paths.values():
         open(p, "w").write("{}")
     (tmp_path / "step-1-arc.h5").write_bytes(b"")

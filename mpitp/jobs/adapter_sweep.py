@@ -162,7 +162,7 @@ class AdapterSweepPlan(PlanWithoutClaim):
             rows = run_adapters(cfg, rt, self.adapters, self.outputs, self.names, state, base)
         finally:
             finish(state)
-        return summarise(rt, rows, self.outputs, t0, base=cfg.model, base_loads=base.loads)
+        return summarise(rt, rows, t0, base=cfg.model, base_loads=base.loads)
 
 
 def pp_refusal(peft: str) -> str:

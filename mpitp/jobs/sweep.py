@@ -419,7 +419,7 @@ class SweepPlan(PlanWithoutClaim):
             rows = run_models(self.cfg, rt, self.models, self.outputs, self.names, state)
         finally:
             finish(state)
-        return summarise(rt, rows, self.outputs, t0)
+        return summarise(rt, rows, t0)
 
 
 def prepare_sweep(cfg: EvalConfig, launch: Launch) -> SweepPlan:
@@ -465,10 +465,11 @@ def _refuse_existing(cfg: EvalConfig, field: str, items: list[str], outputs: lis
     check_resumable(existing[0][1], item_config(cfg, field, *existing[0]))
 
 
-def summarise(rt: Runtime, rows: list[Row], outputs: list[str], t0: float, **extra) -> int:
-    """Rank 0 writes ``sweep-summary.json`` (with ``extra``) and prints it. Exit status 1 when an item failed."""
+def summarise(rt: Runtime, rows: list[Row], t0: float, **extra) -> int:
+    """Rank 0 writes the sweep's summary (:func:`~mpitp.results.sweepsummary.summary_path`, with ``extra``) and prints
+    it. Exit status 1 when an item failed."""
     if rt.world.rank == 0:
-        path = summary_path(outputs, [r.name for r in rows] if len(rows) == len(outputs) else None)
+        path = summary_path(rows)
         write_summary(path, rows, time.perf_counter() - t0, **extra)
         print(render_summary(rows, path))
     return 1 if any(r.status == "failed" for r in rows) else 0

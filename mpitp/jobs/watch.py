@@ -242,7 +242,7 @@ class WatchPlan(PlanWithoutClaim):
             finish(state)
         if rt.world.rank == 0:
             if rows:
-                path = summary_path([r.output for r in rows])
+                path = summary_path(rows)
                 write_summary(path, rows, time.monotonic() - t0)
                 print(render_summary(rows, path))
             else:

@@ -50,13 +50,13 @@ def is_metric(key: str) -> bool:
     return bool(sep) and metric not in NON_METRIC_KEYS and not metric.endswith("_stderr")
 
 
-def summary_path(outputs: list[str], names: list[str] | None = None) -> str:
+def summary_path(rows: list[Row]) -> str:
     """``sweep-summary.json`` beside the first results file; ``sweep-summary-<tag>.json`` when the files are named
-    by a pattern with more than the checkpoint's name (``{name}-arc.h5``: tag ``arc``, ``names`` each file's
-    ``{name}``), so that two sweeps writing into one folder with different patterns keep a summary each (the second
-    replaced the first's)."""
-    folder = os.path.dirname(os.path.abspath(outputs[0])) if outputs else "."
-    patterns = {os.path.basename(out).replace(name, "{name}", 1) for out, name in zip(outputs, names or [])}
+    by a pattern with more than the checkpoint's name (``{name}-arc.h5``: tag ``arc``; each row's ``name`` is its
+    file's ``{name}``), so that two sweeps (or watches) writing into one folder with different patterns keep a
+    summary each (the second replaced the first's)."""
+    folder = os.path.dirname(os.path.abspath(rows[0].output)) if rows else "."
+    patterns = {os.path.basename(r.output).replace(r.name, "{name}", 1) for r in rows}
     if len(patterns) != 1 or patterns == {"{name}.h5"}:
         return os.path.join(folder, SUMMARY_NAME)
     tag = re.sub(r"[^A-Za-z0-9._-]+", "_", patterns.pop().removesuffix(".h5").replace("{name}", "")).strip("-_.")
