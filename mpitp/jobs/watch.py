@@ -227,27 +227,23 @@ class WatchPlan(PlanWithoutClaim):
     def execute(self, rt: Runtime) -> int:
         """Every rank evaluates each checkpoint that appears, until none has for ``idle_s``. Exit status 1 when a
         checkpoint failed, else 0."""
-        from mpitp.jobs.sweep import SweepState, finish
-        from mpitp.results.sweepsummary import render_summary, summary_path, write_summary
+        from mpitp.jobs.sweep import SweepState, finish, summarise
 
         cfg, directory = self.cfg, self.directory
         cfg.resume = True  # a watch always continues its own files
         state = SweepState()
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         if rt.world.rank == 0:
             log.info("watching %s for checkpoints (ends after %.0f s without a new one)", directory, self.idle_s)
         try:
             rows = _watch_loop(cfg, rt, directory, self.idle_s, self.poll_s, default_watch_dir(directory), state)
         finally:
             finish(state)
-        if rt.world.rank == 0:
-            if rows:
-                path = summary_path(rows)
-                write_summary(path, rows, time.monotonic() - t0)
-                print(render_summary(rows, path))
-            else:
+        if not rows:
+            if rt.world.rank == 0:
                 print(f"watch {directory}: no complete checkpoint appeared")
-        return 1 if any(r.status == "failed" for r in rows) else 0
+            return 0
+        return summarise(rt, rows, t0)
 
 
 def check_idle(idle_s: float) -> None:
