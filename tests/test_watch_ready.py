@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitp.jobs.watch import Scanner, _snapshot
+from mpitp.jobs.watch import Scanner, _readiness
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_a_sharded_save_caught_mid_write_is_ready_once_every_shard_and_the_index
 def test_an_index_that_lists_a_shard_not_written_yet_is_not_ready(saved, tmp_path):
     step = _partial(saved["sharded"], tmp_path / "step-1", ["config.json", "model.safetensors.index.json",
                                                             "model-00001-of-00007.safetensors"])
-    assert _snapshot(str(step)) is None
+    assert _readiness(str(step))[0] is None
 
 
 def test_a_truncated_safetensors_is_never_ready_however_long_its_size_stays(saved, tmp_path):

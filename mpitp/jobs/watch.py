@@ -47,14 +47,10 @@ SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.(?P<ext>safetensors|
 WEIGHTS = (".safetensors", ".bin")
 
 
-def _snapshot(path: str) -> tuple | None:
-    """(name, size, mtime) of every file of a checkpoint directory, or None when it is not (yet) complete."""
-    return _readiness(path)[0]
-
-
 def _readiness(path: str) -> tuple[tuple | None, str]:
-    """``(snapshot, "")`` for a complete checkpoint, else ``(None, why)``; ``why`` is empty for a directory that
-    holds no checkpoint at all (logs, a tokenizer), which the end of the watch need not mention."""
+    """``(snapshot, "")`` for a complete checkpoint (the (name, size, mtime) of every file), else ``(None, why)``;
+    ``why`` is empty for a directory that holds no checkpoint at all (logs, a tokenizer), which the end of the watch
+    need not mention."""
     try:
         names = sorted(os.listdir(path))
     except OSError as exc:
