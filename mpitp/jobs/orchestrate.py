@@ -89,9 +89,9 @@ def prepare(cfg: EvalConfig, launch: Launch, watch: Watch | None = None) -> Plan
     if cfg.output is None:
         cfg.output = default_output(cfg)
     elif "{name}" in cfg.output:  # a sweep's pattern given one checkpoint: its name, as a sweep of one would write
-        from mpitp.jobs.sweep import checkpoint_names
+        from mpitp.jobs.sweep import checkpoint_names, output_for
 
-        cfg.output = cfg.output.replace("{name}", checkpoint_names([cfg.model])[0])
+        cfg.output = output_for(cfg.output, checkpoint_names([cfg.model])[0], "")
     return prepare_eval(cfg, launch, demo_s=time.perf_counter() - t0 if cfg.demo else None)
 
 
