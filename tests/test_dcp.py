@@ -318,8 +318,8 @@ def test_fingerprint_tokenizer_and_watch(run, tmp_path):
     partial = tmp_path / "step-7"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"shard being written")
-    assert watch._snapshot(str(partial)) is None
-    assert watch._snapshot(str(run["step-2"])) is not None
+    assert watch._readiness(str(partial))[0] is None
+    assert watch._readiness(str(run["step-2"]))[0] is not None
 
 
 def test_a_dcp_step_is_staged_with_its_index_and_finds_its_assets_from_the_source(run):
