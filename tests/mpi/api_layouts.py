@@ -62,4 +62,6 @@ try:
     print(f"rank {rank} NOT REFUSED", flush=True)
 except UsageError as exc:
     assert exc.collective
-    print(f"rank {rank} REFUSED in {time.monotonic() - t0:.2f} s: {exc}", flush=True)
+    # one write per line: under PYTHONUNBUFFERED print's text and newline are two, and another rank's line can land
+    # between them (the test reads these lines with a regex)
+    sys.stdout.write(f"rank {rank} REFUSED in {time.monotonic() - t0:.2f} s: {exc}\n")

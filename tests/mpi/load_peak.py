@@ -2,9 +2,10 @@
 
 argv: MODEL ASSETS. ``mpitp.start(tp=2)``, the imports a first load makes, ``VmHWM`` reset, ``mpitp.load_model``,
 every local parameter read once (transformers maps an HF folder's safetensors: untouched pages are not resident
-yet), then one JSON line per rank: the peak the load added and the bytes of the rank's own parameters; and whether
-the vocabulary-split input embedding was taken by mpitp's summed lookup (:mod:`mpitp.replica.vocab_embedding`) and
-gives, for ids spread over both ranks' rows, exactly the rows of the whole (gathered) embedding.
+yet), then one JSON line per rank, all printed by rank 0: the peak the load added and the bytes of the rank's own
+parameters; and whether the vocabulary-split input embedding was taken by mpitp's summed lookup
+(:mod:`mpitp.replica.vocab_embedding`) and gives, for ids spread over both ranks' rows, exactly the rows of the
+whole (gathered) embedding.
 """
 
 import json
@@ -44,7 +45,10 @@ v = int(embed.weight.shape[0])
 ids = torch.tensor([[0, v // 2 - 1, v // 2, v - 1], [1, 97, v - 97, v // 2 + 1]])  # both ranks' rows and edges
 with torch.no_grad():
     exact = torch.equal(embed(ids), torch.nn.functional.embedding(ids, embed.weight.full_tensor()))
-print(json.dumps({"rank": rt.world.rank, "gain": gain, "bytes": sum(t.numel() * t.element_size() for t in local),
-                  "embed_taken": "forward" in vars(embed) and "vocab_embedding" in embed.forward.__module__,
-                  "embed_exact": exact}), flush=True)
+row = {"rank": rt.world.rank, "gain": gain, "bytes": sum(t.numel() * t.element_size() for t in local),
+       "embed_taken": "forward" in vars(embed) and "vocab_embedding" in embed.forward.__module__, "embed_exact": exact}
+rows = MPI.COMM_WORLD.gather(row, root=0)  # printed by rank 0 alone: two ranks' lines can reach mpiexec's stdout merged
+if rt.world.rank == 0:
+    for r in rows:
+        print(json.dumps(r), flush=True)
 MPI.COMM_WORLD.Barrier()
