@@ -1,5 +1,6 @@
-"""SHA-256 of files, read in 1 MiB blocks: one implementation for every fingerprint, manifest and cache check; and
-the sampled digest of a large file (:func:`sampled_sha`) that the results file's fingerprint and a stage's key share."""
+"""SHA-256 of files, read in 1 MiB blocks: one implementation for every fingerprint, manifest and cache check; the
+sampled digest of a large file (:func:`sampled_sha`) that the results file's fingerprint and a stage's key share; and
+the one reader of a safetensors header (:func:`safetensors_header`) that they and ``--watch`` use."""
 
 from __future__ import annotations
 
@@ -64,3 +65,20 @@ def sampled_sha(path: str | int, size: int) -> str:
                 f.seek(i * step)
                 h.update(f.read(SAMPLE_BYTES))
     return h.hexdigest()[:16]
+
+
+#: A safetensors header longer than this is not read: a real one is a few MB at most (one JSON entry per tensor),
+#: and eight stray bytes at the start of a file being written could claim up to 16 EB.
+MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def safetensors_header(f: BinaryIO) -> tuple[bytes, int]:
+    """``(raw, n)`` for the safetensors file open in ``f`` at its start: ``n`` is the header length its first 8 bytes
+    claim (little-endian) and ``raw`` those 8 bytes and the ``n`` bytes of JSON after them (fewer where the file
+    ends first). Where ``n`` is over :data:`MAX_SAFETENSORS_HEADER`, ``raw`` is the 8 bytes alone (not read); for a
+    file shorter than 8 bytes, ``raw`` is what there is and ``n`` is -1."""
+    head = f.read(8)
+    if len(head) < 8:
+        return head, -1
+    n = int.from_bytes(head, "little")
+    return (head if n > MAX_SAFETENSORS_HEADER else head + f.read(n)), n

@@ -19,7 +19,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from mpitp.digest import sampled_sha, sha256_file
+from mpitp.digest import MAX_SAFETENSORS_HEADER, safetensors_header, sampled_sha, sha256_file
 
 if TYPE_CHECKING:
     from mpitp.evaluation.settings import EvalConfig
@@ -31,7 +31,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt", "chat_template.jinja",
                    "chat_template.json")
 IDENTITY_KEYS = ("weights", "tokenizer_files", "transformers_version", "lm_eval_version", "adapter")
-MIB = 1 << 20
 
 
 def _sha(data: bytes) -> str:
@@ -44,13 +43,8 @@ def _file_sha(path: str) -> str:
 
 def safetensors_header_sha(path: str) -> str:
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return "truncated"
-        n = int.from_bytes(head, "little")
-        if n > 100 * MIB:
-            return "bad-header"
-        return _sha(head + f.read(n))
+        raw, n = safetensors_header(f)
+    return "truncated" if n < 0 else "bad-header" if n > MAX_SAFETENSORS_HEADER else _sha(raw)
 
 
 def local_dir(name: str | None, revision: str | None = None) -> str | None:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mpitp.digest import MAX_SAFETENSORS_HEADER, safetensors_header
 from mpitp.errors import UsageError
 from mpitp.jobs.sweep import PlanWithoutClaim
 
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mpitp")
 
 POLL_S = 2.0
-#: A safetensors header longer than this is not read: a real one is a few MB at most (one JSON entry per tensor),
-#: and eight stray bytes at the start of a file being written could claim up to 16 EB.
-MAX_HEADER_BYTES = 100 * 2**20
 #: The longest --watch-idle accepted (see :func:`check_idle`).
 MAX_IDLE_S = 7 * 24 * 3600.0
 #: A shard of a sharded save (``model-00001-of-00002.safetensors``, ``pytorch_model-00001-of-00003.bin``).
@@ -105,19 +103,19 @@ def safetensors_incomplete(path: str) -> str:
     """Why ``path`` is not a whole safetensors file ("" when it is), from its header alone: 8 bytes of header length
     (little-endian), that much JSON, then the tensors' bytes, which must end exactly at the end of the file.
 
-    Reads at most :data:`MAX_HEADER_BYTES`: a file being written is checked every poll, its tensors never."""
+    Reads at most :data:`~mpitp.digest.MAX_SAFETENSORS_HEADER`: a file being written is checked every poll, its
+    tensors never."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return f"{size} bytes, shorter than the header length"
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES:
-                return f"a header of {n} bytes claimed (over {MAX_HEADER_BYTES // 2**20} MB: not read)"
-            if 8 + n > size:
-                return f"{size} bytes, its header alone needs {8 + n}"
-            header = json.loads(f.read(n))
+            raw, n = safetensors_header(f)
+        if n < 0:
+            return f"{size} bytes, shorter than the header length"
+        if n > MAX_SAFETENSORS_HEADER:
+            return f"a header of {n} bytes claimed (over {MAX_SAFETENSORS_HEADER >> 20} MB: not read)"
+        if 8 + n > size:
+            return f"{size} bytes, its header alone needs {8 + n}"
+        header = json.loads(raw[8:])
     except OSError as exc:
         return f"cannot be read ({exc.strerror})"
     except (ValueError, RecursionError):

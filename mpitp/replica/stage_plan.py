@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from mpitp.digest import sampled_sha
+from mpitp.digest import safetensors_header, sampled_sha
 
 EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".py", ".tiktoken", ".vocab")
 """Besides weights: config, shard index, generation config, tokenizer files, remote code."""
@@ -70,9 +70,7 @@ def _file_digest(path: str, size: int) -> str:
         if size <= SMALL:
             h.update(f.read())
         elif path.endswith(".safetensors"):
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            h.update(head + f.read(min(n, 100 * SMALL)))
+            h.update(safetensors_header(f)[0])
     return h.hexdigest()[:16]
 
 
