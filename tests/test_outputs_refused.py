@@ -98,3 +98,37 @@ def test_output_on_a_filesystem_that_makes_no_files_is_named_as_such():
     with pytest.raises(UsageError) as err:
         check_output(EvalConfig(model="m", tasks=["t"], output="/proc/mpitp-results.h5"))
     assert str(err.value) == "cannot write output /proc/mpitp-results.h5: /proc: no files can be created there"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+@pytest.mark.parametrize("flag", ["overwrite", "resume"])
+def test_an_output_that_is_not_a_regular_file_is_refused(kind, flag, tmp_path):
+    """``--output /dev/null --overwrite`` (as root) renamed the results file over the device: /dev/null became a
+    regular file for every process on the machine. A FIFO or socket at the output is refused the same way."""
+    import socket
+
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_output
+    from mpitp.evaluation.settings import EvalConfig
+
+    out = tmp_path / "out.h5"
+    if kind == "fifo":
+        os.mkfifo(out)
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(out))
+        sock.close()
+    with pytest.raises(UsageError) as err:
+        check_output(EvalConfig(model="m", tasks=["t"], output=str(out), **{flag: True}))
+    assert str(err.value) == f"output {out} is not a regular file (a device, FIFO or socket): choose another --output"
+    assert not os.path.isfile(out) and os.path.exists(out)
+
+
+def test_an_output_link_to_a_device_is_still_replaced_not_followed(tmp_path):
+    """A link at the output is replaced by the rename (its target untouched): it stays allowed with --overwrite."""
+    from mpitp.evaluation.checks import check_output
+    from mpitp.evaluation.settings import EvalConfig
+
+    out = tmp_path / "out.h5"
+    out.symlink_to("/dev/null")
+    assert check_output(EvalConfig(model="m", tasks=["t"], output=str(out), overwrite=True)) == str(out)

@@ -130,6 +130,8 @@ def check_output(cfg: EvalConfig) -> str:
     if os.path.exists(out):
         if os.path.isdir(out):
             raise UsageError(f"output {out} is a directory")
+        if not (os.path.islink(out) or os.path.isfile(out)):  # --overwrite renames over it: /dev/null became a file
+            raise UsageError(f"output {out} is not a regular file (a device, FIFO or socket): choose another --output")
         if not (cfg.resume or cfg.overwrite):
             raise UsageError(f"output {out} already exists: pass --resume to continue it or --overwrite to replace it")
         if cfg.resume:
