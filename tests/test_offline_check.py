@@ -378,3 +378,15 @@ def test_submit_queues_a_sweep_that_is_ready_and_refuses_one_that_matches_nothin
         assert (done.exit_code == 0) is queued and (sweep / "queued").exists() is queued, done.output
     assert f"run sw: --model {sweep}/ckpts/none-*: the pattern matches no directory" in done.output
     assert "nothing queued (mpitp submit --no-check queues it anyway)" in done.output
+
+
+def test_a_json_out_that_cannot_be_written_is_refused_before_the_checks(tmp_path, monkeypatch):
+    """``--json-out`` in a missing folder was a FileNotFoundError traceback (exit 1) after every check ran."""
+    from mpitp.cli import check as check_cli
+
+    monkeypatch.setattr(check_cli, "run_checks", lambda specs: pytest.fail("checked before the path was"))
+    out = tmp_path / "no" / "check.json"
+    res = CliRunner().invoke(check_cli.check_command, ["--tasks", "arc_easy", "--json-out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert f"--json-out {out}: no such directory" in " ".join(res.output.split()), res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit), res.output

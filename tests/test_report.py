@@ -104,6 +104,21 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert res.exit_code == 2 and "no such file" in res.output, res.output
 
 
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder", "a-fifo"])
+def test_an_output_that_cannot_be_written_is_one_line_before_the_work(where, tmp_path):
+    """``-o`` in a folder that does not exist, naming a folder, or naming a FIFO (a device as root: ``-o /dev/stdout``
+    replaced the system's with a regular file): a traceback after the page was built, or a replaced special file."""
+    run = make_run(tmp_path / "a.h5", "m", [1, 0, 1])
+    out = {"missing-folder": tmp_path / "no" / "r.html", "a-folder": tmp_path, "a-fifo": tmp_path / "r.html"}[where]
+    if where == "a-fifo":
+        os.mkfifo(out)
+    res = CliRunner().invoke(report_command, [run, "-o", str(out)])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert res.output.startswith(f"mpitp: error: -o {out}: ") and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "no").exists() and (where != "a-fifo" or not out.is_file())
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
 def test_size_bounds_are_stated_on_the_page(tmp_path):
     """Past the row cap a task's samples are left out, past the text budget its texts: the page says which."""
     from mpitp.results.report import build, render

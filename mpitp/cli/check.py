@@ -106,6 +106,11 @@ def check_command(job_file: str | None, tasks: str | None, data_dir: str | None,
                                "peft:)")
     if peft and not model:
         raise click.UsageError("--peft needs --model: the base model its adapters apply to")
+    from mpitp.results.safefile import replace_problem, write_replace
+
+    why = json_out and replace_problem(json_out)  # before the checks: a wrong path was a traceback after them
+    if why:
+        raise click.UsageError(f"--json-out {json_out}: {why}")
     specs = specs_from(job_file, tasks, model, tokenizer, revision, data_dir, include_path, num_fewshot,
                        apply_chat_template, trust_remote_code, hf_assets, peft)
     problems, kept, swept = run_checks(specs)
@@ -113,10 +118,11 @@ def check_command(job_file: str | None, tasks: str | None, data_dir: str | None,
         import json
         from dataclasses import asdict
 
-        from mpitp.results.safefile import write_replace
-
-        write_replace(json_out, json.dumps({"ready": not problems, "problems": [asdict(p) for p in problems]},
-                                           indent=1).encode())
+        try:
+            write_replace(json_out, json.dumps({"ready": not problems, "problems": [asdict(p) for p in problems]},
+                                               indent=1).encode())
+        except OSError as exc:
+            raise click.UsageError(f"--json-out {json_out}: {exc.strerror or exc}") from None
     if problems:
         from mpitp.escape import shown  # a problem may quote lm-eval's exception text or a file's name
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import click
 
-from mpitp.cli.inspect import CONTEXT, _bad_input_exits
+from mpitp.cli.inspect import CONTEXT, BadInputExit, _bad_input_exits
 from mpitp.escape import shown
+from mpitp.results.reader import one_line
 
 
 @click.command(name="report", context_settings=CONTEXT)
@@ -19,7 +20,14 @@ from mpitp.escape import shown
 def report_command(inputs: tuple[str, ...], output: str, bootstrap_iters: int) -> None:
     """Write one HTML page (runs, leaderboard, samples, sweep plot) that opens from disk with no server."""
     from mpitp.results.report import write
+    from mpitp.results.safefile import replace_problem
 
-    size = write(list(inputs), output, diff_iters=bootstrap_iters,
-                 warn=lambda line: click.echo(f"mpitp: warning: {shown(line)}", err=True))
+    why = replace_problem(output)  # before the page is built: a wrong -o was a traceback after all the work
+    if why:
+        raise BadInputExit(f"-o {output}: {why}")
+    try:
+        size = write(list(inputs), output, diff_iters=bootstrap_iters,
+                     warn=lambda line: click.echo(f"mpitp: warning: {shown(line)}", err=True))
+    except OSError as exc:  # a folder that refuses files after all (a read-only mount says yes to os.access)
+        raise BadInputExit(f"-o {output}: {one_line(exc)}") from None
     click.echo(f"report: {output} ({size} bytes)")

@@ -185,6 +185,28 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def replace_problem(target: str) -> str | None:
+    """Why :func:`write_replace` cannot or must not put a new file at ``target`` (None when it can): asked before the
+    work whose product it writes, so that a mistyped ``-o`` costs no traceback and nothing computed. A device, FIFO
+    or socket there is refused: the rename would replace it (as root, ``-o /dev/stdout`` replaced the system's)."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        return "is a directory"
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        return "is not a regular file (a device, FIFO or socket)"
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        return f"{folder} is not a directory" if os.path.exists(folder) else f"no such directory {folder}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot create files in {folder}"
+    return None
+
+
 def write_replace(target: str, data: bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``target`` atomically: a new temporary beside it (:func:`temp_beside`), fsync'd, then
     ``os.replace`` and the directory fsync'd. ``mode`` defaults to the replaced file's (or the umask's)."""
