@@ -149,3 +149,19 @@ def test_a_huge_file_without_newlines_beside_the_split_is_read_only_so_far(tmp_p
         tracemalloc.stop()
     assert found == {"test": data.resolve() / "arc_easy" / "ARC-Easy_test.jsonl"}
     assert peak < 2 * FIRST_ROW_BYTES + (8 << 20), peak
+
+
+@pytest.mark.parametrize("task", ["arc_easy", "boolq"])
+def test_a_data_dir_whose_path_is_a_glob_pattern_is_refused(task, tmp_path):
+    """``datasets`` expands glob characters in ``data_files``: ``--data-dir 'd*x'`` also read the rows of a
+    neighbour's ``dEVILx`` (another user's, where the parent is shared), and ``d[1]`` matched nothing (a traceback)."""
+    ours, theirs = tmp_path / "d*x", tmp_path / "dEVILx"
+    for root in (ours, theirs):
+        plant(root, "test.jsonl")
+        write_jsonl(root / "aps" / "super_glue" / "boolq" / "validation.jsonl",
+                    [{"question": "q", "passage": "p", "idx": 0, "label": 1}])
+    report = check(CheckSpec(tasks=(task,), data_dir=str(ours)))
+    assert not report.ready
+    assert [p.what for p in report.problems] == [
+        f"--data-dir {ours} has glob characters in its path (*): datasets would read every file the pattern matches, "
+        "not just the ones in it; use a path without them"], report.problems

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_unsafe
+from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_glob, refuse_unsafe
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -255,6 +255,7 @@ def resolve(names: Iterable[str], data_dir: str | Path, index: dict, num_fewshot
     """What DATA serves for ``names``: an override config per leaf task found there (see the module docstring)."""
     data = Path(data_dir).expanduser().resolve()
     refuse_unsafe(data, "--data-dir")  # a link in a group folder may point at any name
+    refuse_glob(data)
     res = Resolution(leaves=expand(names, index))
     in_groups: dict[str, dict[int, tuple[str, dict]]] = {}
     for leaf in res.leaves:

@@ -176,6 +176,21 @@ def refuse_unsafe(path: str | Path, what: str) -> None:
                            f"rename or remove it")
 
 
+#: What ``datasets`` expands in a ``data_files`` path (fsspec's glob): a data directory whose path holds one is read as
+#: a pattern (``d[1]`` matched nothing: a StopIteration traceback; ``d*x`` also read a neighbour's ``dEVILx``).
+GLOB_CHARS = "*?["
+
+
+def refuse_glob(path: Path) -> None:
+    """Raise :class:`UnsafeName` when the data directory ``path`` (resolved) holds one of :data:`GLOB_CHARS`."""
+    bad = "".join(dict.fromkeys(c for c in str(path) if c in GLOB_CHARS))
+    if bad:
+        from mpitp.results.untrusted import shown
+
+        raise UnsafeName(f"--data-dir {shown(path)} has glob characters in its path ({bad}): datasets would read "
+                         f"every file the pattern matches, not just the ones in it; use a path without them")
+
+
 def _check_data_dir(data_dir: str | Path) -> Path:
     from mpitp.results.untrusted import shown
 
@@ -186,6 +201,7 @@ def _check_data_dir(data_dir: str | Path) -> Path:
         raise DataDirError(f"--data-dir {shown(data_dir)}: not a directory")
     resolved = path.resolve()
     refuse_unsafe(resolved, "--data-dir")  # a link in a group folder may point at any name
+    refuse_glob(resolved)
     return resolved
 
 
