@@ -303,3 +303,16 @@ def test_two_sweeps_in_one_folder_keep_a_summary_each(tmp_path):
     (tmp_path / "step-1-arc.h5").write_bytes(b"")
     files, summaries = expand([str(tmp_path)])
     assert files == [str(tmp_path / "step-1-arc.h5")] and summaries == sorted(paths.values())
+
+
+def test_checkpoints_whose_names_clean_to_one_get_a_file_each():
+    """``ck/s+1`` and ``ck/s_1`` were both named ``s_1``: the second wrote ``s_1.h5`` again (with ``--overwrite``
+    replacing the first's results, the summary listing both as complete in one file; without, failing as existing)."""
+    from mpitp.jobs.sweep import checkpoint_names
+
+    for models in (["ck/s+1", "ck/s_1"], ["a/s+1", "b/s_1"], ["m", "m_2", "m+2", "m 2"]):
+        names = checkpoint_names(models)
+        assert len(set(names)) == len(names), (models, names)
+    assert checkpoint_names(["ck/step-1", "ck/step-2", "ck/step-10"]) == ["step-1", "step-2", "step-10"]
+    assert checkpoint_names(["a/s+1", "b/s_1"]) == ["a-s_1", "b-s_1"]
+    assert checkpoint_names(["a/x", "b/x"]) == ["a-x", "b-x"]
