@@ -120,3 +120,21 @@ def test_sentence_wording():
     assert "not significantly (p = 0.3" in stats.significance_sentence("acc", 0.02, 0.3, True)
     assert "B is worse than A" in stats.significance_sentence("acc", -0.02, 0.01, True)
     assert stats.significance_sentence("acc", 0.0, 1.0, True) == "acc: no difference"
+
+
+def test_non_finite_per_document_scores_get_no_verdict():
+    """A file whose per-document acc is NaN (results files are untrusted) read "B is worse than A by +nan (p = 0.0001,
+    ...: significant at 0.05)" in ``inspect diff`` and the report: such a metric gets a note, not a test."""
+    import numpy as np
+
+    from mpitp.results.compare import compare_scores
+    from mpitp.results.docscores import DocScores
+
+    ids = np.arange(5)
+    a = DocScores(ids, {"acc,none": np.array([1.0, 0, 1, 0, 1]), "acc_norm,none": np.array([1.0, 1, 0, 0, 1])})
+    for bad in (np.nan, np.inf):
+        b = DocScores(ids, {"acc,none": np.full(5, bad), "acc_norm,none": np.array([1.0, 1, 0, 0, 1])})
+        for x, y in ((a, b), (b, a)):
+            tc = compare_scores("t", x, y, iters=100)
+            assert [m.key for m in tc.metrics] == ["acc_norm,none"]
+            assert tc.note == "acc: per-document values are not all finite numbers"

@@ -74,6 +74,9 @@ def compare_scores(task: str, sa: DocScores, sb: DocScores, iters: int = 10000, 
             notes.append(f"{key.partition(',')[0]}: aggregation {agg_name or '?'} not supported")
             continue
         xa, xb = ca[ia], cb[ib]
+        if not (np.all(np.isfinite(xa)) and np.all(np.isfinite(xb))):  # NaN read "B is worse by +nan (p = 0.0001)"
+            notes.append(f"{key.partition(',')[0]}: per-document values are not all finite numbers")
+            continue
         boot = stats.paired_bootstrap(xa, xb, None if agg_name == "mean" and xa.ndim == 1 else agg, iters=iters,
                                       seed=seed)
         mc = stats.mcnemar(xa, xb) if stats.is_binary(xa) and stats.is_binary(xb) else None
