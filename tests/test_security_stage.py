@@ -191,6 +191,29 @@ def test_private_model_gets_a_private_stage(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
 
 
+@as_root
+def test_stage_dir_through_a_link_another_user_made_is_refused(tmp_path):
+    """``--stage-dir project/stage`` where ``project`` is group-writable and ``stage`` is a link another user made,
+    to a private folder of yours (it passes every check of ``DIR``): the model was staged where they pointed."""
+    src = _source(tmp_path)
+    plan = staging.plan_stage(str(src))
+    shared, yours = tmp_path / "project", tmp_path / "yours"
+    shared.mkdir()
+    shared.chmod(0o777)
+    yours.mkdir(mode=0o700)
+    for root in (shared / "stage", shared / "via" / "stage"):
+        link = shared / root.relative_to(shared).parts[0]
+        link.symlink_to(yours)
+        os.chown(link, OTHER, OTHER, follow_symlinks=False)
+        with pytest.raises(OSError, match=rf"^{link} is a link made by uid {OTHER}, not by you \(uid 0\) or root: "
+                                          r"mpitp does not stage through it"):
+            staging.stage(plan, str(root))
+        assert os.listdir(yours) == []
+        link.unlink()
+    (shared / "stage").symlink_to(yours)  # a link of your own: followed, as before
+    assert staging.stage(plan, str(shared / "stage"))[1] == plan.nbytes
+
+
 def test_stage_dir_others_can_write_must_be_sticky_and_yours_or_roots(tmp_path):
     """``DIR`` 0777 without the sticky bit: anyone could rename a checked stage away and put theirs in its place before
     the ranks load it. A sticky ``DIR`` of another user's: its owner still can (anyone can create ``/tmp/mpitp``

@@ -16,7 +16,8 @@ followed), and checked by ``fstat`` on the descriptors read:
 - **``DIR`` itself** must belong to you or root, and be sticky (like ``/tmp``) if group or others can write to it;
   else one line refuses it: another user could rename your checked stage away and put theirs in its place before the
   ranks load it. That includes a sticky ``DIR`` of another user's (anyone can create ``/tmp/mpitp`` first, and a
-  sticky folder's owner may still rename what is in it). A ``DIR`` mpitp creates is 0700.
+  sticky folder's owner may still rename what is in it), and a ``DIR`` reached through a link another user made (in
+  a group's folder, pointing at a private folder of yours). A ``DIR`` mpitp creates is 0700.
 - **Modes**: stage folders are 0700 (an older stage of yours is tightened to 0700 when reused) and files 0600, whatever
   the source's modes and the umask: a model kept in a private folder stays private on the node.
 - **Writes**: temp files are created with ``O_EXCL | O_NOFOLLOW`` inside the stage folder, fsync'd and
@@ -69,6 +70,10 @@ def _open_root(root: str) -> int:
     """A descriptor of ``DIR`` (created 0700 if missing), refused when another user could swap a stage inside it: its
     owner (other than you or root: anyone can create ``/tmp/mpitp`` first, and a sticky folder's owner may still
     rename what is in it), or anyone when it is writable by group or others without the sticky bit."""
+    link = _foreign_link(root)
+    if link:  # its target passes the checks below (a folder of yours): the stage went where another user pointed
+        raise OSError(f"{link} is a link made by uid {os.lstat(link).st_uid}, not by you (uid {os.geteuid()}) or "
+                      f"root: mpitp does not stage through it; give the folder it names yourself")
     os.makedirs(root, FOLDER_MODE, exist_ok=True)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     st = os.fstat(fd)
@@ -83,6 +88,21 @@ def _open_root(root: str) -> int:
         raise OSError(f"{root} {why} could put their own stage in place of yours after mpitp checks it; use a folder "
                       f"of your own (such as '$TMPDIR/mpitp') or one under a sticky folder of root's such as /tmp")
     return fd
+
+
+def _foreign_link(root: str) -> str | None:
+    """The first symbolic link on the way to ``root`` that neither this user nor root made (planted in a folder others
+    may write, such as ``project/shared/stage`` pointing at a private folder of yours), or None."""
+    path = "/"
+    for part in os.path.abspath(root).split(os.sep)[1:]:
+        path = os.path.join(path, part)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None  # missing from here on: created below, 0700
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.geteuid(), 0):
+            return path
+    return None
 
 
 def _open_private(dir_fd: int, name: str, create: bool) -> tuple[int | None, str | None]:
