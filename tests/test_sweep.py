@@ -316,3 +316,22 @@ def test_checkpoints_whose_names_clean_to_one_get_a_file_each():
     assert checkpoint_names(["ck/step-1", "ck/step-2", "ck/step-10"]) == ["step-1", "step-2", "step-10"]
     assert checkpoint_names(["a/s+1", "b/s_1"]) == ["a-s_1", "b-s_1"]
     assert checkpoint_names(["a/x", "b/x"]) == ["a-x", "b-x"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["watch", "glob"])
+def test_a_checkpoint_folder_named_with_control_characters_is_shown_escaped(how, tmp_path, shared_dir):
+    """A training job's folder ``s<ESC>]0;PWN<BEL><newline>x``: its name went raw to the terminal (retitling it, and
+    a newline that starts a line of its choosing) in five log lines, and a watch put it in the results file's name."""
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    name = "s\x1b]0;PWN\x07\nx"
+    _copy_dir(shared_dir / "models" / "stories260K", tmp_path / "ck" / name)
+    source = ["--watch", "ck", "--watch-idle", "2"] if how == "watch" else ["--model", "ck/*"]
+    proc = run_mpi(1, ["eval", *source, "--include-path", demo_tasks_dir(), "--tasks", "mpitp_demo_mc", "--limit",
+                       "2", "--output", "out/{name}.h5"], timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stdout + proc.stderr, explain(proc)
+    assert "=== checkpoint 1/1: ck/s\\x1b]0;PWN\\x07\\nx -> out/" in proc.stderr, explain(proc)
+    [h5] = [f for f in os.listdir(tmp_path / "out") if f.endswith(".h5")]
+    assert h5.isprintable(), h5

@@ -137,7 +137,7 @@ def check_output(cfg: EvalConfig) -> str:
         if cfg.resume:
             check_resumable(out, cfg)
     elif cfg.resume:
-        log.info("%s does not exist yet: starting a new run", out)
+        log.info("%s does not exist yet: starting a new run", shown(out))
     probe_dir = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(probe_dir):
         probe_dir = os.path.dirname(probe_dir)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from mpitp.errors import exit_bound
 from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.provenance import redact
+from mpitp.results.untrusted import shown
 
 if TYPE_CHECKING:
     from mpitp.replica.stats import GroupStats
@@ -111,7 +112,7 @@ def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_ch
         print(f"DP group {g}: {s.requests:.0f} requests, {s.tokens_scored} tokens scored, "
               f"{s.tokens_generated} generated, busy {s.busy_s:.1f} s, TP traffic {s.tp_bytes / 1e6:.2f} MB "
               f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
-    where = f"; results: {writer.path}" if writer is not None else ""
+    where = f"; results: {shown(writer.path)}" if writer is not None else ""
     print(f"wall {wall:.1f} s, busy {total_busy:.1f} s over {len(all_stats)} group(s){where}")
     if head_check_s is None:
         print("head check: skipped (--skip-head-check): log-likelihoods not verified against the model's own logits")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mpitp.errors import UsageError
 from mpitp.results.sweepsummary import Row, natural_key, render_summary, summary_path, write_summary
+from mpitp.results.untrusted import shown
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -356,12 +357,12 @@ def run_each(rt: Runtime, what: str, items: list[str], outputs: list[str], names
         cfg_i = configure(item, out)
         t0 = time.perf_counter()
         if rt.world.rank == 0:
-            log.info("=== %s %d/%d: %s -> %s", what, i + 1, len(items), item, out)
+            log.info("=== %s %d/%d: %s -> %s", what, i + 1, len(items), shown(item), shown(out))
         try:
             if agree(lambda: _skip_complete(cfg_i), rt.world.comm, rt.timeout, "checking outputs"):
                 rows.append(Row(item, name, out, "skipped (complete)", metrics=_metrics_from_file(out)))
                 if rt.world.rank == 0:
-                    log.info("%s: %s is complete for this %s: skipped", item, out, what)
+                    log.info("%s: %s is complete for this %s: skipped", shown(item), shown(out), what)
                 continue
             res = evaluate(i, cfg_i)
             rows.append(Row(item, name, out, "complete", wall_s=time.perf_counter() - t0, metrics=_metrics_of(res)))
@@ -370,7 +371,7 @@ def run_each(rt: Runtime, what: str, items: list[str], outputs: list[str], names
                 raise
             rows.append(Row(item, name, out, "failed", error=str(exc), wall_s=time.perf_counter() - t0))
             if rt.world.rank == 0:
-                log.error("%s %s failed: %s", what, item, exc)
+                log.error("%s %s failed: %s", what, shown(item), exc)
         mpicomm.barrier(rt.world.comm, rt.timeout, phase=f"end of {what} {name}")
     return rows
 
@@ -384,13 +385,13 @@ def run_models(cfg: EvalConfig, rt: Runtime, models: list[str], outputs: list[st
         model = cfg_i.model
         res, released = run_checkpoint(cfg_i, rt, state, models[i + 1] if i + 1 < len(models) else None)
         if rt.world.rank == 0:
-            log.info("%s: tokenizer: %s", model, f"{state.encodings_reused} token encodings reused from earlier "
+            log.info("%s: tokenizer: %s", shown(model), f"{state.encodings_reused} token encodings reused from earlier "
                      "checkpoints" if state.encodings_reused else "tokenised afresh")
             if released:
-                log.info("%s: model released before the next checkpoint", model)
+                log.info("%s: model released before the next checkpoint", shown(model))
             else:
                 log.warning("%s: the model was still referenced after its run (freed by the garbage "
-                            "collector)", model)
+                            "collector)", shown(model))
         return res
 
     return run_each(rt, "checkpoint", models, outputs, names, lambda m, out: item_config(cfg, "model", m, out),

@@ -297,7 +297,8 @@ def _watch_loop(cfg: EvalConfig, rt: Runtime, directory, idle_s, poll_s, base, s
         if kind == "wait":
             time.sleep(poll_s)
             continue
-        names = [os.path.basename(os.path.normpath(p)) for p in fresh]
+        # A folder name is the training job's: a control character in it (ESC, newline) is not put in a file name
+        names = ["".join(c if c.isprintable() else "_" for c in os.path.basename(os.path.normpath(p))) for p in fresh]
         outputs = agree(lambda: [output_for(cfg.output, n, base) for n in names], rt.world.comm, rt.timeout,
                         "naming outputs")
         new = _run_again(rows, lambda: run_models(cfg, rt, fresh, outputs, names, state, rows))
