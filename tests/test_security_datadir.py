@@ -165,3 +165,21 @@ def test_a_data_dir_whose_path_is_a_glob_pattern_is_refused(task, tmp_path):
     assert [p.what for p in report.problems] == [
         f"--data-dir {ours} has glob characters in its path (*): datasets would read every file the pattern matches, "
         "not just the ones in it; use a path without them"], report.problems
+
+
+def test_a_data_dir_that_is_a_link_loop_is_one_line(tmp_path):
+    """A link in a group folder pointing at itself: ``Path.resolve`` raised RuntimeError, a traceback (exit 1) from
+    ``mpitp tasks``, ``mpitp check`` and ``mpitp prefetch``; ``mpitp eval`` already said "no such directory"."""
+    from mpitp.cli.check import check_command
+    from mpitp.cli.tasks import tasks_command
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for args in ([], ["--tasks", "arc_easy,boolq"]):
+        done = CliRunner().invoke(tasks_command, ["--data-dir", str(loop), *args])
+        assert done.exit_code == 2 and f"--data-dir {loop}: no such directory" in done.output, done.output
+        assert isinstance(done.exception, SystemExit), done.exception
+    done = CliRunner().invoke(check_command, ["--tasks", "arc_easy", "--data-dir", str(loop)])
+    assert done.exit_code == 2 and isinstance(done.exception, SystemExit), (done.output, done.exception)
+    assert done.output.splitlines() == ["mpitp check: not ready offline: 1 problem(s)",
+                                        f"  --data-dir {loop}: no such directory"]

@@ -23,9 +23,9 @@ def tasks_command(data_dir: str, tasks: str | None, num_fewshot: int | None) -> 
     """List the lm-eval tasks runnable offline from --data-dir, and what the others miss."""
     from mpitp.errors import UsageError
     from mpitp.results.untrusted import shown
-    from mpitp.tasks.offline import offline_status
+    from mpitp.tasks.offline import offline_status, resolved
 
-    root = Path(data_dir).resolve()
+    root = resolved(data_dir)
     try:
         if tasks:
             return _generic(data_dir, [t for t in tasks.split(",") if t], num_fewshot, root)

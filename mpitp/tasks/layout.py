@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_glob, refuse_unsafe
+from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_glob, refuse_unsafe, resolved
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -253,7 +253,7 @@ def group_override(group: str, entry, served: dict[int, dict]) -> dict:
 
 def resolve(names: Iterable[str], data_dir: str | Path, index: dict, num_fewshot: int | None = None) -> Resolution:
     """What DATA serves for ``names``: an override config per leaf task found there (see the module docstring)."""
-    data = Path(data_dir).expanduser().resolve()
+    data = resolved(data_dir)
     refuse_unsafe(data, "--data-dir")  # a link in a group folder may point at any name
     refuse_glob(data)
     res = Resolution(leaves=expand(names, index))
@@ -347,7 +347,7 @@ def absent(res: Resolution, data_dir: str | Path) -> list[MissingSplit]:
     out = []
     for leaf in res.untouched:
         if leaf.hub and leaf.needed() and not in_hf_cache(leaf):
-            where = leaf.folder(Path(data_dir).expanduser().resolve())
+            where = leaf.folder(resolved(data_dir))
             out.append(MissingSplit(leaf.name, leaf.needed()[0], where / f"{leaf.needed()[0]}.jsonl",
                                     f"reads the Hub dataset {leaf.folder(Path('.')).as_posix()}, which is neither in "
                                     f"--data-dir ({where}/{leaf.needed()[0]}.jsonl or .parquet) nor in the HF cache"))
@@ -356,7 +356,7 @@ def absent(res: Resolution, data_dir: str | Path) -> list[MissingSplit]:
 
 def nltk_folder(data_dir: str | Path) -> Path:
     """Where nltk data lives in a data directory (``mpitp prefetch`` puts it there)."""
-    return Path(data_dir).expanduser().resolve() / NLTK_FOLDER
+    return resolved(data_dir) / NLTK_FOLDER
 
 
 def use_nltk_data(data_dir: str | Path) -> str | None:

@@ -191,6 +191,16 @@ def refuse_glob(path: Path) -> None:
                          f"every file the pattern matches, not just the ones in it; use a path without them")
 
 
+def resolved(data_dir: str | Path) -> Path:
+    """``data_dir`` absolute, its links resolved; a link loop (RuntimeError before Python 3.13, then OSError: a
+    traceback from ``mpitp tasks``/``check``/``prefetch``) is kept as written: no directory is found there, one line."""
+    path = Path(data_dir).expanduser()
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return path.absolute()
+
+
 def _check_data_dir(data_dir: str | Path) -> Path:
     from mpitp.results.untrusted import shown
 
