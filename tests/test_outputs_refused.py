@@ -132,3 +132,18 @@ def test_an_output_link_to_a_device_is_still_replaced_not_followed(tmp_path):
     out = tmp_path / "out.h5"
     out.symlink_to("/dev/null")
     assert check_output(EvalConfig(model="m", tasks=["t"], output=str(out), overwrite=True)) == str(out)
+
+
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_an_output_under_a_broken_link_is_one_line(link, tmp_path):
+    """``--output dang/x.h5`` with ``dang`` a dangling (or looping) link passed the check, then the claim's
+    ``os.makedirs`` raised FileExistsError: a traceback on rank 0, exit 1."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_output
+    from mpitp.evaluation.settings import EvalConfig
+
+    bad = tmp_path / "dang"
+    bad.symlink_to(tmp_path / "nowhere" if link == "dangling" else bad)
+    with pytest.raises(UsageError) as err:
+        check_output(EvalConfig(model="m", tasks=["t"], output=str(bad / "sub" / "x.h5")))
+    assert str(err.value) == f"cannot write output {bad}/sub/x.h5: {bad} is not a directory (a link to nothing)"

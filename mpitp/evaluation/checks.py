@@ -139,10 +139,11 @@ def check_output(cfg: EvalConfig) -> str:
     elif cfg.resume:
         log.info("%s does not exist yet: starting a new run", shown(out))
     probe_dir = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(probe_dir):
+    while not os.path.lexists(probe_dir):  # lexists: a dangling or looping link is found (makedirs then failed)
         probe_dir = os.path.dirname(probe_dir)
     if not os.path.isdir(probe_dir):
-        raise UsageError(f"cannot write output {out}: {probe_dir} is not a directory")
+        link = " (a link to nothing)" if os.path.islink(probe_dir) else ""
+        raise UsageError(f"cannot write output {out}: {probe_dir} is not a directory{link}")
     try:  # os.access says yes to root on read-only mounts: try for real
         import tempfile
 
