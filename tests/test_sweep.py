@@ -335,3 +335,25 @@ def test_a_checkpoint_folder_named_with_control_characters_is_shown_escaped(how,
     assert "=== checkpoint 1/1: ck/s\\x1b]0;PWN\\x07\\nx -> out/" in proc.stderr, explain(proc)
     [h5] = [f for f in os.listdir(tmp_path / "out") if f.endswith(".h5")]
     assert h5.isprintable(), h5
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["a-file", "a-dangling-link"])
+def test_a_sweep_whose_outputs_cannot_be_written_is_one_line_before_the_first_checkpoint(where, tmp_path, shared_dir):
+    """``--output 'notes.txt/{name}.h5'``: every checkpoint failed in turn, then writing the summary raised
+    FileExistsError: a traceback and MPI_Abort (exit 1)."""
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    for step in ("step-1", "step-2"):
+        _copy_dir(shared_dir / "models" / "stories260K", tmp_path / "ck" / step)
+    bad = tmp_path / "notes"
+    if where == "a-file":
+        bad.write_text("notes\n")
+    else:
+        bad.symlink_to(tmp_path / "nowhere")
+    proc = run_mpi(2, ["eval", "--model", "ck/*", "--include-path", demo_tasks_dir(), "--tasks", "mpitp_demo_mc",
+                       "--limit", "2", "--output", "notes/{name}.h5"], timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 2, explain(proc)
+    assert "Traceback" not in proc.stderr and "=== checkpoint" not in proc.stderr, explain(proc)
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"mpitp: error: cannot write output notes/step-1.h5: {bad} is not a directory"), explain(proc)

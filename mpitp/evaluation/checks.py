@@ -138,6 +138,12 @@ def check_output(cfg: EvalConfig) -> str:
             check_resumable(out, cfg)
     elif cfg.resume:
         log.info("%s does not exist yet: starting a new run", shown(out))
+    check_writable(out)
+    return out
+
+
+def check_writable(out: str) -> None:
+    """Refuse, in one line, an output whose folder cannot be made or written (before any work is done for it)."""
     probe_dir = os.path.dirname(os.path.abspath(out))
     while not os.path.lexists(probe_dir):  # lexists: a dangling or looping link is found (makedirs then failed)
         probe_dir = os.path.dirname(probe_dir)
@@ -152,7 +158,6 @@ def check_output(cfg: EvalConfig) -> str:
     except OSError as exc:  # ENOENT for a folder that exists: a filesystem that makes no files (/proc, /sys)
         reason = "no files can be created there" if exc.errno == errno.ENOENT else exc.strerror or exc
         raise UsageError(f"cannot write output {out}: {probe_dir}: {reason}") from None
-    return out
 
 
 def check_resumable(path: str, cfg: EvalConfig) -> None:

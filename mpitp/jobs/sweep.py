@@ -463,6 +463,10 @@ def _refuse_existing(cfg: EvalConfig, field: str, items: list[str], outputs: lis
     it failed every item and rewrote the sweep summary with none of its metrics. With ``--resume`` only the first
     existing file is read here: a setting of the sweep (limit, tasks, few-shot) shows in any of them; a checkpoint
     rewritten since is that item's own failure, found when its turn comes."""
+    from mpitp.evaluation.checks import check_writable
+
+    for out in {os.path.dirname(os.path.abspath(o)): o for o in reversed(outputs)}.values():  # the summary's too
+        check_writable(out)  # else every item failed, then writing the summary was a traceback and MPI_Abort
     existing = [(item, out) for item, out in zip(items, outputs) if os.path.exists(out)]
     if not existing or cfg.overwrite:
         return
