@@ -357,3 +357,18 @@ def test_a_sweep_whose_outputs_cannot_be_written_is_one_line_before_the_first_ch
     assert "Traceback" not in proc.stderr and "=== checkpoint" not in proc.stderr, explain(proc)
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"mpitp: error: cannot write output notes/step-1.h5: {bad} is not a directory"), explain(proc)
+
+
+@pytest.mark.mpi
+def test_a_watch_whose_outputs_cannot_be_written_is_one_line_before_it_watches(tmp_path):
+    """``--watch DIR --output 'notes/{name}.h5'`` with ``notes`` a file: the checkpoints failed, then the summary's
+    makedirs raised FileExistsError at the end of the watch: a traceback and MPI_Abort (exit 1)."""
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    (tmp_path / "watched").mkdir()
+    (tmp_path / "notes").write_text("notes\n")
+    proc = run_mpi(2, ["eval", "--watch", "watched", "--watch-idle", "1", "--include-path", demo_tasks_dir(),
+                       "--tasks", "mpitp_demo_mc", "--output", "notes/{name}.h5"], timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.strip().splitlines()[-1] == (f"mpitp: error: cannot write output notes/{{name}}.h5: "
+                                                    f"{tmp_path / 'notes'} is not a directory"), explain(proc)

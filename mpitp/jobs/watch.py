@@ -266,6 +266,10 @@ def prepare_watch(cfg: EvalConfig, launch: Launch, directory: str, idle_s: float
             raise UsageError("--watch and --model contradict each other: the watched directory names the models")
         if cfg.overwrite:
             raise UsageError("--watch resumes what it finds (a complete file is skipped): --overwrite does not apply")
+        from mpitp.evaluation.checks import check_writable
+        from mpitp.jobs.sweep import output_for
+
+        check_writable(output_for(cfg.output, "{name}", default_watch_dir(directory)))  # else a traceback at the end
         return True
 
     agree(check, launch.world.comm, launch.timeout, "checking --watch")
