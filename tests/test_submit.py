@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from mpitp.cli.submit import submit_command
 from mpitp.jobs import submit as submit_mod
-from mpitp.jobs.jobfile import JobFileError
-from mpitp.jobs.submit import SubmitError, SubmitUsageError, render_script, submit
+from mpitp.jobs.jobfile import JobFileError, load_job
+from mpitp.jobs.submit import SubmitError, SubmitUsageError, log_paths, render_script, submit
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -56,7 +56,11 @@ CASES = {
 
 def _render(case: str) -> str:
     scheduler, job, kwargs = CASES[case]
-    text = render_script(scheduler, job, **kwargs)
+    old = os.umask(0o022)  # the outputs' folder is still to be made: with umask 002 the logs go to a private subfolder
+    try:
+        text = render_script(scheduler, job, **kwargs)
+    finally:
+        os.umask(old)
     bin_dir = submit_mod._mpitp_bin()
     return text.replace(f"export PATH={bin_dir}:", "export PATH=@BIN@:").replace(str(REPO), "@REPO@")
 
@@ -242,6 +246,29 @@ def test_submit_with_fake_scheduler(job, fake_path, tmp_path, scheduler, command
     assert Path(f"{fake}.args").read_text().strip() == str(script)
     assert Path(f"{fake}.cwd").read_text().strip() == str(job.parent)
     assert (tmp_path / "results/demo").is_dir()  # log directory exists before the job starts
+
+
+def test_logs_in_a_folder_others_can_write_go_to_a_private_subfolder(job, fake_path, tmp_path):
+    """The batch system appends to ``<name>-<job id>.out`` by name, following a link: in a group's folder another user
+    planted links at coming job ids and took the whole log (the probe: a link owned by nobody to a file of theirs).
+    There the logs go to ``mpitp-logs-<uid>``, made 0700; one that another user made first is refused."""
+    _fake_command(fake_path, "sbatch", "echo 'Submitted batch job 8'")
+    shared = tmp_path / "results/demo"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    sub = shared / f"mpitp-logs-{os.geteuid()}"
+    assert f"#SBATCH --output={sub}/%x-%j.out" in render_script("slurm", job, **BASE)
+    assert log_paths("slurm", load_job(job), "8")[0] == sub / "mpitp-demo-8.out"
+    assert submit("slurm", job, **BASE) == "8"
+    assert stat.S_IMODE(sub.stat().st_mode) == 0o700 and (sub / "mpitp-demo.slurm.sh").exists()
+    shared.chmod(0o755)  # this user's alone: the folder itself, as before
+    assert f"#SBATCH --output={shared}/%x-%j.out" in render_script("slurm", job, **BASE)
+    if os.geteuid() == 0:  # a subfolder planted by another user (uid 65534): refused, nothing submitted
+        shared.chmod(0o777)
+        sub.chmod(0o777)
+        os.chown(sub, 65534, 65534)
+        with pytest.raises(SubmitError, match=r"log folder: .*belongs to uid 65534"):
+            submit("slurm", job, **BASE)
 
 
 def test_submit_script_dir(job, fake_path, tmp_path):

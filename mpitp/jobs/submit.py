@@ -202,9 +202,36 @@ def _iface(name: str | None) -> str | None:
 
 
 def _log_dir(job: Job) -> Path:
-    """Logs go next to the outputs: their common directory (or the job file's, if none)."""
+    """Logs go next to the outputs: their common directory (or the job file's, if none); where others may create
+    files there (a group's project folder, ``umask 002`` for a folder still to be made), in its private subfolder
+    ``mpitp-logs-<uid>`` (made ``0700`` at submit). Why: the batch system opens ``<name>-<job id>.out`` there by name
+    and appends, following a link; job ids come in sequence, so a link another user planted at a coming id took the
+    whole log into the file it named."""
     common = Path(os.path.commonpath([os.path.dirname(r.output) for r in job.runs]))
-    return job.path.parent if common == Path(common.anchor) else common
+    folder = job.path.parent if common == Path(common.anchor) else common
+    try:
+        st = os.stat(folder)
+        shared = st.st_uid != os.geteuid() or st.st_mode & 0o022
+    except FileNotFoundError:  # made by submit with the umask's mode
+        from mpitp.results.safefile import umask
+
+        shared = umask() & 0o022 != 0o022
+    except OSError:
+        shared = True
+    return folder / f"mpitp-logs-{os.geteuid()}" if shared else folder
+
+
+def _make_log_dir(job: Job) -> None:
+    """Make the folder :func:`_log_dir` names; a private subfolder that exists must be this user's alone."""
+    folder = _log_dir(job)
+    if folder.name == f"mpitp-logs-{os.geteuid()}":
+        from mpitp.results.untrusted import private_dir
+
+        problem = private_dir(str(folder))
+        if problem:
+            raise SubmitError(f"log folder: {problem}")
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
 
 
 def _seconds(time: str) -> int:
@@ -368,7 +395,7 @@ def submit(scheduler: str, job_path: str | os.PathLike[str], *,
 
         require_ready(job_path)
     job = load_job(job_path)
-    _log_dir(job).mkdir(parents=True, exist_ok=True)
+    _make_log_dir(job)
     path = script_path(job, scheduler, script_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_script(path, text)
