@@ -609,6 +609,31 @@ def test_fifos_and_devices_named_as_results_are_refused_or_skipped_not_waited_on
     assert proc.returncode == 0 and "private/model" in out.read_text(), proc.stderr
 
 
+def test_a_folders_file_that_is_not_a_results_file_is_skipped_named_one_is_refused(tmp_path):
+    """The probe (session 29): an empty ``x.h5`` another user left in a shared folder made ``report DIR`` exit 2, no
+    page, though FIFOs and links there are skipped. Now skipped with one warning line each (an empty file, another
+    program's HDF5); named on the command line it is still one line, exit 2; a folder with nothing readable too."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    make_file(shared / "good.h5")
+    (shared / "empty.h5").write_bytes(b"")
+    with h5py.File(shared / "other.h5", "w") as f:
+        f["x"] = [1, 2, 3]
+    out = tmp_path / "report.html"
+    proc = _mpitp("report", shared, "-o", out, "--bootstrap-iters", "0")
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(proc.stderr.splitlines())
+    assert [ln.startswith(f"mpitp: warning: skipped {shared / n}") for ln, n in zip(lines, ("empty", "other"))] == \
+        [True, True] and len(lines) == 2, lines
+    assert "synthetic/model" in out.read_text()
+    proc = _mpitp("report", shared / "empty.h5", "-o", out)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    (shared / "good.h5").unlink()
+    proc = _mpitp("report", shared, "-o", out)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1].startswith(
+        "mpitp: error: no readable results files among the 2 found in"), proc.stderr
+
+
 @pytest.mark.parametrize("checked", ["moved away", "deleted"])
 def test_open_h5_opens_the_file_it_checked(tmp_path, monkeypatch, checked):
     """Item 5, the race: the name is opened once (``O_NONBLOCK``, then ``fstat``) and HDF5 opens that descriptor

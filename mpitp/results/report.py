@@ -119,14 +119,36 @@ def paired(runs: list[RunFile], data: dict[tuple[int, str], TaskData], iters: in
             for i, j in pairs(len(runs))}
 
 
+def _read(files: list[str], named: set[str], warn: Callable[[str], object] | None
+          ) -> tuple[list[RunFile], dict[str, dict[str, TaskData]]]:
+    """Each results file and its tasks' data. A file found in a folder that is not a readable results file (an empty
+    ``x.h5`` another user left in a shared folder, a file of another program) is skipped with one line to ``warn``, as
+    a FIFO there is: it stopped the whole page. A file named on the command line is an error, one line."""
+    runs, tasks = [], {}
+    for p in files:
+        try:
+            run = load(p)
+            tasks[run.path] = {task: read_task(run, task) for task in run.tasks}
+        except BadInput as exc:
+            if p in named:
+                raise
+            said = str(exc)  # the readers' lines start with the path ("X is not an mpitp results file (...)")
+            (warn or log.warning)(f"skipped {said}" if said.startswith(shown(p)) else f"skipped {shown(p)}: {said}")
+            continue
+        runs.append(run)
+    if not runs and files:
+        raise BadInput(f"no readable results files among the {len(files)} found in {', '.join(map(shown, named))}")
+    return runs, tasks
+
+
 def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDGET,
           diff_iters: int = DIFF_ITERS, warn: Callable[[str], object] | None = None) -> Report:
     files, summaries = expand(inputs, warn)
-    runs = [load(p) for p in files]
+    runs, tasks = _read(files, set(inputs), warn)
     if not summaries:  # files of one model family are a sweep (a summary, when given, is the sweep instead)
         runs = [runs[i] for i in family_order(runs)]
     labels = [f"R{i + 1}" for i in range(len(runs))]
-    data = {(i, task): read_task(run, task) for i, run in enumerate(runs) for task in run.tasks}
+    data = {(i, task): tasks[run.path][task] for i, run in enumerate(runs) for task in run.tasks}
     sample_data, left_out = samples(runs, labels, data, cap, text_budget)
     comps = paired(runs, data, diff_iters)
     report = Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
