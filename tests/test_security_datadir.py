@@ -12,12 +12,14 @@ name escaped (a file named with terminal escapes cannot retitle or clear the ter
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+from mpitp.errors import UsageError
 from mpitp.jobs.readiness import CheckSpec, check
 from support import STORIES
 from support.mpi import explain, run_mpi
@@ -183,3 +185,23 @@ def test_a_data_dir_that_is_a_link_loop_is_one_line(tmp_path):
     assert done.exit_code == 2 and isinstance(done.exception, SystemExit), (done.output, done.exception)
     assert done.output.splitlines() == ["mpitp check: not ready offline: 1 problem(s)",
                                         f"  --data-dir {loop}: no such directory"]
+
+
+def test_a_data_dir_that_is_a_file_is_named_so_by_every_command(tmp_path):
+    """The probe (session 29): a file given as ``--data-dir`` was "no such directory" from check and tasks (and eval)
+    and "not a directory" from prefetch; one rule now says which, escaped (eval's line did not escape the name)."""
+    from mpitp.cli.check import check_command
+    from mpitp.cli.tasks import tasks_command
+    from mpitp.evaluation.checks import offline_include
+    from mpitp.evaluation.settings import EvalConfig
+
+    afile = tmp_path / "data\x1b.txt"
+    afile.write_text("x")
+    said = "--data-dir " + str(afile).replace("\x1b", "\\x1b") + ": not a directory"
+    for args in ([], ["--tasks", "arc_easy,boolq"]):
+        done = CliRunner().invoke(tasks_command, ["--data-dir", str(afile), *args])
+        assert done.exit_code == 2 and said in done.output, done.output
+    done = CliRunner().invoke(check_command, ["--tasks", "arc_easy", "--data-dir", str(afile)])
+    assert done.exit_code == 2 and done.output.splitlines()[1:] == [f"  {said}"], done.output
+    with pytest.raises(UsageError, match="^" + re.escape(said) + "$"):
+        offline_include(EvalConfig(model="m", tasks=["arc_easy"], data_dir=str(afile)))

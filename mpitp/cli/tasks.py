@@ -42,9 +42,11 @@ def _generic(data_dir, names: list[str], num_fewshot, root: Path) -> None:
     """One line per leaf task of ``names``: runnable (with its files), missing (which split), or not in DIR."""
     from mpitp.results.untrusted import shown
     from mpitp.tasks.layout import resolve_all
+    from mpitp.tasks.offline import data_dir_problem
 
-    if not root.is_dir():
-        raise click.UsageError(f"--data-dir {shown(data_dir)}: no such directory")
+    problem = data_dir_problem(data_dir)
+    if problem:
+        raise click.UsageError(problem)
     res = resolve_all(names, data_dir, None, num_fewshot)
     missing: dict[str, list] = {}
     for gap in res.missing:

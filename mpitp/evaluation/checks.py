@@ -80,9 +80,11 @@ def offline_include(cfg: EvalConfig) -> list[str]:
     import tempfile
 
     from mpitp.tasks.layout import offline, use_nltk_data, write_overrides
+    from mpitp.tasks.offline import data_dir_problem
 
-    if not os.path.isdir(cfg.data_dir):
-        raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
+    problem = data_dir_problem(cfg.data_dir)
+    if problem:
+        raise UsageError(problem)
     use_nltk_data(cfg.data_dir)
     out = tempfile.mkdtemp(prefix="mpitp-tasks-")
     try:
@@ -292,8 +294,12 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
     from mpitp.replica.loading import check_decoder_mode, check_dtype, check_ep, check_tp, load_config
 
     compat.check(packages=("lm-eval",))  # lm-eval still has every attribute mpitp replaces (torch's: below)
-    if cfg.data_dir and not os.path.isdir(cfg.data_dir):
-        raise UsageError(f"--data-dir {cfg.data_dir}: no such directory")
+    if cfg.data_dir:
+        from mpitp.tasks.offline import data_dir_problem
+
+        problem = data_dir_problem(cfg.data_dir)
+        if problem:
+            raise UsageError(problem)
     if str(cfg.batch_size).isdigit() and int(cfg.batch_size) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
     if cfg.limit is not None and not cfg.limit > 0:

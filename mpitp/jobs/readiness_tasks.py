@@ -8,7 +8,6 @@ task needs what."""
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
 from dataclasses import replace
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report, prefetch_command, why
+from mpitp.tasks.offline import data_dir_problem
 
 if TYPE_CHECKING:
     from lm_eval.api.task import Task
@@ -77,8 +77,9 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer: PreTrainedTokenizerB
     leaves = None
     with tempfile.TemporaryDirectory(prefix="mpitp-check-") as out:
         if spec.data_dir:
-            if not os.path.isdir(spec.data_dir):
-                report.problems.append(Problem(f"--data-dir {spec.data_dir}: no such directory"))
+            problem = data_dir_problem(spec.data_dir)
+            if problem:
+                report.problems.append(Problem(problem))
                 return
             try:
                 res = resolve_all(spec.tasks, spec.data_dir, include or None, spec.num_fewshot)

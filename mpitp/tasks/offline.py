@@ -201,15 +201,22 @@ def resolved(data_dir: str | Path) -> Path:
         return path.absolute()
 
 
-def _check_data_dir(data_dir: str | Path) -> Path:
+def data_dir_problem(data_dir: str | Path) -> str | None:
+    """The one line for a ``--data-dir`` that is not a directory (None when it is): every command that takes one
+    (eval, check, tasks, prefetch) says the same, escaped."""
     from mpitp.results.untrusted import shown
 
     path = Path(data_dir).expanduser()
-    if not path.exists():
-        raise DataDirError(f"--data-dir {shown(data_dir)}: no such directory")
-    if not path.is_dir():
-        raise DataDirError(f"--data-dir {shown(data_dir)}: not a directory")
-    resolved = path.resolve()
+    if path.is_dir():
+        return None
+    return f"--data-dir {shown(data_dir)}: {'not a directory' if path.exists() else 'no such directory'}"
+
+
+def _check_data_dir(data_dir: str | Path) -> Path:
+    problem = data_dir_problem(data_dir)
+    if problem:
+        raise DataDirError(problem)
+    resolved = Path(data_dir).expanduser().resolve()
     refuse_unsafe(resolved, "--data-dir")  # a link in a group folder may point at any name
     refuse_glob(resolved)
     return resolved
