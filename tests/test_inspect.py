@@ -608,3 +608,15 @@ def test_every_command_is_listed_and_a_broken_import_fails_loudly(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpitp.cli.inspect", None)  # importing it now raises ImportError
     with pytest.raises(ImportError):
         cli.get_command(ctx, "inspect")
+
+
+def test_a_long_generation_is_cut_between_escapes_never_inside_one():
+    """The probe (session 29): ``inspect --requests`` cut a long generation inside an escape (``\\u001…``)."""
+    from mpitp.results.render import short_text
+
+    for pad in range(30, 40):
+        text = short_text("a" * pad + "\x1b" + "b" * 10)
+        assert len(text) <= 40 and text.endswith("…"), text
+        body = text[:-1]
+        assert body in {"a" * pad + "\\u001b" + "b" * k for k in range(11)} | {"a" * pad}, text
+    assert short_text("ab\ncd") == "ab\\ncd" and short_text("x" * 40) == "x" * 40

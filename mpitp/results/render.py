@@ -173,8 +173,19 @@ def lm_eval_json(run: RunFile, task: str | None) -> tuple[dict, bool]:
 
 
 def short_text(s: str, width: int = 40) -> str:
-    s = json.dumps(s, ensure_ascii=False)[1:-1]  # escapes newlines and tabs
-    return s if len(s) <= width else s[: width - 1] + "…"
+    """``s`` on one line, at most ``width`` characters: newlines, tabs and control characters escaped as JSON
+    escapes them, and a long text cut between two escapes, never inside one (``\\u001`` then "…" was shown)."""
+    full = json.dumps(s, ensure_ascii=False)[1:-1]
+    if len(full) <= width:
+        return full
+    out, used = [], 0
+    for ch in s:
+        piece = json.dumps(ch, ensure_ascii=False)[1:-1]
+        if used + len(piece) > width - 1:
+            break
+        out.append(piece)
+        used += len(piece)
+    return "".join(out) + "…"
 
 
 def render_requests(path: str, task: str, limit: int | None) -> str:
