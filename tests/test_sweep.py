@@ -372,3 +372,23 @@ def test_a_watch_whose_outputs_cannot_be_written_is_one_line_before_it_watches(t
     assert proc.returncode == 2, explain(proc)
     assert proc.stderr.strip().splitlines()[-1] == (f"mpitp: error: cannot write output notes/{{name}}.h5: "
                                                     f"{tmp_path / 'notes'} is not a directory"), explain(proc)
+
+
+def test_a_checkpoint_folder_named_like_a_pattern_is_that_folder(tmp_path, monkeypatch):
+    """The probe (session 29): ``--model mods/m[1]`` with that folder present was read as the glob matching
+    ``mods/m1`` (a sweep of the wrong checkpoint) or "the pattern matches no directory". A name that is an existing
+    folder is that folder, in ``--model``, a comma list and a job file's ``models:``; a pattern is still a pattern."""
+    from mpitp.jobs.jobfile import load_job
+    from mpitp.jobs.sweep import expand_models, is_sweep
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("m[1]", "m1", "m2"):
+        (tmp_path / "mods" / name).mkdir(parents=True)
+    assert not is_sweep("mods/m[1]") and is_sweep("mods/m[12]") and is_sweep("mods/m[1],mods/m2")
+    assert expand_models("mods/m[1],mods/m2") == ["mods/m[1]", "mods/m2"]
+    assert expand_models("mods/m[12]") == ["mods/m1", "mods/m2"]
+    job = tmp_path / "job.yaml"
+    job.write_text("runs:\n  - {models: ['mods/m[1]', 'mods/m2'], tasks: arc_easy, output: 'r/{name}.h5'}\n"
+                   "  - {model: 'mods/m[1]', tasks: arc_easy}\n")
+    sweep, single = load_job(job).runs
+    assert sweep.model == f"{tmp_path}/mods/m[1],{tmp_path}/mods/m2" and not is_sweep(single.model), single.model

@@ -334,9 +334,16 @@ def _merge_models(merged: dict, base: Path, run_fail: _RunFail) -> None:
     """A sweep's ``models:`` list into ``model`` (comma-joined; globs kept, relative to the job file)."""
     if "model" in merged:
         raise run_fail("models", "give either 'model' or 'models', not both")
-    merged["model"] = ",".join(
-        os.path.normpath(base / _expand(m)) if glob.has_magic(m) else _resolve("model", m, base)
-        for m in _check_field("models", merged.pop("models"), run_fail))
+    merged["model"] = ",".join(_model_entry(m, base) for m in _check_field("models", merged.pop("models"), run_fail))
+
+
+def _model_entry(m: str, base: Path) -> str:
+    """One entry of ``models:``: a glob kept as a pattern relative to the job file, unless a folder has that name."""
+    if glob.has_magic(m):
+        path = os.path.normpath(base / _expand(m))
+        if not os.path.isdir(path):
+            return path
+    return _resolve("model", m, base)
 
 
 def _guess_name(merged: dict) -> str | None:
@@ -370,14 +377,16 @@ def _run_values(raw: dict, merged: dict, run_fail: _RunFail) -> dict:
 def _sweep_fields(values: dict, name: str | None, base: Path, run_fail: _RunFail) -> None:
     """``peft`` resolved (paths or globs, relative to the job file as the models' are) and ``output`` defaulted; a
     sweep (of checkpoints or of adapters, never both) writes one file per member, so its output needs ``{name}``."""
-    models_sweep = "," in values["model"] or glob.has_magic(values["model"])
+    from mpitp.jobs.sweep import is_sweep  # a glob or a comma list, unless an existing folder has that name
+
+    models_sweep = is_sweep(values["model"])
     peft = values.get("peft")
     if peft is not None:
         try:
             values["peft"] = ",".join(os.path.normpath(base / _expand(p.strip())) for p in peft.split(","))
         except _Bad as exc:
             raise run_fail("peft", str(exc)) from None
-    adapters_sweep = peft is not None and ("," in peft or glob.has_magic(peft))
+    adapters_sweep = is_sweep(values.get("peft"))
     if models_sweep and adapters_sweep:
         raise run_fail("peft", "a sweep of checkpoints ('models') and of adapters ('peft' list) together is not "
                                "supported: sweep one of them per run")

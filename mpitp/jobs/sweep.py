@@ -57,8 +57,15 @@ _T = TypeVar("_T")
 
 log = logging.getLogger("mpitp")
 
+def is_pattern(part: str) -> bool:
+    """Whether one entry of ``--model``/``--peft`` is a glob: glob characters in a name that is no existing folder
+    (a checkpoint folder named ``m[1]`` is that folder; it was read as the pattern matching ``m1``)."""
+    return glob.has_magic(part) and not os.path.isdir(os.path.expanduser(part))
+
+
 def is_sweep(model: str | None) -> bool:
-    return bool(model) and ("," in model or glob.has_magic(model))
+    """Whether ``--model`` (or ``--peft``) names several: a comma list or a glob, unless it is an existing folder."""
+    return bool(model) and not os.path.isdir(os.path.expanduser(model)) and ("," in model or glob.has_magic(model))
 
 
 def expand_models(spec: str, option: str = "--model") -> list[str]:
@@ -68,7 +75,7 @@ def expand_models(spec: str, option: str = "--model") -> list[str]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
-        if glob.has_magic(part):
+        if is_pattern(part):
             found = sorted((p for p in glob.glob(os.path.expanduser(part)) if os.path.isdir(p)), key=natural_key)
             if not found:
                 raise UsageError(f"{option} {part}: the pattern matches no directory")
