@@ -171,3 +171,23 @@ def test_nothing_new_starts_while_a_stop_aborts(monkeypatch):
     walltime._stopping = False
     t.join(2)
     assert not t.is_alive()
+
+
+def test_a_sigterm_on_a_rank_other_than_0_ends_it_after_the_grace():
+    """_await_stop's timer ran _die_by on its own thread, where signal.signal raises: a traceback, and the rank lived
+    on with its SIGTERM lost (mpiexec -n 2, SIGTERM to rank 1 mid-run: the job ran to the end, exit 0)."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from mpitp.parallel import walltime
+        walltime.STOP_GRACE_S = 0.3
+        walltime.install(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            time.sleep(0.1)
+        print("still alive")
+    """)
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "still alive" not in proc.stdout, proc.stderr
+    assert time.monotonic() - t < 8

@@ -149,11 +149,32 @@ def _died_as_a_fork(signum) -> bool:
 
 
 def _die_by(signum) -> None:
-    """``signum``'s default action, now: the process ends by it (as the launcher and the scheduler expect)."""
-    import os
+    """``signum``'s default action, now: the process ends by it (as the launcher and the scheduler expect).
 
-    signal.signal(signum, signal.SIG_DFL)
+    Called from :func:`_await_stop`'s timer thread too, where ``signal.signal`` raises ``ValueError`` (main thread
+    only): the rank printed that traceback and lived on, its SIGTERM lost. Off the main thread the default action is
+    put back through libc; where that cannot be done the process ends with the shell's status for the signal."""
+    import os
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, signal.SIG_DFL)
+    elif not _default_from_libc(signum):
+        os._exit(128 + signum)
     os.kill(os.getpid(), signum)
+
+
+def _default_from_libc(signum) -> bool:
+    """``signum`` back to its default action from any thread (libc's ``signal``); False where that failed."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        return libc.signal(signum, None) != ctypes.c_void_p(-1).value  # None: SIG_DFL; -1: SIG_ERR
+    except (OSError, AttributeError):
+        return False
 
 
 def _stop(signum, frame) -> None:
