@@ -105,3 +105,25 @@ def test_second_full_run_reuses_built_requests(tmp_path):
     assert diff.returncode == 0, diff.stdout + diff.stderr
     print(f"request cache file {files[0].name} ({files[0].stat().st_size} B) reused by the second run; same results")
     assert Path(files[0]).parent.parent == cache
+
+
+def test_a_cache_that_cannot_be_written_does_not_end_the_run(tmp_path, monkeypatch, caplog):
+    """A request cache on a full disk: lm-eval's save raised ENOSPC out of simple_evaluate (a traceback, exit 1, the
+    requests already built); the run goes on with one warning."""
+    import errno
+
+    import lm_eval.api.task as lm_task
+
+    from mpitp.evaluation import requestcache
+    from mpitp.results import safefile
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safefile, "write_replace", full)
+    monkeypatch.setattr(requestcache, "_unsaved", [])
+    with requestcache.used(str(tmp_path / "keyed")), caplog.at_level("WARNING", logger="mpitp"):
+        lm_task.save_to_cache(file_name="requests-a", obj=[1, 2])
+        lm_task.save_to_cache(file_name="requests-b", obj=[3])
+    said = [r.getMessage() for r in caplog.records if "cannot save" in r.getMessage()]
+    assert len(said) == 1 and "No space left on device" in said[0], said

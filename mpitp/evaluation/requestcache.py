@@ -185,13 +185,25 @@ def _save(lm_eval_save: Callable[..., None], file_name: str, obj: object) -> Non
     from mpitp.results.safefile import write_replace
 
     try:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        lm_eval_save(file_name=file_name, obj=obj)
-        return
-    target = compat.attribute("lm_eval.caching.cache._cache_file_path")(file_name)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    write_replace(target, data, mode=0o600)
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            lm_eval_save(file_name=file_name, obj=obj)
+            return
+        target = compat.attribute("lm_eval.caching.cache._cache_file_path")(file_name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        write_replace(target, data, mode=0o600)
+    except OSError as exc:
+        # The cache only saves the next run some work: a full disk or quota ended this run with a traceback, its
+        # requests already built. The run goes on; one warning per run says why the next one builds them again.
+        if not _unsaved:
+            log.warning("request cache: cannot save %s (%s); this run goes on, the next builds its requests again",
+                        file_name, exc.strerror or exc)
+        _unsaved.append(file_name)
+
+
+#: The requests this process could not save to the cache (:func:`_save`): warned about once.
+_unsaved: list[str] = []
 
 
 def _tighten(path: str) -> None:
