@@ -191,3 +191,20 @@ def test_a_sigterm_on_a_rank_other_than_0_ends_it_after_the_grace():
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and "still alive" not in proc.stdout, proc.stderr
     assert time.monotonic() - t < 8
+
+
+def test_a_sigterm_after_the_command_finished_changes_nothing():
+    """SIGTERM to rank 0 while it left a finished run (in MPI_Finalize): the stop said "no request of this run had
+    been scored yet; run the job file again" and exited 75, the results file complete."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from mpitp.parallel import walltime
+        walltime.install(0)
+        walltime.finished()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+        print("left normally")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "left normally" in proc.stdout, (proc.returncode, proc.stderr)
+    assert "stopping on" not in proc.stderr, proc.stderr

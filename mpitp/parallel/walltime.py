@@ -53,9 +53,14 @@ def finished() -> None:
     """The command has ended and written its results: from now on a walltime signal (the batch script's stop racing
     the end of the job) has nothing left to save, and must not kill the rank on its way out either, which would make
     the script requeue a finished job. Python puts the signals it handles back to their default at exit; an ignored
-    one stays ignored."""
+    one stays ignored.
+
+    SIGTERM too (PBS at the walltime, a scancel racing the end): on rank 0 it ran the stop, which said "no request
+    of this run had been scored yet; run the job file again" and exited 75 with the results file complete. What is
+    left (``MPI_Finalize``) is bounded by :mod:`mpitp.watchdog`, so an ignored SIGTERM cannot hold the rank."""
     try:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        for sig in _NAMES:
+            signal.signal(sig, signal.SIG_IGN)
     except ValueError:  # not the main thread
         pass
 
