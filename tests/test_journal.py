@@ -317,3 +317,45 @@ def test_a_full_disk_ends_in_one_line_with_no_temporary_and_nothing_lost(full_fs
     w = ResultWriter(str(path), META, resume=True)
     assert len(w.stored_rows()) >= want
     w.close()
+
+
+def test_a_journal_refused_at_the_start_says_resume_the_snapshot_it_left(full_fs, tmp_path):
+    """The probe (session 29): the first snapshot written, the journal refused (a full disk): the line said "run
+    again", and running again was refused (the output exists: --resume or --overwrite). It says --resume now, and a
+    resume once space is freed takes the file. The tmpfs is filled to leave room for the snapshot alone."""
+    from mpitp.results.store import ResultsWriteError
+
+    ResultWriter(str(tmp_path / "probe.h5"), META).close()
+    need = -(-os.path.getsize(tmp_path / "probe.h5") // 4096)
+    st = os.statvfs(full_fs)
+    with open(full_fs / "filler", "wb") as f:
+        f.write(bytes((st.f_bavail - need) * st.f_frsize))
+    with pytest.raises(ResultsWriteError) as info:
+        ResultWriter(str(full_fs / "x.h5"), META, snapshot_interval_s=1e9)
+    assert str(info.value).startswith(f"cannot write the results journal {full_fs}/x.h5.journal: No space left on "
+                                      "device (errno 28); nothing of this run was computed yet: free space and run "
+                                      "again with --resume"), info.value
+    os.remove(full_fs / "filler")
+    ResultWriter(str(full_fs / "x.h5"), META, resume=True).close()
+
+
+def test_an_output_folder_removed_mid_run_is_one_line_saying_the_rows_are_lost(tmp_path):
+    """The probe (session 29): the output's folder removed while the run wrote (``rm -rf`` of the wrong folder): the
+    next snapshot raised ENOENT, a traceback (only a full, read-only or failing disk was one line). Now one line:
+    neither file is there, what landed is lost, run again."""
+    import shutil
+
+    from mpitp.results.store import ResultsWriteError
+
+    out = tmp_path / "gone"
+    out.mkdir()
+    w = ResultWriter(str(out / "x.h5"), META, snapshot_interval_s=1e9)
+    for t, rs in rows_of(0).items():
+        w.append(t, rs)
+    w.flush()
+    shutil.rmtree(out)
+    with pytest.raises(ResultsWriteError) as info:
+        w.save()
+    assert str(info.value) == (f"cannot write the results file {out}/x.h5: No such file or directory (errno 2); "
+                               f"neither {out}/x.h5 nor its journal is there any more: the rows that landed are lost: "
+                               "see who removed the folder and run again"), info.value

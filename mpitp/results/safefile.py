@@ -113,9 +113,11 @@ def remove_temp(path: str) -> None:
         pass
 
 
-#: The errnos of a file system refusing a write (full, over quota, over the file size limit, failing, read-only):
-#: a fault of where the file is, not a bug of the writer.
-WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
+#: The errnos of a file system refusing a write (full, over quota, over the file size limit, failing, read-only; the
+#: folder removed or its permissions taken away while the run wrote there, a stale NFS handle): a fault of where the
+#: file is, not a bug of the writer (the output's folder was checked writable at the start).
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.ENOENT, errno.EACCES,
+                          errno.EPERM, errno.ESTALE})
 #: How HDF5 quotes the failed system call in the messages h5py raises (as OSError or RuntimeError, errno unset).
 _HDF5_ERRNO = re.compile(r"errno = (\d+), error message = '([^']*)'")
 

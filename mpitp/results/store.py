@@ -36,7 +36,9 @@ class ResultsWriteError(JobError):
 
 
 _REMEDY = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the quota",
-           errno.EFBIG: "raise the file size limit", errno.EROFS: "make the file system writable"}
+           errno.EFBIG: "raise the file size limit", errno.EROFS: "make the file system writable",
+           errno.ENOENT: "see who removed the folder", errno.EACCES: "make the folder writable again",
+           errno.EPERM: "make the folder writable again"}
 
 
 class ResultWriter:
@@ -306,9 +308,12 @@ class ResultWriter:
         out, jp = shown(self.path), shown(journal_path(self.path))
         what = f"the results journal {jp}" if journal else f"the results file {out}"
         remedy = _REMEDY.get(code, "check the file system")
-        if self._journal is None:  # the first snapshot or journal, at the start
+        if not (os.path.lexists(self.path) or os.path.lexists(journal_path(self.path))):  # the folder removed
+            kept = f"neither {out} nor its journal is there any more: the rows that landed are lost"
+            again = "run again"
+        elif self._journal is None:  # the first snapshot or journal, at the start
             kept = "nothing of this run was computed yet"
-            again = "run again" + (" with --resume" if self.attrs.get("journal_seq") or self.tasks else "")
+            again = "run again" + (" with --resume" if os.path.lexists(self.path) else "")  # it is there now
         elif journal:  # a record may be torn: readers stop at the last whole one
             kept = f"the rows that landed are in {out} and its journal up to the last whole record"
             again = "rerun with --resume"
