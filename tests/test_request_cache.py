@@ -46,6 +46,22 @@ def test_key_follows_what_shapes_requests(test_tasks, tmp_path):
     assert enable(EvalConfig(tasks=["arc_easy_local"], limit=5), tm, "tok") == {}  # --limit: off
 
 
+def test_key_follows_data_beside_the_task(tmp_path):
+    """A custom_dataset's data file named relative to its code (the demo tasks' JSONL): editing it changes the key,
+    else a full run would be served the requests built from the old documents (lm-eval would score the new ones)."""
+    import mpitp.tasks.demo as demo
+
+    folder = tmp_path / "tasks"
+    shutil.copytree(Path(demo.__file__).parent / "tasks", folder, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = EvalConfig(tasks=["mpitp_demo_mc"], num_fewshot=0, seed=1)
+    base = request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok")
+    (folder / ".mpitp-listing.json").write_text("{}")  # mpitp's own index of the folder: not data
+    assert request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok") == base
+    data = folder / "mpitp_demo_mc.jsonl"
+    data.write_text(data.read_text().replace("What color is the sky on a clear day?", "What color is grass?"))
+    assert request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok") != base
+
+
 def test_cache_file_written_with_the_c_pickler(tmp_path):
     """Inside ``used`` lm-eval's ``save_to_cache`` writes the C pickler's bytes (dill's pure-Python pickler took 2.4
     s of rank 0 for full hellaswag), at lm-eval's own file name, private, read back by lm-eval's ``load_from_cache``;

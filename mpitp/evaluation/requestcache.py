@@ -88,8 +88,12 @@ def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str)
         h.update(json.dumps(entry.cfg, sort_keys=True, default=str).encode())
         folder = os.path.dirname(os.path.abspath(entry.yaml_path))
         for fn in sorted(os.listdir(folder)):  # the task's YAMLs and its utils.py (doc_to_text, process_docs)
+            path = os.path.join(folder, fn)
             if fn.endswith((".yaml", ".yml", ".py", ".jinja")):
-                _file_digest(h, os.path.join(folder, fn))
+                _file_digest(h, path)
+            elif not fn.startswith(".") and os.path.isfile(path):  # data beside them (a custom_dataset's file)
+                st = os.stat(path)
+                h.update(f"{fn}\0{st.st_size}\0{st.st_mtime_ns}".encode())
         for path in sorted(set(_PATH_RE.findall(json.dumps(entry.cfg, default=str)))):
             if os.path.isfile(path):  # local data files (--data-dir): their size and modification time
                 st = os.stat(path)
