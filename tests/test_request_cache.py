@@ -143,3 +143,24 @@ def test_a_cache_that_cannot_be_written_does_not_end_the_run(tmp_path, monkeypat
         lm_task.save_to_cache(file_name="requests-b", obj=[3])
     said = [r.getMessage() for r in caplog.records if "cannot save" in r.getMessage()]
     assert len(said) == 1 and "No space left on device" in said[0], said
+
+
+def test_key_follows_data_files_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """``data_files: data/mc.jsonl`` (datasets resolves it against the working directory): editing it changes the
+    key, else a full run would be served the requests built from the old documents."""
+    import mpitp.tasks.demo as demo
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    data = tmp_path / "data" / "mc.jsonl"
+    shutil.copy(Path(demo.__file__).parent / "tasks" / "mpitp_demo_mc.jsonl", data)
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "relmc.yaml").write_text(
+        "task: relmc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data/mc.jsonl\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: answer\n")
+    cfg = EvalConfig(tasks=["relmc"], num_fewshot=0, seed=1)
+    base = request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok")
+    data.write_text(data.read_text().replace("What color is the sky on a clear day?", "What color is grass?"))
+    assert request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok") != base

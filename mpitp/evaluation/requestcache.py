@@ -67,6 +67,18 @@ def _file_digest(h, path: str) -> None:
         h.update(name + b"\0missing")
 
 
+def _relative_files(value: object) -> list[str]:
+    """The strings in a task's ``dataset_kwargs`` that name files relative to the working directory (``data_files:
+    data/test.jsonl``, as ``datasets`` resolves them), as absolute paths."""
+    if isinstance(value, str):
+        return [os.path.abspath(value)] if not os.path.isabs(value) and os.path.isfile(value) else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _relative_files(v)]
+    return []
+
+
 def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str) -> str | None:
     """A hash of everything that shapes the requests of ``cfg.tasks``, or None when they cannot be keyed."""
     import lm_eval
@@ -94,7 +106,9 @@ def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str)
             elif not fn.startswith(".") and os.path.isfile(path):  # data beside them (a custom_dataset's file)
                 st = os.stat(path)
                 h.update(f"{fn}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-        for path in sorted(set(_PATH_RE.findall(json.dumps(entry.cfg, default=str)))):
+        paths = set(_PATH_RE.findall(json.dumps(entry.cfg, default=str)))
+        paths.update(_relative_files((entry.cfg or {}).get("dataset_kwargs")))
+        for path in sorted(paths):
             if os.path.isfile(path):  # local data files (--data-dir): their size and modification time
                 st = os.stat(path)
                 h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
