@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mpitp.evaluation.checks import task_manager
-from mpitp.evaluation.requestcache import enable, request_key
+from mpitp.evaluation.requestcache import enable, request_key, tokenizer_identity
 from mpitp.evaluation.settings import EvalConfig
 from support import OFFLINE_ENV
 from support.mpi import explain, run_mpi
@@ -164,3 +164,18 @@ def test_key_follows_data_files_relative_to_the_working_directory(tmp_path, monk
     base = request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok")
     data.write_text(data.read_text().replace("What color is the sky on a clear day?", "What color is grass?"))
     assert request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok") != base
+
+
+def test_key_follows_the_chat_template(test_tasks):
+    """The same tokenizer folder with an edited chat template renders other prompts under --apply_chat_template:
+    another key (the name alone kept serving the old template's requests)."""
+    from types import SimpleNamespace
+
+    cfg = EvalConfig(tasks=["arc_easy_local"], num_fewshot=0, seed=1, apply_chat_template=True)
+    tm = task_manager(cfg.tasks, [test_tasks])
+
+    def key(template):
+        return request_key(cfg, tm, tokenizer_identity(SimpleNamespace(chat_template=template), "/m/chat"))
+
+    assert key("Q: {{ m }}") == key("Q: {{ m }}") != key("Question: {{ m }}")
+    assert key(None) == request_key(cfg, tm, "/m/chat")  # no template: the name, as before

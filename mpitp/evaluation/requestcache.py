@@ -67,6 +67,16 @@ def _file_digest(h, path: str) -> None:
         h.update(name + b"\0missing")
 
 
+def tokenizer_identity(tokenizer: object, name: str) -> str:
+    """The tokenizer's part of the key: its name and its chat template (an edited template in the same folder
+    renders other prompts under ``--apply_chat_template``; lm-eval's cache file name holds only the name)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return name
+    text = json.dumps(template, sort_keys=True, default=str)
+    return f"{name}\0chat_template:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
 def _relative_files(value: object) -> list[str]:
     """The strings in a task's ``dataset_kwargs`` that name files relative to the working directory (``data_files:
     data/test.jsonl``, as ``datasets`` resolves them), as absolute paths."""

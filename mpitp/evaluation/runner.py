@@ -441,9 +441,9 @@ class _RootRun:
         cfg = self.cfg
         kwargs = dict(cfg.lm_eval_arguments(), task_manager=tm, evaluation_tracker=tracker)
         if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
-            from mpitp.evaluation.requestcache import cache_dir
+            from mpitp.evaluation.requestcache import cache_dir, tokenizer_identity
 
-            self.request_cache = cache_dir(cfg, tm, self.tokenizer_name)
+            self.request_cache = cache_dir(cfg, tm, tokenizer_identity(self.lm.tokenizer, self.tokenizer_name))
             if self.request_cache:
                 kwargs["cache_requests"] = True
         kwargs.update(extra)
