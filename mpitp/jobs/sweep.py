@@ -92,21 +92,13 @@ def expand_models(spec: str, option: str = "--model") -> list[str]:
 def checkpoint_names(models: list[str]) -> list[str]:
     """A short distinct name per checkpoint for its output file: the directory name, with parents when needed."""
     parts = [os.path.normpath(m).split(os.sep) for m in models]
-
-    def named(depth: int) -> list[str]:
-        return [re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(p[-depth:])) or f"model{i}" for i, p in enumerate(parts)]
-
-    depth = 1
-    names = named(depth)
-    while len(set(names)) < len(names) and depth < max(len(p) for p in parts):
-        depth += 1  # distinct once cleaned: ck/s+1 and ck/s_1 were both s_1.h5, the second replacing the first
-        names = named(depth)
+    for depth in range(1, max((len(p) for p in parts), default=1) + 1):  # distinct once cleaned: ck/s+1 and ck/s_1
+        names = [re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(p[-depth:])) or f"model{i}" for i, p in enumerate(parts)]
+        if len(set(names)) == len(names):  # were both s_1.h5, the second replacing the first
+            return names
     taken: set[str] = set()
-    for i, name in enumerate(names):  # still equal (same folder): the later ones numbered
-        k = 1
-        while names[i] in taken:
-            k += 1
-            names[i] = f"{name}-{k}"
+    for i, name in enumerate(names):  # still equal with every parent: the later ones numbered
+        names[i] = next(n for n in (name, *(f"{name}-{k}" for k in range(2, len(names) + 2))) if n not in taken)
         taken.add(names[i])
     return names
 
