@@ -67,6 +67,13 @@ def _file_digest(h, path: str) -> None:
         h.update(name + b"\0missing")
 
 
+def _stat_digest(h, label: str, path: str) -> None:
+    """``label`` with the size and modification time of the data file at ``path``: an edit changes the key, and
+    reading the file (often large) is not needed for that."""
+    st = os.stat(path)
+    h.update(f"{label}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+
+
 def tokenizer_identity(tokenizer: object, name: str) -> str:
     """The tokenizer's part of the key: its name and its chat template (an edited template in the same folder
     renders other prompts under ``--apply_chat_template``; lm-eval's cache file name holds only the name)."""
@@ -114,14 +121,12 @@ def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str)
             if fn.endswith((".yaml", ".yml", ".py", ".jinja")):
                 _file_digest(h, path)
             elif not fn.startswith(".") and os.path.isfile(path):  # data beside them (a custom_dataset's file)
-                st = os.stat(path)
-                h.update(f"{fn}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+                _stat_digest(h, fn, path)
         paths = set(_PATH_RE.findall(json.dumps(entry.cfg, default=str)))
         paths.update(_relative_files((entry.cfg or {}).get("dataset_kwargs")))
         for path in sorted(paths):
-            if os.path.isfile(path):  # local data files (--data-dir): their size and modification time
-                st = os.stat(path)
-                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+            if os.path.isfile(path):  # local data files (--data-dir)
+                _stat_digest(h, path, path)
     return h.hexdigest()[:24]
 
 
