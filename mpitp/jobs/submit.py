@@ -218,13 +218,18 @@ def _log_dir(job: Job) -> Path:
         shared = umask() & 0o022 != 0o022
     except OSError:
         shared = True
-    return folder / f"mpitp-logs-{os.geteuid()}" if shared else folder
+    return folder / _private_logs() if shared else folder
+
+
+def _private_logs() -> str:
+    """The name of the private log subfolder :func:`_log_dir` picks in a folder others may write."""
+    return f"mpitp-logs-{os.geteuid()}"
 
 
 def _make_log_dir(job: Job) -> None:
     """Make the folder :func:`_log_dir` names; a private subfolder that exists must be this user's alone."""
     folder = _log_dir(job)
-    if folder.name == f"mpitp-logs-{os.geteuid()}":
+    if folder.name == _private_logs():
         from mpitp.results.untrusted import private_dir
 
         problem = private_dir(str(folder))
