@@ -26,14 +26,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("mpitp")
 
 
-def start_loggers(cfg: EvalConfig) -> dict:
-    """Rank 0, before the evaluation (as lm-eval): the tracker, and the W&B / Trackio runs when asked for."""
+def start_loggers(cfg: EvalConfig, t_start: float | None = None) -> dict:
+    """Rank 0, before the evaluation (as lm-eval): the tracker, and the W&B / Trackio runs when asked for.
+
+    ``lm_eval`` makes its tracker before it loads the model, so its ``total_evaluation_time_seconds`` covers loading,
+    tasks, requests and metrics. mpitp makes it once the replicas are loaded: its clock is set back to ``t_start``
+    (``time.perf_counter()`` at the run's start, as the results file's wall time), else the field read the dispatch
+    and metrics only (0.3 s of a 19.5 s run).
+    """
     from lm_eval.loggers import EvaluationTracker
 
     hub = dict(cfg.hf_hub_log_args or {})
     if cfg.output_path:
         hub["output_path"] = cfg.output_path
     tracker = EvaluationTracker(**hub)
+    if t_start is not None:
+        tracker.general_config_tracker.start_time = t_start
     wandb_logger = trackio_logger = None
     if cfg.wandb_args:
         from lm_eval.loggers import WandbLogger

@@ -233,7 +233,7 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
         if lay.is_root:
             tm = task_manager or task_manager_for(cfg)
-            state = _RootRun(cfg, rt, lm, out, stats).evaluate(tm, extra_lm_eval or {})
+            state = _RootRun(cfg, rt, lm, out, stats).evaluate(tm, extra_lm_eval or {}, t_start)
             state.phases.update(phases or {})
         else:
             serve_remote(lay, lm.compute, rt.timeout, stats, idle=leader.idle)
@@ -419,13 +419,14 @@ class _RootRun:
         self.progress(len(indices), sum(weights[i] for i in indices))
 
     # -------------------------------------------------------------------------------------------------- lm-eval
-    def evaluate(self, tm: TaskManager, extra: dict) -> RootResult:
+    def evaluate(self, tm: TaskManager, extra: dict, t_start: float) -> RootResult:
         """Run lm-eval with every request served by :meth:`serve`; lm-eval's outputs written as ``lm_eval`` does.
+        ``t_start``: the run's start (perf_counter), where lm-eval's tracker clock starts too.
         What it returns is for :func:`mpitp.evaluation.finish.finish_root` to write and report."""
         from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
 
         cfg, lm = self.cfg, self.lm
-        loggers = start_loggers(cfg)
+        loggers = start_loggers(cfg, t_start)
         with lm.serving(self.serve, self.clock):
             res, doc_scores = self._simple_evaluate(self._lm_eval_kwargs(tm, extra, loggers["tracker"]))
         self.dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
