@@ -392,3 +392,33 @@ def test_a_checkpoint_folder_named_like_a_pattern_is_that_folder(tmp_path, monke
                    "  - {model: 'mods/m[1]', tasks: arc_easy}\n")
     sweep, single = load_job(job).runs
     assert sweep.model == f"{tmp_path}/mods/m[1],{tmp_path}/mods/m2" and not is_sweep(single.model), single.model
+
+
+def test_a_checkpoints_phases_hold_its_checks_and_load(monkeypatch):
+    """A sweep's file lists rank 0's checks and load seconds, as a single run's does: before, its phases left them
+    out while its wall time held them (17.0 s wall, phases 0.8 s, for the first checkpoint of a sweep)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import mpitp.parallel.runtime as runtime
+    from mpitp.jobs import sweep
+
+    seen = {}
+
+    class _Model:  # weakly referenceable, as a model is
+        pass
+
+    def slow(seconds, value):
+        time.sleep(seconds)
+        return value
+
+    monkeypatch.setattr(sweep, "check_item", lambda *a: slow(0.2, nullcontext()))
+    monkeypatch.setattr(sweep, "_load_everywhere", lambda *a: slow(0.3, _Model()))
+    monkeypatch.setattr(runtime, "barrier_after_load", lambda rt: None)
+    monkeypatch.setattr(sweep, "start_prefetch", lambda *a: None)
+    monkeypatch.setattr(sweep, "evaluate_item", lambda *a, phases=None, **kw: seen.update(phases or {}))
+    cfg = SimpleNamespace(model="ckpts/step-1")
+    rt = SimpleNamespace(world=SimpleNamespace(rank=0, local_rank=0), device="cpu")
+    sweep.run_checkpoint(cfg, rt, sweep.SweepState())
+    assert 0.2 <= seen["checks"] < 0.3 + 1, seen
+    assert 0.3 <= seen["load"] < 0.3 + 1, seen

@@ -118,14 +118,16 @@ def run_adapter(cfg: EvalConfig, rt: Runtime, state: SweepState, base: BaseModel
     """One adapter of the sweep: checks, merge into the base shards, evaluate, restore. Returns lm-eval's results."""
     t_start = time.perf_counter()
     checked = check_item(cfg, rt, state, f"checking {cfg.peft}")
+    phases = {"checks": time.perf_counter() - t_start}  # the merge is this run's load
     with checked:  # the claim on this adapter's output (mpitp.results.claim)
         model = base.get()
         done = _apply_everywhere(model, cfg.peft, rt, base.originals)
+        phases["load"] = time.perf_counter() - t_start - phases["checks"]
         # No parameter of the head changed (same on every rank: each holds its shard of the same parameters): the
         # base's head check stands. A head LoRA or a saved copy of the head re-runs it.
         base.kept.recheck_head = bool(base.head_names & done.touched)
         try:
-            return evaluate_item(model, cfg, rt, state, checked, t_start, kept=base.kept)
+            return evaluate_item(model, cfg, rt, state, checked, t_start, kept=base.kept, phases=phases)
         finally:
             restored = done.restore()
             if rt.world.rank == 0:

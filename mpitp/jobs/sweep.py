@@ -257,10 +257,10 @@ def check_item(cfg: EvalConfig, rt: Runtime, state: SweepState, phase: str) -> C
 
 
 def evaluate_item(model: PreTrainedModel, cfg: EvalConfig, rt: Runtime, state: SweepState, checked: Checked,
-                  t_start: float, kept: KeptChecks | None = None) -> dict | None:
+                  t_start: float, kept: KeptChecks | None = None, phases: dict | None = None) -> dict | None:
     """:func:`mpitp.evaluation.runner.evaluate_loaded` with what a sweep keeps from one model to the next: lm-eval's
-    loaded tasks (memoised) and the prompts' token ids per tokenizer; an adapter sweep's ``kept``
-    (:class:`mpitp.evaluation.runner.KeptChecks`) for its one base."""
+    loaded tasks (memoised), the prompts' token ids per tokenizer, an adapter sweep's ``kept`` (its one base's
+    :class:`~mpitp.evaluation.runner.KeptChecks`); ``phases``: rank 0's checks and load seconds, as a run's own."""
     from mpitp.evaluation.runner import evaluate_loaded
 
     tm = checked.task_manager
@@ -270,7 +270,7 @@ def evaluate_item(model: PreTrainedModel, cfg: EvalConfig, rt: Runtime, state: S
     state.encodings_reused = len(cache or {})
     with memo:
         return evaluate_loaded(model, checked.tokenizer, cfg, rt, out=checked.output, task_manager=tm,
-                               t_start=t_start, encode_cache=cache, kept=kept)
+                               t_start=t_start, phases=phases, encode_cache=cache, kept=kept)
 
 
 def run_checkpoint(cfg: EvalConfig, rt: Runtime, state: SweepState,
@@ -281,6 +281,7 @@ def run_checkpoint(cfg: EvalConfig, rt: Runtime, state: SweepState,
 
     t_start = time.perf_counter()
     checked = check_item(cfg, rt, state, f"checking {cfg.model}")
+    phases = {"checks": time.perf_counter() - t_start}  # the file's phases hold what its wall time does
     with checked:  # the claim on this checkpoint's output (mpitp.results.claim): the next one claims its own
         if state.prefetch is not None:
             state.prefetch.join()  # this checkpoint's files: the previous run read them ahead
@@ -288,8 +289,9 @@ def run_checkpoint(cfg: EvalConfig, rt: Runtime, state: SweepState,
         model = _load_everywhere(cfg, rt)
         testing.report_io("model loaded", rt.world)
         barrier_after_load(rt)
+        phases["load"] = time.perf_counter() - t_start - phases["checks"]
         state.prefetch = start_prefetch(next_model, rt)
-        res = evaluate_item(model, cfg, rt, state, checked, t_start)
+        res = evaluate_item(model, cfg, rt, state, checked, t_start, phases=phases)
     ref = weakref.ref(model)
     del model
     released = ref() is None  # freed by reference counting alone: nothing of the run still holds it
