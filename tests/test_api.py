@@ -26,6 +26,10 @@ def test_evaluate_between_training_steps(shared_dir, tmp_path):
     one = mpitp_requests(str(tmp_path / "eval1.h5"), TASKS)
     two = mpitp_requests(str(tmp_path / "eval2.h5"), TASKS)
     assert set(one) == set(two) and len(one) > 20
+    import h5py
+
+    with h5py.File(tmp_path / "eval1.h5", "r") as f:  # the dtype the model was loaded in, not "auto"
+        assert f.attrs["dtype"] == "float32", f.attrs["dtype"]
     # The weights changed between the calls, so the numbers must too: evaluate saw the live model, not a copy.
     d = [abs(one[k][0] - two[k][0]) for k in one if not np.isnan(one[k][0])]
     assert max(d) > 1e-4

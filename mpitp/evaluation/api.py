@@ -150,7 +150,9 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
                                                        "bootstrap_iters", "seed", "skip_head_check",
                                                        "no_prefix_sharing")
                   if k in lm_eval_kwargs}
-    cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__),
+    # The dtype the caller loaded the model in (the file's ``dtype``; "auto" would read as the checkpoint's own)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__), dtype=dtype,
                      tokenizer=getattr(tokenizer, "name_or_path", tokenizer),
                      tasks=[tasks] if isinstance(tasks, str) else list(tasks), batch_size=batch_size, limit=limit,
                      num_fewshot=num_fewshot, include_path=include_path, output=output, max_length=max_length,
