@@ -91,6 +91,28 @@ def test_prompt_and_answer_from_lm_eval_sample_shapes():
     assert _answer({"filtered_resps": "not a list"}) == "" and _answer({}) == ""
 
 
+def test_answers_of_a_run_without_logged_samples_come_from_its_rows(tmp_path):
+    """A run without --log-samples keeps its answers in its request rows: the Samples view showed its scores beside
+    blank answers (a demo run's 30 generations, stored, shown as '')."""
+    from mpitp.results.reader import load
+    from mpitp.results.report_samples import read_task
+
+    w = ResultWriter(str(tmp_path / "r.h5"), dict(mpitp_version="0.1.0", model="m", tokenizer="m", dtype="float32",
+                                                  world_size=1, tp=1, dp=1, lm_eval_version="0.4.13"))
+    w.append("gen", [dict(doc_id=d, idx=0, kind="generate_until", loglikelihood=float("nan"), is_greedy=False,
+                          generation=f" answer {d}", n_tokens=2, args_hash=f"g{d}") for d in (1, 0)])
+    w.append("mc", [dict(doc_id=d, idx=i, kind="loglikelihood", loglikelihood=-abs(i - d) - 1.0, is_greedy=False,
+                         generation="", n_tokens=1, args_hash=f"m{d}{i}") for d in range(3) for i in range(3)][::-1])
+    for task, kind in (("gen", "generate_until"), ("mc", "multiple_choice")):
+        w.write_task(task, dict(output_type=kind, num_fewshot=0, n_docs=3), {"name": task})
+    w.finish({"results": {"gen": {}, "mc": {}}}, wall_time_s=1.0)
+    w.close()
+    run = load(str(tmp_path / "r.h5"))
+    assert read_task(run, "gen").answers == {0: " answer 0", 1: " answer 1"}
+    assert read_task(run, "mc").answers == {0: "choice 0", 1: "choice 1", 2: "choice 2"}
+    assert read_task(run, "mc").lls == {0: -1.0, 1: -2.0, 2: -3.0}  # each document's first request (idx 0)
+
+
 def test_bad_input_is_one_line_exit_2(tmp_path):
     (tmp_path / "x.h5").write_text("not hdf5")
     res = CliRunner().invoke(report_command, [str(tmp_path / "x.h5"), "-o", str(tmp_path / "r.html")])

@@ -72,7 +72,8 @@ def read_task(run: RunFile, task: str) -> TaskData:
         if isinstance(s.get("doc_id"), int):
             texts[s["doc_id"]] = (_prompt(s)[:DOC_CHARS], str(s.get("target", ""))[:TARGET_CHARS])
             answers[s["doc_id"]] = _answer(s)[:TARGET_CHARS]
-    return TaskData(texts, answers, docscores.read(run.path, task, samples=logged), _lls(run.path, task))
+    lls, from_rows = _from_rows(run.path, task)
+    return TaskData(texts, answers if logged else from_rows, docscores.read(run.path, task, samples=logged), lls)
 
 
 def _scores(ds: DocScores | None) -> dict[int, float | None]:
@@ -84,13 +85,26 @@ def _scores(ds: DocScores | None) -> dict[int, float | None]:
     return {int(d): finite(v) for d, v in zip(ds.doc_id, ds.values[preferred[0]])} if preferred else {}
 
 
-def _lls(path: str, task: str) -> dict[int, float | None]:
-    """doc_id -> the log-likelihood of the document's first request (its first choice or its continuation)."""
+def _from_rows(path: str, task: str) -> tuple[dict[int, float | None], dict[int, str]]:
+    """doc_id -> the log-likelihood of the document's first request (its first choice or its continuation), and
+    doc_id -> its answer as the request rows give it, for a run that logged no samples (its answers were blank
+    beside its scores): a generation's first text (unfiltered: the filters' output is in the samples only), or for
+    a choice among continuations the likeliest, as :func:`_answer` names it."""
     cols = load_requests(path, task)
-    out: dict[int, float | None] = {}
-    for d, ll in zip(cols.get("doc_id", []), cols.get("loglikelihood", [])):
-        out.setdefault(int(d), finite(ll))
-    return out
+    lls: dict[int, float | None] = {}
+    choices: dict[int, list[float]] = {}
+    answers: dict[int, str] = {}
+    for d, kind, ll, text in zip(cols.get("doc_id", []), cols.get("kind", []), cols.get("loglikelihood", []),
+                                 cols.get("generation", [])):
+        d = int(d)
+        lls.setdefault(d, finite(ll))
+        if kind == "generate_until":
+            answers.setdefault(d, str(text)[:TARGET_CHARS])
+        elif kind == "loglikelihood":
+            choices.setdefault(d, []).append(float(ll))
+    for d, c in choices.items():
+        answers[d] = f"choice {c.index(max(c))}"
+    return lls, answers
 
 
 def samples(runs: list[RunFile], labels: list[str], data: dict[tuple[int, str], TaskData], cap: int = SAMPLE_CAP,
