@@ -385,3 +385,23 @@ def test_cli_job_file_error(tmp_path):
     result = CliRunner().invoke(submit_command, [str(bad), "--scheduler", "slurm", *CLI_BASE, "--dry-run"])
     assert result.exit_code == 2
     assert "field 'dtype'" in result.output and "did you mean 'bfloat16'?" in result.output
+
+
+def _readme_submit_lines() -> list[str]:
+    """README's ``mpitp submit`` example commands (continuation lines joined, comments dropped)."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    return [line.split("#")[0].strip() for line in text.splitlines() if line.startswith("mpitp submit jobs/")]
+
+
+def test_readme_submit_examples_render():
+    """Each ``mpitp submit`` line of README renders its script (as --dry-run): the first one asked for 4 GPUs per
+    node for example-llama.yaml, whose Qwen runs are tp=8, and was refused ('tp=8 does not divide gpus-per-node 4')."""
+    import shlex
+
+    lines = _readme_submit_lines()
+    assert len(lines) >= 3, lines
+    for line in lines:
+        args = [a for a in shlex.split(line)[2:] if a != "--wait"]
+        args[0] = str(REPO / args[0])
+        result = CliRunner().invoke(submit_command, [*args, *([] if "--dry-run" in args else ["--dry-run"])])
+        assert result.exit_code == 0, (line, result.output)
