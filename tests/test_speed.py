@@ -301,3 +301,15 @@ def test_log_axis_error_bars_stop_at_the_axis_floor():
     assert list(upper) == list(errs) and lower[1] == 100.0  # only the bar that would leave the axis is cut
     same, limits = error_bars(vals, errs, False)
     assert same is errs and limits is None
+
+
+def test_group_request_counts_add_up_to_the_run():
+    """Rolling windows split over DP groups give groups fractional request counts (win.h5: 2, 1.595, 0.762, 0.643 of
+    5 requests): rounded they read 2 + 2 + 1 + 1 = 6; whole counts stay whole."""
+    from mpitp.results.speed import Share, group_text
+
+    lines = [group_text(Share(str(g), x, 100, 0.1)) for g, x in enumerate([2.0, 1.5952381, 0.76190476, 0.64285714])]
+    shown = [line.split(" requests")[0] for line in lines]
+    assert shown == ["2", "1.60", "0.76", "0.64"], lines
+    assert math.isclose(sum(float(x) for x in shown), 5.0)
+    assert group_text(Share("0", 77.0, 1935, 10.56)).startswith("77 requests, 1935 tokens")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from mpitp.errors import exit_bound
 from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.provenance import redact
+from mpitp.results.speed import count
 from mpitp.results.untrusted import shown
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def report(result: RootResult, all_stats: list[GroupStats], wall: float, head_ch
     for g, s in enumerate(all_stats):
         per_tok = s.tp_score_bytes / max(1, s.tokens_scored)
         stages = f", stage traffic {s.pp_bytes / 1e6:.2f} MB" if s.pp_bytes else ""
-        print(f"DP group {g}: {s.requests:.0f} requests, {s.tokens_scored} tokens scored, "
+        print(f"DP group {g}: {count(s.requests)} requests, {s.tokens_scored} tokens scored, "
               f"{s.tokens_generated} generated, busy {s.busy_s:.1f} s, TP traffic {s.tp_bytes / 1e6:.2f} MB "
               f"({per_tok:.1f} B/scored token in scoring reductions){stages}")
     where = f"; results: {shown(writer.path)}" if writer is not None else ""

@@ -213,6 +213,13 @@ def _sec(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def count(x: float) -> str:
+    """A DP group's request count: whole as it is, else (its shares of rolling requests whose windows other groups
+    computed too) with two decimals, so the groups' counts add up to the run's: rounded, 2.00 + 1.60 + 0.76 + 0.64
+    requests of a 5-request run read 2 + 2 + 1 + 1 = 6."""
+    return f"{x:.0f}" if abs(x - round(x)) < 1e-9 else f"{x:.2f}"
+
+
 def summary_text(s: Speed) -> str:
     """One line for a run (the report's Runs table, a sweep's row): throughput, rank 0 alone, device-seconds,
     the requests' median and p99 latency."""
@@ -240,7 +247,7 @@ def group_text(g: Share) -> str:
     """What one DP group computed and how long its chunks took from dispatch to result."""
     chunks = f", {g.chunks} chunk{'' if g.chunks == 1 else 's'}" if g.chunks is not None else ""
     lat = f", chunk latency {g.latency.text()}" if g.latency is not None else ""
-    return f"{g.requests:.0f} requests, {g.tokens:.0f} tokens, busy {g.busy_s:.2f} s{chunks}{lat}"
+    return f"{count(g.requests)} requests, {g.tokens:.0f} tokens, busy {g.busy_s:.2f} s{chunks}{lat}"
 
 
 def speed_lines(s: Speed) -> list[str]:
