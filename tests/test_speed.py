@@ -177,6 +177,15 @@ def test_inspect_prints_tasks_groups_and_quantiles(tmp_path):
     assert table[4].split() == ["syn_mc", "6", "18", "2.00", "3.00", "9.0", "0.5", "0.9", "1.25", "1.5"]
 
 
+def test_inspect_task_shows_that_tasks_speed_only(tmp_path):
+    """``--task T`` ("Only this task") showed T's metrics above every task's speed row."""
+    r = invoke(make_run(tmp_path / "a.h5"), "--task", "syn_mc")
+    assert r.exit_code == 0, r.output
+    table = r.stdout.split("speed per task", 1)[1].splitlines()
+    assert [row.split()[0] for row in table[3:] if row.strip()] == ["syn_mc"], r.stdout
+    assert "group 0     5 requests" in r.stdout  # the run's own lines stay
+
+
 def test_an_older_file_reads_and_shows_none_of_it(tmp_path):
     r = invoke(make_run(tmp_path / "old.h5", speed_json=None))
     assert r.exit_code == 0, r.output

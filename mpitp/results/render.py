@@ -4,6 +4,7 @@ JSON and the request rows of one task, all from a :class:`mpitp.results.reader.R
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -118,6 +119,8 @@ def render_summary(run: RunFile, task: str | None) -> str:
     else:
         out += "(no tasks)"
     s = speed(run, stats_totals(run))
+    if s is not None and task is not None:  # --task T: T's speed row only, as its metrics (the run's lines stay)
+        s = dataclasses.replace(s, tasks=tuple(t for t in s.tasks if t.name == task))
     per_task = task_table(s) if s is not None else ""
     return out + ("\n\n" + per_task if per_task else "")
 
