@@ -535,3 +535,14 @@ def test_report_of_a_real_mpiexec_run_in_browser(demo_file, tmp_path, browser):
         assert browser.find_element(By.ID, "count").text == f"{n} of {n} documents", task
     browser.save_screenshot(str(tmp_path / "real-samples.png"))
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_a_directorys_files_come_in_a_sweeps_order(tmp_path):
+    """A sweep's folder lists its files step-1, step-10, step-2 by name; the report's Runs table took that order
+    (R2 step-10, R3 step-2) while its sweep chart beside it went step-1, step-2, step-10."""
+    from mpitp.results.report import expand
+
+    for n in (1, 10, 2):
+        (tmp_path / f"step-{n}.h5").write_bytes(b"")
+    files, _ = expand([str(tmp_path)])
+    assert [os.path.basename(f) for f in files] == ["step-1.h5", "step-2.h5", "step-10.h5"]

@@ -39,7 +39,7 @@ from mpitp.results.report_sweep import (
     sweep_panels,
     sweep_tests,
 )
-from mpitp.results.sweepsummary import SUMMARY_GLOB
+from mpitp.results.sweepsummary import SUMMARY_GLOB, natural_key
 from mpitp.results.untrusted import kind, shown
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tu
     files, summaries = [], []
     for p in inputs:
         if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, "*.h5")))
+            found = sorted(glob.glob(os.path.join(p, "*.h5")), key=natural_key)  # a sweep's order: step-2, step-10
             summary_files = sorted(glob.glob(os.path.join(p, SUMMARY_GLOB)))  # one per sweep (summary_path)
             found += summary_files
             for f in found:
