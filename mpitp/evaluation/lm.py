@@ -309,14 +309,12 @@ class MPITPLM(HFLM):
         return texts
 
     def _samples(self, kw: dict) -> bool:
-        """Whether lm-eval's HFLM samples for these generation kwargs (its rule: ``do_sample``, else sampling when a
-        non-zero temperature is given or the model's generation config samples)."""
-        do_sample = kw.get("do_sample")
-        if do_sample is not None:
-            return bool(do_sample)
-        if kw.get("temperature", 0.0) == 0.0:
-            return False
-        return bool(getattr(getattr(self.model, "generation_config", None), "do_sample", False))
+        """Whether lm-eval's HFLM samples for these generation kwargs: its own rule (``normalize_gen_kwargs``, which
+        ``HFLM.generate_until`` applies before ``generate``: ``do_sample`` as given, else sampling when the
+        temperature is above 0), so the model's generation config never decides. A request with ``temperature: 0.8``
+        and no ``do_sample`` samples: it must be seeded alone, or its text would depend on its batch."""
+        return bool(normalize_gen_kwargs(kw, self.max_gen_toks)["do_sample"])
+
     def _score_rows(self, rows: list, tick) -> list:
         """Score rows at the fixed batch size, or with ``--batch_size auto`` bucket by bucket at each one's size."""
         if self.auto is None:
