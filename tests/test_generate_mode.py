@@ -25,3 +25,33 @@ def test_samples_follows_lm_eval(kw, config_samples):
     lm = SimpleNamespace(max_gen_toks=256, model=SimpleNamespace(
         generation_config=SimpleNamespace(do_sample=config_samples)))
     assert MPITPLM._samples(lm, kw) == normalize_gen_kwargs(kw, 256)["do_sample"]
+
+
+def _bare_lm(max_length: int = 512) -> MPITPLM:
+    """An MPITPLM with only what ``generate_until`` reads on rank 0 before dispatch (no model)."""
+    lm = MPITPLM.__new__(MPITPLM)
+    lm._max_length, lm._max_gen_toks, lm.seed, lm.clock = max_length, 256, 1234, None
+
+    def serve(kind, items, weights, requests):
+        return [("", 0) for _ in items]
+
+    lm.serve_requests = serve
+    return lm
+
+
+def _request(kw: dict) -> SimpleNamespace:
+    return SimpleNamespace(args=("Once upon a time", kw), task_name="gen_task", doc_id=0, idx=0)
+
+
+def test_sampling_setting_refused_before_generation():
+    """``--gen_kwargs temperature=0.9,top_k=-1`` on a task without ``do_sample``: lm-eval samples, so transformers
+    builds TopKLogitsWarper(-1), which raised on the DP leader after the load: a traceback and MPI_Abort (rc 1).
+    Now rank 0 refuses it in one line before any request is dispatched."""
+    from mpitp.errors import UsageError
+
+    lm = _bare_lm()
+    with pytest.raises(UsageError, match=r"^task gen_task's generation kwargs .*top_k=-1.*strictly positive"):
+        lm.generate_until([_request({"until": ["\n"], "temperature": 0.9, "top_k": -1})])
+    # greedy (do_sample false: lm-eval drops the temperature, transformers builds no warper) is not refused
+    assert lm.generate_until([_request({"until": ["\n"], "temperature": 0.9, "top_k": -1, "do_sample": False}),
+                              _request({"until": ["\n"], "temperature": 0.0})]) == ["", ""]

@@ -117,8 +117,29 @@ def check_generation(parsed: dict) -> None:
     """Build what ``generate`` builds from ``parsed`` (lm-eval's :func:`generate_kwargs`): transformers'
     ``GenerationConfig`` (its defaults, then the kwargs, which validates them) and its logits processors; the first
     error is refused as one line. Imports torch (transformers' generation code)."""
-    if not parsed:
-        return
+    if parsed:
+        _build_generation(generate_kwargs(parsed), f"--gen_kwargs {shown_kwargs(parsed)}")
+
+
+def check_request_generation(kwargs: dict, default_max_gen_toks: int, task: str) -> None:
+    """One request's generation kwargs as lm-eval hands them to its model (the task's ``generation_kwargs`` with
+    ``--gen_kwargs`` merged in) checked as ``HFLM`` passes them to ``generate``: its ``normalize_gen_kwargs`` decides
+    the mode first (no ``do_sample`` and a temperature above 0: sampling, whatever the model's generation config), so
+    a sampling setting :func:`check_generation` could not judge before the tasks were built (``temperature=0.9,
+    top_k=-1`` on a task without ``do_sample``) is one line naming the task, not a traceback from the DP leader."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    kw = dict(normalize_gen_kwargs(kwargs, default_max_gen_toks))
+    for k in ("until", "max_gen_toks"):  # lm-eval's stopping criteria and max_length, not generate's kwargs
+        kw.pop(k, None)
+    if kw.get("do_sample") is False:  # HFLM._model_generate drops the temperature for greedy decoding
+        kw.pop("temperature", None)
+    _build_generation(kw, f"task {task}'s generation kwargs (with --gen_kwargs merged) {shown_kwargs(kwargs)}")
+
+
+def _build_generation(kw: dict, what: str) -> None:
+    """transformers' ``GenerationConfig`` (its defaults, then ``kw``) and the logits processors ``generate`` would
+    build from it; the first error refused as one line starting with ``what``."""
     import warnings
 
     from transformers import GenerationConfig
@@ -132,13 +153,13 @@ def check_generation(parsed: dict) -> None:
         with warnings.catch_warnings(), compat.replaced("transformers.generation.configuration_utils.logger", quiet):
             warnings.simplefilter("ignore")
             config.update(**compat.attribute(_DEFAULTS)(), defaults_only=True)
-            config.update(**generate_kwargs(parsed))
+            config.update(**kw)
             compat.attribute(_PROCESSORS)(_ModelStandIn(), config, input_ids_seq_length=1, device="cpu")
     except (ValueError, TypeError) as exc:
         why = " ".join(str(exc).split()) or type(exc).__name__
-        raise UsageError(f"--gen_kwargs {shown_kwargs(parsed)}: {why}") from None
+        raise UsageError(f"{what}: {why}") from None
     except Exception as exc:  # noqa: BLE001 - the stand-in lacks what a processor wanted: generate decides
-        log.debug("--gen_kwargs: not checked past %s: %s", type(exc).__name__, exc)
+        log.debug("%s: not checked past %s: %s", what, type(exc).__name__, exc)
 
 
 class _ModelStandIn:

@@ -258,9 +258,25 @@ class MPITPLM(HFLM):
             raise UsageError(f"max_gen_toks {max(new)} leaves no room for the prompt in the model's max_length "
                              f"{self.max_length} (lm-eval refuses it too): lower max_gen_toks (--gen_kwargs) or pass "
                              "a larger --max-length")
+        self._check_generation_kwargs(requests)
         weights = [len(ctx) // 4 + 1 + n for (ctx, _, _), n in zip(items, new)]
         out = self.serve_requests(KIND_GENERATE, items, weights, requests)
         return [text for text, _ in out]
+
+    def _check_generation_kwargs(self, requests: list[Instance]) -> None:
+        """Rank 0, before any generation: each distinct set of generation kwargs (a task's, ``--gen_kwargs`` merged)
+        checked as lm-eval's HFLM will pass it to ``generate``
+        (:func:`~mpitp.evaluation.gen_kwargs_check.check_request_generation`): a bad one is one line here, not a
+        ValueError on the DP leader that meets it first."""
+        from mpitp.evaluation.gen_kwargs_check import check_request_generation
+
+        seen = set()
+        for req in requests:
+            kw = req.args[1]
+            key = repr(sorted(kw.items(), key=lambda item: str(item[0])))
+            if key not in seen:
+                seen.add(key)
+                check_request_generation(kw, self.max_gen_toks, req.task_name)
 
     # ------------------------------------------------------------------ every DP leader: compute a chunk
     def compute(self, kind: str, items: list, tick: Callable[[], object] | None = None) -> list:
