@@ -94,3 +94,48 @@ def test_without_an_eos_every_row_stays():
     got, rows = _generate(model, eos=None)
     assert torch.equal(got, _reference(model, eos=None))
     assert all(r is None for r in rows[1:]), rows
+
+
+def _stops_tokenizer():
+    """stories260K's tokenizer with its '.' token marked special (as ``<|im_end|>`` is in a chat model whose EOS is
+    another token): lm-eval's final decode drops it, its stop-sequence tracker sees it."""
+    from transformers import AddedToken, AutoTokenizer
+
+    from support import STORIES
+
+    tok = AutoTokenizer.from_pretrained(str(STORIES))
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(".", special=True, normalized=False)]})
+    return tok
+
+
+def test_stop_sequence_seen_only_with_special_tokens_keeps_the_row():
+    """With '.' special and ``until: ['.']``, lm-eval's row goes on past the '.' (its text has none to cut at) while
+    another row of its batch has not met one; mpitp finished the row at the '.': stories260K's g_dot task gave
+    'was a big, red ball' where lm-eval gave 'was a big, red ball She loved to play ...' (7 of 12 rows). A row
+    leaves only once lm-eval's text of it is cut (``MPITPLM._text_cut``); every row's tracker done ends all."""
+    from lm_eval.models.utils_hf import stop_sequences_criteria
+
+    from mpitp.evaluation.lm import MPITPLM
+    from mpitp.replica.finished_rows import PerRowStops
+
+    tok = _stops_tokenizer()
+    lm = MPITPLM.__new__(MPITPLM)
+    lm.tokenizer, lm.think_end_token = tok, None
+    ctx = tok.encode("Once upon", add_special_tokens=False)
+
+    def batch(*texts):
+        rows = [ctx + tok.encode(t, add_special_tokens=False) for t in texts]
+        width = max(map(len, rows))
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows])  # right-filled: the last tokens matter alone
+
+    def done(until, *texts):
+        ids = batch(*texts)
+        stops = PerRowStops(stop_sequences_criteria(tok, until, len(ctx), ids.shape[0]), lm._text_cut(until),
+                            len(ctx))
+        return stops(ids, None).tolist()
+
+    assert done(["."], "a big, red ball.", "a big, red ball and") == [False, False]  # '.' dropped from the text
+    assert done(["ball"], "a big, red ball.", "a big, red dog and") == [True, False]  # cut: the row leaves
+    assert done(["."], "a red ball.", "a big dog.") == [True, True]  # lm-eval's verdict: all met '.', all stop
+    lm.think_end_token = "</think>"  # the text kept is after the last one, which may still come: no row alone
+    assert done(["ball"], "a big, red ball.", "a big, red dog and") == [False, False]

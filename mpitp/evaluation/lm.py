@@ -361,7 +361,7 @@ class MPITPLM(HFLM):
                     if greedy:  # a row that met its stop sequence leaves the decode steps (replica.finished_rows)
                         from mpitp.replica.finished_rows import per_row_stops
 
-                        rows = per_row_stops(self.model)
+                        rows = per_row_stops(self.model, self._text_cut(stop))
                 with rows:
                     out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         except RuntimeError as exc:  # torch.multinomial on a NaN/inf distribution (sampling)
@@ -378,6 +378,21 @@ class MPITPLM(HFLM):
         if getattr(self, "_tick", None):
             self._tick()
         return out
+
+    def _text_cut(self, stop: list[str]) -> Callable[[list[int]], bool]:
+        """Whether lm-eval's text of a row's generated ids is already cut by one of ``stop`` (its
+        ``postprocess_generated_text`` of ``tok_decode``, special tokens dropped), so that no later token changes
+        it and the row may leave the decode steps (:class:`~mpitp.replica.finished_rows.PerRowStops`). With a
+        ``think_end_token`` never: lm-eval keeps the text after the last one, which a later token may still bring."""
+        terms = [t for t in stop if t]
+        if self.think_end_token is not None or not terms:
+            return lambda ids: False
+
+        def cut(ids: list[int]) -> bool:
+            text = self.tok_decode(ids)
+            return any(t in text for t in terms)
+
+        return cut
 
 
 def refuse_nonfinite(lls: list[float], instances: Sequence[Instance] | None) -> None:

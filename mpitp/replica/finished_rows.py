@@ -77,10 +77,10 @@ class FinishedRows:
 
 
 @contextlib.contextmanager
-def per_row_stops(model) -> Iterator[None]:
+def per_row_stops(model, cut: Callable[[list[int]], bool] | None = None) -> Iterator[None]:
     """Inside this block ``model.generate`` (this model only) gets the stopping criteria it is passed asked row by row
-    (:class:`PerRowStops`), so that a row that met its stop sequence is finished and padded by ``generate``, and
-    leaves the decode steps (:class:`FinishedRows`); put back on leaving."""
+    (:class:`PerRowStops`, ``cut`` its confirmation), so that a row that met its stop sequence is finished and padded
+    by ``generate``, and leaves the decode steps (:class:`FinishedRows`); put back on leaving."""
     from transformers import StoppingCriteriaList
 
     original = model.generate  # the instance's bound method (the class's GenerationMixin.generate)
@@ -88,7 +88,8 @@ def per_row_stops(model) -> Iterator[None]:
     @functools.wraps(original)
     def generate(*args, stopping_criteria=None, **kwargs):
         if stopping_criteria:
-            stopping_criteria = StoppingCriteriaList([PerRowStops(stopping_criteria)])
+            start = kwargs["input_ids"].shape[1] if torch.is_tensor(kwargs.get("input_ids")) else None
+            stopping_criteria = StoppingCriteriaList([PerRowStops(stopping_criteria, cut, start)])
         return original(*args, stopping_criteria=stopping_criteria, **kwargs)
 
     with compat.replaced("transformers.generation.utils.GenerationMixin.generate", generate, on=model):
@@ -97,18 +98,37 @@ def per_row_stops(model) -> Iterator[None]:
 
 class PerRowStops(StoppingCriteria):
     """Criteria that answer for the whole batch, asked per row: a criterion with a per-row ``done_tracker`` list
-    (lm-eval's ``MultiTokenEOSCriteria``) counts by its tracker, any other by its own answer (per row or for all)."""
+    (lm-eval's ``MultiTokenEOSCriteria``) counts by its tracker, any other by its own answer (per row or for all).
 
-    def __init__(self, criteria):
+    A tracker finds its stop sequence in the last tokens decoded as they are (special tokens kept), but lm-eval
+    decodes the generation without its special tokens before cutting it at the first stop sequence: with a stop
+    sequence that is a special token's text (``<|im_end|>`` where the EOS is another token) the tracker says "done"
+    while the text goes on, and under lm-eval the row keeps generating (the batch stops only when every row's
+    tracker of one sequence is done, and then for every row, as here). So a row a tracker calls done finishes alone
+    only once ``cut`` (its generated ids, from ``start``) says lm-eval's text of it is already cut; without ``cut``
+    or ``start`` no row finishes alone."""
+
+    def __init__(self, criteria, cut: Callable[[list[int]], bool] | None = None, start: int | None = None):
         self.criteria = list(criteria)
+        self.cut = cut if start is not None else None
+        self.start = start
+        self.confirmed: set[int] = set()  # rows whose text lm-eval cuts: finished for good
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        tracked = torch.zeros_like(done)
         for criterion in self.criteria:
             said = criterion(input_ids, scores, **kwargs)
             tracker = getattr(criterion, "done_tracker", None)
             if isinstance(tracker, list) and len(tracker) == len(done):
-                done |= torch.tensor(tracker, dtype=torch.bool, device=done.device)
+                if bool(torch.as_tensor(said).all()):  # lm-eval's own verdict: every row met this one, all stop
+                    return torch.ones_like(done)
+                tracked |= torch.tensor(tracker, dtype=torch.bool, device=done.device)
             else:
                 done |= torch.as_tensor(said, device=done.device).bool()
+        if self.cut is not None:
+            for i in torch.nonzero(tracked & ~done).view(-1).tolist():
+                if i in self.confirmed or self.cut(input_ids[i, self.start:].tolist()):
+                    self.confirmed.add(i)
+                    done[i] = True
         return done
