@@ -1,6 +1,7 @@
-"""Which generate mode mpitp believes lm-eval's HFLM runs for a request's generation kwargs, against lm-eval's own rule
-(``normalize_gen_kwargs``): a sampled request is seeded and generated alone (its text the same in every batch and
-layout), and its sampling settings are checked as transformers' sampling will read them."""
+"""Rank 0's reading of lm-eval's generation settings: which generate mode lm-eval's HFLM runs for a request's
+generation kwargs, against lm-eval's own rule (``normalize_gen_kwargs``: a sampled request is seeded and generated
+alone, its text the same in every batch and layout), its sampling settings checked as transformers' sampling will
+read them, and ``--apply_chat_template`` against the tokenizer."""
 
 from __future__ import annotations
 
@@ -55,3 +56,20 @@ def test_sampling_setting_refused_before_generation():
     # greedy (do_sample false: lm-eval drops the temperature, transformers builds no warper) is not refused
     assert lm.generate_until([_request({"until": ["\n"], "temperature": 0.9, "top_k": -1, "do_sample": False}),
                               _request({"until": ["\n"], "temperature": 0.0})]) == ["", ""]
+
+
+def test_apply_chat_template_without_a_template_is_one_line():
+    """``--apply_chat_template`` with stories260K (no chat template): transformers' ValueError came as a traceback
+    from lm-eval's request building, rc 1; now rank 0 refuses it in one line before any request is built."""
+    from transformers import AutoTokenizer
+
+    from mpitp.errors import UsageError
+    from support import STORIES
+
+    lm = _bare_lm()
+    lm.tokenizer, lm.chat_template_args = AutoTokenizer.from_pretrained(str(STORIES)), {}
+    lm.check_chat_template(False)  # off: nothing asked of the tokenizer
+    with pytest.raises(UsageError, match=r"^--apply_chat_template: the tokenizer cannot apply a chat template: "):
+        lm.check_chat_template(True)
+    lm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    lm.check_chat_template(True)

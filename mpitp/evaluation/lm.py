@@ -166,6 +166,22 @@ class MPITPLM(HFLM):
         finally:
             self.serve_requests = self.clock = None
 
+    def check_chat_template(self, setting: bool | str) -> None:
+        """Rank 0, before lm-eval builds a request: with ``--apply_chat_template``, lm-eval's own selection of the
+        template (a name the tokenizer lacks) and a one-message conversation rendered as lm-eval renders its prompts;
+        what transformers refuses (a tokenizer without any chat template) is one line, not a ValueError traceback
+        from the middle of lm-eval's request building."""
+        if not setting:
+            return
+        from mpitp.errors import UsageError
+
+        try:
+            self.chat_template(setting)
+            self.apply_chat_template([{"role": "user", "content": "Hi"}])
+        except ValueError as exc:
+            why = " ".join(str(exc).split()[:40]) or type(exc).__name__
+            raise UsageError(f"--apply_chat_template: the tokenizer cannot apply a chat template: {why}") from None
+
     @_timed
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """Items are the requests' ``(context, continuation)`` texts, weighed by characters; the DP leader that gets

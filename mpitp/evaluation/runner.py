@@ -426,6 +426,7 @@ class _RootRun:
         from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
 
         cfg, lm = self.cfg, self.lm
+        lm.check_chat_template(cfg.apply_chat_template)
         loggers = start_loggers(cfg, t_start)
         with lm.serving(self.serve, self.clock):
             res, doc_scores = self._simple_evaluate(self._lm_eval_kwargs(tm, extra, loggers["tracker"]))
