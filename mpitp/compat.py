@@ -226,7 +226,7 @@ TARGETS: dict[str, Target] = _by_name((
     Target(_TP, "transformers.distributed.tensor_parallel", "TensorParallelLayer", TRANSFORMERS,
            "mpitp.replica.conv1d_tp, mpitp.replica.channel_tp", kind="read"),
     Target("torch", "torch.distributed.tensor.placement_types", "_StridedShard", TORCH,
-           "mpitp.replica.conv1d_tp, mpitp.replica.channel_tp", kind="read"),
+           "mpitp.replica.conv1d_tp, mpitp.replica.channel_tp, mpitp.replica.dcp_read", kind="read"),
     Target(_TP, "transformers.distributed.parallel_utils", "_use_local_dtensor_params", TRANSFORMERS,
            "mpitp.replica.conv1d_tp, mpitp.replica.channel_tp", kind="read"),
     Target("click", "click.core", "Context", CLICK, "mpitp.cli.inspect", kind="instance", names=("_protected_args",)),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.replica.dcp_names import Entry, Params, Plan
-from mpitp.replica.dcp_read import SliceReader, local_region, read_metadata, storage_reader
+from mpitp.replica.dcp_read import SliceReader, is_strided, local_regions, read_metadata, storage_reader
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -98,7 +98,10 @@ def fill(model: PreTrainedModel, path: str, plan: Plan, config: PreTrainedConfig
             if entry is None:
                 raise UsageError(f"model path {path}: the checkpoint has no tensor for {name}")
             if not reader.fill(entry.key, p.detach()):
-                rest[entry.key] = p.detach()
+                if is_strided(p):
+                    _fill_strided(p.detach(), entry.key, path, metadata)
+                else:
+                    rest[entry.key] = p.detach()
         if rest:  # chunks SliceReader does not parse (compressed, another serialisation): DCP's reader, by chunk
             _dcp_load(rest, path, metadata)
         for name, p in params.items():
@@ -129,6 +132,23 @@ def _dcp_load(state: dict, path: str, metadata: Metadata) -> None:
         dcp.load(state, storage_reader=storage_reader(path, metadata), no_dist=True)
 
 
+def _fill_strided(target: torch.Tensor, key: str, path: str, metadata: Metadata) -> None:
+    """A packed split's shard (:func:`~mpitp.replica.dcp_read.local_regions`) whose chunks :class:`SliceReader` does
+    not parse: DCP's reader would place it where a plain shard lies, so the tensor is read whole (one buffer of its
+    size) and each box copied from it."""
+    import torch
+
+    boxes = local_regions(target)
+    if boxes is None:
+        raise UsageError(f"model path {path}: {key} of shape {list(target.shape)} is split part by part at this "
+                         f"--tp, in parts or pieces that do not divide it; run it with --tp 1")
+    whole = torch.empty(tuple(target.shape), dtype=boxes[0][0].dtype)
+    _dcp_load({key: whole}, path, metadata)
+    with torch.no_grad():
+        for view, lo in boxes:
+            view.copy_(whole[tuple(slice(a, a + n) for a, n in zip(lo, view.shape))])
+
+
 def check_twin(reader: SliceReader, path: str, metadata: Metadata, entry: Entry, target: torch.Tensor) -> None:
     """Refuse, one line naming both, a checkpoint whose ``entry.twin`` (a tied parameter's second name: the head)
     differs from ``entry.key`` (what was loaded: the embedding) in the region ``target`` holds.
@@ -142,9 +162,9 @@ def check_twin(reader: SliceReader, path: str, metadata: Metadata, entry: Entry,
     import torch
     from torch.distributed.tensor import DTensor
 
-    region = local_region(target)
-    if region is not None and region[0].dim() > 0:
-        local, lo = region
+    boxes = local_regions(target)
+    if boxes is not None and len(boxes) == 1 and boxes[0][0].dim() > 0:
+        local, lo = boxes[0]
         rows = max(1, TWIN_BLOCK // max(1, local[0].numel() * local.element_size()))
         for r in range(0, local.shape[0], rows):
             mine = local[r:r + rows]
