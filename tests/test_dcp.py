@@ -110,6 +110,25 @@ def test_tp1_load_equals_the_hf_twin(run):
         assert not m.use_kernels and not load_model(str(run[f"hf/{step}"]), 1, "cpu").use_kernels
 
 
+def test_a_model_without_attention_heads_loads(tmp_path):
+    """A Mamba checkpoint saved by ``dcp.save`` of its own ``state_dict()``: every parameter bit for bit. The load
+    read the head width (``num_attention_heads``) for torchtitan's rotary rows even where no row needs it: an
+    AttributeError traceback on every rank after the weights were read, at any layout."""
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from mpitp.replica.loading import load_model
+    from support.titan_ckpt import save
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=64, hidden_size=16, state_size=4,
+                                                       num_hidden_layers=2, expand=2))
+    ref.config.save_pretrained(tmp_path / "step")
+    save(ref.state_dict(), tmp_path / "step")
+    m = load_model(str(tmp_path / "step"), 1, "cpu", "float32")
+    a, b = m.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 def test_slice_reads_only_the_region_bytes(run):
     """Each rank's region of a tensor, read with pread, equals DCP's own full read, and costs only its own bytes:
     whole rows for a dim-0 (colwise) shard, row segments for a dim-1 (rowwise) one, across chunk boundaries of a

@@ -111,12 +111,14 @@ def fill(model: PreTrainedModel, path: str, plan: Plan, config: PreTrainedConfig
         reader.close()
     log.debug("%s: %.1f MiB read for %d local tensors (%d through DCP's reader)", path, reader.nbytes / 2**20,
               len(params), len(rest))
+    permuted = [name for name in params if plan.entries[name].permute is not None]
+    if not permuted:  # only torchtitan's q/k rows need a head width (Mamba's config has no attention heads)
+        return
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     with torch.no_grad():
-        for name, p in params.items():
-            if plan.entries[name].permute is None:
-                continue
+        for name in permuted:
+            p = params[name]
             local = p.to_local() if isinstance(p, DTensor) or isinstance(p.data, DTensor) else p.data
             heads = local.shape[0] // head_dim
             local.copy_(local.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(local.shape))
