@@ -107,6 +107,35 @@ def test_pipeline_stage_skips_the_head_another_stage_holds(tmp_path):
         assert torch.equal(v, base[k]) == ("q_proj.weight" not in k), k
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rows_a_fix_up_kept_take_their_rows_of_the_adapter(tmp_path, rank):
+    """Falcon-7B's fused ``query_key_value`` (one shared key/value head) is loaded whole at tp=2 and each rank keeps
+    its query heads' rows and the shared ones (``tp_fixups._keep_mqa_rows``, as StarCoder's ``c_attn`` and DBRX's
+    ``Wqkv``): the adapter's ``B @ A`` was compared with that cut weight and a valid adapter refused (hidden 64:
+    "B @ A is (96, 64) but the weight is (64, 64)"). Each rank must hold peft's merged weight's rows for it."""
+    import torch
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from mpitp.replica import adapters, tp_fixups
+
+    def base():
+        torch.manual_seed(0)
+        return FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, multi_query=True, bias=True)).float().eval()
+
+    path = _save_adapter(base(), tmp_path / "a", r=4, lora_alpha=8, target_modules=["query_key_value", "dense"])
+    theirs = _merged_by_peft(base, path)
+    m = base()
+    qkv = [mod for name, mod in m.named_modules() if name.endswith("query_key_value")]
+    for linear in qkv:  # rank `rank` of tp=2: queries 2 x 8 of 32 rows, then the shared key and value rows
+        tp_fixups._keep_mqa_rows(linear, 32, 2, rank)
+    assert adapters.apply(m, adapters.read(path)).changed > 0
+    rows = torch.cat([torch.arange(16 * rank, 16 * rank + 16), torch.arange(32, 48)])
+    for name, p in m.state_dict().items():
+        want = theirs[name][rows] if "query_key_value" in name else theirs[name]
+        assert torch.allclose(p, want, rtol=0, atol=1e-6), name
+
+
 def test_fan_in_fan_out_matches_peft(tmp_path):
     """GPT-2's Conv1D keeps weights as (in, out): ``fan_in_fan_out`` transposes ``B @ A``."""
     import torch

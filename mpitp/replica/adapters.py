@@ -189,12 +189,19 @@ def _local_part(param, name: str = "", path: str = ""):
     """``param``'s local data and where it sits in the whole tensor (a tuple of slices; None: it is the whole).
 
     A DTensor says where its local shard sits (``compute_local_shape_and_global_offset`` of its placements: colwise
-    ``Shard(0)`` rows, rowwise ``Shard(-1)`` columns, replicated whole); a plain tensor holds the whole of it."""
+    ``Shard(0)`` rows, rowwise ``Shard(-1)`` columns, replicated whole); a parameter a fix-up cut by hand says which
+    rows it kept (:func:`~mpitp.replica.tp_fixups.kept_rows`: Falcon-7B's and StarCoder's query heads with the shared
+    key/value rows, DBRX's ``Wqkv``); any other plain tensor holds the whole of it."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
         DTensor = ()  # type: ignore
+    from mpitp.replica.tp_fixups import kept_rows
+
     data = param.data
+    kept = kept_rows(param)
+    if kept is not None:
+        return data, (kept[1].to(data.device), *[slice(None)] * (data.dim() - 1))
     if isinstance(data, DTensor):
         from torch.distributed.tensor import Replicate, Shard
 
@@ -208,6 +215,14 @@ def _local_part(param, name: str = "", path: str = ""):
         shape, offset = compat.attribute(compat.LOCAL_SHARD)(data.shape, data.device_mesh, data.placements)
         return data.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return data, None
+
+
+def _whole_shape(param) -> tuple[int, ...]:
+    """The shape of the whole of ``param`` (a DTensor's global one, that of the tensor a fix-up cut it from)."""
+    from mpitp.replica.tp_fixups import kept_rows
+
+    kept = kept_rows(param)
+    return kept[0] if kept is not None else tuple(param.shape)
 
 
 def _param_owners(model) -> dict[int, list[str]]:
@@ -305,9 +320,9 @@ def _merge(model, adapter: Adapter, stubbed: bool, done: Restore, keep: bool) ->
             p = target(name, "saved parameter")
             if p is None:
                 continue
-            if tuple(full.shape) != tuple(p.shape):
+            if tuple(full.shape) != _whole_shape(p):
                 raise _one_line(adapter.path, f"saved {name} is {tuple(full.shape)} but the model's is "
-                                              f"{tuple(p.shape)}")
+                                              f"{_whole_shape(p)}")
             local, part = _local_slice(p, full.to(p.device), name, adapter.path)
             if keep:
                 done.keep(name, local)
@@ -323,9 +338,9 @@ def _merge(model, adapter: Adapter, stubbed: bool, done: Restore, keep: bool) ->
             if p is None:
                 continue
             fits = pair.b.shape[1] == pair.a.shape[0]
-            if not fits or tuple(pair.shape) != tuple(p.shape):
+            if not fits or tuple(pair.shape) != _whole_shape(p):
                 got = tuple(pair.shape) if fits else f"undefined (B {tuple(pair.b.shape)}, A {tuple(pair.a.shape)})"
-                raise _one_line(adapter.path, f"{pair.module}: B @ A is {got} but the weight is {tuple(p.shape)}")
+                raise _one_line(adapter.path, f"{pair.module}: B @ A is {got} but the weight is {_whole_shape(p)}")
             local, index = _local_part(p, pair.module, adapter.path)
             if keep:
                 done.keep(f"{pair.module}.weight", local)

@@ -183,14 +183,30 @@ def _keep_fused_heads(linear, heads: list[int], tp: int, rank: int) -> None:
     _keep_rows(linear, torch.cat(rows))
 
 
-def _keep_rows(linear, rows) -> None:
-    """Keep ``rows`` of ``linear``'s weight (and bias): its output features become those."""
+WHOLE_ROWS = "_mpitp_whole_rows"
+"""Attribute of a parameter cut by hand to this rank's rows: ``(the whole tensor's shape, the rows it holds)``, so
+that what is merged into it later (a LoRA adapter's ``B @ A``, :mod:`mpitp.replica.adapters`) takes the same rows."""
+
+
+def kept_rows(param) -> tuple[tuple[int, ...], torch.Tensor] | None:
+    """``(whole shape, rows)`` of a parameter a fix-up cut to this rank's rows (:data:`WHOLE_ROWS`), else None."""
+    return getattr(param, WHOLE_ROWS, None)
+
+
+def _rows_of(whole: torch.Tensor, rows: torch.Tensor) -> torch.nn.Parameter:
     import torch
 
     with torch.no_grad():
-        linear.weight = torch.nn.Parameter(linear.weight.index_select(0, rows).contiguous(), requires_grad=False)
-        if linear.bias is not None:
-            linear.bias = torch.nn.Parameter(linear.bias.index_select(0, rows).contiguous(), requires_grad=False)
+        kept = torch.nn.Parameter(whole.index_select(0, rows).contiguous(), requires_grad=False)
+    setattr(kept, WHOLE_ROWS, (tuple(whole.shape), rows.cpu()))
+    return kept
+
+
+def _keep_rows(linear, rows) -> None:
+    """Keep ``rows`` of ``linear``'s weight (and bias): its output features become those."""
+    linear.weight = _rows_of(linear.weight, rows)
+    if linear.bias is not None:
+        linear.bias = _rows_of(linear.bias, rows)
     linear.out_features = int(rows.numel())
 
 
@@ -200,8 +216,7 @@ def _keep_own_rows(module, attr: str, tp: int, rank: int) -> None:
 
     whole = getattr(module, attr)
     per = whole.shape[0] // tp
-    with torch.no_grad():
-        setattr(module, attr, torch.nn.Parameter(whole[rank * per:(rank + 1) * per].clone(), requires_grad=False))
+    setattr(module, attr, _rows_of(whole, torch.arange(rank * per, (rank + 1) * per, device=whole.device)))
 
 
 def _keep_mqa_rows(linear, q_width: int, tp: int, rank: int) -> None:
