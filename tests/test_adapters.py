@@ -136,6 +136,20 @@ def test_rows_a_fix_up_kept_take_their_rows_of_the_adapter(tmp_path, rank):
         assert torch.allclose(p, want, rtol=0, atol=1e-6), name
 
 
+@pytest.mark.mpi
+def test_a_packed_projections_shard_takes_its_rows_of_the_adapter(tmp_path):
+    """GPT-2's ``c_attn`` (LoRA's default target for it), MPT's ``Wqkv``, Mamba's ``in_proj`` are split part by part
+    at tp > 1 (``_StridedShard``); an adapter on them was refused ("sharded as _StridedShard(...) under TP: ...
+    use --tp 1"). The merge's index of ``B @ A`` on each of two ranks must be the rows that rank holds."""
+    from pathlib import Path
+
+    from support.mpi import run_mpi_script
+
+    proc = run_mpi_script(2, Path(__file__).parent / "mpi" / "strided_shards.py", [str(tmp_path), "adapter"],
+                          timeout=120)
+    assert proc.returncode == 0 and "strided adapter ok: 3 checks" in proc.stdout, explain(proc)
+
+
 def test_fan_in_fan_out_matches_peft(tmp_path):
     """GPT-2's Conv1D keeps weights as (in, out): ``fan_in_fan_out`` transposes ``B @ A``."""
     import torch
@@ -152,8 +166,9 @@ def test_fan_in_fan_out_matches_peft(tmp_path):
 
 @pytest.mark.mpi
 def test_adapter_refused_after_the_load_is_printed_once(tmp_path, shared_dir):
-    """A refusal only the loaded shards show (GPT-2's packed c_attn under TP) is met by every rank of the replica;
-    the first in rank order is printed once (it was once per rank), every rank exits 2."""
+    """A refusal only the loaded model shows (an adapter saved from a GPT-2 of three layers on a base of two: GPT-2's
+    packed c_attn under TP was one, until its rows were merged) is met by every rank of the replica; the first in rank
+    order is printed once (it was once per rank), every rank exits 2."""
     import shutil
 
     import torch
@@ -167,12 +182,13 @@ def test_adapter_refused_after_the_load_is_printed_once(tmp_path, shared_dir):
     for f in (shared_dir / "tokenizers" / "gpt2").iterdir():
         if f.name != "config.json":  # the tokenizer's files, not GPT-2's own config
             shutil.copyfile(f, base / f.name)
-    adapter = _save_adapter(GPT2LMHeadModel.from_pretrained(str(base)), tmp_path / "lora", r=2, lora_alpha=4,
-                            target_modules=["c_attn"], fan_in_fan_out=True)
+    other = GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=3, n_head=4))
+    adapter = _save_adapter(other, tmp_path / "lora", r=2, lora_alpha=4, target_modules=["c_attn"],
+                            fan_in_fan_out=True)
     proc = run_mpi(2, ["eval", "--model", str(base), "--peft", adapter, "--tasks", "mpitp_demo_mc", "--include-path",
                        demo_tasks_dir(), "--limit", "2", "--tp", "2", "--output", str(tmp_path / "out.h5")],
                    timeout=300)
-    message = "transformer.h.0.attn.c_attn is sharded as _S(1, 3) under TP: adapters on packed/strided shards"
+    message = "LoRA target transformer.h.2.attn.c_attn.weight is not in the base model (adapter for another model?)"
     assert proc.returncode == 2, explain(proc)
     assert (proc.stdout + proc.stderr).count(message) == 1 and "Traceback" not in proc.stderr, explain(proc)
 

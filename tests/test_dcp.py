@@ -239,8 +239,8 @@ def test_a_packed_projections_shard_is_read_part_by_part_at_tp2(tmp_path):
     shard, by the slice reader and by the fallback for unparsed chunks, must be what ``distribute_tensor`` gives."""
     from support.mpi import explain, run_mpi_script
 
-    proc = run_mpi_script(2, Path(__file__).parent / "mpi" / "dcp_strided.py", [str(tmp_path)], timeout=120)
-    assert proc.returncode == 0 and "dcp_strided ok: 9 checks" in proc.stdout, explain(proc)
+    proc = run_mpi_script(2, Path(__file__).parent / "mpi" / "strided_shards.py", [str(tmp_path), "dcp"], timeout=120)
+    assert proc.returncode == 0 and "strided dcp ok: 9 checks" in proc.stdout, explain(proc)
 
 
 def _variant(run, tmp_path, edit) -> str:

@@ -201,14 +201,18 @@ def _local_part(param, name: str = "", path: str = ""):
     data = param.data
     kept = kept_rows(param)
     if kept is not None:
-        return data, (kept[1].to(data.device), *[slice(None)] * (data.dim() - 1))
+        return data, (kept[1], *[slice(None)] * (data.dim() - 1))  # row numbers on the host, as B and A
     if isinstance(data, DTensor):
         from torch.distributed.tensor import Replicate, Shard
 
         from mpitp import compat
+        from mpitp.replica.channel_tp import strided_index
 
+        packed = strided_index(data)  # a packed projection split part by part: its rows of each part
+        if packed is not None:
+            return data.to_local(), packed
         odd = [pl for pl in data.placements if type(pl) not in (Shard, Replicate)]
-        if odd:  # packed (strided) shards: a rank's part of the weight is not one slice of it
+        if odd:  # any other placement: a rank's part of the weight is not one slice of it
             raise _one_line(path, f"{name} is sharded as {odd[0]} under TP: adapters on packed/strided shards are "
                                   "not supported (use --tp 1)")
 

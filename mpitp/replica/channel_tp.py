@@ -71,6 +71,37 @@ _TP = "transformers.distributed.tensor_parallel"
 FORWARDS = frozenset({LOCAL, LOCAL_SUM, SEQUENTIAL_MLP, RMS_NORM})
 
 
+def strided_starts(size: int, split_factor: int, ranks: int, rank: int) -> tuple[int, list[int]] | None:
+    """Where rank ``rank`` of ``ranks`` finds its rows of a dimension of ``size`` under ``_StridedShard(dim,
+    split_factor)`` (a packed projection split part by part): ``(piece, starts)``, its ``piece`` rows at each start,
+    one per part, in the order it holds them; None where parts or pieces are not whole. torch's chunk list reports
+    such a shard as one block at a plain ``Shard``'s offset, which is not where its rows are."""
+    part = size // split_factor
+    if size % split_factor or part % ranks:
+        return None
+    piece = part // ranks
+    return piece, [p * part + rank * piece for p in range(split_factor)]
+
+
+def strided_index(target) -> tuple | None:
+    """For a DTensor split part by part over a 1-D mesh: the index (a row-number tensor on the split dimension,
+    every other dimension whole) of the whole tensor that its local shard holds; None for any other tensor."""
+    import torch
+
+    strided = compat.attribute("torch.distributed.tensor.placement_types._StridedShard")
+    placements = getattr(target, "placements", ())
+    if len(placements) != 1 or not isinstance(placements[0], strided):
+        return None
+    dim = placements[0].dim % target.dim()
+    mesh = target.device_mesh
+    found = strided_starts(target.shape[dim], placements[0].split_factor, mesh.size(), mesh.get_local_rank())
+    if found is None:
+        return None
+    piece, starts = found
+    rows = torch.cat([torch.arange(s, s + piece) for s in starts])
+    return tuple(rows if d == dim else slice(None) for d in range(target.dim()))
+
+
 def place(module, param: str, mesh, placement) -> None:
     """Replace ``module``'s parameter ``param`` (where it has one) by a DTensor of ``placement`` over ``mesh``, as
     transformers' own styles do in ``shard_param`` (on the meta device: metadata only; the load fills each rank's

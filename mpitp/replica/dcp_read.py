@@ -328,15 +328,15 @@ def strided_boxes(local: torch.Tensor, shape: tuple[int, ...], dim: int, split_f
     """The boxes of rank ``rank`` of ``ranks`` under ``_StridedShard(dim, split_factor)`` of a tensor of global
     ``shape`` (see :func:`local_regions`); None where the parts or pieces are not whole (not a split these boxes
     describe)."""
+    from mpitp.replica.channel_tp import strided_starts
+
     dim %= len(shape)
-    part = shape[dim] // split_factor
-    piece = part // ranks
-    if shape[dim] % split_factor or part % ranks or local.shape[dim] != piece * split_factor \
-            or not local.is_contiguous():
+    found = strided_starts(shape[dim], split_factor, ranks, rank)
+    if found is None or local.shape[dim] != found[0] * split_factor or not local.is_contiguous():
         return None
-    return [(local.narrow(dim, p * piece, piece),
-             tuple(p * part + rank * piece if d == dim else 0 for d in range(len(shape))))
-            for p in range(split_factor)]
+    piece, starts = found
+    return [(local.narrow(dim, i * piece, piece), tuple(start if d == dim else 0 for d in range(len(shape))))
+            for i, start in enumerate(starts)]
 
 
 def _bytes(t):

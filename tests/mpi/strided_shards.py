@@ -1,9 +1,10 @@
-"""A packed projection's shard (``_StridedShard``: GPT-2's ``c_attn``, MPT's ``Wqkv``, Mamba's ``in_proj``) filled
-from a DCP checkpoint at tp=2: each rank's local tensor must be what ``distribute_tensor`` gives it, read by the slice
-reader and by the fallback for chunks it does not parse (torch's chunk list puts such a shard where a plain ``Shard``
-would lie: rank 1 read rows 2-7 of 12 where it holds 2, 3, 6, 7, 10, 11).
+"""A packed projection's shard (``_StridedShard``: GPT-2's ``c_attn``, MPT's ``Wqkv``, Mamba's ``in_proj``) at
+tp=2, where torch's chunk list puts it where a plain ``Shard`` would lie (rank 1: rows 2-7 of 12, where it holds 2,
+3, 6, 7, 10, 11). ``dcp``: filled from a DCP checkpoint, by the slice reader and by the fallback for chunks it does not
+parse, each rank's local tensor must be what ``distribute_tensor`` gives it. ``adapter``: the index a LoRA merge
+takes of the whole ``B @ A`` (:func:`mpitp.replica.adapters._local_part`) must pick those same rows.
 
-Run: mpiexec -n 2 python tests/mpi/dcp_strided.py DIR      (DIR: an empty scratch folder)
+Run: mpiexec -n 2 python tests/mpi/strided_shards.py DIR dcp|adapter      (DIR: an empty scratch folder)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mpitp.errors import install_excepthook
-from mpitp.replica import dcp_load
+from mpitp.replica import adapters, dcp_load
 from mpitp.replica.dcp_read import SliceReader, read_metadata
 
 from _checks import Checks, say
@@ -33,7 +34,7 @@ TENSORS = {"wqkv": (torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5), 0,
 
 
 def main():
-    comm, folder = MPI.COMM_WORLD, sys.argv[1]
+    comm, folder, mode = MPI.COMM_WORLD, sys.argv[1], sys.argv[2]
     if comm.rank == 0:
         dcp_save.save({k: t for k, (t, _, _) in TENSORS.items()}, checkpoint_id=f"{folder}/ck", no_dist=True)
     comm.Barrier()
@@ -44,6 +45,11 @@ def main():
     for name, (full, dim, parts) in TENSORS.items():
         placement = [_StridedShard(dim, split_factor=parts)]
         want = distribute_tensor(full, mesh, placement).to_local()
+        if mode == "adapter":
+            local, index = adapters._local_part(distribute_tensor(full, mesh, placement))
+            check(torch.equal(full[index], want) and torch.equal(local, want), f"{name}: the merge's index on "
+                  f"rank {comm.rank} picks {full[index].flatten().tolist()}, it holds {want.flatten().tolist()}")
+            continue
         for how in ("slice reader", "fallback"):
             target = distribute_tensor(torch.zeros_like(full), mesh, placement)
             if how == "slice reader":
@@ -56,7 +62,7 @@ def main():
             check(torch.equal(got, want), f"{name} by the {how}: rank {comm.rank} holds {got.flatten().tolist()}, "
                                           f"expected {want.flatten().tolist()}")
     dist.destroy_process_group()
-    say(f"dcp_strided ok: {check.count} checks")
+    say(f"strided {mode} ok: {check.count} checks")
 
 
 if __name__ == "__main__":
