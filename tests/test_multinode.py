@@ -85,8 +85,8 @@ def test_dp2_tp2_across_nodes_matches_lm_eval(reference, two_by_two):
     worked and `mpitp` reports two nodes."""
     out, proc = two_by_two
     worst = _check_parity(reference, out)
-    groups = re.findall(r"DP group (\d+): (\d+) requests", proc.stdout)
-    assert [g for g, n in groups if int(n) > 0] == ["0", "1"], proc.stdout[-2000:]
+    groups = re.findall(r"DP group (\d+): ([\d.]+) requests", proc.stdout)  # a share of rolling windows: 6.76
+    assert [g for g, n in groups if float(n) > 0] == ["0", "1"], proc.stdout[-2000:]
     print(f"dp2xtp2 over nodea+nodeb ({mpi_family()}): max relative |d ll| {worst:.2e}, wall {proc.elapsed:.1f} s")
 
 
