@@ -390,3 +390,14 @@ def test_a_json_out_that_cannot_be_written_is_refused_before_the_checks(tmp_path
     assert res.exit_code == 2, res.output
     assert f"--json-out {out}: no such directory" in " ".join(res.output.split()), res.output
     assert "Traceback" not in res.output and isinstance(res.exception, SystemExit), res.output
+
+
+def test_a_job_of_demo_runs_is_ready_and_says_why(tmp_path):
+    """``mpitp check jobs/demo.yaml`` said "ready offline: no tasks": its runs are the built-in demo, left out of the
+    check on purpose (their model and tasks ship with mpitp), which the line did not say."""
+    from mpitp.cli.check import check_command
+    from support import REPO
+
+    res = CliRunner().invoke(check_command, [str(REPO / "jobs" / "demo.yaml")])
+    line = "mpitp check: ready offline: every run is the built-in demo (its model and tasks ship with mpitp)"
+    assert (res.exit_code, res.output.strip()) == (0, line), res.output
