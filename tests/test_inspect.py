@@ -552,6 +552,8 @@ def test_plot_logic_with_recording_figure(syn, syn_running, tmp_path):
     assert titles[3] == "busy per DP group (max/mean 1.33)"
     errorbars = [(who, a, k) for who, what, a, k in log if what == "errorbar"]
     assert [e[0] for e in errorbars] == ["ax1", "ax2"]  # exact_match's stderr is N/A: no error bar
+    assert [a[0].splitlines()[1:] for who, what, a, k in log if what == "suptitle"] == [
+        ["error bars: +/- 1 standard error (lm-eval's stderr)"]]  # what the bars are (the report's are 95% intervals)
     assert errorbars[0][2]["yerr"].tolist() == [0.3333] and errorbars[0][2]["fmt"] == "none"
     assert [a[1] for who, what, a, k in log if who == "ax1" and what == "set_xticks"] == [["syn_mc"]]
     busy = [a for who, what, a, k in log if who == "ax3" and what == "bar"][0]

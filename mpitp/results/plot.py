@@ -69,6 +69,7 @@ def plot_run(run: RunFile, out: str, task: str | None = None, Figure: Callable[.
     fig = Figure(figsize=(width * ncols, 3.6 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
 
+    drew_errors = False
     for ax, ((metric, filt), rows) in zip(axes, panels.items()):
         x = np.arange(len(rows))
         vals = np.array([as_number(r.value) for r in rows], dtype=float)
@@ -80,6 +81,7 @@ def plot_run(run: RunFile, out: str, task: str | None = None, Figure: Callable[.
         if ok.any():
             yerr, limits = error_bars(vals[ok], errs[ok], log, vals[finite])
             ax.errorbar(x[ok], vals[ok], yerr=yerr, fmt="none", ecolor="black", elinewidth=1, capsize=4)
+            drew_errors = True
             if limits is not None:
                 ax.set_ylim(*limits)
         ax.bar_label(bars, labels=[f"{v:.3g}" if np.isfinite(v) else "nan" for v in vals], padding=2, fontsize=8)
@@ -109,5 +111,7 @@ def plot_run(run: RunFile, out: str, task: str | None = None, Figure: Callable[.
     for extra in axes[n_panels:]:
         extra.set_axis_off()
     a = run.attrs
-    fig.suptitle(f"{os.path.basename(run.path)}: {a.get('model', '?')}, {layout_line(a)} ({run.status})")
+    # what the error bars are: the report draws 95% intervals, so an unlabelled bar could be read as one
+    bars_are = "\nerror bars: +/- 1 standard error (lm-eval's stderr)" if drew_errors else ""
+    fig.suptitle(f"{os.path.basename(run.path)}: {a.get('model', '?')}, {layout_line(a)} ({run.status}){bars_are}")
     fig.savefig(out, dpi=120)
