@@ -83,11 +83,11 @@ def strided_starts(size: int, split_factor: int, ranks: int, rank: int) -> tuple
     return piece, [p * part + rank * piece for p in range(split_factor)]
 
 
-def strided_index(target) -> tuple | None:
-    """For a DTensor split part by part over a 1-D mesh: the index (a row-number tensor on the split dimension,
-    every other dimension whole) of the whole tensor that its local shard holds; None for any other tensor."""
-    import torch
-
+def strided_rows(target) -> tuple[int, int, list[int]] | None:
+    """``(dim, piece, starts)`` of a DTensor split part by part over a 1-D mesh (``_StridedShard``): its ``piece``
+    rows of dimension ``dim`` at each start (:func:`strided_starts`); None for any other tensor, or a split whose
+    parts or pieces are not whole. What a LoRA merge (:func:`strided_index`) and the DCP reader
+    (:func:`mpitp.replica.dcp_read.local_regions`) both need to know of such a shard."""
     strided = compat.attribute("torch.distributed.tensor.placement_types._StridedShard")
     placements = getattr(target, "placements", ())
     if len(placements) != 1 or not isinstance(placements[0], strided):
@@ -95,9 +95,18 @@ def strided_index(target) -> tuple | None:
     dim = placements[0].dim % target.dim()
     mesh = target.device_mesh
     found = strided_starts(target.shape[dim], placements[0].split_factor, mesh.size(), mesh.get_local_rank())
+    return None if found is None else (dim, *found)
+
+
+def strided_index(target) -> tuple | None:
+    """For a DTensor split part by part over a 1-D mesh: the index (a row-number tensor on the split dimension,
+    every other dimension whole) of the whole tensor that its local shard holds; None for any other tensor."""
+    import torch
+
+    found = strided_rows(target)
     if found is None:
         return None
-    piece, starts = found
+    dim, piece, starts = found
     rows = torch.cat([torch.arange(s, s + piece) for s in starts])
     return tuple(rows if d == dim else slice(None) for d in range(target.dim()))
 

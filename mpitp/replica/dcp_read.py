@@ -306,11 +306,16 @@ def local_regions(target: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, .
         return [(target, (0,) * target.dim())]
     local = target.to_local()
     if is_strided(target):
-        if len(target.placements) != 1:
+        from mpitp.replica.channel_tp import strided_rows
+
+        found = strided_rows(target)  # None: parts or pieces not whole (not a split these boxes describe)
+        if found is None:
             return None
-        mesh = target.device_mesh
-        return strided_boxes(local, tuple(target.shape), target.placements[0].dim,
-                             target.placements[0].split_factor, mesh.size(), mesh.get_local_rank())
+        dim, piece, starts = found
+        if local.shape[dim] != piece * len(starts) or not local.is_contiguous():
+            return None
+        return [(local.narrow(dim, i * piece, piece), tuple(start if d == dim else 0 for d in range(local.dim())))
+                for i, start in enumerate(starts)]
     regions = target.__create_chunk_list__()
     if len(regions) != 1 or tuple(regions[0].sizes) != tuple(local.shape) or not local.is_contiguous():
         return None
@@ -321,22 +326,6 @@ def is_strided(target: torch.Tensor) -> bool:
     """Whether ``target`` is a DTensor split part by part (``_StridedShard``: see :func:`local_regions`)."""
     strided = compat.attribute("torch.distributed.tensor.placement_types._StridedShard")
     return any(isinstance(p, strided) for p in getattr(target, "placements", ()))
-
-
-def strided_boxes(local: torch.Tensor, shape: tuple[int, ...], dim: int, split_factor: int, ranks: int,
-                  rank: int) -> list[tuple[torch.Tensor, tuple[int, ...]]] | None:
-    """The boxes of rank ``rank`` of ``ranks`` under ``_StridedShard(dim, split_factor)`` of a tensor of global
-    ``shape`` (see :func:`local_regions`); None where the parts or pieces are not whole (not a split these boxes
-    describe)."""
-    from mpitp.replica.channel_tp import strided_starts
-
-    dim %= len(shape)
-    found = strided_starts(shape[dim], split_factor, ranks, rank)
-    if found is None or local.shape[dim] != found[0] * split_factor or not local.is_contiguous():
-        return None
-    piece, starts = found
-    return [(local.narrow(dim, i * piece, piece), tuple(start if d == dim else 0 for d in range(len(shape))))
-            for i, start in enumerate(starts)]
 
 
 def _bytes(t):
