@@ -43,9 +43,13 @@ def _answer(s: dict) -> str:
             not (len(resps[0]) == 2 and isinstance(resps[0][0], (int, float))):
         resps = resps[0]  # [["4"]] -> ["4"]
     if all(isinstance(r, list) and r and isinstance(r[0], (int, float)) for r in resps):
-        lls = [float(r[0]) for r in resps]
-        return f"choice {lls.index(max(lls))}"
+        return _likeliest([float(r[0]) for r in resps])
     return str(resps[0]) if isinstance(resps[0], str) else json.dumps(resps[0])
+
+
+def _likeliest(lls: list[float]) -> str:
+    """A choice among continuations as the report names it: the index of the likeliest (the first of equals)."""
+    return f"choice {lls.index(max(lls))}"
 
 
 @dataclass
@@ -89,7 +93,7 @@ def _from_rows(path: str, task: str) -> tuple[dict[int, float | None], dict[int,
     """doc_id -> the log-likelihood of the document's first request (its first choice or its continuation), and
     doc_id -> its answer as the request rows give it, for a run that logged no samples (its answers were blank
     beside its scores): a generation's first text (unfiltered: the filters' output is in the samples only), or for
-    a choice among continuations the likeliest, as :func:`_answer` names it."""
+    a choice among continuations the likeliest (:func:`_likeliest`)."""
     cols = load_requests(path, task)
     lls: dict[int, float | None] = {}
     choices: dict[int, list[float]] = {}
@@ -103,7 +107,7 @@ def _from_rows(path: str, task: str) -> tuple[dict[int, float | None], dict[int,
         elif kind == "loglikelihood":
             choices.setdefault(d, []).append(float(ll))
     for d, c in choices.items():
-        answers[d] = f"choice {c.index(max(c))}"
+        answers[d] = _likeliest(c)
     return lls, answers
 
 
