@@ -316,13 +316,18 @@ def test_bad_gen_kwargs_under_mpiexec(tmp_path):
      "max_gen_toks 16 leaves no room for the prompt in the model's max_length 16 (lm-eval refuses it too)"),
     (("--model", str(STORIES), "--tasks", "arc_easy", "--data-dir", str(SHARED / "data"), "--max-length", "2"),
      "which lm-eval cannot score with the model's max_length 2 (it must be 1 to max_length tokens)"),
-], ids=["max-gen-toks", "long-continuation"])
+    (("--model", str(STORIES), "--tasks", "arc_easy", "--data-dir", str(SHARED / "data"), "--apply_chat_template"),
+     "--apply_chat_template: the tokenizer cannot apply a chat template: "),
+], ids=["max-gen-toks", "long-continuation", "no-chat-template"])
 def test_requests_lm_eval_cannot_score_are_one_line(args, message, tmp_path):
     """What lm-eval refuses by an assertion once its requests are built (a traceback from whichever rank met it): one
-    line and exit 2, the file left 'running' for a --resume with a larger --max-length."""
+    line and exit 2, the file left 'running' for a --resume with a larger --max-length. A tokenizer without a chat
+    template is refused after the load too (the checks do not load the tokenizer), but before the file is made: a
+    rerun without the flag needs no --resume."""
     proc = run_mpi(2, ["eval", *args, "--tp", "2", "--limit", "2", "--output", "out.h5"], timeout=120,
                    cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, explain(proc)
     assert "Traceback" not in out and out.count(message) == 1, explain(proc)
     assert any(ln.startswith("mpitp: error: ") and message in ln for ln in proc.stderr.splitlines()), explain(proc)
+    assert (tmp_path / "out.h5").exists() == ("--apply_chat_template" not in args), explain(proc)

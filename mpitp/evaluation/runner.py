@@ -324,6 +324,7 @@ class _RootRun:
         self.tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
         self.clock = PhaseClock()
         self.request_cache: str | None = None  # lm-eval's request cache folder for this run (set with its arguments)
+        lm.check_chat_template(cfg.apply_chat_template)  # before the file: a refused run leaves no 'running' file
         t0 = time.perf_counter()
         self.writer, self.stored = self._open_writer()
         self.clock.add("writing", time.perf_counter() - t0)
@@ -426,7 +427,6 @@ class _RootRun:
         from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
 
         cfg, lm = self.cfg, self.lm
-        lm.check_chat_template(cfg.apply_chat_template)
         loggers = start_loggers(cfg, t_start)
         with lm.serving(self.serve, self.clock):
             res, doc_scores = self._simple_evaluate(self._lm_eval_kwargs(tm, extra, loggers["tracker"]))
