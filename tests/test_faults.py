@@ -237,10 +237,10 @@ def test_stall_longer_than_timeout_fails_naming_the_phase(layout, tmp_path):
     took = job.t_end - t_rows
     assert rc != 0, job.explain()
     assert took < 25, f"job ended {took:.1f} s after the first rows (stall 40 s, timeout 10 s)\n{job.explain()}"
-    phases = re.findall(r"timed out after 10 s in phase '([^']+)'", job.stderr)
+    phases = re.findall(r"timed out after \d+ s in phase '([^']+)'", job.stderr)
     assert phases, job.explain()
-    assert set(phases) <= {"TP worker waiting for its leader", "DP leader waiting for work from rank 0",
-                           "pipeline stage 1 waiting for its leader"}, phases
+    assert set(phases) <= {"TP worker waiting for its leader rank 0", "DP leader waiting for work from rank 0",
+                           "pipeline stage 1 waiting for its leader rank 0"}, phases
     fatal = re.findall(r"mpitp: error: rank (\d+) on \S+: timed out", job.stderr)
     assert fatal, job.explain()
     assert "Traceback" not in job.stderr, job.explain()  # a deadline is one line, never a traceback
@@ -249,6 +249,29 @@ def test_stall_longer_than_timeout_fails_naming_the_phase(layout, tmp_path):
     print(f"40 s stall of rank 0, --timeout 10: failed {took:.1f} s after the first rows "
           f"(total wall {job.t_end - job.t0:.1f} s), ranks {fatal} reported phase(s) {sorted(set(phases))}, "
           f"{n} rows kept")
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["tp-worker", "dp-leader"])
+def test_a_stopped_rank_is_named_in_one_line(victim, tmp_path):
+    """SIGSTOP of one rank at dp2 x tp2, --timeout 10: a chain of waits follows it (its TP peer in a collective, rank
+    0 for its group's results or its next chunk, the TP workers for their leaders). Only the nearest wait speaks: one
+    line naming the stopped rank (before: rank 0's 'TP all-reduce' and rank 2's 'waiting for work from rank 0', both
+    at 10 s, neither naming rank 1)."""
+    out = tmp_path / "stop.h5"
+    with Launch(4, STALL_TASK + ["--tp", "2", "--timeout", "10", "--output", str(out)],
+                env={"MPITP_TEST_STALL": f"between_chunks:{STRIKE_STALL_S}"}) as job:
+        job.wait_rows(out)
+        pid = job.rank_pids()[victim]
+        t_strike = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            job.gone_within(t_strike, 40)
+        finally:
+            os.kill(pid, signal.SIGCONT) if job.ranks_alive() else None
+    lines = re.findall(r"mpitp: error: rank \d+ on \S+: timed out after \d+ s in phase '([^']+)'", job.stderr)
+    assert len(lines) == 1 and re.search(rf"\brank {victim}$", lines[0]), job.explain()
+    assert "Traceback" not in job.stderr, job.explain()
+    print(f"rank {victim} stopped: one line, phase {lines[0]!r}")
 
 
 def test_oom_retry_gives_the_same_results(tmp_path):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from mpitp import testing
 from mpitp.evaluation.requestlog import RequestLog
 from mpitp.parallel import comm as mpicomm
+from mpitp.parallel.deadline import later_deadline
 from mpitp.parallel.walltime import hold_if_stopping
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class Dispatcher:
     def __init__(self, layout: Layout, compute: Compute, timeout: float, stats: Stats | None, prefetch: int = 2,
                  per_group: int = 4, batch_size: int = 1, idle: Callable[[], None] | None = None):
         self.comm = layout.dp_leader_comm
+        self.layout = layout  # its DP leaders' world ranks are named when a group's results are late
         self.n_groups = layout.dp
         self.compute = compute
         self.timeout = timeout
@@ -169,8 +171,9 @@ class Dispatcher:
 
         def receive(block: bool) -> bool:
             if block:
-                got = mpicomm.recv_obj(self.comm, tag=TAG_RESULT, timeout=self.timeout,
-                                       phase=f"waiting for {kind} results from DP groups")
+                late = mpicomm.rank_words(self.layout.leader_ranks[d] for d in held.values())
+                got = mpicomm.recv_obj(self.comm, tag=TAG_RESULT, timeout=later_deadline(self.timeout, 1),
+                                       phase=f"waiting for {kind} results from DP leader {late}")
             else:  # a matched probe: the message looked at is the one received (see mpicomm._matched_head)
                 got = mpicomm.try_recv_obj(self.comm, tag=TAG_RESULT)
                 if got is None:
@@ -229,7 +232,7 @@ def serve_remote(layout: Layout, compute: Compute, timeout: float, stats: Stats 
     pending = None
     busy = False  # inside a run: rank 0 is handing out chunks
     while True:
-        msg, _, _ = mpicomm.recv_obj(comm, source=0, tag=TAG_WORK, timeout=timeout if busy else None,
+        msg, _, _ = mpicomm.recv_obj(comm, source=0, tag=TAG_WORK, timeout=later_deadline(timeout, 1) if busy else None,
                                      phase="DP leader waiting for work from rank 0")
         if msg[0] == "stop":
             break

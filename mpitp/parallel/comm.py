@@ -62,6 +62,27 @@ def wait(request: MPI.Request, timeout: float | None, phase: str) -> MPI.Status:
     return status
 
 
+def others(comm: MPI.Comm) -> str:
+    """The other ranks of ``comm`` by their world rank ("rank 1", "ranks 1, 2, 3"), for the phase of a wait on them:
+    a collective cannot tell which peer did not arrive, but with two ranks that is the one named, and with more the
+    user learns which ranks (and so which nodes) to look at."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world)
+    finally:
+        group.Free()
+        world.Free()
+    return rank_words(r for r in ranks if r != MPI.COMM_WORLD.Get_rank())
+
+
+def rank_words(ranks) -> str:
+    """World ranks as a deadline's phase names them: "rank 1", "ranks 1, 2, 3"."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return "no other rank"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def barrier(comm: MPI.Comm, timeout: float | None = DEFAULT_TIMEOUT, phase: str = "barrier") -> None:
     """A barrier with a deadline (``Ibarrier`` + polling), never a busy spin."""
     wait(comm.Ibarrier(), timeout, phase)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.comm import Poller
 from mpitp.parallel.deadline import torch_deadline
 
@@ -52,6 +53,8 @@ class MPIReductions:
         if len(self.ranks) != comm.Get_size():
             raise ValueError(f"TP group of {len(self.ranks)} ranks against an MPI communicator of {comm.Get_size()}")
         self._ours: dict[int, bool] = {}  # id(group) -> whether it is this TP group (transformers passes its mesh's)
+        peers = mpicomm.others(comm)
+        self.phases = (f"TP all-reduce with {peers}", f"TP all-gather with {peers}")
 
     def takes(self, tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
         """Whether this tensor, reduced over ``group``, goes over MPI (every rank decides the same: same dtype,
@@ -68,14 +71,14 @@ class MPIReductions:
         """``dist.all_reduce(tensor, op)`` in place, over MPI."""
         buf = tensor.detach().numpy()
         self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, MPI_TYPES[tensor.dtype]], op=self.ops[op]),
-                   "TP all-reduce")
+                   self.phases[0])
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, in rank order."""
         out = torch.empty((self.comm.Get_size(), *tensor.shape), dtype=tensor.dtype)
         kind = MPI_TYPES[tensor.dtype]
         self._wait(self.comm.Iallgather([tensor.detach().contiguous().numpy(), kind], [out.numpy(), kind]),
-                   "TP all-gather")
+                   self.phases[1])
         return out
 
     def _wait(self, req: MPI.Request, phase: str) -> None:

@@ -13,7 +13,23 @@ from mpitp.errors import DeadlineError
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["deadline_error", "torch_deadline"]
+__all__ = ["deadline_error", "later_deadline", "torch_deadline"]
+
+#: How much later a wait gives up for each wait that may stand between it and a stall. A chain of waits starts at a
+#: stalled rank: its TP peers wait in a collective (``--timeout``); rank 0, waiting for a DP group's results, and a
+#: remote DP leader, waiting for rank 0's next chunk, wait on a rank that may be in such a collective (one step); a TP
+#: worker waits for its leader, which may be in either (two steps). Each step gives up this much later, so the line
+#: printed is the nearest rank's, naming its phase and the ranks it waited for, and its abort ends the job before
+#: the others, which could only blame the rank they wait for, give up too. Measured before: a SIGSTOP of rank 1 at
+#: dp2 x tp2, --timeout 10, printed rank 0's 'TP all-reduce' and rank 2's 'waiting for work from rank 0' at 10 s.
+#: Longer than a forward (the most by which one wait may start before the next one in the chain) and than
+#: :data:`mpitp.errors.ABORT_GRACE_S` plus an abort.
+STEP_GRACE_S = 5.0
+
+
+def later_deadline(timeout: float | None, steps: int) -> float | None:
+    """The deadline of a wait ``steps`` waits away from a stall (see :data:`STEP_GRACE_S`); None: no deadline."""
+    return None if timeout is None else timeout + steps * STEP_GRACE_S
 
 
 def deadline_error(timeout: float | None, phase: str) -> DeadlineError:

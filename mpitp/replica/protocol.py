@@ -24,6 +24,7 @@ runs out of memory names them in its one line, as the leader would (:meth:`Contr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ import torch
 
 from mpitp.errors import ReplicaOutOfMemory
 from mpitp.parallel import comm as mpicomm
-from mpitp.parallel.deadline import torch_deadline
+from mpitp.parallel.deadline import later_deadline, torch_deadline
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -49,11 +50,6 @@ OP_IDLE = "idle"
 
 #: What a forward raises when its device is out of memory.
 OOM_ERRORS = (torch.OutOfMemoryError,)
-
-# How long a worker waits beyond its leader's deadline: when a stall upstream trips the deadline, the leader's
-# message (which names the upstream phase) is the one the user sees.
-WORKER_GRACE_S = 5.0
-
 
 @dataclass
 class Message:
@@ -81,6 +77,11 @@ class ControlChannel:
         self.group = tp_group if layout.pp == 1 else None
         self.counter = counter
 
+    @functools.cached_property
+    def peers(self) -> str:
+        """The replica's other ranks, named by a deadline's phase."""
+        return mpicomm.others(self.layout.replica_comm)
+
     @property
     def has_workers(self) -> bool:
         return self.size > 1
@@ -91,14 +92,14 @@ class ControlChannel:
         tensors = {k: t.contiguous() for k, t in (tensors or {}).items()}
         specs = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()]
         mpicomm.bcast_obj({"op": op, "meta": meta, "specs": specs}, self.layout.replica_comm, root=0,
-                          timeout=self.timeout, phase=phase)
+                          timeout=self.timeout, phase=f"{phase} with {self.peers}")
         for t in tensors.values():
             self._broadcast(t, phase)
 
     def recv(self, phase: str, idle: bool = False) -> Message:
         """Worker: the next message's dict (its tensors come with :meth:`recv_tensors`). An idle worker (its leader
         between dispatch runs) waits without a deadline."""
-        timeout = None if idle else self.timeout + WORKER_GRACE_S
+        timeout = None if idle else later_deadline(self.timeout, 2)  # its leader may wait for rank 0
         msg = mpicomm.bcast_obj(None, self.layout.replica_comm, root=0, timeout=timeout, phase=phase)
         return Message(msg["op"], msg["meta"], msg["specs"])
 
@@ -119,7 +120,7 @@ class ControlChannel:
 
             if self.counter is not None:
                 self.counter.add(t)
-            with torch_deadline(phase, self.timeout):  # gloo's timeout: the one line naming the phase
+            with torch_deadline(f"{phase} with {self.peers}", self.timeout):  # gloo's timeout: one line naming it
                 dist.broadcast(t, src=0, group=self.group)
         return t
 

@@ -43,8 +43,8 @@ class ReplicaWorker:
         self.buffers = BufferPool(shard.device)
         self.gen = GenerationState(shard, timeout)
         lay = shard.layout
-        self.wait_phase = ("TP worker waiting for its leader" if not shard.pipeline or lay.first_stage
-                           else f"pipeline stage {lay.pp_rank} waiting for its leader")
+        who = "TP worker" if not shard.pipeline or lay.first_stage else f"pipeline stage {lay.pp_rank}"
+        self.wait_phase = f"{who} waiting for its leader rank {lay.replica_ranks[0]}"
 
     def serve(self) -> None:
         """Mirror the leader's forwards until it says stop.
