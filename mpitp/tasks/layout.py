@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_glob, refuse_unsafe, resolved
+from mpitp.tasks.offline import SPLIT_KEYS, DataDirError, UnsafeName, refuse_unsafe, resolved, safe_data_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -253,9 +253,7 @@ def group_override(group: str, entry, served: dict[int, dict]) -> dict:
 
 def resolve(names: Iterable[str], data_dir: str | Path, index: dict, num_fewshot: int | None = None) -> Resolution:
     """What DATA serves for ``names``: an override config per leaf task found there (see the module docstring)."""
-    data = resolved(data_dir)
-    refuse_unsafe(data, "--data-dir")  # a link in a group folder may point at any name
-    refuse_glob(data)
+    data = safe_data_dir(data_dir)
     res = Resolution(leaves=expand(names, index))
     in_groups: dict[str, dict[int, tuple[str, dict]]] = {}
     for leaf in res.leaves:

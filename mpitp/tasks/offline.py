@@ -212,14 +212,20 @@ def data_dir_problem(data_dir: str | Path) -> str | None:
     return f"--data-dir {shown(data_dir)}: {'not a directory' if path.exists() else 'no such directory'}"
 
 
+def safe_data_dir(data_dir: str | Path) -> Path:
+    """``data_dir`` :func:`resolved`, refused when its real name holds a control character or glob characters (a link
+    in a group folder may point at any name; ``datasets`` expands a glob in a data file's path)."""
+    path = resolved(data_dir)
+    refuse_unsafe(path, "--data-dir")
+    refuse_glob(path)
+    return path
+
+
 def _check_data_dir(data_dir: str | Path) -> Path:
     problem = data_dir_problem(data_dir)
     if problem:
         raise DataDirError(problem)
-    resolved = Path(data_dir).expanduser().resolve()
-    refuse_unsafe(resolved, "--data-dir")  # a link in a group folder may point at any name
-    refuse_glob(resolved)
-    return resolved
+    return safe_data_dir(data_dir)
 
 
 SPLIT_WORDS = MappingProxyType({"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
