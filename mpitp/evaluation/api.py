@@ -50,6 +50,7 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     inferred from the model's TP process group (tp=1 when it has none). Returns lm-eval's results dict on global
     rank 0 and None elsewhere; writes HDF5 only when ``output`` is given (replacing it unless ``overwrite=False``).
     Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...);
+    ``data_dir`` serves tasks offline from local files, as ``mpitp eval --data-dir`` does;
     ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
     (:mod:`mpitp.replica.headcheck`); ``no_prefix_sharing=True`` scores every row on its own
     (:mod:`mpitp.replica.prefix`). ``timeout`` bounds the MPI waits (handing out requests, the closing barrier);
@@ -136,6 +137,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
               timeout, max_length, device, overwrite, lm_eval_kwargs):
     import torch
 
+    from mpitp.evaluation.checks import remove_generated
     from mpitp.evaluation.runner import evaluate_loaded
     from mpitp.evaluation.settings import EvalConfig
     from mpitp.parallel.replica_group import ReplicaGroup, backend_for
@@ -146,10 +148,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
                  replica_group=ReplicaGroup(size=layout.replica_size, rank=layout.replica_rank, tp_size=layout.tp,
                                             tp_rank=layout.tp_rank, backend=backend_for(dev), device=dev,
                                             tp_group=group))
-    cfg_fields = {k: lm_eval_kwargs.pop(k) for k in ("gen_kwargs", "apply_chat_template", "log_samples",
-                                                       "bootstrap_iters", "seed", "skip_head_check",
-                                                       "no_prefix_sharing")
-                  if k in lm_eval_kwargs}
+    cfg_fields = {k: lm_eval_kwargs.pop(k) for k in CONFIG_KEYWORDS if k in lm_eval_kwargs}
     # The dtype the caller loaded the model in (the file's ``dtype``; "auto" would read as the checkpoint's own)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__), dtype=dtype,
@@ -164,15 +163,18 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     from mpitp import compat
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
-    task_manager = _checked(cfg, layout, timeout)
+    tasks = _checked(cfg, layout, timeout, lm_eval_kwargs)
     was_training = model.training
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
     try:
         with torch.no_grad():
-            result = evaluate_loaded(model, tokenizer, cfg, rt, out=output, task_manager=task_manager,
+            result = evaluate_loaded(model, tokenizer, cfg, rt, out=output,
+                                     task_manager=tasks.task_manager if tasks is not None else None,
                                      extra_lm_eval=lm_eval_kwargs)
     finally:
+        if tasks is not None:
+            remove_generated(tasks.include)  # data_dir's task YAMLs: each call writes its own, in the temp folder
         model.train(was_training)
         if attention is not None and compat.attention_implementation(model.config) != attention:
             model.set_attn_implementation(attention)  # the caller's model goes back exactly as it came
@@ -182,14 +184,16 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     return result
 
 
-def _checked(cfg, layout: Layout, timeout: float):
-    """The run's values and task names checked on global rank 0 before any rank starts serving, the verdict shared
-    (:func:`mpitp.parallel.runtime.agree`): a refusal is a :class:`~mpitp.errors.UsageError` on every rank alike.
-    Found on rank 0 alone after the others had begun to serve, an unknown task or ``limit=0`` left them inside a
-    collective until the deadline (an hour by default). Returns lm-eval's TaskManager on rank 0 (None elsewhere)."""
+def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
+    """The run's values, keywords and task names checked on global rank 0 before any rank starts serving, the verdict
+    shared (:func:`mpitp.parallel.runtime.agree`): a refusal is a :class:`~mpitp.errors.UsageError` on every rank
+    alike. Found on rank 0 alone after the others had begun to serve, an unknown task, ``limit=0`` or a keyword
+    ``simple_evaluate`` does not take (a TypeError from inside lm-eval) left them inside a collective until the
+    deadline (an hour by default). Returns the :class:`~mpitp.evaluation.checks.CheckedTasks` on rank 0 (lm-eval's
+    TaskManager and the include path, with ``data_dir``'s task YAMLs to remove afterwards), None elsewhere."""
     from mpitp.errors import UsageError
-    from mpitp.evaluation.runner import task_manager_for
-    from mpitp.evaluation.setting_values import BadValue, limit_value, yaml_batch_size
+    from mpitp.evaluation.checks import check_tasks_once
+    from mpitp.evaluation.setting_values import BadValue, limit_value, suggest, yaml_batch_size
     from mpitp.parallel.runtime import agree
 
     built = []
@@ -201,7 +205,27 @@ def _checked(cfg, layout: Layout, timeout: float):
                     rule(value)
             except BadValue as exc:
                 raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
-        built.append(task_manager_for(cfg))
+        unknown = sorted(set(lm_eval_kwargs) - set(_simple_evaluate_keywords()))
+        if unknown:
+            known = [*_simple_evaluate_keywords(), *CONFIG_KEYWORDS]
+            raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{suggest(unknown[0], known)}: "
+                             "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
+        built.append(check_tasks_once(cfg))
 
     agree(check, layout.world.comm, timeout, "checking mpitp.evaluate's settings")
     return built[0] if built else None
+
+
+#: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
+#: results file, as ``mpitp eval`` records them) rather than handing them to ``lm_eval.simple_evaluate``.
+CONFIG_KEYWORDS = ("gen_kwargs", "apply_chat_template", "log_samples", "bootstrap_iters", "seed", "skip_head_check",
+                   "no_prefix_sharing", "data_dir")
+
+
+def _simple_evaluate_keywords() -> list[str]:
+    """The keywords a caller may pass on to ``lm_eval.simple_evaluate``: its parameters, less those mpitp sets."""
+    import inspect
+
+    import lm_eval
+
+    return [k for k in inspect.signature(lm_eval.simple_evaluate).parameters if k not in ("model", "tasks")]

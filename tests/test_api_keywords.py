@@ -1,0 +1,71 @@
+"""``mpitp.evaluate``'s keywords, in one process (an MPI world of one, ``comm=MPI.COMM_SELF``): the run itself is
+stubbed, these tests are about what reaches it and what is refused before it.
+
+- ``data_dir`` (``mpitp eval --data-dir``): offline stock tasks. It went on to ``lm_eval.simple_evaluate``, which has no
+  such parameter: a TypeError on rank 0 after the other ranks had started serving; the task YAMLs it writes are
+  removed after the call, as ``mpitp eval`` removes them.
+- a keyword neither ``mpitp.evaluate`` nor ``simple_evaluate`` takes (``limt=5``): a TypeError raised inside lm-eval
+  on rank 0 alone, the other ranks left serving until the deadline (an hour by default) when the caller caught it;
+  now a UsageError on every rank before any work, with the likely spelling.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support import STORIES
+
+
+@pytest.fixture(scope="module")
+def stories():
+    import mpitp
+
+    return mpitp.load_model(str(STORIES), 1, "cpu", "float32")
+
+
+def _stub_run(monkeypatch) -> list:
+    """``evaluate_loaded`` replaced by one that records what it was given (and whether the task YAMLs existed)."""
+    from mpitp.evaluation import runner
+
+    seen = []
+
+    def fake(model, tokenizer, cfg, rt, *, out, task_manager=None, extra_lm_eval=None, **_):
+        include = list(task_manager.include_path or []) if task_manager is not None else []
+        seen.append(dict(cfg=cfg, extra=dict(extra_lm_eval or {}), include=include,
+                         existed=[os.path.isdir(p) for p in include]))
+        return {"results": {}}
+
+    monkeypatch.setattr(runner, "evaluate_loaded", fake)
+    return seen
+
+
+def test_data_dir_serves_stock_tasks_and_its_yamls_are_removed(shared_dir, stories, monkeypatch):
+    from mpi4py import MPI
+
+    import mpitp
+
+    seen = _stub_run(monkeypatch)
+    res = mpitp.evaluate(stories, str(STORIES), ["arc_easy"], comm=MPI.COMM_SELF, limit=2,
+                         data_dir=str(shared_dir / "data"), bootstrap_iters=0)
+    assert res == {"results": {}}
+    (got,) = seen
+    assert got["cfg"].data_dir == str(shared_dir / "data") and "data_dir" not in got["extra"], got
+    generated = [p for p in got["include"] if os.path.basename(p).startswith("mpitp-tasks-")]
+    assert generated and all(got["existed"]), got
+    assert not any(os.path.exists(p) for p in generated), f"left behind: {generated}"
+
+
+def test_a_keyword_nobody_takes_is_refused_before_any_work(stories, monkeypatch):
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    with pytest.raises(UsageError) as err:
+        mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, limt=5)
+    assert str(err.value) == ("mpitp.evaluate: unknown keyword argument 'limt' (did you mean 'limit'?): neither "
+                              "mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
+    assert err.value.collective and seen == []
