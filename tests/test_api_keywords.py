@@ -7,6 +7,7 @@ stubbed, these tests are about what reaches it and what is refused before it.
 - a keyword neither ``mpitp.evaluate`` nor ``simple_evaluate`` takes (``limt=5``): a TypeError raised inside lm-eval
   on rank 0 alone, the other ranks left serving until the deadline (an hour by default) when the caller caught it;
   now a UsageError on every rank before any work, with the likely spelling.
+- an ``output`` that ``mpitp eval`` refuses up front (a directory, a FIFO): refused alike, before any work.
 """
 
 from __future__ import annotations
@@ -69,3 +70,22 @@ def test_a_keyword_nobody_takes_is_refused_before_any_work(stories, monkeypatch)
     assert str(err.value) == ("mpitp.evaluate: unknown keyword argument 'limt' (did you mean 'limit'?): neither "
                               "mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
     assert err.value.collective and seen == []
+
+
+def test_an_output_mpitp_eval_refuses_is_refused_before_any_work(stories, monkeypatch, tmp_path):
+    """A directory (or a FIFO) as ``output``: an IsADirectoryError from the results writer on rank 0 once every request
+    was computed, its peers left serving; now ``mpitp eval``'s own refusal, on every rank, before any work."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    (tmp_path / "adir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for name, why in (("adir", "is a directory"),
+                      ("fifo", "is not a regular file (a device, FIFO or socket): choose another --output")):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, output=str(tmp_path / name))
+        assert str(err.value) == f"output {tmp_path / name} {why}" and err.value.collective
+    assert seen == []

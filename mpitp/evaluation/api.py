@@ -163,7 +163,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     from mpitp import compat
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
-    tasks = _checked(cfg, layout, timeout, lm_eval_kwargs)
+    tasks, claim = _checked(cfg, layout, timeout, lm_eval_kwargs)
     was_training = model.training
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
@@ -175,6 +175,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     finally:
         if tasks is not None:
             remove_generated(tasks.include)  # data_dir's task YAMLs: each call writes its own, in the temp folder
+        if claim is not None:
+            claim.release()
         model.train(was_training)
         if attention is not None and compat.attention_implementation(model.config) != attention:
             model.set_attn_implementation(attention)  # the caller's model goes back exactly as it came
@@ -189,12 +191,16 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
     shared (:func:`mpitp.parallel.runtime.agree`): a refusal is a :class:`~mpitp.errors.UsageError` on every rank
     alike. Found on rank 0 alone after the others had begun to serve, an unknown task, ``limit=0`` or a keyword
     ``simple_evaluate`` does not take (a TypeError from inside lm-eval) left them inside a collective until the
-    deadline (an hour by default). Returns the :class:`~mpitp.evaluation.checks.CheckedTasks` on rank 0 (lm-eval's
-    TaskManager and the include path, with ``data_dir``'s task YAMLs to remove afterwards), None elsewhere."""
+    deadline (an hour by default); so did an output ``mpitp eval`` refuses up front (a directory, a FIFO, a folder
+    that takes no files: an IsADirectoryError from the results writer on rank 0 once the requests were computed).
+    Returns, on rank 0, the :class:`~mpitp.evaluation.checks.CheckedTasks` (lm-eval's TaskManager and the include
+    path, with ``data_dir``'s task YAMLs to remove afterwards) and the claim on ``output`` (one writer per file, as
+    ``mpitp eval`` holds it; None without one); (None, None) elsewhere."""
     from mpitp.errors import UsageError
-    from mpitp.evaluation.checks import check_tasks_once
+    from mpitp.evaluation.checks import check_output, check_tasks_once, remove_generated
     from mpitp.evaluation.setting_values import BadValue, limit_value, suggest, yaml_batch_size
     from mpitp.parallel.runtime import agree
+    from mpitp.results.claim import claim_output
 
     built = []
 
@@ -210,10 +216,18 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
             known = [*_simple_evaluate_keywords(), *CONFIG_KEYWORDS]
             raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{suggest(unknown[0], known)}: "
                              "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
-        built.append(check_tasks_once(cfg))
+        if cfg.output:
+            check_output(cfg)
+        tasks = check_tasks_once(cfg)
+        try:
+            claim = claim_output(cfg.output) if cfg.output else None  # last: a refusal must leave no claim behind
+        except BaseException:
+            remove_generated(tasks.include)
+            raise
+        built.append((tasks, claim))
 
     agree(check, layout.world.comm, timeout, "checking mpitp.evaluate's settings")
-    return built[0] if built else None
+    return built[0] if built else (None, None)
 
 
 #: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
