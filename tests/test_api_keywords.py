@@ -7,7 +7,8 @@ stubbed, these tests are about what reaches it and what is refused before it.
 - a keyword neither ``mpitp.evaluate`` nor ``simple_evaluate`` takes (``limt=5``): a TypeError raised inside lm-eval
   on rank 0 alone, the other ranks left serving until the deadline (an hour by default) when the caller caught it;
   now a UsageError on every rank before any work, with the likely spelling.
-- an ``output`` that ``mpitp eval`` refuses up front (a directory, a FIFO): refused alike, before any work.
+- an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
+  refused alike, before any work.
 """
 
 from __future__ import annotations
@@ -88,4 +89,22 @@ def test_an_output_mpitp_eval_refuses_is_refused_before_any_work(stories, monkey
         with pytest.raises(UsageError) as err:
             mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, output=str(tmp_path / name))
         assert str(err.value) == f"output {tmp_path / name} {why}" and err.value.collective
+    assert seen == []
+
+
+def test_gen_kwargs_mpitp_eval_refuses_are_refused_before_any_work(stories, monkeypatch):
+    """``max_gen_toks=abc`` was a ValueError and ``use_cache=False`` a TypeError from ``generate``, each raised on the
+    DP leader alone once the requests were built; now ``mpitp eval``'s refusals, on every rank, before any work."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    for gen_kwargs, why in (
+            ("max_gen_toks=abc", "--gen_kwargs max_gen_toks=abc: max_gen_toks must be a positive integer"),
+            ("use_cache=False", "--gen-kwargs use_cache is not supported: ")):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_gen"], comm=MPI.COMM_SELF, gen_kwargs=gen_kwargs)
+        assert str(err.value).startswith(why) and err.value.collective, str(err.value)
     assert seen == []

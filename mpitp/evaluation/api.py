@@ -191,13 +191,16 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
     shared (:func:`mpitp.parallel.runtime.agree`): a refusal is a :class:`~mpitp.errors.UsageError` on every rank
     alike. Found on rank 0 alone after the others had begun to serve, an unknown task, ``limit=0`` or a keyword
     ``simple_evaluate`` does not take (a TypeError from inside lm-eval) left them inside a collective until the
-    deadline (an hour by default); so did an output ``mpitp eval`` refuses up front (a directory, a FIFO, a folder
-    that takes no files: an IsADirectoryError from the results writer on rank 0 once the requests were computed).
+    deadline (an hour by default); so did ``gen_kwargs`` that ``mpitp eval`` refuses (``max_gen_toks=abc``, a
+    ValueError; ``use_cache=False``, a TypeError from ``generate`` on the leader alone), and an output ``mpitp eval``
+    refuses up front (a directory, a FIFO, a folder that takes no files: an IsADirectoryError from the results writer
+    on rank 0 once the requests were computed).
     Returns, on rank 0, the :class:`~mpitp.evaluation.checks.CheckedTasks` (lm-eval's TaskManager and the include
     path, with ``data_dir``'s task YAMLs to remove afterwards) and the claim on ``output`` (one writer per file, as
     ``mpitp eval`` holds it; None without one); (None, None) elsewhere."""
     from mpitp.errors import UsageError
-    from mpitp.evaluation.checks import check_output, check_tasks_once, remove_generated
+    from mpitp.evaluation.checks import check_gen_kwargs, check_output, check_tasks_once, remove_generated
+    from mpitp.evaluation.gen_kwargs_check import check_generation
     from mpitp.evaluation.setting_values import BadValue, limit_value, suggest, yaml_batch_size
     from mpitp.parallel.runtime import agree
     from mpitp.results.claim import claim_output
@@ -216,6 +219,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
             known = [*_simple_evaluate_keywords(), *CONFIG_KEYWORDS]
             raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{suggest(unknown[0], known)}: "
                              "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
+        check_generation(check_gen_kwargs(cfg.gen_kwargs, layout.tp, layout.pp))
         if cfg.output:
             check_output(cfg)
         tasks = check_tasks_once(cfg)

@@ -228,6 +228,15 @@ def refuse_unsupported_generation(kwargs: dict, generation_config: GenerationCon
                          f"caches would not follow); run with --tp 1 --pp 1 or drop it")
 
 
+def check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> dict:
+    """``--gen_kwargs`` parsed and checked without torch (:func:`check_all`'s and ``mpitp.evaluate``'s), the
+    ``generate`` arguments then built by :func:`mpitp.evaluation.gen_kwargs_check.check_generation` (torch)."""
+    if gen_kwargs and "use_cache" in str(gen_kwargs):
+        raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
+                         "KV cache (it passes use_cache=True itself)")
+    return _check_gen_kwargs(gen_kwargs, tp, pp)
+
+
 def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> dict:
     """``--gen_kwargs`` as lm-eval reads it, each value checked (:mod:`mpitp.evaluation.gen_kwargs_check`, no torch);
     with TP workers or pipeline stages, a generate mode that forks the KV cache is refused too."""
@@ -305,10 +314,7 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
     if cfg.limit is not None and not cfg.limit > 0:
         raise UsageError(f"--limit must be > 0, got {cfg.limit:g}")
     check_dtype(cfg.dtype)
-    if cfg.gen_kwargs and "use_cache" in str(cfg.gen_kwargs):
-        raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
-                         "KV cache (it passes use_cache=True itself)")
-    gen_kwargs = _check_gen_kwargs(cfg.gen_kwargs, tp, pp)
+    gen_kwargs = check_gen_kwargs(cfg.gen_kwargs, tp, pp)
     own = tasks is None  # YAMLs written here are removed here if a later check refuses
     tasks = tasks or check_tasks_once(cfg)
     try:
