@@ -8,7 +8,7 @@ stubbed, these tests are about what reaches it and what is refused before it.
   on rank 0 alone, the other ranks left serving until the deadline (an hour by default) when the caller caught it;
   now a UsageError on every rank before any work, with the likely spelling.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
-  refused alike, before any work.
+  refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``).
 """
 
 from __future__ import annotations
@@ -107,4 +107,23 @@ def test_gen_kwargs_mpitp_eval_refuses_are_refused_before_any_work(stories, monk
         with pytest.raises(UsageError) as err:
             mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_gen"], comm=MPI.COMM_SELF, gen_kwargs=gen_kwargs)
         assert str(err.value).startswith(why) and err.value.collective, str(err.value)
+    assert seen == []
+
+
+def test_values_mpitp_eval_refuses_are_refused_before_any_work(stories, monkeypatch):
+    """``max_length=1`` was a UsageError on rank 0 alone once the first request did not fit (its TP peer left
+    serving: the 2-rank launch ran into its 60 s timeout) and ``num_fewshot=-1`` ran; ``mpitp eval`` and job files
+    refuse both. Now refused on every rank before any work, as ``limit=0`` is."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    for kw, why in ((dict(max_length=1), "max_length=1: expected an integer >= 2 (tokens), got 1"),
+                    (dict(num_fewshot=-1), "num_fewshot=-1: expected an integer >= 0, got -1"),
+                    (dict(bootstrap_iters=-5), "bootstrap_iters=-5: expected an integer >= 0, got -5")):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, **kw)
+        assert str(err.value) == f"mpitp.evaluate: {why}" and err.value.collective
     assert seen == []

@@ -189,7 +189,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
 def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
     """The run's values, keywords and task names checked on global rank 0 before any rank starts serving, the verdict
     shared (:func:`mpitp.parallel.runtime.agree`): a refusal is a :class:`~mpitp.errors.UsageError` on every rank
-    alike. Found on rank 0 alone after the others had begun to serve, an unknown task, ``limit=0`` or a keyword
+    alike. Found on rank 0 alone after the others had begun to serve, an unknown task, ``limit=0``, ``max_length=1``
+    (a UsageError on rank 0 alone once the first request did not fit; ``num_fewshot=-1`` ran) or a keyword
     ``simple_evaluate`` does not take (a TypeError from inside lm-eval) left them inside a collective until the
     deadline (an hour by default); so did ``gen_kwargs`` that ``mpitp eval`` refuses (``max_gen_toks=abc``, a
     ValueError; ``use_cache=False``, a TypeError from ``generate`` on the leader alone), and an output ``mpitp eval``
@@ -201,14 +202,17 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
     from mpitp.errors import UsageError
     from mpitp.evaluation.checks import check_gen_kwargs, check_output, check_tasks_once, remove_generated
     from mpitp.evaluation.gen_kwargs_check import check_generation
-    from mpitp.evaluation.setting_values import BadValue, limit_value, suggest, yaml_batch_size
+    from mpitp.evaluation.setting_values import BadValue, limit_value, suggest, yaml_batch_size, yaml_int_at_least
     from mpitp.parallel.runtime import agree
     from mpitp.results.claim import claim_output
 
     built = []
 
     def check() -> None:
-        for name, value, rule in (("limit", cfg.limit, limit_value), ("batch_size", cfg.batch_size, yaml_batch_size)):
+        for name, value, rule in (("limit", cfg.limit, limit_value), ("batch_size", cfg.batch_size, yaml_batch_size),
+                                  ("num_fewshot", cfg.num_fewshot, yaml_int_at_least(0, "an integer >= 0")),
+                                  ("max_length", cfg.max_length, yaml_int_at_least(2, "an integer >= 2 (tokens)")),
+                                  ("bootstrap_iters", cfg.bootstrap_iters, yaml_int_at_least(0, "an integer >= 0"))):
             try:
                 if value is not None:
                     rule(value)
