@@ -7,6 +7,7 @@ stubbed, these tests are about what reaches it and what is refused before it.
 - a keyword neither ``mpitp.evaluate`` nor ``simple_evaluate`` takes (``limt=5``): a TypeError raised inside lm-eval
   on rank 0 alone, the other ranks left serving until the deadline (an hour by default) when the caller caught it;
   now a UsageError on every rank before any work, with the likely spelling.
+- ``use_cache``: lm-eval's response cache, keyed by the request, gave a trained model its earlier scores: refused.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
   refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``).
 """
@@ -126,4 +127,21 @@ def test_values_mpitp_eval_refuses_are_refused_before_any_work(stories, monkeypa
         with pytest.raises(UsageError) as err:
             mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, **kw)
         assert str(err.value) == f"mpitp.evaluate: {why}" and err.value.collective
+    assert seen == []
+
+
+def test_use_cache_is_refused_its_scores_would_be_stale(stories, monkeypatch):
+    """``use_cache`` went to ``simple_evaluate``, whose sqlite cache of responses is keyed by the request: after the
+    weights were halved, a second call gave the first call's word perplexity (2797.18) instead of the model's own
+    (2862476.17). Refused now, on every rank before any work."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    with pytest.raises(UsageError) as err:
+        mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, use_cache="/tmp/cache")
+    assert str(err.value).startswith("mpitp.evaluate: use_cache='/tmp/cache' is refused: lm-eval's cache of model "
+                                     "responses is keyed by the request, not the weights") and err.value.collective
     assert seen == []

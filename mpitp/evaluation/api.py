@@ -218,6 +218,10 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
                     rule(value)
             except BadValue as exc:
                 raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
+        if lm_eval_kwargs.get("use_cache") is not None:
+            raise UsageError(f"mpitp.evaluate: use_cache={lm_eval_kwargs['use_cache']!r} is refused: lm-eval's cache "
+                             "of model responses is keyed by the request, not the weights, so a live model's later "
+                             "calls would get its first call's scores; each call computes afresh (output= keeps them)")
         unknown = sorted(set(lm_eval_kwargs) - set(_simple_evaluate_keywords()))
         if unknown:
             known = [*_simple_evaluate_keywords(), *CONFIG_KEYWORDS]
