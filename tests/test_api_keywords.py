@@ -7,6 +7,7 @@ stubbed, these tests are about what reaches it and what is refused before it.
 - a keyword neither ``mpitp.evaluate`` nor ``simple_evaluate`` takes (``limt=5``): a TypeError raised inside lm-eval
   on rank 0 alone, the other ranks left serving until the deadline (an hour by default) when the caller caught it;
   now a UsageError on every rank before any work, with the likely spelling.
+- a PEFT model (LoRA training): scored as the model it wraps at tp=1, refused with adapter layers at tp > 1.
 - ``use_cache``: lm-eval's response cache, keyed by the request, gave a trained model its earlier scores: refused.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
   refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``).
@@ -18,7 +19,7 @@ import os
 
 import pytest
 
-from support import STORIES
+from support import REPO, STORIES
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +146,32 @@ def test_use_cache_is_refused_its_scores_would_be_stale(stories, monkeypatch):
     assert str(err.value).startswith("mpitp.evaluate: use_cache='/tmp/cache' is refused: lm-eval's cache of model "
                                      "responses is keyed by the request, not the weights") and err.value.collective
     assert seen == []
+
+
+def test_a_peft_model_is_scored_as_the_model_it_wraps_and_refused_under_tp(stories, monkeypatch):
+    """A model being LoRA-trained (``get_peft_model``) failed on rank 0 alone: "'CausalLMOutputWithPast' object has no
+    attribute 'last_hidden_state'" (the wrapper's ``model`` is the whole causal LM). Now the transformers model it
+    wraps, adapter layers in place, is what runs (tp=1: the same ll as the merged model, 6.9e-7 relative, on the demo
+    tasks); at tp > 1 adapter layers around the shards are refused, on every rank alike."""
+    import torch
+    from mpi4py import MPI
+    from peft import LoraConfig, get_peft_model
+
+    import mpitp
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.api import _refuse_adapters_under_tp
+
+    seen = []
+    from mpitp.evaluation import runner
+
+    monkeypatch.setattr(runner, "evaluate_loaded", lambda model, *a, **k: seen.append(model) or {"results": {}})
+    torch.manual_seed(0)
+    peft_model = get_peft_model(stories, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    mpitp.evaluate(peft_model, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF,
+                   include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+    assert seen == [peft_model.get_base_model()] and type(seen[0]).__name__ == "LlamaForCausalLM"
+    with pytest.raises(UsageError) as err:
+        _refuse_adapters_under_tp(peft_model.get_base_model(), 2)
+    assert str(err.value).startswith("mpitp.evaluate: the model has PEFT adapter layers (model.layers.0.self_attn."
+                                     "q_proj, ...) around its tp=2 shards") and err.value.collective
+    peft_model.unload()  # the module-scoped model back as it was

@@ -10,6 +10,7 @@ destroyed, no message left in flight (a closing barrier, after success), autogra
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,9 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     (``mpitp.start(timeout=...)``), which torch does not let a caller change afterwards.
     """
     _check_model(model)
+    model = _without_peft_wrapper(model)
     layout, group = layout_for(model, comm, layout)
+    _refuse_adapters_under_tp(model, layout.tp)
     return _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
                      timeout, max_length, device, overwrite, lm_eval_kwargs)
 
@@ -71,6 +74,38 @@ def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"mpitp.evaluate takes a loaded model (a torch.nn.Module), not {type(model).__name__} "
                         f"{model!r:.80}: load it first, e.g. mpitp.load_model(path, rt.layout.tp, rt.device)")
+
+
+def _without_peft_wrapper(model):
+    """A PEFT model (``get_peft_model``: a LoRA being trained) as the transformers model it wraps, its adapter layers
+    in place, so its forward is the adapted one. Passed as it was, mpitp's scoring reached the wrapper's ``model``
+    attribute, the whole causal LM, and failed on rank 0 alone: "'CausalLMOutputWithPast' object has no attribute
+    'last_hidden_state'". peft is looked up only where the caller imported it (no import cost otherwise)."""
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def _refuse_adapters_under_tp(model, tp: int) -> None:
+    """PEFT's adapter layers around TP-sharded linear layers are not scored: a LoRA beside a row-wise layer adds each
+    rank's partial product after the layer's all-reduce, which no single-process model computes, and mpitp cannot
+    tell such a placement from a sound one (and peft's ``merge_and_unload`` fails on DTensor shards). An adapter
+    merged by ``load_model(peft=...)`` into each shard, and tp=1, are scored. Every rank holds the same model type
+    and tp: collective."""
+    peft = sys.modules.get("peft")
+    if tp == 1 or peft is None:
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from mpitp.errors import UsageError
+
+    found = next((name for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)), None)
+    if found is not None:
+        raise UsageError(f"mpitp.evaluate: the model has PEFT adapter layers ({found}, ...) around its tp={tp} shards, "
+                         "which it cannot score as one model: save the adapter (save_pretrained) and evaluate "
+                         "mpitp.load_model(path, tp, device, peft=ADAPTER_DIR), which merges it into each shard, or "
+                         "evaluate at tp=1", collective=True)
 
 
 _LAYOUTS: list[tuple] = []  # (our duplicate of the caller's communicator, tp, layout), one per layout ever used
