@@ -7,7 +7,8 @@ stubbed, these tests are about what reaches it and what is refused before it.
 - a keyword neither ``mpitp.evaluate`` nor ``simple_evaluate`` takes (``limt=5``): a TypeError raised inside lm-eval
   on rank 0 alone, the other ranks left serving until the deadline (an hour by default) when the caller caught it;
   now a UsageError on every rank before any work, with the likely spelling.
-- a PEFT model (LoRA training): scored as the model it wraps at tp=1, refused with adapter layers at tp > 1.
+- a PEFT model (LoRA training): scored as the model it wraps at tp=1, refused with adapter layers at tp > 1;
+  a DistributedDataParallel model: scored as its module.
 - ``use_cache``: lm-eval's response cache, keyed by the request, gave a trained model its earlier scores: refused.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
   refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``).
@@ -166,7 +167,8 @@ def test_a_peft_model_is_scored_as_the_model_it_wraps_and_refused_under_tp(stori
 
     monkeypatch.setattr(runner, "evaluate_loaded", lambda model, *a, **k: seen.append(model) or {"results": {}})
     torch.manual_seed(0)
-    peft_model = get_peft_model(stories, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    own = mpitp.load_model(str(STORIES), 1, "cpu", "float32")  # get_peft_model freezes the base: not the shared one
+    peft_model = get_peft_model(own, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
     mpitp.evaluate(peft_model, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF,
                    include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
     assert seen == [peft_model.get_base_model()] and type(seen[0]).__name__ == "LlamaForCausalLM"
@@ -174,4 +176,20 @@ def test_a_peft_model_is_scored_as_the_model_it_wraps_and_refused_under_tp(stori
         _refuse_adapters_under_tp(peft_model.get_base_model(), 2)
     assert str(err.value).startswith("mpitp.evaluate: the model has PEFT adapter layers (model.layers.0.self_attn."
                                      "q_proj, ...) around its tp=2 shards") and err.value.collective
-    peft_model.unload()  # the module-scoped model back as it was
+
+
+def test_a_ddp_model_is_scored_as_its_module(stories, monkeypatch, gloo_world):
+    """``DistributedDataParallel(model)``, the usual training wrapper, failed on every rank with
+    "'DistributedDataParallel' object has no attribute 'config'"; now its ``module`` is what runs."""
+    import torch
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.evaluation import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "evaluate_loaded", lambda model, *a, **k: seen.append(model) or {"results": {}})
+    ddp = torch.nn.parallel.DistributedDataParallel(stories)
+    mpitp.evaluate(ddp, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF,
+                   include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+    assert seen == [stories]

@@ -59,7 +59,7 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     (``mpitp.start(timeout=...)``), which torch does not let a caller change afterwards.
     """
     _check_model(model)
-    model = _without_peft_wrapper(model)
+    model = _unwrapped(model)
     layout, group = layout_for(model, comm, layout)
     _refuse_adapters_under_tp(model, layout.tp)
     return _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_fewshot, include_path, output,
@@ -76,11 +76,17 @@ def _check_model(model) -> None:
                         f"{model!r:.80}: load it first, e.g. mpitp.load_model(path, rt.layout.tp, rt.device)")
 
 
-def _without_peft_wrapper(model):
-    """A PEFT model (``get_peft_model``: a LoRA being trained) as the transformers model it wraps, its adapter layers
-    in place, so its forward is the adapted one. Passed as it was, mpitp's scoring reached the wrapper's ``model``
-    attribute, the whole causal LM, and failed on rank 0 alone: "'CausalLMOutputWithPast' object has no attribute
-    'last_hidden_state'". peft is looked up only where the caller imported it (no import cost otherwise)."""
+def _unwrapped(model):
+    """The transformers model inside the wrappers a training script holds: ``DistributedDataParallel`` (its
+    ``module``; every rank a whole replica, as tp=1 is scored) and a PEFT model (``get_peft_model``: a LoRA being
+    trained; its ``get_base_model()``, adapter layers in place, so its forward is the adapted one). Passed as they
+    were, a DDP model failed on every rank with "'DistributedDataParallel' object has no attribute 'config'", and a
+    PEFT model on rank 0 alone with "'CausalLMOutputWithPast' object has no attribute 'last_hidden_state'" (the
+    wrapper's ``model`` attribute is the whole causal LM). peft is looked up only where the caller imported it."""
+    import torch
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
     peft = sys.modules.get("peft")
     if peft is not None and isinstance(model, peft.PeftModel):
         return model.get_base_model()
