@@ -48,8 +48,9 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     """Evaluate ``model`` (already on this rank, TP-sharded or whole) on lm-eval ``tasks``. Collective.
 
     Every rank of ``comm`` (default COMM_WORLD) must call it with the same arguments. ``layout`` defaults to one
-    inferred from the model's TP process group (tp=1 when it has none). Returns lm-eval's results dict on global
-    rank 0 and None elsewhere; writes HDF5 only when ``output`` is given (replacing it unless ``overwrite=False``).
+    inferred from the model's TP process group (tp=1 when it has none). Returns lm-eval's results dict on rank 0 of
+    ``comm`` (each part of a split COMM_WORLD gets its own) and None elsewhere; writes HDF5 only when ``output`` is
+    given (replacing it unless ``overwrite=False``).
     Extra keyword arguments go to ``lm_eval.simple_evaluate`` (``gen_kwargs``, ``log_samples``, ...);
     ``data_dir`` serves tasks offline from local files, as ``mpitp eval --data-dir`` does;
     ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
