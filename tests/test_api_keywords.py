@@ -1,5 +1,6 @@
-"""``mpitp.evaluate``'s keywords, in one process (an MPI world of one, ``comm=MPI.COMM_SELF``): the run itself is
-stubbed, these tests are about what reaches it and what is refused before it.
+"""``mpitp.evaluate``'s keywords and what a training script hands it, in one process (an MPI world of one,
+``comm=MPI.COMM_SELF``): the run itself is stubbed, these tests are about what reaches it, what is refused before it
+and what the caller gets back.
 
 - ``data_dir`` (``mpitp eval --data-dir``): offline stock tasks. It went on to ``lm_eval.simple_evaluate``, which has no
   such parameter: a TypeError on rank 0 after the other ranks had started serving; the task YAMLs it writes are
@@ -9,6 +10,7 @@ stubbed, these tests are about what reaches it and what is refused before it.
   now a UsageError on every rank before any work, with the likely spelling.
 - a PEFT model (LoRA training): scored as the model it wraps at tp=1, refused with adapter layers at tp > 1;
   a DistributedDataParallel model: scored as its module.
+- the caller's random generators, which lm-eval reseeds, are as they were after the call.
 - ``use_cache``: lm-eval's response cache, keyed by the request, gave a trained model its earlier scores: refused.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
   refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``).
@@ -193,3 +195,33 @@ def test_a_ddp_model_is_scored_as_its_module(stories, monkeypatch, gloo_world):
     mpitp.evaluate(ddp, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF,
                    include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
     assert seen == [stories]
+
+
+def test_the_callers_random_streams_are_kept(stories, monkeypatch):
+    """lm-eval's ``simple_evaluate`` reseeds Python's, NumPy's and torch's generators (0, 1234, 1234): a training loop
+    had its shuffles and dropout masks restarted from those seeds after every call. The run is stubbed by one that
+    reseeds as lm-eval does; the caller's next draws must be the ones it would have had without the call."""
+    import random
+
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.evaluation import runner
+
+    def reseeding(*a, **k):
+        random.seed(0), np.random.seed(1234), torch.manual_seed(1234)
+        return {"results": {}}
+
+    monkeypatch.setattr(runner, "evaluate_loaded", reseeding)
+
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    want = draws()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF,
+                   include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+    assert draws() == want

@@ -4,7 +4,8 @@ For a training or analysis script that already runs under ``mpirun`` and holds a
 no checkpoint, no reload. It runs the very code path of ``mpitp eval``
 (:func:`mpitp.evaluation.runner.evaluate_loaded`) and
 leaves the caller's world as it found it: the model back in its previous train/eval mode, no process group
-destroyed, no message left in flight (a closing barrier, after success), autograd off only inside.
+destroyed, no message left in flight (a closing barrier, after success), autograd off only inside, the random
+generators' states as they were.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from mpitp.parallel import comm as mpicomm
@@ -210,7 +212,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _rng_kept():
             result = evaluate_loaded(model, tokenizer, cfg, rt, out=output,
                                      task_manager=tasks.task_manager if tasks is not None else None,
                                      extra_lm_eval=lm_eval_kwargs)
@@ -226,6 +228,29 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     # can reach; its exception must go straight to the caller (or the abort) instead of waiting out the timeout.
     mpicomm.barrier(layout.world.comm, None, phase="end of mpitp.evaluate")
     return result
+
+
+@contextmanager
+def _rng_kept():
+    """The caller's random streams (Python's, NumPy's, torch's CPU and CUDA generators) as they were before the call.
+    lm-eval's ``simple_evaluate`` reseeds all of them (0, 1234, 1234): a training loop evaluating every N steps had
+    its shuffles and dropout masks restarted from those seeds after each call (``np.random.rand()`` right after a
+    call was 0.1915, NumPy's first draw under seed 1234, whatever the script had seeded)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
