@@ -322,3 +322,29 @@ def test_group_request_counts_add_up_to_the_run():
     assert shown == ["2", "1.60", "0.76", "0.64"], lines
     assert math.isclose(sum(float(x) for x in shown), 5.0)
     assert group_text(Share("0", 77.0, 1935, 10.56)).startswith("77 requests, 1935 tokens")
+
+
+def test_sweep_summary_names_its_files_from_any_directory(tmp_path, monkeypatch):
+    """A sweep launched with a relative ``--output 'sw/{name}.h5'`` wrote ``sw/step-1.h5`` into its summary:
+    ``mpitp inspect`` and ``mpitp report`` run from another directory resolved it against their own and showed no
+    speed per checkpoint. The summary names each file absolute."""
+    from mpitp.results.report import build
+    from mpitp.results.sweepsummary import Row, write_summary
+
+    (tmp_path / "sw").mkdir()
+    make_run(tmp_path / "sw" / "step-1.h5")
+    monkeypatch.chdir(tmp_path)
+    rows = [Row("ck/step-1", "step-1", "sw/step-1.h5", "complete", wall_s=2.0,
+                metrics={"syn_mc": {"acc,none": 0.5, "sample_len": 6}})]
+    write_summary("sw/sweep-summary.json", rows, 3.0)
+    summary = tmp_path / "sw" / "sweep-summary.json"
+    assert json.loads(summary.read_text())["checkpoints"][0]["output"] == str(tmp_path / "sw" / "step-1.h5")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    got = CliRunner().invoke(inspect_command, [str(summary)])
+    assert got.exit_code == 0, got.output
+    block = got.output.split("speed per checkpoint", 1)[1].splitlines()
+    assert block[3].split()[:3] == ["step-1", "10.0", "0.80"]  # read from the file
+    report = build([str(tmp_path / "sw")], diff_iters=0)
+    assert [t.rows[0][0] for t in report.sweep_speed] == ["step-1"]

@@ -87,8 +87,13 @@ def _comparisons(rows: list[Row], iters: int = 2000) -> list[dict]:
 
 
 def write_summary(path: str, rows: list[Row], wall_s: float, **extra: object) -> None:
-    """``extra``: what the kind of sweep adds (an adapter sweep: its base model and how often it was loaded)."""
-    doc = dict(wall_time_s=wall_s, **extra, checkpoints=[dataclasses.asdict(r) for r in rows],
+    """``extra``: what the kind of sweep adds (an adapter sweep: its base model and how often it was loaded).
+
+    Each checkpoint's ``output`` is written absolute: ``--output 'res/{name}.h5'`` is relative to the launch's
+    directory, and ``mpitp inspect``/``mpitp report`` read the summary from anywhere (a relative path resolved
+    against their own directory named no file, and the speed per checkpoint was left out)."""
+    doc = dict(wall_time_s=wall_s, **extra,
+               checkpoints=[dict(dataclasses.asdict(r), output=os.path.abspath(r.output)) for r in rows],
                comparisons=_comparisons(rows))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     write_replace(path, json.dumps(doc, indent=2, default=str).encode())  # never through a planted link
