@@ -87,6 +87,11 @@ def paired_bootstrap(a: ArrayLike, b: ArrayLike, aggregate: Callable[[np.ndarray
     ``a`` and ``b`` are per-document scores in the same document order: 1-d (one number per document) or 2-d (one
     row per document, e.g. ``(loglikelihood, weight)`` for perplexities); ``aggregate`` maps such an array to the
     metric (default: the mean of a 1-d array).
+
+    The p-value is the percentile interval's test (twice the smaller share of resampled differences on one side of
+    0), so the sentence never pairs a 95% interval that excludes 0 with p >= 0.05. The test that recentred the
+    resamples on 0 did, on skewed aggregates: perplexity, ``exp`` of a mean, worse on all 6 documents of a sweep's
+    lambada gave p = 0.38 beside the interval [+9.0e17, +5.0e25].
     """
     a = np.asarray(a, dtype=float)
     b = np.asarray(b, dtype=float)
@@ -116,9 +121,8 @@ def paired_bootstrap(a: ArrayLike, b: ArrayLike, aggregate: Callable[[np.ndarray
     lo, hi = np.quantile(diffs, [alpha, 1.0 - alpha])
     if observed == 0.0 and np.all(diffs == 0.0):
         p = 1.0
-    else:
-        extreme = int(np.sum(np.abs(diffs - observed) >= abs(observed) - 1e-12 * max(1.0, abs(observed))))
-        p = (extreme + 1.0) / (iters + 1.0)
+    else:  # two-sided, from how much of the bootstrap distribution lies beyond 0: the interval's own test
+        p = 2.0 * (min(int(np.sum(diffs <= 0.0)), int(np.sum(diffs >= 0.0))) + 1.0) / (iters + 1.0)
     return Bootstrap(float(observed), float(lo), float(hi), min(1.0, p), iters, confidence)
 
 
