@@ -405,3 +405,39 @@ def test_readme_submit_examples_render():
         args[0] = str(REPO / args[0])
         result = CliRunner().invoke(submit_command, [*args, *([] if "--dry-run" in args else ["--dry-run"])])
         assert result.exit_code == 0, (line, result.output)
+
+
+def test_wait_table_reads_each_file_of_a_sweep_run(tmp_path):
+    """``mpitp submit --wait``'s closing table for runs whose output is a ``{name}`` pattern (a ``models:`` sweep, a
+    ``peft:`` list, one model): read as the literal ``out/{name}.h5`` they were "missing" and a job that completed
+    them all ended "0/3 runs ok", exit 1. Each member's file is read now."""
+    import h5py
+
+    from mpitp.jobs.jobfile import load_job
+    from mpitp.jobs.submit import job_summary
+
+    for d in ("ck/step-1", "ck/step-2", "ad/a1", "ad/a2", "one"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "job.yaml").write_text(
+        "defaults: {tasks: [arc_easy]}\nruns:\n"
+        "  - {name: sweep, models: ['ck/step-*'], output: 'out/{name}.h5'}\n"
+        "  - {name: ad, model: one, peft: [ad/a1, ad/a2], output: 'out/ad-{name}.h5'}\n"
+        "  - {name: single, model: one, output: 'out/single-{name}.h5'}\n")
+    (tmp_path / "out").mkdir()
+
+    def write(name, status="complete"):
+        with h5py.File(tmp_path / "out" / name, "w") as f:
+            f.attrs["status"] = status
+
+    for name in ("step-1.h5", "step-2.h5", "ad-a1.h5", "ad-a2.h5", "single-one.h5"):
+        write(name)
+    ok, table = job_summary(load_job(tmp_path / "job.yaml"))
+    assert ok == 3 and "3/3 runs ok" in table, table
+    write("step-2.h5", "running")
+    (tmp_path / "out" / "ad-a2.h5").unlink()
+    ok, table = job_summary(load_job(tmp_path / "job.yaml"))
+    assert ok == 1, table
+    assert "running (1/2 files complete)" in table.splitlines()[3] and "running (1/2" in table.splitlines()[4]
+    for d in ("step-1", "step-2"):
+        (tmp_path / "ck" / d).rmdir()
+    assert "missing" in job_summary(load_job(tmp_path / "job.yaml"))[1].splitlines()[3]

@@ -141,6 +141,39 @@ def _same_settings(spec: RunSpec) -> None:
                          "recompute it") from None
 
 
+def run_outputs(spec: RunSpec) -> list[str]:
+    """The results files of a run: its ``output``, or, when that is a pattern with ``{name}`` (a sweep of
+    checkpoints or adapters, or one model), each member's file as the sweep names it
+    (:func:`mpitp.jobs.sweep.checkpoint_names`, :func:`~mpitp.jobs.sweep.output_for`). A glob that matches nothing
+    now is a :class:`UsageError`."""
+    if "{name}" not in spec.output:
+        return [spec.output]
+    from mpitp.jobs.sweep import checkpoint_names, expand_models, is_sweep, output_for
+
+    field = "peft" if is_sweep(spec.peft) else "model"
+    spec_items = getattr(spec, field)
+    items = expand_models(spec_items, f"--{field}") if is_sweep(spec_items) else [spec_items]
+    return [output_for(spec.output, name, "") for name in checkpoint_names(items)]
+
+
+def run_status(spec: RunSpec) -> str:
+    """Where a run stands, read from its results files (:func:`run_outputs`): ``complete`` when every one is,
+    ``missing`` when none exists, else ``running (K/N files complete)``. Read as the literal ``.../{name}.h5``, a
+    sweep run was always ``missing``: ``mpitp submit --wait`` said "0/2 runs ok" and exited 1 after a job that had
+    completed both sweeps."""
+    try:
+        outputs = run_outputs(spec)
+    except UsageError:  # its glob matches nothing now: nothing of it was written
+        return "missing"
+    states = [output_status(out) for out in outputs]
+    done = states.count("complete")
+    if done == len(states):
+        return "complete"
+    if states.count("missing") == len(states):
+        return "missing"
+    return states[0] if len(states) == 1 else f"running ({done}/{len(states)} files complete)"
+
+
 def print_summary(path: Path, summary: list[RunOutcome]) -> None:
     from mpitp.results.texttable import format_table
 

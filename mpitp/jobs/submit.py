@@ -476,10 +476,10 @@ def wait_for(scheduler: str, job_id: str, poll: float = 5.0,
 
 def job_summary(job: Job) -> tuple[int, str]:
     """(number of runs complete, a table of every run's output status) for a job file, read from its outputs."""
-    from mpitp.jobs.jobrun import output_status
+    from mpitp.jobs.jobrun import run_status
     from mpitp.results.texttable import format_table
 
-    rows = [dict(run=r.name, tp=r.tp, pp=r.pp, status=output_status(r.output), output=r.output) for r in job.runs]
+    rows = [dict(run=r.name, tp=r.tp, pp=r.pp, status=run_status(r), output=r.output) for r in job.runs]
     ok = sum(1 for r in rows if r["status"] == "complete")
     return ok, f"job {job.path}: {ok}/{len(rows)} runs ok\n" + format_table(rows, ["run", "tp", "pp", "status",
                                                                                       "output"])
