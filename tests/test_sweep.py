@@ -235,6 +235,16 @@ def test_job_file_models_field(tmp_path):
     job.write_text("runs:\n  - models: a,b\n    model: c\n    tasks: [t]\n")
     with pytest.raises(JobFileError, match="give either 'model' or 'models', not both"):
         load_job(job)
+    job.write_text("defaults:\n  model: demo\n  models: [a, b]\n  tasks: [t]\nruns:\n  - name: x\n")
+    with pytest.raises(JobFileError, match="give either 'model' or 'models', not both"):
+        load_job(job)
+    # a run's own models replace a default model (refused as "both" before), and a run's model default models
+    job.write_text("defaults:\n  model: demo\n  tasks: [t]\nruns:\n  - name: one\n  - name: s\n    models: [a, b]\n"
+                   "  - name: s2\n    model: null\n    models: [c]\n")
+    assert [r.model for r in load_job(job).runs] == ["demo", "a,b", "c"]  # no such folders: hub names
+    job.write_text("defaults:\n  models: [a, b]\n  tasks: [t]\nruns:\n  - name: s\n  - name: one\n    model: demo\n")
+    assert [(r.model, r.output) for r in load_job(job).runs] == [
+        ("a,b", f"{tmp_path}/results/s/{{name}}.h5"), ("demo", f"{tmp_path}/results/one.h5")]
     job.write_text("runs:\n  - name: s\n    models: [a, b]\n    tasks: [t]\n    output: one.h5\n")
     with pytest.raises(JobFileError, match=r"field 'output': a sweep \('models'\) writes one file per checkpoint"):
         load_job(job)

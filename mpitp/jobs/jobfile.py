@@ -307,7 +307,11 @@ def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
     def run_fail(field: str | None, msg: str) -> JobFileError:  # names the run as far as it is known by then
         return fail(label, field, msg, index, name)
 
-    merged = {**defaults, **raw}
+    # The run's own model or models replace the defaults' (a run that says models: over a default model: was
+    # refused as giving both, and model: null did not clear it); both in one place are still refused.
+    own = {k for k in ("model", "models") if raw.get(k) is not None}
+    merged = {**({k: v for k, v in defaults.items() if k not in ("model", "models")} if own else defaults),
+              **{k: v for k, v in raw.items() if k not in ("model", "models") or k in own}}
     if "models" in merged:  # a sweep (mpitp.jobs.sweep): one run, one results file per checkpoint
         _merge_models(merged, base, run_fail)
     name = _check_field("name", raw["name"], run_fail) if "name" in raw else _guess_name(merged)
