@@ -29,12 +29,21 @@ def _fingerprint(path) -> tuple[str, int]:
     return hashlib.sha256(path.read_bytes()).hexdigest(), os.stat(path).st_mtime_ns
 
 
+SWEEP = """\
+  - name: sweep
+    models: [ck/step-1, ck/step-2]
+    output: {pattern}
+"""
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", ["not-hdf5", "hdf5-without-status"])
+@pytest.mark.parametrize("kind", ["not-hdf5", "hdf5-without-status", "sweep-file"])
 def test_run_refuses_a_foreign_output(kind, tmp_path):
-    """The foreign file is the second run's output: the refusal comes before the first run loads anything."""
-    foreign = tmp_path / "second.h5"
-    if kind == "not-hdf5":
+    """The foreign file is the second run's output (or one checkpoint's file of a third run, a sweep: found only at
+    the sweep's turn, after the first runs had run, it failed that run, exit 1): the refusal comes before the first
+    run loads anything."""
+    foreign = tmp_path / ("step-2.h5" if kind == "sweep-file" else "second.h5")
+    if kind != "hdf5-without-status":
         foreign.write_bytes(b"my notes, not HDF5\n" * 10)
         reason = "not an mpitp results file (Unable to synchronously open file"
     else:
@@ -44,7 +53,9 @@ def test_run_refuses_a_foreign_output(kind, tmp_path):
         reason = "not an mpitp results file (no 'status' attribute)"
     before = _fingerprint(foreign)
     job = tmp_path / "job.yaml"
-    job.write_text(JOB.format(first=tmp_path / "first.h5", second=foreign))
+    job.write_text(JOB.format(first=tmp_path / "first.h5", second=tmp_path / "second.h5" if kind == "sweep-file"
+                              else foreign) + (SWEEP.format(pattern=tmp_path / "{name}.h5") if kind == "sweep-file"
+                                               else ""))
     proc = run_mpi(2, ["run", str(job)], timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 2, explain(proc)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpitp: error:")]

@@ -82,8 +82,10 @@ def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | No
     setup_logging(world.rank, log_all_ranks)
     install(world.rank)
     job = agree(lambda: _load(path), world.comm, timeout, "reading the job file")
-    # Every existing output is checked before the first run, so a file mpitp would refuse stops nothing half-way.
-    agree(lambda: [output_status(spec.output) for spec in job.runs], world.comm, timeout, "checking outputs")
+    # Every existing output is checked before the first run, so a file mpitp would refuse stops nothing half-way:
+    # each file of a sweep too (its checkpoints' outputs were found only at the sweep's turn, which then failed).
+    agree(lambda: [output_status(out) for spec in job.runs for out in run_outputs(spec, matched=True)], world.comm,
+          timeout, "checking outputs")
     summary = []
     for i, spec in enumerate(job.runs, 1):
         hold_if_stopping()
@@ -141,18 +143,23 @@ def _same_settings(spec: RunSpec) -> None:
                          "recompute it") from None
 
 
-def run_outputs(spec: RunSpec) -> list[str]:
+def run_outputs(spec: RunSpec, matched: bool = False) -> list[str]:
     """The results files of a run: its ``output``, or, when that is a pattern with ``{name}`` (a sweep of
     checkpoints or adapters, or one model), each member's file as the sweep names it
     (:func:`mpitp.jobs.sweep.checkpoint_names`, :func:`~mpitp.jobs.sweep.output_for`). A glob that matches nothing
-    now is a :class:`UsageError`."""
+    now is a :class:`UsageError`, or no file with ``matched`` (the run fails on it in its turn)."""
     if "{name}" not in spec.output:
         return [spec.output]
     from mpitp.jobs.sweep import checkpoint_names, expand_models, is_sweep, output_for
 
     field = "peft" if is_sweep(spec.peft) else "model"
     spec_items = getattr(spec, field)
-    items = expand_models(spec_items, f"--{field}") if is_sweep(spec_items) else [spec_items]
+    try:
+        items = expand_models(spec_items, f"--{field}") if is_sweep(spec_items) else [spec_items]
+    except UsageError:
+        if matched:
+            return []
+        raise
     return [output_for(spec.output, name, "") for name in checkpoint_names(items)]
 
 
@@ -161,15 +168,11 @@ def run_status(spec: RunSpec) -> str:
     ``missing`` when none exists, else ``running (K/N files complete)``. Read as the literal ``.../{name}.h5``, a
     sweep run was always ``missing``: ``mpitp submit --wait`` said "0/2 runs ok" and exited 1 after a job that had
     completed both sweeps."""
-    try:
-        outputs = run_outputs(spec)
-    except UsageError:  # its glob matches nothing now: nothing of it was written
-        return "missing"
-    states = [output_status(out) for out in outputs]
+    states = [output_status(out) for out in run_outputs(spec, matched=True)]  # a glob matching nothing: none
     done = states.count("complete")
-    if done == len(states):
+    if states and done == len(states):
         return "complete"
-    if states.count("missing") == len(states):
+    if not states or states.count("missing") == len(states):
         return "missing"
     return states[0] if len(states) == 1 else f"running ({done}/{len(states)} files complete)"
 
