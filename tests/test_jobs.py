@@ -272,3 +272,24 @@ def test_info_under_mpiexec():
     table = [line.split() for line in p.stdout.splitlines() if re.match(r"^\d+\s", line)]
     assert [(int(r[0]), int(r[3]), int(r[5]), r[6]) for r in table] == [
         (0, 0, 0, "leader"), (1, 0, 1, "worker"), (2, 1, 0, "leader"), (3, 1, 1, "worker")], p.stdout
+
+
+@pytest.mark.mpi
+def test_a_run_whose_output_names_its_model_is_skipped_once_complete(tmp_path, shared_dir):
+    """``output: out/{name}-x.h5`` for one model (the file is ``out/stories260K-x.h5``): read literally, the run was
+    never complete, so each ``mpitp run`` loaded the model again and rewrote the complete file with a resume of 0
+    requests (its wall time and speed those of the empty resume). It is skipped now, the file untouched."""
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    job = tmp_path / "job.yaml"
+    job.write_text(f"runs:\n  - name: one\n    model: {shared_dir / 'models' / 'stories260K'}\n"
+                   f"    tasks: [mpitp_demo_mc]\n    include_path: {demo_tasks_dir()}\n    limit: 2\n"
+                   "    output: out/{name}-x.h5\n")
+    out = tmp_path / "out" / "stories260K-x.h5"
+    p = run_mpi(1, ["run", str(job)], timeout=300, cwd=str(tmp_path))
+    assert p.returncode == 0 and h5_attrs(out)["status"] == "complete", explain(p)
+    stamp = os.stat(out).st_mtime_ns
+    p = run_mpi(1, ["run", str(job)], timeout=300, cwd=str(tmp_path))
+    assert p.returncode == 0, explain(p)
+    assert summary(p.stdout)[1]["one"]["status"] == "skipped (complete)", p.stdout
+    assert "=== run 1/1" not in p.stderr and os.stat(out).st_mtime_ns == stamp

@@ -90,7 +90,7 @@ def run_job(path: str, *, fail_fast: bool, device: str | None, threads: int | No
     for i, spec in enumerate(job.runs, 1):
         hold_if_stopping()
         t0 = time.perf_counter()
-        state = agree(lambda: output_status(spec.output), world.comm, timeout, "checking outputs")
+        state = agree(lambda: output_status(one_output(spec)), world.comm, timeout, "checking outputs")
         try:
             if state == "complete":
                 agree(lambda: _same_settings(spec), world.comm, timeout, "checking a complete output")
@@ -137,7 +137,7 @@ def _same_settings(spec: RunSpec) -> None:
     if cfg.demo:
         cfg = with_demo(cfg, prepare_demo())
     try:
-        check_resumable(spec.output, cfg)
+        check_resumable(one_output(spec), cfg)
     except UsageError as exc:
         raise UsageError(f"{exc}; it is complete for those: give this run another output, or move the file away to "
                          "recompute it") from None
@@ -161,6 +161,16 @@ def run_outputs(spec: RunSpec, matched: bool = False) -> list[str]:
             return []
         raise
     return [output_for(spec.output, name, "") for name in checkpoint_names(items)]
+
+
+def one_output(spec: RunSpec) -> str:
+    """The file a run that is no sweep writes (``output: out/{name}-x.h5`` names it by its model, as
+    :func:`mpitp.jobs.orchestrate.prepare` does); a sweep's pattern as it is (its own files are skipped or resumed
+    one by one). Read literally, a complete ``{name}`` run was never skipped: each ``mpitp run`` loaded its model
+    again and rewrote the file with a resume of 0 requests."""
+    from mpitp.jobs.sweep import is_sweep
+
+    return spec.output if is_sweep(spec.model) or is_sweep(spec.peft) else run_outputs(spec)[0]
 
 
 def run_status(spec: RunSpec) -> str:
