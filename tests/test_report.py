@@ -546,3 +546,24 @@ def test_a_directorys_files_come_in_a_sweeps_order(tmp_path):
         (tmp_path / f"step-{n}.h5").write_bytes(b"")
     files, _ = expand([str(tmp_path)])
     assert [os.path.basename(f) for f in files] == ["step-1.h5", "step-2.h5", "step-10.h5"]
+
+
+def test_several_sweep_summaries_each_name_their_charts_and_tests(tmp_path):
+    """A job's checkpoint sweep and adapter sweep (each step-0, step-1, ...) in one report: their charts were both
+    titled "syn_mc: acc,none" and their test lines both "step-1 vs step-0: ...", which sweep each was not said (only
+    the speed tables named their summary). Each now starts with its summary's name; one summary alone, as before."""
+    from mpitp.results.report import build
+
+    folders = [tmp_path / "ckpt", tmp_path / "ad"]
+    for folder, values in zip(folders, ([0.25, 0.5], [0.75, 0.5])):
+        folder.mkdir()
+        make_run(folder / "step-0.h5", f"{folder.name}/step-0", [1, 0, 0, 0])
+        sweep_summary(folder / "sweep-summary.json", values)
+    report = build([str(f) for f in folders], diff_iters=0)
+    names = [f"{f / 'sweep-summary.json'}: " for f in folders]
+    assert [p.title for p in report.sweeps] == [f"{n}syn_mc: acc,none" for n in names]
+    assert [p.points[1][1] for p in report.sweeps] == [0.5, 0.5] and report.sweeps[0].points[0][1] == 0.25
+    assert [t.split("step-1 vs step-0")[0] for t in report.sweep_tests[::2]] == names
+    alone = build([str(folders[0])], diff_iters=0)
+    assert [p.title for p in alone.sweeps] == ["syn_mc: acc,none"]
+    assert alone.sweep_tests[0].startswith("step-1 vs step-0: ")

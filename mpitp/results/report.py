@@ -151,10 +151,13 @@ def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDG
     data = {(i, task): tasks[run.path][task] for i, run in enumerate(runs) for task in run.tasks}
     sample_data, left_out = samples(runs, labels, data, cap, text_budget)
     comps = paired(runs, data, diff_iters)
+    # Several summaries (a job's checkpoint and adapter sweeps, each step-1, step-2 ...): each chart and test line
+    # names its summary, as its speed table does; they read "arc_easy: acc,none" and "step-2 vs step-1" twice.
+    label = {s: f"{shown(s)}: " if len(summaries) > 1 else "" for s in summaries}
     report = Report(runs=[run_view(label, run) for label, run in zip(labels, runs)],
                     leaderboard=leaderboard(runs, higher_is_better(runs)), samples=sample_data, left_out=left_out,
-                    sweeps=[p for s in summaries for p in sweep_panels(s)],
-                    sweep_tests=[t for s in summaries for t in sweep_tests(s)],
+                    sweeps=[p for s in summaries for p in sweep_panels(s, label[s])],
+                    sweep_tests=[t for s in summaries for t in sweep_tests(s, label[s])],
                     sweep_speed=[t for s in summaries for t in summary_speed(s, runs)],
                     diffs=[DiffView(labels[i], labels[j], statistics_text(c)) for (i, j), c in comps.items()],
                     diff_bound=PAIR_BOUND, diff_iters=diff_iters)

@@ -20,8 +20,9 @@ Z95 = 1.96  # the sweep plot's bars: value ± 1.96 · stderr, a 95% confidence i
 CHECKPOINT = re.compile(r"(?i)^(?:(?:checkpoint|ckpt|step|global_step|iter|iteration|epoch)[-_]?)?\d+$")
 
 
-def sweep_tests(path: str) -> list[str]:
-    """The paired tests between neighbouring checkpoints that the sweep wrote into its summary, one line each."""
+def sweep_tests(path: str, prefix: str = "") -> list[str]:
+    """The paired tests between neighbouring checkpoints that the sweep wrote into its summary, one line each, each
+    after ``prefix`` (the summary's name, when the page shows several)."""
     doc = read_summary(path)
     comparisons = doc.get("comparisons", []) if isinstance(doc, dict) else []
     out = []
@@ -29,12 +30,13 @@ def sweep_tests(path: str) -> list[str]:
         if isinstance(c, dict):
             line = c.get("sentence") or (f"{c.get('b')} against {c.get('a')}: {c['error']}" if "error" in c else "")
             if line:
-                out.append(f"{c.get('b', '?')} vs {c.get('a', '?')}: {line}")
+                out.append(f"{prefix}{c.get('b', '?')} vs {c.get('a', '?')}: {line}")
     return out
 
 
-def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPanel]:
-    """One panel per (task, metric) of a sweep summary, points scaled into an SVG box (one point per checkpoint)."""
+def sweep_panels(path: str, prefix: str = "", width: int = 520, height: int = 220) -> list[SweepPanel]:
+    """One panel per (task, metric) of a sweep summary, points scaled into an SVG box (one point per checkpoint),
+    titled after ``prefix`` (the summary's name, when the page shows several)."""
     try:
         rows = [r for r in read_summary(path)["checkpoints"] if isinstance(r, dict) and r.get("metrics")]
         checkpoints = [(str(r.get("name", "?")), dict(r["metrics"])) for r in rows]
@@ -42,7 +44,7 @@ def sweep_panels(path: str, width: int = 520, height: int = 220) -> list[SweepPa
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInput(f"{path}: not a sweep summary ({exc})") from None
-    return panels(checkpoints, "", width, height)
+    return panels(checkpoints, prefix, width, height)
 
 
 def panels(checkpoints: list[tuple[str, dict]], prefix: str, width: int = 520, height: int = 220) -> list[SweepPanel]:
