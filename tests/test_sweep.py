@@ -432,3 +432,27 @@ def test_a_checkpoints_phases_hold_its_checks_and_load(monkeypatch):
     sweep.run_checkpoint(cfg, rt, sweep.SweepState())
     assert 0.2 <= seen["checks"] < 0.3 + 1, seen
     assert 0.3 <= seen["load"] < 0.3 + 1, seen
+
+
+def test_each_item_of_a_sweep_names_itself_in_lm_evals_task_metadata():
+    """``--model_args pretrained='ck/step-[12]'``: lm-eval merges model_args into every task's metadata, and each
+    checkpoint's results JSON (and the HDF5 file's) said ``metadata.pretrained: 'ck/step-[12]'`` where ``lm_eval`` on
+    that checkpoint says ``ck/step-1`` (the tasks, loaded once for the sweep, kept the first item's otherwise). A
+    ``--metadata pretrained=...`` of the user's own is left as given."""
+    from mpitp.evaluation.outputs import as_lm_eval_ran
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.jobs.sweep import item_config
+
+    cfg = EvalConfig(model="ck/step-[12]", tasks=["t"], model_args={"pretrained": "ck/step-[12]", "dtype": "float32"},
+                     metadata={"pretrained": "ck/step-[12]", "dtype": "float32"})
+    first, second = (item_config(cfg, "model", f"ck/step-{i}", f"o{i}.h5") for i in (1, 2))
+    assert first.metadata == {"pretrained": "ck/step-1", "dtype": "float32"}
+    assert cfg.metadata["pretrained"] == "ck/step-[12]"  # the sweep's own settings unchanged
+    res = {"configs": {"t": {"metadata": {"version": 1.0, "pretrained": "ck/step-1", "dtype": "float32"}}}}
+    as_lm_eval_ran(res, second, num_parameters=None, device="cpu", loggers=None)
+    assert res["configs"]["t"]["metadata"] == {"version": 1.0, "pretrained": "ck/step-2", "dtype": "float32"}
+    peft = EvalConfig(model="base", peft="ad/*", tasks=["t"], model_args={"pretrained": "base", "peft": "ad/*"},
+                      metadata={"pretrained": "base", "peft": "ad/*"})
+    assert item_config(peft, "peft", "ad/a1", "o.h5").metadata == {"pretrained": "base", "peft": "ad/a1"}
+    own = EvalConfig(model="ck/*", tasks=["t"], model_args={"pretrained": "ck/*"}, metadata={"pretrained": "mine"})
+    assert item_config(own, "model", "ck/a", "o.h5").metadata == {"pretrained": "mine"}

@@ -5,7 +5,8 @@ its ``WandbLogger``, ``--show_config``, its header line and tables: what ``lm_ev
 The results dict differs from a single-process ``lm_eval --model hf`` run only where mpitp ran differently, and
 :func:`as_lm_eval_ran` puts back what lm-eval would record: the backend name it was given (``hf``, not the model
 path that ``simple_evaluate`` records for a pre-built model), the full parameter count (a TP rank holds a shard),
-the batch size as typed and the ``--use_cache`` path.
+the batch size as typed and the ``--use_cache`` path; and each task's metadata as the run's own settings have it (a
+sweep loads its tasks once: they hold the first checkpoint's ``pretrained``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def start_loggers(cfg: EvalConfig, t_start: float | None = None) -> dict:
 def as_lm_eval_ran(results: dict, cfg: EvalConfig, *, num_parameters: int | None, device: str,
                    loggers: dict | None) -> None:
     """Record the run as ``lm_eval --model hf`` records it (see the module docstring). In place."""
+    for task_config in results.get("configs", {}).values():  # a sweep's tasks, loaded once, hold its first item's
+        meta = task_config.get("metadata") if isinstance(task_config, dict) else None
+        if isinstance(meta, dict) and cfg.metadata:
+            meta.update({k: v for k, v in cfg.metadata.items() if k in meta})
     conf = results.get("config")
     if conf is None:
         return

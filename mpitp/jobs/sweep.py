@@ -52,10 +52,10 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-# mpi4py (through .comm and .runtime) is imported inside the functions that need it: this module is imported by
-# ``mpitp eval``'s dispatch, and ``mpitp --help`` must not start MPI.
+# mpi4py is imported inside the functions that need it: eval's dispatch imports this module; --help starts no MPI.
 
 log = logging.getLogger("mpitp")
+PEFT_OR_PRETRAINED = {"model": "pretrained", "peft": "peft"}  # the model_args key of a sweep's items
 
 def is_pattern(part: str) -> bool:
     """Whether one entry of ``--model``/``--peft`` is a glob: glob characters in a name that is no existing folder
@@ -331,14 +331,14 @@ def _metrics_from_file(path: str) -> dict:
 
 def item_config(cfg: EvalConfig, field: str, item: str, out: str) -> EvalConfig:
     """The settings of one item of a sweep: ``field`` (``model`` or ``peft``) set to the checkpoint or adapter, its
-    own output, and the same in ``--model_args`` (``pretrained=``, ``peft=``): lm-eval's output files name the item,
-    not the sweep's glob."""
-    model_args = dict(cfg.model_args or {})
-    arg = "pretrained" if field == "model" else field
+    own output, and the same in ``--model_args`` (``pretrained=``, ``peft=``) and the task metadata lm-eval merges
+    them into: lm-eval's output files name the item, not the sweep's glob."""
+    model_args, metadata, arg = dict(cfg.model_args or {}), dict(cfg.metadata or {}), PEFT_OR_PRETRAINED[field]
     if arg in model_args:
+        metadata.update({arg: item} if metadata.get(arg) == model_args[arg] else {})  # not a --metadata of its own
         model_args[arg] = item
     return dataclasses.replace(cfg, **{field: item}, output=out, tasks=list(cfg.tasks),
-                               model_args=model_args or cfg.model_args)
+                               model_args=model_args or cfg.model_args, metadata=metadata or cfg.metadata)
 
 
 def run_each(rt: Runtime, what: str, items: list[str], outputs: list[str], names: list[str],
