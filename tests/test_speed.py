@@ -271,7 +271,7 @@ def test_report_shows_speed_per_run_and_per_checkpoint(tmp_path):
 def test_sweep_summary_text_shows_speed_from_files_beside_it(tmp_path):
     from mpitp.results.sweepsummary import Row, render_summary, write_summary
 
-    elsewhere = tmp_path / "elsewhere"
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"  # outside the summary's folder (below it is read)
     elsewhere.mkdir()
     outputs = [make_run(tmp_path / "step-1.h5"), str(tmp_path / "step-2.h5"), make_run(elsewhere / "step-3.h5")]
     rows = [Row(f"m/step-{i}", f"step-{i}", out, "complete", wall_s=1.0 * i,
@@ -348,3 +348,23 @@ def test_sweep_summary_names_its_files_from_any_directory(tmp_path, monkeypatch)
     assert block[3].split()[:3] == ["step-1", "10.0", "0.80"]  # read from the file
     report = build([str(tmp_path / "sw")], diff_iters=0)
     assert [t.rows[0][0] for t in report.sweep_speed] == ["step-1"]
+
+
+def test_sweep_with_a_folder_per_checkpoint_keeps_its_summary_above_them(tmp_path):
+    """``--output 'nest/{name}/r.h5'``: the summary went into the first checkpoint's folder
+    (``nest/step-1/sweep-summary-r.json``) and the second checkpoint's speed row was all dashes (its file was not
+    "beside" the summary). The summary is the folder's that holds them all, ``nest/sweep-summary-r.json``, and every
+    checkpoint's speed is read."""
+    from mpitp.results.sweepsummary import Row, render_summary, summary_path, write_summary
+
+    rows = []
+    for i in (1, 2):
+        (tmp_path / "nest" / f"step-{i}").mkdir(parents=True)
+        rows.append(Row(f"ck/step-{i}", f"step-{i}", make_run(tmp_path / "nest" / f"step-{i}" / "r.h5"), "complete",
+                        wall_s=1.0, metrics={"syn_mc": {"acc,none": 0.5, "sample_len": 6}}))
+    path = summary_path(rows)
+    assert path == str(tmp_path / "nest" / "sweep-summary-r.json")
+    write_summary(path, rows, 3.0)
+    block = render_summary(rows, path).split("speed per checkpoint", 1)[1].splitlines()
+    assert [line.split()[:3] for line in block[3:5]] == [["step-1", "10.0", "0.80"], ["step-2", "10.0", "0.80"]]
+    assert summary_path(rows[:1]) == str(tmp_path / "nest" / "step-1" / "sweep-summary-r.json")  # one: its own

@@ -51,12 +51,13 @@ def is_metric(key: str) -> bool:
 
 
 def summary_path(rows: list[Row]) -> str:
-    """``sweep-summary.json`` beside the first results file; ``sweep-summary-<tag>.json`` when the files are named
-    by a pattern with more than the checkpoint's name (``{name}-arc.h5``: tag ``arc``; each row's ``name`` is its
-    file's ``{name}``), so that two sweeps (or watches) writing into one folder with different patterns keep a
-    summary each (the second replaced the first's)."""
-    folder = os.path.dirname(os.path.abspath(rows[0].output)) if rows else "."
-    patterns = {os.path.basename(r.output).replace(r.name, "{name}", 1) for r in rows}
+    """``sweep-summary.json`` in the folder of the results files (the one holding them all: ``{name}/r.h5`` puts
+    each in a folder of its own; the summary went into the first checkpoint's, and the others' speed was left out);
+    ``sweep-summary-<tag>.json`` when the files are named by a pattern with more than the checkpoint's name
+    (``{name}-arc.h5``: tag ``arc``; each row's ``name`` is its file's ``{name}``), so that two sweeps (or watches)
+    writing into one folder with different patterns keep a summary each (the second replaced the first's)."""
+    folder = os.path.commonpath([os.path.dirname(os.path.abspath(r.output)) for r in rows]) if rows else "."
+    patterns = {os.path.relpath(os.path.abspath(r.output), folder).replace(r.name, "{name}", 1) for r in rows}
     if len(patterns) != 1 or patterns == {"{name}.h5"}:
         return os.path.join(folder, SUMMARY_NAME)
     tag = re.sub(r"[^A-Za-z0-9._-]+", "_", patterns.pop().removesuffix(".h5").replace("{name}", "")).strip("-_.")
@@ -146,13 +147,15 @@ def render_summary(rows: list[Row], path: str) -> str:
 
 
 def _beside(output: str, path: str) -> bool:
-    return os.path.dirname(os.path.abspath(output)) == os.path.dirname(os.path.abspath(path))
+    """Whether ``output`` lies in the summary's folder or below it (:func:`summary_path`)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.path.commonpath([os.path.dirname(os.path.abspath(output)), folder]) == folder
 
 
 def _speed_lines(rows: list[Row], path: str) -> list[str]:
     """Each checkpoint's speed (:func:`mpitp.results.speed.checkpoint_row`), read from its results file when that
-    lies beside the summary (a sweep writes them there; a summary from elsewhere names no other file mpitp opens),
-    through the checked reader; none of them readable: no lines."""
+    lies in the summary's folder or below it (a sweep writes them there; a summary from elsewhere names no other file
+    mpitp opens), through the checked reader; none of them readable: no lines."""
     from mpitp.results.reader import load
     from mpitp.results.render import stats_totals
     from mpitp.results.speed import CHECKPOINT_HEAD, checkpoint_row, speed
