@@ -277,7 +277,7 @@ def prepare_watch(cfg: EvalConfig, launch: Launch, directory: str, idle_s: float
 
 
 def _watch_loop(cfg: EvalConfig, rt: Runtime, directory, idle_s, poll_s, base, state) -> list:
-    from mpitp.jobs.sweep import output_for, run_models
+    from mpitp.jobs.sweep import checkpoint_names, output_for, run_models
     from mpitp.parallel import comm as mpicomm
     from mpitp.parallel.runtime import agree
 
@@ -301,8 +301,9 @@ def _watch_loop(cfg: EvalConfig, rt: Runtime, directory, idle_s, poll_s, base, s
         if kind == "wait":
             time.sleep(poll_s)
             continue
-        # A folder name is the training job's: a control character in it (ESC, newline) is not put in a file name
-        names = ["".join(c if c.isprintable() else "_" for c in os.path.basename(os.path.normpath(p))) for p in fresh]
+        # Named as a sweep of the folder names them (a control character, ESC or newline, not put in a file name):
+        # epoch=0-step=100 was epoch=0-step=100.h5 here, epoch_0-step_100.h5 for a --model 'DIR/*' of the same files
+        names = checkpoint_names(fresh)
         outputs = agree(lambda: [output_for(cfg.output, n, base) for n in names], rt.world.comm, rt.timeout,
                         "naming outputs")
         new = _run_again(rows, lambda: run_models(cfg, rt, fresh, outputs, names, state, rows))
