@@ -458,3 +458,22 @@ def test_each_item_of_a_sweep_names_itself_in_lm_evals_task_metadata():
     assert item_config(peft, "peft", "ad/a1", "o.h5").metadata == {"pretrained": "base", "peft": "ad/a1"}
     own = EvalConfig(model="ck/*", tasks=["t"], model_args={"pretrained": "ck/*"}, metadata={"pretrained": "mine"})
     assert item_config(own, "model", "ck/a", "o.h5").metadata == {"pretrained": "mine"}
+
+
+def test_resume_of_a_sweep_without_output_is_refused(tmp_path, monkeypatch):
+    """``mpitp eval --model 'ck/step-*' --resume`` without ``--output``: each launch named a new folder
+    (results/sweep-<time>/), so the resume evaluated every checkpoint again into it, exit 0. One line now; with
+    ``--output`` the resume goes on as before."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.settings import EvalConfig
+    from mpitp.jobs.sweep import _refuse_existing, default_sweep_dir, output_for
+
+    monkeypatch.chdir(tmp_path)
+    cfg = EvalConfig(model="ck/step-*", tasks=["t"], resume=True)
+    outputs = [output_for(None, n, default_sweep_dir()) for n in ("step-1", "step-2")]
+    with pytest.raises(UsageError, match=r"--resume: a sweep without --output writes into a new folder each launch "
+                                         r"\(results/sweep-\d{8}-\d{6}\): give the --output"):
+        _refuse_existing(cfg, "model", ["ck/step-1", "ck/step-2"], outputs)
+    assert not (tmp_path / "results").exists()
+    cfg.output = "out/{name}.h5"
+    _refuse_existing(cfg, "model", ["ck/step-1", "ck/step-2"], ["out/step-1.h5", "out/step-2.h5"])

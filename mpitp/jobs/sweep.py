@@ -296,15 +296,11 @@ def run_checkpoint(cfg: EvalConfig, rt: Runtime, state: SweepState,
     del model
     released = ref() is None  # freed by reference counting alone: nothing of the run still holds it
     gc.collect()
-    _empty_device_cache(rt.device)
-    return res, released
-
-
-def _empty_device_cache(device: str) -> None:
-    if device.startswith("cuda"):
+    if rt.device.startswith("cuda"):
         import torch
 
         torch.cuda.empty_cache()
+    return res, released
 
 
 # ----------------------------------------------------------------------------------------------------- sweep
@@ -466,6 +462,9 @@ def _refuse_existing(cfg: EvalConfig, field: str, items: list[str], outputs: lis
     rewritten since is that item's own failure, found when its turn comes."""
     from mpitp.evaluation.checks import check_writable
 
+    if cfg.resume and cfg.output is None:  # each launch named a new folder: every checkpoint evaluated again
+        raise UsageError(f"--resume: a sweep without --output writes into a new folder each launch "
+                         f"({os.path.dirname(outputs[0])}): give the --output (folder or {{name}} pattern) to continue")
     for out in {os.path.dirname(os.path.abspath(o)): o for o in reversed(outputs)}.values():  # the summary's too
         check_writable(out)  # else every item failed, then writing the summary was a traceback and MPI_Abort
     existing = [(item, out) for item, out in zip(items, outputs) if os.path.exists(out)]
