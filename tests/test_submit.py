@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import jinja2
 import pytest
@@ -54,11 +55,13 @@ CASES = {
 }
 
 
-def _render(case: str) -> str:
+def _render(case: str, mpi: str = "MPICH 4.3.2") -> str:
+    """The case's script as if mpi4py were linked against ``mpi`` (the golden files are the same in either venv)."""
     scheduler, job, kwargs = CASES[case]
     old = os.umask(0o022)  # the outputs' folder is still to be made: with umask 002 the logs go to a private subfolder
     try:
-        text = render_script(scheduler, job, **kwargs)
+        with mock.patch.object(submit_mod, "linked_mpi", return_value=mpi):
+            text = render_script(scheduler, job, **kwargs)
     finally:
         os.umask(old)
     bin_dir = submit_mod._mpitp_bin()
@@ -118,6 +121,10 @@ def test_rendered_scripts_have_the_essentials():
                  "mpiexec -n 16 --ppn 8 mpitp run @REPO@/jobs/example-llama.yaml"):
         assert line in pbs.splitlines(), line
     assert "NCCL" not in _render("slurm-1x4").replace("# Site NCCL settings", "")  # none baked in
+    openmpi = _render("pbs-2x8", mpi="Open MPI 5.0.11").splitlines()  # its mpiexec refuses Hydra's --ppn (exit 213)
+    assert "mpiexec -n 16 --map-by ppr:8:node mpitp run @REPO@/jobs/example-llama.yaml" in openmpi
+    assert ("# mpiexec --map-by ppr:8:node: mpi4py here is linked against Open MPI 5.0.11, whose mpiexec is PRRTE's"
+            in openmpi)
     assert "NLTK_DATA" not in _render("slurm-1x4")  # the demo job reads no data directory
 
 

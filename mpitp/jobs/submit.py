@@ -192,6 +192,18 @@ def _srun_mpi(choice: str | None) -> tuple[str, str]:
     return want, f"{reason}; `srun --mpi=list` offers {', '.join(offered)} (--srun-mpi auto)"
 
 
+def _pbs_per_node(ranks_per_node: int) -> tuple[str, str]:
+    """PBS's ``mpiexec`` option for ranks per node, and why: the flag is the launcher's own, and the launcher is the
+    one of the MPI mpi4py is linked against. Hydra (MPICH, Intel MPI, MVAPICH) takes ``--ppn N``; Open MPI's
+    ``mpiexec`` (PRRTE's prterun) stops at ``--ppn`` ("An unrecognized option was included on the mpiexec command
+    line", exit 213) and places N per node with ``--map-by ppr:N:node``."""
+    family = linked_mpi()
+    linked = f"mpi4py here is linked against {family or 'an MPI it could not name'}"
+    if family and family.startswith("Open MPI"):
+        return f"--map-by ppr:{ranks_per_node}:node", f"{linked}, whose mpiexec is PRRTE's"
+    return f"--ppn {ranks_per_node}", f"{linked}, whose mpiexec is Hydra"
+
+
 def _iface(name: str | None) -> str | None:
     """``--iface``: a network interface name (exported as ``MPITP_IFACE`` in the script)."""
     if name is None:
@@ -288,6 +300,7 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
             raise SubmitUsageError(f"--signal-grace {signal_grace} s is not shorter than --time {time} = "
                                    f"{_seconds(time)} s: the job would be told to stop before it starts")
     srun_mpi, srun_mpi_reason = _srun_mpi(srun_mpi) if scheduler == "slurm" and launcher == "srun" else (None, None)
+    per_node_flag, per_node_reason = _pbs_per_node(ranks_per_node) if scheduler == "pbs" else (None, None)
     context = {
         "time": time,
         "account": _directive_word("--account", account),
@@ -321,6 +334,7 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
         env_setup=(env_setup or "").strip("\n").rstrip() or None,
         mpitp_bin=_quoted_bin(),
         launcher=launcher, srun_mpi=srun_mpi, srun_mpi_reason=srun_mpi_reason,
+        per_node_flag=per_node_flag, per_node_reason=per_node_reason,
         requeue=bool(requeue), signal_grace=signal_grace, stop_exit=STOP_EXIT,
         run_args="".join(" " + shlex.quote(str(a)) for a in extra_args),
         nltk_data=_nltk_data(job),

@@ -35,4 +35,5 @@ set -u
 # interrupted one resumes. Ways to get the next start: `qrerun JOBID` while it runs (the job is rerunnable, -r y),
 # or queue the continuation up front: `qsub -W depend=afterany:JOBID SCRIPT` (it starts when this one ends, for any
 # reason, and does only what is left).
+# mpiexec --ppn 4: mpi4py here is linked against MPICH 4.3.2, whose mpiexec is Hydra
 mpiexec -n 4 --ppn 4 mpitp run @REPO@/jobs/demo.yaml

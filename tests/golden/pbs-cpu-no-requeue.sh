@@ -29,4 +29,5 @@ set -u
 # Site NCCL settings (--nccl-env).
 # (none given)
 
+# mpiexec --ppn 4: mpi4py here is linked against MPICH 4.3.2, whose mpiexec is Hydra
 mpiexec -n 4 --ppn 4 mpitp run @REPO@/jobs/demo.yaml
