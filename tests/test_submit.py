@@ -125,6 +125,11 @@ def test_rendered_scripts_have_the_essentials():
     assert "mpiexec -n 16 --map-by ppr:8:node mpitp run @REPO@/jobs/example-llama.yaml" in openmpi
     assert ("# mpiexec --map-by ppr:8:node: mpi4py here is linked against Open MPI 5.0.11, whose mpiexec is PRRTE's"
             in openmpi)
+    # PBS's walltime SIGTERM: Open MPI's mpiexec kills the ranks within a second (measured: 0.6 s, exit 1, no stop line)
+    said = "# of it, before mpitp can say so: the job ends with status 1, every landed request already in its results"
+    assert any(line.startswith(said) for line in openmpi) and not any("exits 75" in line for line in openmpi)
+    assert "# in its results file, and exits 75. Running this script again continues: completed runs are skipped, the" \
+        in pbs.splitlines()
     assert "NLTK_DATA" not in _render("slurm-1x4")  # the demo job reads no data directory
 
 

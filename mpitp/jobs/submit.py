@@ -192,16 +192,17 @@ def _srun_mpi(choice: str | None) -> tuple[str, str]:
     return want, f"{reason}; `srun --mpi=list` offers {', '.join(offered)} (--srun-mpi auto)"
 
 
-def _pbs_per_node(ranks_per_node: int) -> tuple[str, str]:
-    """PBS's ``mpiexec`` option for ranks per node, and why: the flag is the launcher's own, and the launcher is the
-    one of the MPI mpi4py is linked against. Hydra (MPICH, Intel MPI, MVAPICH) takes ``--ppn N``; Open MPI's
-    ``mpiexec`` (PRRTE's prterun) stops at ``--ppn`` ("An unrecognized option was included on the mpiexec command
-    line", exit 213) and places N per node with ``--map-by ppr:N:node``."""
-    family = linked_mpi()
-    linked = f"mpi4py here is linked against {family or 'an MPI it could not name'}"
-    if family and family.startswith("Open MPI"):
-        return f"--map-by ppr:{ranks_per_node}:node", f"{linked}, whose mpiexec is PRRTE's"
-    return f"--ppn {ranks_per_node}", f"{linked}, whose mpiexec is Hydra"
+def _pbs_mpiexec(ranks_per_node: int) -> dict[str, Any]:
+    """PBS's ``mpiexec`` line follows the MPI mpi4py is linked against (its launcher is that MPI's). Hydra (MPICH,
+    Intel MPI, MVAPICH) takes ``--ppn N``; Open MPI's (PRRTE's prterun) stops at it ("An unrecognized option was
+    included on the mpiexec command line", exit 213) and takes ``--map-by ppr:N:node``. Given SIGTERM (PBS's
+    walltime) Open MPI's ends the ranks within a second, before rank 0's stop line and exit 75: the job ends with 1."""
+    family = linked_mpi() or ""
+    open_mpi = family.startswith("Open MPI")
+    flag = f"--map-by ppr:{ranks_per_node}:node" if open_mpi else f"--ppn {ranks_per_node}"
+    launcher = "PRRTE's" if open_mpi else "Hydra"
+    return dict(per_node_flag=flag, open_mpi=open_mpi, per_node_reason=f"mpi4py here is linked against "
+                f"{family or 'an MPI it could not name'}, whose mpiexec is {launcher}")
 
 
 def _iface(name: str | None) -> str | None:
@@ -300,7 +301,7 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
             raise SubmitUsageError(f"--signal-grace {signal_grace} s is not shorter than --time {time} = "
                                    f"{_seconds(time)} s: the job would be told to stop before it starts")
     srun_mpi, srun_mpi_reason = _srun_mpi(srun_mpi) if scheduler == "slurm" and launcher == "srun" else (None, None)
-    per_node_flag, per_node_reason = _pbs_per_node(ranks_per_node) if scheduler == "pbs" else (None, None)
+    mpiexec = _pbs_mpiexec(ranks_per_node) if scheduler == "pbs" else {}
     context = {
         "time": time,
         "account": _directive_word("--account", account),
@@ -334,7 +335,7 @@ def _prepare(scheduler: str, job_path: str | os.PathLike[str], *, nodes: int, gp
         env_setup=(env_setup or "").strip("\n").rstrip() or None,
         mpitp_bin=_quoted_bin(),
         launcher=launcher, srun_mpi=srun_mpi, srun_mpi_reason=srun_mpi_reason,
-        per_node_flag=per_node_flag, per_node_reason=per_node_reason,
+        **mpiexec,
         requeue=bool(requeue), signal_grace=signal_grace, stop_exit=STOP_EXIT,
         run_args="".join(" " + shlex.quote(str(a)) for a in extra_args),
         nltk_data=_nltk_data(job),
