@@ -157,8 +157,13 @@ def test_oversubscription_warning_names_the_setting_only_where_it_is_off():
     assert oversubscription_warning(2, 2, "MPICH 5.0.2") is None
     assert oversubscription_warning(4, 2, "MPICH 5.0.2") == "4 ranks on 2 cores: oversubscribed (slow; fine for " \
                                                            "trying things out)"
-    # mpirun --oversubscribe turns Open MPI's yield on by itself; srun does not.
-    assert "yield" not in oversubscription_warning(4, 2, "Open MPI 5.0.11", "prterun (Open MPI)", env={})
+    # mpirun --oversubscribe turns Open MPI's yield on by itself (it was given 2 slots for 4 ranks); srun does not.
+    over = {"OMPI_UNIVERSE_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "4"}
+    assert "yield" not in oversubscription_warning(4, 2, "Open MPI 5.0.11", "prterun (Open MPI)", env=over)
+    # mpirun --host localhost:4 --bind-to none on 2 cores: 4 slots claimed, mpi_yield_when_idle=false (default)
+    claimed = {"OMPI_UNIVERSE_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "4"}
+    assert oversubscription_warning(4, 2, "Open MPI 5.0.11", "prterun (Open MPI)", env=claimed).endswith(
+        "export OMPI_MCA_mpi_yield_when_idle=1")
     assert oversubscription_warning(4, 2, "Open MPI 5.0.11", "srun (PMIx)", env={}).endswith(
         "export OMPI_MCA_mpi_yield_when_idle=1")
     assert "yield" not in oversubscription_warning(4, 2, "Open MPI 5.0.11", "srun (PMIx)",

@@ -65,6 +65,21 @@ def _truthy(value: str | None) -> bool:
     return str(value).strip().lower() in ("1", "t", "true", "yes", "y", "enabled")
 
 
+def _open_mpi_yields(launcher: str, env: Mapping[str, str]) -> bool:
+    """Open MPI's ``mpi_yield_when_idle`` is on here: set by the user, or by ``prterun`` because it mapped more ranks
+    than the slots it was given (``--oversubscribe`` on a node of fewer cores: ``OMPI_UNIVERSE_SIZE``, the slots, is
+    below the world's size). A host list or hostfile that claims a slot per rank (``--host localhost:4`` on 2 cores)
+    leaves it off: there ``mpi_show_mca_params`` shows ``mpi_yield_when_idle=false (default)``."""
+    if _truthy(env.get("OMPI_MCA_mpi_yield_when_idle")):
+        return True
+    if not launcher.startswith("prterun"):
+        return False
+    try:
+        return int(env["OMPI_UNIVERSE_SIZE"]) < int(env["OMPI_COMM_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return True  # not known: no advice rather than a wrong one
+
+
 def oversubscription_warning(ranks_on_node: int, cores_on_node: int, mpi_name: str, launcher: str = "",
                              env: Mapping[str, str] = os.environ) -> str | None:
     """A warning when more ranks than cores share a node, naming the setting known to hurt there.
@@ -72,12 +87,11 @@ def oversubscription_warning(ranks_on_node: int, cores_on_node: int, mpi_name: s
     Open MPI busy-polls in its progress engine unless ``mpi_yield_when_idle`` is on. Open MPI 5 turns it on by itself
     only when its own launcher knows the node is oversubscribed (``mpirun --oversubscribe``: ``mpi_show_mca_params``
     shows ``mpi_yield_when_idle=true (default)``); started by ``srun``, or by ``mpirun`` with a hostfile that claims
-    more slots than cores, it stays off and each waiting rank holds a core its peer needs.
+    more slots than cores, it stays off and each waiting rank holds a core its peer needs (:func:`_open_mpi_yields`).
     """
     if ranks_on_node <= cores_on_node:
         return None
     head = f"{ranks_on_node} ranks on {cores_on_node} cores: oversubscribed (slow; fine for trying things out)"
-    if (mpi_name.startswith("Open MPI") and not launcher.startswith("prterun")
-            and not _truthy(env.get("OMPI_MCA_mpi_yield_when_idle"))):
+    if mpi_name.startswith("Open MPI") and not _open_mpi_yields(launcher, env):
         return f"{head}; Open MPI busy-polls while waiting unless told: export OMPI_MCA_mpi_yield_when_idle=1"
     return head
