@@ -168,3 +168,31 @@ def test_oversubscription_warning_names_the_setting_only_where_it_is_off():
         "export OMPI_MCA_mpi_yield_when_idle=1")
     assert "yield" not in oversubscription_warning(4, 2, "Open MPI 5.0.11", "srun (PMIx)",
                                                    env={"OMPI_MCA_mpi_yield_when_idle": "1"})
+
+
+def test_binding_warning_only_where_open_mpi_bound_the_ranks_to_fewer_cores():
+    from mpitp.parallel.launch import binding_warning
+
+    # mpirun -n 1 on 2 cores: Open MPI bound the rank to core 0 (threads 1); --bind-to none: both cores (threads 2)
+    said = binding_warning(1, 2, "Open MPI 5.0.11", "prterun (Open MPI)")
+    assert said == ("its ranks are bound to 1 of the 2 cores their launcher may use (Open MPI binds each rank to a "
+                    "core when it starts 2 or fewer): `mpirun --bind-to none` lets their threads use all 2")
+    assert binding_warning(2, 2, "Open MPI 5.0.11", "prterun (Open MPI)") is None
+    assert binding_warning(1, 2, "MPICH 5.0.2", "mpiexec (Hydra)") is None  # Hydra binds only when asked
+    assert binding_warning(1, 2, "Open MPI 5.0.11", "srun (PMIx)") is None  # SLURM's binding is the site's choice
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi
+def test_info_warns_where_open_mpi_bound_a_rank_to_one_core():
+    """Under Open MPI's mpirun -n 1 (bound to one core by default) on a node of more cores: the warning, 1 thread."""
+    if os.cpu_count() < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    from support.mpi import mpiexec_path
+
+    # without --oversubscribe (mpiexec_cmd's, which turns Open MPI's binding off)
+    proc = run_mpi(1, ["info"], timeout=120, launcher=[mpiexec_path(), "-n", "1"])
+    assert proc.returncode == 0, explain(proc)
+    family = "Open MPI" if "MPI: Open MPI" in proc.stdout else "MPICH"
+    warned = "Open MPI binds each rank to a core when it starts 2 or fewer" in proc.stdout
+    assert warned == (family == "Open MPI"), explain(proc)

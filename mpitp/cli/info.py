@@ -87,7 +87,7 @@ def run_info(tp: int, device: str | None, threads: int | None, timeout: float, l
     import torch
 
     from mpitp.parallel import comm as mpicomm
-    from mpitp.parallel.launch import oversubscription_warning
+    from mpitp.parallel.launch import binding_warning, oversubscription_warning
     from mpitp.parallel.runtime import make_launch, replica_world, setup_logging
     from mpitp.parallel.world import mpi_implementation, mpi_library_version, world_from_comm
 
@@ -114,9 +114,12 @@ def run_info(tp: int, device: str | None, threads: int | None, timeout: float, l
             print(f"MPI: {impl} ({mpi_library_version()})")
             crowded = max(((r["node"], sum(1 for x in rows if x["node"] == r["node"])) for r in rows),
                           key=lambda x: x[1])
-            warning = oversubscription_warning(crowded[1], rt.world.cores_per_node, impl, rt.world.launcher)
-            if warning:
-                print(f"warning: node {crowded[0]}: {warning}")
+            w = rt.world
+            crowding = oversubscription_warning(crowded[1], w.cores_per_node, impl, w.launcher)
+            binding = binding_warning(w.cores_per_node, w.launcher_cores, impl, w.launcher)
+            for node, warning in ((crowded[0], crowding), (w.node_name, binding)):
+                if warning:
+                    print(f"warning: node {node}: {warning}")
             print(f"torch {torch.__version__}, TP backend: {backend}, timeout {rt.timeout:g} s")
             print(format_table(node_rows(rows), ["node", "ranks", "address", "dp_groups", "pp_stages", "tp_groups"]))
             print(format_table(rows, ["rank", "node", "local_rank", "dp_rank", "pp_rank", "tp_rank", "role", "device",

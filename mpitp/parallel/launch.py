@@ -95,3 +95,15 @@ def oversubscription_warning(ranks_on_node: int, cores_on_node: int, mpi_name: s
     if mpi_name.startswith("Open MPI") and not _open_mpi_yields(launcher, env):
         return f"{head}; Open MPI busy-polls while waiting unless told: export OMPI_MCA_mpi_yield_when_idle=1"
     return head
+
+
+def binding_warning(bound: int, offered: int, mpi_name: str, launcher: str) -> str | None:
+    """A warning when Open MPI's ``mpirun`` bound a node's ranks to fewer cores than it may use itself.
+
+    Open MPI binds each rank to one core when it starts two or fewer (to a package above that): ``mpirun -n 2`` on a
+    16-core node leaves 14 cores idle, and mpitp's threads per rank (the node's bound cores over its ranks) come out
+    at 1. MPICH's Hydra binds nothing unless asked. A binding the user asked for is kept: this only says so."""
+    if not (mpi_name.startswith("Open MPI") and launcher.startswith("prterun")) or bound >= offered:
+        return None
+    return (f"its ranks are bound to {bound} of the {offered} cores their launcher may use (Open MPI binds each rank "
+            f"to a core when it starts 2 or fewer): `mpirun --bind-to none` lets their threads use all {offered}")

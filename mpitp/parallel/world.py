@@ -47,11 +47,13 @@ def mpi_implementation() -> str:
     return f"{clean_mpi_string(name)} {'.'.join(map(str, version))}"
 
 
-def _available_cpus() -> set[int]:
+def _available_cpus(pid: int = 0) -> set[int]:
     try:
-        return set(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(pid))
     except AttributeError:  # pragma: no cover - non-Linux
         return set(range(os.cpu_count() or 1))
+    except OSError:  # the parent is gone or not ours to read: only this process's own set is known
+        return set(os.sched_getaffinity(0))
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class World:
     cores_per_node: int
     launcher: str
     node_names: tuple[str, ...] = ()  # by node index
+    #: The cores the node's ranks' parents (their launcher: prterun, prted, hydra's proxy, slurmstepd) may use; more
+    #: than ``cores_per_node`` where the launcher bound its ranks to fewer (Open MPI binds each to a core at np <= 2).
+    launcher_cores: int = 0
 
     @property
     def nodes_text(self) -> str:
@@ -99,8 +104,8 @@ def world_from_comm(comm: MPI.Comm | None = None) -> World:
     leaders = comm.allgather(node_leader)
     order = {leader: i for i, leader in enumerate(sorted(set(leaders)))}
     names = comm.allgather(name)
-    cpus = node_comm.allgather(_available_cpus())
-    cores = len(set().union(*cpus))
+    cpus = node_comm.allgather((_available_cpus(), _available_cpus(os.getppid())))
+    cores = len(set().union(*(own for own, _ in cpus)))
     return World(
         comm=comm,
         node_comm=node_comm,
@@ -115,6 +120,7 @@ def world_from_comm(comm: MPI.Comm | None = None) -> World:
         cores_per_node=cores,
         launcher=detect_launcher(),
         node_names=tuple(names[leader] for leader in sorted(order)),
+        launcher_cores=len(set().union(*(parent for _, parent in cpus))),
     )
 
 
