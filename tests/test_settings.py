@@ -75,7 +75,8 @@ def test_job_file_reaches_lm_eval_as_written(job):
         args = eval_config(spec).lm_eval_arguments()
         assert _lm_eval_docs(args["limit"]) == docs[name], (name, args["limit"])
         assert args["model_args"] == {"pretrained": "org/m", "add_bos_token": True, "dtype": "float32"}  # as --dtype
-        assert args["metadata"] == {"pretrained": "org/m", "add_bos_token": True, "max_seq_lengths": [64]}
+        assert args["metadata"] == {"pretrained": "org/m", "add_bos_token": True, "dtype": "float32",
+                                    "max_seq_lengths": [64]}  # model_args merged in, as lm-eval merges them
         assert args["system_instruction"] == "Be brief."
         if name == "kv-string":  # lm-eval parses the k=v string itself
             assert args["gen_kwargs"] == "temperature=0,max_gen_toks=5"
@@ -83,6 +84,20 @@ def test_job_file_reaches_lm_eval_as_written(job):
             assert args["gen_kwargs"] == {"until": ["\n\n", "Question:"], "max_gen_toks": 5}
             assert isinstance(args["gen_kwargs"]["until"], list)
     assert set(args) <= set(inspect.signature(__import__("lm_eval").simple_evaluate).parameters)
+
+
+def test_task_metadata_holds_the_model_args_whichever_way_they_are_given():
+    """lm-eval merges ``--model_args`` into the task metadata, where babilong and RULER read ``pretrained`` (their
+    tokenizer); ``mpitp eval --model PATH --dtype float32`` is ``--model_args pretrained=PATH,dtype=float32`` and gave
+    tasks no ``pretrained`` at all (those tasks failed: "No tokenizer or pretrained provided"). --metadata wins, and
+    the resume identity holds only what --metadata added."""
+    short = parse_eval_args(["--model", "org/m", "--tasks", "t", "--dtype", "float32"]).cfg
+    long = parse_eval_args(["--model", "hf", "--model_args", "pretrained=org/m,dtype=float32", "--tasks", "t"]).cfg
+    assert short.metadata == long.metadata == {"pretrained": "org/m", "dtype": "float32"}
+    assert short.lm_eval_arguments()["metadata"] == long.lm_eval_arguments()["metadata"]
+    own = parse_eval_args(["--model", "org/m", "--tasks", "t", "--metadata", '{"pretrained": "tok/x", "n": 1}']).cfg
+    assert own.metadata == {"pretrained": "tok/x", "n": 1}
+    assert short.identity().get("metadata") is None and own.identity()["metadata"] == own.metadata
 
 
 def test_job_file_and_command_line_mean_the_same(job):

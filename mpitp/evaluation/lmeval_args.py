@@ -387,8 +387,9 @@ def to_eval_config(ec: EvaluatorConfig, mine: dict) -> EvalConfig:
         model_source=source, model_args=model_args, hflm_args=hflm,
         attn_implementation=_opt_str(loading.get("attn_implementation")),
         subfolder=_opt_str(loading.get("subfolder")), peft=_opt_str(loading.get("peft")), device=ec.device,
+        metadata={**model_args, **(ec.metadata or {})},  # lm-eval's merge, with --model PATH and the shorthands
         **{f.name: from_evaluator_config(f, getattr(ec, f.name)) for f in lm_eval_named()
-           if f.name not in ("model_args", "trust_remote_code")})
+           if f.name not in ("model_args", "trust_remote_code", "metadata")})
 
 
 def _opt_str(v):
@@ -436,12 +437,11 @@ def apply_lm_eval_settings(cfg: EvalConfig, settings: dict) -> None:
     """A job file's lm-eval fields (named as lm-eval's EvaluatorConfig fields) onto ``cfg``, with the flags' meaning:
     model_args split and refused as for ``--model_args`` (the job file's tokenizer, revision, dtype and max_length
     merged into it as ``--dtype`` ... are), ``predict_only`` implying ``log_samples``, ``metadata`` merged over
-    model_args for the TaskManager (when the run names lm-eval fields: a run without them has none, as before)."""
+    model_args for the TaskManager, as lm-eval merges them (babilong and RULER read ``pretrained`` there)."""
     from lm_eval.config.evaluate_config import DICT_KEYS
     from lm_eval.utils import simple_parse_args_string
 
     settings = {k: v for k, v in settings.items() if v is not None}
-    given_lm_eval = bool(settings)
     for key in DICT_KEYS:
         if isinstance(settings.get(key), str):
             settings[key] = model_args_dict(settings[key]) if key == "model_args" else \
@@ -449,7 +449,6 @@ def apply_lm_eval_settings(cfg: EvalConfig, settings: dict) -> None:
         elif key in settings:
             settings[key] = dict(settings[key])
     model_args = {**({"pretrained": cfg.model} if cfg.model else {}), **settings.pop("model_args", {})}
-    given = dict(model_args)  # what lm-eval merges into metadata (before the shorthands, as on the command line)
     for key in cli_setting_dests(shorthand=True):
         current = getattr(cfg, key)
         if key in model_args:
@@ -475,8 +474,7 @@ def apply_lm_eval_settings(cfg: EvalConfig, settings: dict) -> None:
         setattr(cfg, key, value)
     if cfg.predict_only:
         cfg.log_samples = True
-    if given_lm_eval:
-        cfg.metadata = {**given, **(cfg.metadata or {})}
+    cfg.metadata = {**model_args, **(cfg.metadata or {})}  # as lm-eval merges them, for every run (see to_eval_config)
     for key, why in NETWORK_ONLY.items():
         if str((cfg.hf_hub_log_args or {}).get(key, "")).lower() in ("true", "1"):
             raise UsageError(why)
