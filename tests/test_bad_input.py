@@ -331,3 +331,18 @@ def test_requests_lm_eval_cannot_score_are_one_line(args, message, tmp_path):
     assert "Traceback" not in out and out.count(message) == 1, explain(proc)
     assert any(ln.startswith("mpitp: error: ") and message in ln for ln in proc.stderr.splitlines()), explain(proc)
     assert (tmp_path / "out.h5").exists() == ("--apply_chat_template" not in args), explain(proc)
+
+
+@pytest.mark.mpi
+def test_commands_that_use_no_mpi_run_once_under_mpiexec(tmp_path):
+    """``mpiexec -n 2 mpitp check`` printed its verdict twice, ``submit`` submitted once per rank (two scripts
+    rendered, two jobs), ``prefetch`` downloaded into one folder from each: rank 0 alone runs such a command, the
+    other ranks leave at once, and rank 0's status is the launch's."""
+    demo = str(REPO / "jobs" / "demo.yaml")
+    proc = run_mpi(2, ["submit", demo, "--scheduler", "slurm", "--nodes", "1", "--ranks-per-node", "2", "--time",
+                       "00:10:00", "--dry-run"], timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.count("#SBATCH --nodes") == 1, explain(proc)
+    proc = run_mpi(2, ["check", demo], timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.count("mpitp check: ready offline") == 1, explain(proc)
+    proc = run_mpi(2, ["inspect", "missing.h5"], timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.count("missing.h5: no such file") == 1, explain(proc)

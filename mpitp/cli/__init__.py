@@ -56,6 +56,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Commands that never use MPI: launched as several ranks (``srun mpitp check`` in a batch script, ``mpiexec -n 2 mpitp
+#: submit``), rank 0 alone runs them. Every rank printed the same lines, wrote the same ``--json-out`` or report, and
+#: ``submit`` submitted the job once per rank, ``prefetch`` downloaded into one folder from each.
+ONE_PROCESS = frozenset({"check", "inspect", "prefetch", "report", "rescore", "submit", "tasks"})
+
+
+def _left_to_rank0(args: Sequence[str]) -> bool:
+    """This is not rank 0 of a launch of a :data:`ONE_PROCESS` command: it leaves at once, status 0 (rank 0's status
+    is the launch's; a usage error is rank 0's line, as for every command)."""
+    return bool(args) and args[0] in ONE_PROCESS and world_rank() != 0
+
+
 class _Commands(click.Group):
     """:data:`COMMANDS`, each imported when asked for (``mpitp --help`` lists them alphabetically)."""
 
@@ -91,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv is None:  # the process's own command: few collector passes while it imports (mpitp.gcpolicy), and
         gcpolicy.start_up()  # what it never calls imported when first called (mpitp.importpolicy)
         importpolicy.start_up()
+    if _left_to_rank0(sys.argv[1:] if argv is None else argv):
+        return
     install_excepthook()
     try:
         hooks()  # MPITP_TEST_* read on every rank before any work: a malformed one is one usage error, together
