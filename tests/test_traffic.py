@@ -64,8 +64,10 @@ class TwoRankOps(TPOps):
 
 
 def _shard(model, share: bool = True) -> ReplicaShard:
+    from mpi4py import MPI  # a real communicator: a deadline's phase names its other ranks (none here)
+
     layout = types.SimpleNamespace(tp=1, pp=1, replica_size=2, last_stage=True, first_stage=True, rank=0,
-                                   is_leader=True, replica_comm=None)
+                                   is_leader=True, replica_comm=MPI.COMM_SELF)
     shard = ReplicaShard(model, layout, "cpu")
     shard.ops = shard.head.ops = TwoRankOps(shard.stats)
     assert prefix_probe.check_sharing(shard, enabled=share) == (None if share else "off (--no-prefix-sharing)")
