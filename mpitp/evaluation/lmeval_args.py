@@ -387,9 +387,17 @@ def to_eval_config(ec: EvaluatorConfig, mine: dict) -> EvalConfig:
         model_source=source, model_args=model_args, hflm_args=hflm,
         attn_implementation=_opt_str(loading.get("attn_implementation")),
         subfolder=_opt_str(loading.get("subfolder")), peft=_opt_str(loading.get("peft")), device=ec.device,
-        metadata={**model_args, **(ec.metadata or {})},  # lm-eval's merge, with --model PATH and the shorthands
+        metadata=_metadata(model_args, ec),
         **{f.name: from_evaluator_config(f, getattr(ec, f.name)) for f in lm_eval_named()
            if f.name not in ("model_args", "trust_remote_code", "metadata")})
+
+
+def _metadata(model_args: dict, ec: EvaluatorConfig) -> dict:
+    """The task metadata: lm-eval's (``--model_args`` merged under ``--metadata``) with what mpitp adds to model_args
+    (``--model PATH``, the shorthands) merged the same way: babilong and RULER read ``pretrained`` there. Not the
+    ``trust_remote_code`` lm-eval itself adds to model_args after its merge."""
+    added = {k: v for k, v in model_args.items() if k not in (ec.model_args or {})}
+    return {**added, **(ec.metadata or {})}
 
 
 def _opt_str(v):
