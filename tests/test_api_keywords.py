@@ -13,7 +13,8 @@ and what the caller gets back.
 - the caller's random generators, which lm-eval reseeds, are as they were after the call.
 - ``use_cache``: lm-eval's response cache, keyed by the request, gave a trained model its earlier scores: refused.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
-  refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``).
+  refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``), ``limit`` with
+  ``samples`` and a tokenizer that does not load; ``limit="2"`` is 2.
 """
 
 from __future__ import annotations
@@ -225,3 +226,28 @@ def test_the_callers_random_streams_are_kept(stories, monkeypatch):
     mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF,
                    include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
     assert draws() == want
+
+
+def test_limit_as_text_samples_with_limit_and_a_missing_tokenizer(stories, monkeypatch, tmp_path):
+    """Each was an exception on rank 0 alone once the run had begun, its TP peer left serving (2 ranks at tp=2: the
+    launch ran into its 100 s timeout): ``limit="2"`` (lm-eval's ``'<' not supported between 'str' and 'float'``),
+    ``limit`` with ``samples`` (lm-eval's ValueError), a tokenizer path that does not exist (an OSError). Now
+    ``limit="2"`` is 2, as on the command line, and the other two are refused on every rank before any work."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    demo = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
+    mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, include_path=demo, limit="2")
+    assert seen[0]["cfg"].limit == 2
+    for tok, kw, why in (
+            (str(STORIES), dict(limit=2, samples={"mpitp_demo_mc": [0, 1]}),
+             "mpitp.evaluate: limit and samples exclude each other"),
+            (str(tmp_path / "no-tokenizer"), {}, f"mpitp.evaluate: tokenizer '{tmp_path / 'no-tokenizer'}' cannot be "
+                                                 "loaded: ")):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, tok, ["mpitp_demo_mc"], comm=MPI.COMM_SELF, include_path=demo, **kw)
+        assert str(err.value).startswith(why) and err.value.collective, str(err.value)
+    assert len(seen) == 1

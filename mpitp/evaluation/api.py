@@ -207,7 +207,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     from mpitp import compat
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
-    tasks, claim = _checked(cfg, layout, timeout, lm_eval_kwargs)
+    tasks, claim = _checked(cfg, layout, timeout, lm_eval_kwargs, tokenizer)
     was_training = model.training
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
@@ -253,7 +253,7 @@ def _rng_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
+def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenizer=None):
     """The run's values, keywords and task names checked on global rank 0 before any rank starts serving, the verdict
     shared (:func:`mpitp.parallel.runtime.agree`): a refusal is a :class:`~mpitp.errors.UsageError` on every rank
     alike. Found on rank 0 alone after the others had begun to serve, an unknown task, ``limit=0``, ``max_length=1``
@@ -262,7 +262,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
     deadline (an hour by default); so did ``gen_kwargs`` that ``mpitp eval`` refuses (``max_gen_toks=abc``, a
     ValueError; ``use_cache=False``, a TypeError from ``generate`` on the leader alone), and an output ``mpitp eval``
     refuses up front (a directory, a FIFO, a folder that takes no files: an IsADirectoryError from the results writer
-    on rank 0 once the requests were computed).
+    on rank 0 once the requests were computed); so did ``limit`` with ``samples`` (lm-eval's ValueError), a
+    tokenizer path that does not load, and ``limit="5"`` (now read as 5 on every rank).
     Returns, on rank 0, the :class:`~mpitp.evaluation.checks.CheckedTasks` (lm-eval's TaskManager and the include
     path, with ``data_dir``'s task YAMLs to remove afterwards) and the claim on ``output`` (one writer per file, as
     ``mpitp eval`` holds it; None without one); (None, None) elsewhere."""
@@ -275,7 +276,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
 
     built = []
 
-    def check() -> None:
+    def check() -> int | float | None:
         for name, value, rule in (("limit", cfg.limit, limit_value), ("batch_size", cfg.batch_size, yaml_batch_size),
                                   ("num_fewshot", cfg.num_fewshot, yaml_int_at_least(0, "an integer >= 0")),
                                   ("max_length", cfg.max_length, yaml_int_at_least(2, "an integer >= 2 (tokens)")),
@@ -285,6 +286,9 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
                     rule(value)
             except BadValue as exc:
                 raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
+        if lm_eval_kwargs.get("samples") is not None and cfg.limit is not None:
+            raise UsageError("mpitp.evaluate: limit and samples exclude each other (lm-eval scores either each task's "
+                             "first documents or the listed ones): pass one of them")
         if lm_eval_kwargs.get("use_cache") is not None:
             raise UsageError(f"mpitp.evaluate: use_cache={lm_eval_kwargs['use_cache']!r} is refused: lm-eval's cache "
                              "of model responses is keyed by the request, not the weights, so a live model's later "
@@ -295,6 +299,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
             raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{suggest(unknown[0], known)}: "
                              "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
         check_generation(check_gen_kwargs(cfg.gen_kwargs, layout.tp, layout.pp))
+        if isinstance(tokenizer, str):
+            _check_tokenizer(tokenizer)
         if cfg.output:
             check_output(cfg)
         tasks = check_tasks_once(cfg)
@@ -304,9 +310,26 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict):
             remove_generated(tasks.include)
             raise
         built.append((tasks, claim))
+        return None if cfg.limit is None else limit_value(cfg.limit)
 
-    agree(check, layout.world.comm, timeout, "checking mpitp.evaluate's settings")
+    # limit="5" is 5 documents, as on the command line; passed on as the string, lm-eval's `limit < 1.0` raised a
+    # TypeError on rank 0 alone. Every rank takes the number rank 0 read.
+    cfg.limit = agree(check, layout.world.comm, timeout, "checking mpitp.evaluate's settings")
     return built[0] if built else (None, None)
+
+
+def _check_tokenizer(tokenizer: str) -> None:
+    """A tokenizer named by path or hub id loads on rank 0 (lm-eval loads it there, and each DP leader): one that does
+    not was an OSError on rank 0 alone once the run had begun, its peers left serving."""
+    from transformers import AutoTokenizer
+
+    from mpitp.errors import UsageError
+
+    try:
+        AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ... for a missing tokenizer
+        raise UsageError(f"mpitp.evaluate: tokenizer {tokenizer!r} cannot be loaded: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 #: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
