@@ -14,7 +14,7 @@ and what the caller gets back.
 - ``use_cache``: lm-eval's response cache, keyed by the request, gave a trained model its earlier scores: refused.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
   refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``), ``limit`` with
-  ``samples`` and a tokenizer that does not load; ``limit="2"`` is 2.
+  ``samples``, a tokenizer that does not load or has no chat template to apply; ``limit="2"`` is 2.
 """
 
 from __future__ import annotations
@@ -251,3 +251,22 @@ def test_limit_as_text_samples_with_limit_and_a_missing_tokenizer(stories, monke
             mpitp.evaluate(stories, tok, ["mpitp_demo_mc"], comm=MPI.COMM_SELF, include_path=demo, **kw)
         assert str(err.value).startswith(why) and err.value.collective, str(err.value)
     assert len(seen) == 1
+
+
+def test_apply_chat_template_without_a_template_is_refused_before_any_work(stories, monkeypatch):
+    """``apply_chat_template=True`` with a tokenizer that has no chat template was a UsageError on rank 0 alone, from
+    the run's own check, after its TP peer had begun to serve (2 ranks: the launch ran into its 100 s timeout)."""
+    from mpi4py import MPI
+    from transformers import AutoTokenizer
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    for tok in (str(STORIES), AutoTokenizer.from_pretrained(str(STORIES))):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, tok, ["mpitp_demo_mc"], comm=MPI.COMM_SELF, apply_chat_template=True,
+                           include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+        assert str(err.value) == ("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
+                                  f"({STORIES})") and err.value.collective
+    assert seen == []

@@ -299,8 +299,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
             raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{suggest(unknown[0], known)}: "
                              "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
         check_generation(check_gen_kwargs(cfg.gen_kwargs, layout.tp, layout.pp))
-        if isinstance(tokenizer, str):
-            _check_tokenizer(tokenizer)
+        if isinstance(tokenizer, str) or cfg.apply_chat_template is True:
+            _check_tokenizer(tokenizer, cfg.apply_chat_template is True)
         if cfg.output:
             check_output(cfg)
         tasks = check_tasks_once(cfg)
@@ -318,18 +318,24 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     return built[0] if built else (None, None)
 
 
-def _check_tokenizer(tokenizer: str) -> None:
+def _check_tokenizer(tokenizer, chat: bool) -> None:
     """A tokenizer named by path or hub id loads on rank 0 (lm-eval loads it there, and each DP leader): one that does
-    not was an OSError on rank 0 alone once the run had begun, its peers left serving."""
+    not was an OSError on rank 0 alone once the run had begun, its peers left serving. ``chat``
+    (``apply_chat_template=True``): it has a chat template, which lm-eval's run checks on rank 0 only after the
+    others began to serve (:meth:`mpitp.evaluation.lm.MPITPLM.check_chat_template`, a UsageError there alone)."""
     from transformers import AutoTokenizer
 
     from mpitp.errors import UsageError
 
-    try:
-        AutoTokenizer.from_pretrained(tokenizer)
-    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ... for a missing tokenizer
-        raise UsageError(f"mpitp.evaluate: tokenizer {tokenizer!r} cannot be loaded: "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if isinstance(tokenizer, str):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ... for a missing one
+            raise UsageError(f"mpitp.evaluate: tokenizer {tokenizer!r} cannot be loaded: "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UsageError("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
+                         f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)})")
 
 
 #: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
