@@ -105,6 +105,11 @@ ROWS = [
         _err("--data-dir ./empty-data: task copa reads the Hub dataset aps/super_glue/copa, which is neither in "
              "--data-dir ({scratch}/empty-data/aps/super_glue/copa/validation.jsonl or .parquet) nor in the HF "
              "cache; fetch: mpitp prefetch --tasks copa --data-dir ./empty-data")),
+    Row("hub-task-offline", "a task's Hub dataset neither in the HF cache nor in a `--data-dir` (offline)", 2,
+        ("eval", "--model", "./six-heads", "--tasks", "copa"),
+        _err("task copa reads the Hub dataset aps/super_glue/copa, which is not in the HF cache, and datasets may not "
+             "download (HF_DATASETS_OFFLINE or HF_HUB_OFFLINE): on a node with network, mpitp prefetch --tasks copa "
+             "--data-dir DATA, then pass --data-dir DATA")),
     Row("other-backend", "another lm-eval backend (`--model vllm`)", 2,
         ("eval", "--model", "vllm", "--model_args", "pretrained=./not-a-model", "--tasks", "mpitp_demo_mc"),
         _err("--model vllm: mpitp runs Hugging Face transformers models only (--model hf --model_args "

@@ -73,9 +73,13 @@ def offline_include(cfg: EvalConfig) -> list[str]:
     groups expanded) and put them on the include path; its ``nltk_data`` folder goes first on nltk's path.
 
     Offline (``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE``, as on compute nodes), a task reading a Hub dataset that is
-    neither in DATA nor in the HF cache is refused here, in seconds on rank 0, naming the file and the prefetch
-    command: lm-eval would fail on it only when it loads the tasks, after the launch and the model load."""
+    neither in DATA (when given) nor in the HF cache is refused here, in seconds on rank 0, naming the file and the
+    prefetch command: lm-eval would fail on it only when it loads the tasks, after the launch and the model load."""
     if not cfg.data_dir:
+        from mpitp.tasks.layout import offline, require_cached
+
+        if offline():
+            require_cached(cfg.tasks, _paths(cfg.include_path), cfg.num_fewshot)
         return _paths(cfg.include_path)
     import tempfile
 

@@ -352,6 +352,28 @@ def absent(res: Resolution, data_dir: str | Path) -> list[MissingSplit]:
     return out
 
 
+def require_cached(names: Sequence[str], include_path: list[str] | tuple[str, ...] | None = None,
+                   num_fewshot: int | None = None) -> None:
+    """Offline with no ``--data-dir``: raise :class:`DataDirError` naming the tasks whose Hub dataset the HF cache does
+    not hold (:func:`in_hf_cache`) and how to fetch them. lm-eval found out only when it loaded the tasks, after the
+    launch and the model load: a ``ConnectionError`` traceback ("Couldn't reach 'allenai/ai2_arc' on the Hub
+    (OfflineModeIsEnabled)") and an abort, 11 s into a 2-rank run of stories260K."""
+    from mpitp.tasks import index as task_index
+
+    lacking = [leaf for leaf in expand(names, task_index.merged_index(include_path))
+               if leaf.hub and leaf.needed(num_fewshot) and not in_hf_cache(leaf)]
+    if lacking:
+        from mpitp.results.untrusted import shown
+
+        first = lacking[0]
+        more = f" (and {len(lacking) - 1} more task(s))" if len(lacking) > 1 else ""
+        raise DataDirError(shown(
+            f"task {first.name} reads the Hub dataset {first.folder(Path('.')).as_posix()}, which is not in the HF "
+            f"cache, and datasets may not download (HF_DATASETS_OFFLINE or HF_HUB_OFFLINE){more}: on a node with "
+            f"network, {prefetch_command([leaf.name for leaf in lacking], 'DATA', include_path)}, then pass "
+            f"--data-dir DATA"))
+
+
 def nltk_folder(data_dir: str | Path) -> Path:
     """Where nltk data lives in a data directory (``mpitp prefetch`` puts it there)."""
     return resolved(data_dir) / NLTK_FOLDER
