@@ -205,3 +205,27 @@ def test_group_members_given_as_inline_dicts_read_their_own_folders(tmp_path):
     assert list(map(str, res.missing)) == [
         f"task {inline} needs its validation split: {d}/mpitp/inline/boolq_copy/validation.jsonl (or .parquet) is "
         f"missing"]
+
+
+def test_offline_without_data_dir_a_hub_dataset_must_be_cached_or_local(tmp_path, monkeypatch):
+    """Offline and no --data-dir: a task whose Hub dataset is neither in the HF caches nor a local path is refused
+    before the launch (it was datasets' ConnectionError traceback after the model load); one in the HF cache, or whose
+    dataset_path is a folder beside the working directory, is left to lm-eval."""
+    from mpitp.tasks.layout import require_cached
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for var in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "local_ds.yaml").write_text(yaml.safe_dump({
+        "task": "mpitp_local_ds", "dataset_path": "my_ds", "test_split": "test", "output_type": "multiple_choice",
+        "doc_to_text": "{{q}}", "doc_to_target": 0, "doc_to_choice": ["a", "b"]}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataDirError, match=r"^task arc_easy reads the Hub dataset allenai/ai2_arc/ARC-Easy, which is "
+                                           r"not in the HF cache, .* \(and 1 more task\(s\)\): on a node with network, "
+                                           r"mpitp prefetch --tasks arc_easy,mpitp_local_ds --data-dir DATA"):
+        require_cached(["arc_easy", "mpitp_local_ds"], [str(tasks)])
+    (tmp_path / "my_ds").mkdir()  # datasets reads a local folder of that name
+    (tmp_path / "hf" / "datasets" / "allenai___ai2_arc").mkdir(parents=True)  # datasets' own cache holds it
+    require_cached(["arc_easy", "mpitp_local_ds"], [str(tasks)])

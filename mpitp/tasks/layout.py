@@ -328,15 +328,16 @@ def offline() -> bool:
 
 def in_hf_cache(leaf: LeafTask) -> bool:
     """Whether the HF caches hold anything of ``leaf``'s dataset (``datasets``' own cache, ``<org>___<name>``, or the
-    Hub cache, ``datasets--<org>--<name>``): then lm-eval may well read it offline, which only ``mpitp check`` can
-    tell (it builds the task). Folder names only: no import of ``datasets`` on the way to the launch."""
+    Hub cache, ``datasets--<org>--<name>``), or the name is a local path (``datasets`` reads it from the working
+    directory): then lm-eval may well read it offline, which only ``mpitp check`` can tell (it builds the task). Folder
+    names only: no import of ``datasets`` on the way to the launch."""
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     ds_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")
     hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
     path = str(leaf.dataset_path)
     folders = (os.path.join(ds_cache, path.replace("/", "___")),
                os.path.join(hub_cache, "datasets--" + path.replace("/", "--")))
-    return any(os.path.isdir(os.path.expanduser(f)) for f in folders)
+    return any(os.path.isdir(os.path.expanduser(f)) for f in folders) or os.path.exists(path)  # or a local folder
 
 
 def absent(res: Resolution, data_dir: str | Path) -> list[MissingSplit]:
