@@ -57,8 +57,9 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     ``data_dir`` serves tasks offline from local files, as ``mpitp eval --data-dir`` does;
     ``skip_head_check=True`` skips the probe comparing the vocab-parallel head with the model's logits
     (:mod:`mpitp.replica.headcheck`); ``no_prefix_sharing=True`` scores every row on its own
-    (:mod:`mpitp.replica.prefix`). ``timeout`` bounds the MPI waits (handing out requests, the closing barrier);
-    the replica's torch collectives keep the timeout its process group was created with
+    (:mod:`mpitp.replica.prefix`). ``timeout`` bounds the MPI waits (handing out requests, the end of the
+    evaluation), not the call's last barrier, which waits without one (a rank that raised must reach the caller, not
+    time out); the replica's torch collectives keep the timeout its process group was created with
     (``mpitp.start(timeout=...)``), which torch does not let a caller change afterwards.
     """
     _check_model(model)
