@@ -145,9 +145,13 @@ def test_a_cache_that_cannot_be_written_does_not_end_the_run(tmp_path, monkeypat
     assert len(said) == 1 and "No space left on device" in said[0], said
 
 
-def test_key_follows_data_files_relative_to_the_working_directory(tmp_path, monkeypatch):
-    """``data_files: data/mc.jsonl`` (datasets resolves it against the working directory): editing it changes the
-    key, else a full run would be served the requests built from the old documents."""
+@pytest.mark.parametrize("named", ["data_files:\n    test: data/mc.jsonl", "data_files:\n    test: data/*.jsonl",
+                                   "data_dir: data", "data_files: data/**"])
+def test_key_follows_data_files_relative_to_the_working_directory(tmp_path, monkeypatch, named):
+    """``data_files: data/mc.jsonl``, ``data/*.jsonl`` or ``data_dir: data`` (datasets resolves them against the
+    working directory): editing a file they name or hold, or adding one, changes the key, else a full run would be
+    served the requests built from the old documents (only a plain file was keyed: with a glob, 0.0 acc where lm-eval
+    scores 1.0)."""
     import mpitp.tasks.demo as demo
 
     monkeypatch.chdir(tmp_path)
@@ -157,13 +161,16 @@ def test_key_follows_data_files_relative_to_the_working_directory(tmp_path, monk
     folder = tmp_path / "tasks"
     folder.mkdir()
     (folder / "relmc.yaml").write_text(
-        "task: relmc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data/mc.jsonl\n"
+        f"task: relmc\ndataset_path: json\ndataset_kwargs:\n  {named}\n"
         "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{question}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: answer\n")
     cfg = EvalConfig(tasks=["relmc"], num_fewshot=0, seed=1)
     base = request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok")
     data.write_text(data.read_text().replace("What color is the sky on a clear day?", "What color is grass?"))
-    assert request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok") != base
+    edited = request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok")
+    assert edited != base
+    (tmp_path / "data" / "more.jsonl").write_text(data.read_text())
+    assert (request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok") != edited) == ("mc.jsonl" not in named)
 
 
 def test_key_follows_the_chat_template(test_tasks):

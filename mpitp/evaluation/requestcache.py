@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import hashlib
 import json
 import logging
@@ -84,16 +85,27 @@ def tokenizer_identity(tokenizer: object, name: str) -> str:
     return f"{name}\0chat_template:{hashlib.sha256(text.encode()).hexdigest()}"
 
 
-def _relative_files(value: object) -> list[str]:
-    """The strings in a task's ``dataset_kwargs`` that name files relative to the working directory (``data_files:
-    data/test.jsonl``, as ``datasets`` resolves them), as absolute paths."""
-    if isinstance(value, str):
-        return [os.path.abspath(value)] if not os.path.isabs(value) and os.path.isfile(value) else []
+def _data_files(value: object) -> list[str]:
+    """The files the strings in a task's ``dataset_path`` and ``dataset_kwargs`` name, as absolute paths: a file, the
+    files under a folder (``data_dir:``, a local ``dataset_path``) and a glob's matches (``data_files: data/*.jsonl``),
+    relative ones against the working directory (as ``datasets`` resolves them). Only a plain file was keyed: a
+    changed file under a folder or glob kept the key, and a full run was served the requests of the old documents
+    (0.0 acc where lm-eval scores 1.0, or a traceback when the count of documents or choices changed)."""
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return [p for v in value for p in _relative_files(v)]
-    return []
+        return [p for v in value for p in _data_files(v)]
+    if not isinstance(value, str) or not value or "://" in value:
+        return []
+    path = os.path.abspath(value)
+    found = sorted(glob.glob(path, recursive=True)) if glob.has_magic(path) else [path]
+    files = []
+    for p in found:
+        if os.path.isdir(p):
+            files += sorted(os.path.join(top, fn) for top, _, names in os.walk(p) for fn in names)
+        elif os.path.isfile(p):
+            files.append(p)
+    return files
 
 
 def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str) -> str | None:
@@ -123,7 +135,7 @@ def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str)
             elif not fn.startswith(".") and os.path.isfile(path):  # data beside them (a custom_dataset's file)
                 _stat_digest(h, fn, path)
         paths = set(_PATH_RE.findall(json.dumps(entry.cfg, default=str)))
-        paths.update(_relative_files((entry.cfg or {}).get("dataset_kwargs")))
+        paths.update(_data_files([(entry.cfg or {}).get(k) for k in ("dataset_path", "dataset_kwargs")]))
         for path in sorted(paths):
             if os.path.isfile(path):  # local data files (--data-dir)
                 _stat_digest(h, path, path)
