@@ -218,3 +218,24 @@ def test_a_watch_waits_for_half_written_steps_retries_a_fixed_one_and_outlives_i
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "mpitp: error: --watch-idle: must be at most 604800 s (a week), " \
         "got 1e+12"
+
+
+def test_a_checkpoint_another_user_made_in_a_shared_watched_folder_is_skipped(saved, tmp_path, monkeypatch,
+                                                                              warnings_of_mpitp):
+    """In a watched folder others may write (sticky scratch, a group's space), a step-9 folder planted by uid 4242
+    was evaluated into the summary, and with --trust_remote_code its ``auto_map`` Python ran as this user; now only
+    folders of this user, root or the watched folder's owner are evaluated, the rest skipped with one warning."""
+    ck = tmp_path / "ck"
+    mine = str(_partial(saved["single"], ck / "step-1", ["config.json", "model.safetensors"]))
+    planted = str(_partial(saved["single"], ck / "step-9", ["config.json", "model.safetensors"]))
+    real = os.lstat
+
+    def lstat(path, *args, **kwargs):  # step-9 as another user made it (no chown needed to run as anyone)
+        st = real(path, *args, **kwargs)
+        return os.stat_result((*st[:4], 4242, *st[5:])) if os.fspath(path) == planted else st
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    scanner = Scanner(str(ck))
+    assert _scans(scanner) == [[], [mine], [mine]]
+    said = f"watch: skipped {planted}: made by uid 4242, neither this user"
+    assert len(warnings_of_mpitp) == 1 and warnings_of_mpitp[0].startswith(said), warnings_of_mpitp

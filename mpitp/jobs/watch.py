@@ -155,6 +155,7 @@ class Scanner:
         self.failed: dict[str, tuple] = {}  # path -> the snapshot it failed with
         self.waiting: dict[str, str] = {}  # path -> why it was not complete at the last scan
         self.unreadable = False
+        self.foreign: set[str] = set()  # entries another user made, skipped (said once each)
 
     def stable(self) -> list[str]:
         """The checkpoints to evaluate now, in natural order: complete, unchanged since the previous scan, not
@@ -201,7 +202,28 @@ class Scanner:
             log.info("watch: %s is back", self.directory)
             self.unreadable = False
         paths = (os.path.join(self.directory, e) for e in sorted(entries, key=natural_key) if not e.startswith("."))
-        return [p for p in paths if os.path.isdir(p)]
+        return [p for p in paths if os.path.isdir(p) and self._trusted(p)]
+
+    def _trusted(self, path: str) -> bool:
+        """Whether ``path`` (an entry of the directory, itself if a link) was made by this user, root or the watched
+        directory's owner (a colleague's training run). A checkpoint's files decide what runs: in a directory others
+        may write (a sticky scratch folder, a group's space) anyone could add one, evaluated into the summary as a
+        step of the run and, with ``--trust_remote_code``, its Python run as this user on every rank. Another's is
+        skipped, one warning line each."""
+        from mpitp.results.untrusted import shown
+
+        try:
+            uid, owner = os.lstat(path).st_uid, os.stat(self.directory).st_uid
+        except OSError:
+            return False
+        if uid in (os.geteuid(), 0, owner):
+            return True
+        if path not in self.foreign:
+            self.foreign.add(path)
+            log.warning("watch: skipped %s: made by uid %d, neither this user (uid %d), root nor the owner of %s "
+                        "(uid %d); its files would decide what runs (with --trust_remote_code, its Python)",
+                        shown(path), uid, os.geteuid(), shown(self.directory), owner)
+        return False
 
 
 def default_watch_dir(directory: str) -> str:
