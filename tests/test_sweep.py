@@ -406,6 +406,30 @@ def test_a_checkpoint_folder_named_like_a_pattern_is_that_folder(tmp_path, monke
     assert sweep.model == f"{tmp_path}/mods/m[1],{tmp_path}/mods/m2" and not is_sweep(single.model), single.model
 
 
+def test_a_glob_match_another_user_planted_is_skipped(tmp_path, monkeypatch, caplog):
+    """``--model 'ckpts/step-*'`` over a folder others may write: a ``step-99`` that uid 4242 made was swept as a
+    checkpoint of the run (and with --trust_remote_code its own Python ran as this user). Now a match made by
+    another user than this one, root or the folder's owner is skipped with one warning; a name given outright is
+    not a match and stays."""
+    from mpitp.jobs.sweep import expand_models
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("step-1", "step-2", "step-99"):
+        (tmp_path / "ckpts" / name).mkdir(parents=True)
+    real = os.lstat
+
+    def lstat(path, *args, **kwargs):  # step-99 as another user made it (no chown needed to run as anyone)
+        st = real(path, *args, **kwargs)
+        return os.stat_result((*st[:4], 4242, *st[5:])) if os.fspath(path).endswith("step-99") else st
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    with caplog.at_level("WARNING", logger="mpitp"):
+        assert expand_models("ckpts/step-*") == ["ckpts/step-1", "ckpts/step-2"]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("--model ckpts/step-*: skipped ckpts/step-99: made by uid 4242"), said
+    assert expand_models("ckpts/step-1,ckpts/step-99") == ["ckpts/step-1", "ckpts/step-99"]
+
+
 def test_a_checkpoints_phases_hold_its_checks_and_load(monkeypatch):
     """A sweep's file lists rank 0's checks and load seconds, as a single run's does: before, its phases left them
     out while its wall time held them (17.0 s wall, phases 0.8 s, for the first checkpoint of a sweep)."""

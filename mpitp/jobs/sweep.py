@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mpitp.errors import UsageError
 from mpitp.results.sweepsummary import Row, natural_key, render_summary, summary_path, write_summary
-from mpitp.results.untrusted import shown
+from mpitp.results.untrusted import own_folders, shown
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -70,13 +70,13 @@ def is_sweep(model: str | None) -> bool:
 
 def expand_models(spec: str, option: str = "--model") -> list[str]:
     """``a,b`` and globs (sorted naturally: step-2 before step-10) to a list of checkpoints (or of adapters, with
-    ``option="--peft"``); each glob must match."""
+    ``option="--peft"``); each glob must match, and a match another user planted is skipped (:func:`own_folders`)."""
     out: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
         if is_pattern(part):
-            found = sorted((p for p in glob.glob(os.path.expanduser(part)) if os.path.isdir(p)), key=natural_key)
+            found = sorted(own_folders(glob.glob(os.path.expanduser(part)), f"{option} {shown(part)}"), key=natural_key)
             if not found:
                 raise UsageError(f"{option} {part}: the pattern matches no directory")
             out += found

@@ -205,25 +205,17 @@ class Scanner:
         return [p for p in paths if os.path.isdir(p) and self._trusted(p)]
 
     def _trusted(self, path: str) -> bool:
-        """Whether ``path`` (an entry of the directory, itself if a link) was made by this user, root or the watched
-        directory's owner (a colleague's training run). A checkpoint's files decide what runs: in a directory others
-        may write (a sticky scratch folder, a group's space) anyone could add one, evaluated into the summary as a
-        step of the run and, with ``--trust_remote_code``, its Python run as this user on every rank. Another's is
-        skipped, one warning line each."""
-        from mpitp.results.untrusted import shown
+        """Whether ``path`` is no other user's plant (:func:`~mpitp.results.untrusted.planted_by_other`: in a
+        watched folder others may write, one was evaluated into the summary as a step of the run, and with
+        ``--trust_remote_code`` its Python ran as this user on every rank); another's is skipped, one warning each."""
+        from mpitp.results.untrusted import planted_by_other
 
-        try:
-            uid, owner = os.lstat(path).st_uid, os.stat(self.directory).st_uid
-        except OSError:
-            return False
-        if uid in (os.geteuid(), 0, owner):
-            return True
-        if path not in self.foreign:
+        why = planted_by_other(path)
+        if why and path not in self.foreign:
             self.foreign.add(path)
-            log.warning("watch: skipped %s: made by uid %d, neither this user (uid %d), root nor the owner of %s "
-                        "(uid %d); its files would decide what runs (with --trust_remote_code, its Python)",
-                        shown(path), uid, os.geteuid(), shown(self.directory), owner)
-        return False
+            log.warning("watch: skipped %s; its files would decide what runs (with --trust_remote_code, its Python)",
+                        why)
+        return why is None
 
 
 def default_watch_dir(directory: str) -> str:

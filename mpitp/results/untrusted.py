@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING
 from mpitp.escape import shown
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import h5py
 
 __all__ = ["EXPANSION", "MAX_DATASET_BYTES", "MAX_JSON_CHARS", "MAX_JSON_DEPTH", "SMALL_DATASET_BYTES", "BadInput",
-           "check_h5", "int_attr", "json_depth", "kind", "load_json", "mapping", "open_regular", "private_dir",
-           "private_problem", "read_regular", "shown"]
+           "check_h5", "int_attr", "json_depth", "kind", "load_json", "mapping", "open_regular", "own_folders",
+           "planted_by_other", "private_dir", "private_problem", "read_regular", "shown"]
 
 
 class BadInput(ValueError):
@@ -282,6 +284,39 @@ def private_dir(path: str, levels: int = 1) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ JSON
+
+def planted_by_other(path: str) -> str | None:
+    """Why ``path``, an entry found in a folder (a ``--model``/``--peft`` glob's match, a ``--watch`` folder's
+    subfolder), may be another user's plant and not a checkpoint of the run: the entry (a link itself, not followed)
+    made by a user other than this one, root or the folder's owner (a colleague whose run is read). None when it is
+    none. Such a folder's files decide what runs (its config and weights; with ``trust_remote_code``, its Python),
+    and in a folder others may write (sticky scratch, a group's space) anyone can add one a pattern matches."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        uid, owner = os.lstat(path).st_uid, os.stat(folder).st_uid
+    except OSError as exc:
+        return f"{shown(path)} cannot be read ({exc.strerror})"
+    if uid in (os.geteuid(), 0, owner):
+        return None
+    return (f"{shown(path)}: made by uid {uid}, neither this user (uid {os.geteuid()}), root nor the owner of "
+            f"{shown(folder)} (uid {owner})")
+
+
+def own_folders(paths: Iterable[str], what: str) -> list[str]:
+    """The folders among ``paths`` less those :func:`planted_by_other`, each of which is skipped with one warning
+    line naming ``what`` found it."""
+    import logging
+
+    out = []
+    for p in paths:
+        if os.path.isdir(p):
+            why = planted_by_other(p)
+            if why:
+                logging.getLogger("mpitp").warning("%s: skipped %s; its files would decide what runs", what, why)
+            else:
+                out.append(p)
+    return out
+
 
 #: A JSON document from a file (results_json, the recorded settings, a logged sample, a sweep summary, a cache file)
 #: is refused past this many characters: the largest mpitp writes (lm-eval's results of a few thousand tasks) is a
