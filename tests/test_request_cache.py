@@ -173,6 +173,29 @@ def test_key_follows_data_files_relative_to_the_working_directory(tmp_path, monk
     assert (request_key(cfg, task_manager(cfg.tasks, [str(folder)]), "tok") != edited) == ("mc.jsonl" not in named)
 
 
+def test_key_follows_the_functions_of_a_yaml_included_from_another_folder(tmp_path):
+    """``include: ../../common/tmpl.yaml`` whose ``process_docs: !function helpers.process_docs`` lives beside the
+    template, not the task: editing ``common/helpers.py`` changes the key (it kept it: the old documents' requests,
+    acc 0.0 where lm-eval scores 1.0)."""
+    import mpitp.tasks.demo as demo
+
+    (tmp_path / "common").mkdir()
+    (tmp_path / "tasks" / "sub").mkdir(parents=True)
+    data = Path(demo.__file__).parent / "tasks" / "mpitp_demo_mc.jsonl"
+    (tmp_path / "common" / "tmpl.yaml").write_text(
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\noutput_type: multiple_choice\n"
+        "test_split: test\nprocess_docs: !function helpers.process_docs\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: answer\n")
+    helpers = tmp_path / "common" / "helpers.py"
+    helpers.write_text("def process_docs(ds):\n    return ds\n")
+    (tmp_path / "tasks" / "sub" / "inc.yaml").write_text("include: ../../common/tmpl.yaml\ntask: incmc\n")
+    cfg = EvalConfig(tasks=["incmc"], num_fewshot=0, seed=1)
+    folder = str(tmp_path / "tasks")
+    base = request_key(cfg, task_manager(cfg.tasks, [folder]), "tok")
+    helpers.write_text("def process_docs(ds):\n    return ds.select(range(2))\n")
+    assert request_key(cfg, task_manager(cfg.tasks, [folder]), "tok") != base
+
+
 def test_key_follows_the_chat_template(test_tasks):
     """The same tokenizer folder with an edited chat template renders other prompts under --apply_chat_template:
     another key (the name alone kept serving the old template's requests)."""

@@ -139,6 +139,10 @@ def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str)
         for path in sorted(paths):
             if os.path.isfile(path):  # local data files (--data-dir)
                 _stat_digest(h, path, path)
+            elif "." in os.path.basename(path) and os.path.isfile(code := path.rpartition(".")[0] + ".py"):
+                # ``!function helpers.f`` of a YAML included from another folder (lm-eval names it by the module's
+                # path, ``/dir/helpers.f``): an edit of helpers.py there kept the key and served stale requests
+                _file_digest(h, code)
     return h.hexdigest()[:24]
 
 
