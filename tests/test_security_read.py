@@ -120,6 +120,27 @@ def test_a_clean_file_is_still_read(tmp_path):
     assert r.exit_code == 0 and "answer 0\\nsecond line" in r.output, r.output
 
 
+def test_resume_refuses_a_file_another_user_made(tmp_path, monkeypatch):
+    """A results file uid 4242 planted at this run's --output in a shared (sticky) folder, its settings copied from
+    a public run and its loglikelihoods forged: --resume took every row as this run's (0 requests computed, acc 0.0
+    where the model scores 1.0) and wrote it back as this user's. Now one line; a file of this user's resumes."""
+    path = make_file(tmp_path / "theirs.h5")
+    real = os.lstat
+    cfg = EvalConfig(model="synthetic/model", tasks=["syn_mc", "syn_gen"], limit=3)
+
+    def lstat(p, *args, **kwargs):  # the file as another user made it (no chown needed to run as anyone)
+        st = real(p, *args, **kwargs)
+        return os.stat_result((*st[:4], 4242, *st[5:])) if os.fspath(p) == str(path) else st
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "lstat", lstat)
+        with pytest.raises(UsageError, match="cannot resume .*theirs.h5: it belongs to uid 4242, not to this user"):
+            check_resumable(str(path), cfg)
+    with pytest.raises(UsageError) as exc:  # this user's own file: checked for its settings as before
+        check_resumable(str(path), cfg)
+    assert "belongs to" not in str(exc.value)
+
+
 def test_declared_size_beyond_the_file_is_refused_before_reading(tmp_path):
     path = make_file(tmp_path / "big.h5")
     with h5py.File(path, "a") as f:

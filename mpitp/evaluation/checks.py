@@ -170,13 +170,20 @@ def check_resumable(path: str, cfg: EvalConfig) -> None:
     """A run may only continue a file made with the same model, tokenizer, dtype, tasks and settings.
 
     The file may come from anyone: its settings, fingerprint and every stored row are read and checked here (types,
-    links, sizes: :mod:`mpitp.results.untrusted`), so that a malformed file ends as one line, not a traceback."""
+    links, sizes: :mod:`mpitp.results.untrusted`), so that a malformed file ends as one line, not a traceback. Its
+    rows are then this run's results, which no check can vouch for: a file another user made (a planted one in a
+    shared output folder, its settings copied from a public run) is refused, and copying it makes it one's own."""
     from mpitp.evaluation.fingerprint import resume_differences, stored_fingerprint
     from mpitp.evaluation.provenance import redact
     from mpitp.results.rows import load_rows
     from mpitp.results.schema import open_h5
     from mpitp.results.untrusted import load_json, mapping
 
+    uid = next((st.st_uid for st in (os.lstat(path), os.stat(path)) if st.st_uid not in (os.geteuid(), 0)), None)
+    if uid is not None:
+        raise UsageError(f"cannot resume {shown(path)}: it belongs to uid {uid}, not to this user "
+                         f"(uid {os.geteuid()}), and --resume takes its stored rows as this run's results: copy it to "
+                         "a file of yours to continue it, or choose another --output")
     try:
         with open_h5(path) as f:
             stored = mapping(load_json(f.attrs["config_json"], "config_json"), "config_json")
