@@ -176,6 +176,28 @@ def test_hf_names_under_a_model_prefix(run, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
 
 
+@pytest.mark.parametrize("wrap", ["model_and_optim", "app_state"])
+def test_optimizer_state_saved_beside_the_model_is_ignored(run, tmp_path, wrap):
+    """torch's ``get_state_dict(model, optimizer)`` saved as ``{"model": ..., "optim": ...}``, or inside torch's DCP
+    recipe's ``AppState`` (``app.model.``, ``app.optim.``): the ``optim.state.<fqn>.exp_avg`` entries were refused
+    as an unknown entry, and ``app.model.`` as no name of the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from support.titan_ckpt import STEPS, save, step_weights
+
+    state = step_weights(STEPS["step-1"][1])
+    optim = {"state": {n: {"exp_avg": torch.zeros_like(t), "step": torch.tensor(1.0)} for n, t in state.items()},
+             "param_groups": [{"lr": 0.1, "params": list(state)}]}
+    full = {"model": state, "optim": optim}
+    save(full if wrap == "model_and_optim" else {"app": full}, tmp_path / "step-1")
+    plan = dcp.check(str(tmp_path / "step-1"), AutoConfig.from_pretrained(run["assets"]))
+    assert plan.prefix == ("model." if wrap == "model_and_optim" else "app.model.") and plan.naming == "hf"
+    assert not any("optim" in e.key for e in plan.entries.values())
+    m = dcp.from_pretrained(str(tmp_path / "step-1"), str(run["assets"]))
+    ref = AutoModelForCausalLM.from_pretrained(run["hf/step-1"])
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
 def test_a_tied_models_own_state_dict_loads_its_embedding_once_and_verifies_the_head(tied, tmp_path, monkeypatch):
     """A tied model's ``state_dict()`` holds the embedding as ``lm_head.weight`` too (torchtitan: ``output.weight``):
     that name is no parameter of the config's model, so it was refused. It is the embedding's twin now: not loaded,

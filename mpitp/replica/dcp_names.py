@@ -91,6 +91,13 @@ def _titan_to_hf(name: str, table: dict) -> tuple[str, str | None] | None:
     return table.get(name)
 
 
+def _prefixes(tensors: dict, name: str) -> list[str]:
+    """Where the model's weights may lie: the top level, ``model.``, then any other section holding ``name`` (torch's
+    DCP recipe saves ``{"app": AppState}``, whose model is under ``app.model.``)."""
+    found = sorted(k[:-len(name)] for k in tensors if name and k.endswith("." + name))
+    return ["", "model."] + [p for p in found if p != "model."]
+
+
 def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tuple[int, ...]], where: str) -> Plan:
     """Map every checkpoint tensor onto the parameters ``params`` (``{HF name: global shape}``, of the model the
     config builds; a :class:`Params` also names its tied second names); a :class:`UsageError` naming the first
@@ -110,9 +117,9 @@ def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tupl
     model_type = config.model_type
     table = TITAN_NAMES.get(model_type)
     # torchtitan's names first: its ``norm.weight`` under a ``model.`` prefix is also HF's ``model.norm.weight``.
-    candidates = [("torchtitan", prefix) for prefix in ("", "model.")
+    candidates = [("torchtitan", prefix) for prefix in _prefixes(tensors, "tok_embeddings.weight")
                   if table and prefix + "tok_embeddings.weight" in tensors]
-    candidates += [("hf", prefix) for prefix in ("", "model.")
+    candidates += [("hf", prefix) for prefix in _prefixes(tensors, next(iter(params), ""))
                    if 2 * sum(prefix + n in tensors for n in params) > len(params)]
     if not candidates:
         if "tok_embeddings.weight" in tensors or "model.tok_embeddings.weight" in tensors:

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA = ".metadata"
-IGNORED_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
-"""Top-level entries of a torchtitan full-state checkpoint that are not model weights."""
+IGNORED_SECTIONS = ("optimizer", "optim", "lr_scheduler", "dataloader", "train_state")
+"""Entries of a full training checkpoint that are not model weights: torchtitan's top-level ones, and ``optim``
+beside ``model`` (torch's ``get_state_dict(model, optimizer)`` saved as ``{"model": ..., "optim": ...}``, as torch's
+DCP recipe's ``AppState`` does under ``app.``: a section's name is its first or second component)."""
 
 
 class _MetadataPickle(pickle.Unpickler):
@@ -100,7 +102,7 @@ def model_tensors(metadata: Metadata) -> dict[str, tuple[tuple[int, ...], object
 
     out = {}
     for key, md in metadata.state_dict_metadata.items():
-        if key.split(".", 1)[0] in IGNORED_SECTIONS or not isinstance(md, TensorStorageMetadata):
+        if set(key.split(".", 2)[:2]) & set(IGNORED_SECTIONS) or not isinstance(md, TensorStorageMetadata):
             continue
         out[key] = (tuple(md.size), md.properties.dtype)
     return out
