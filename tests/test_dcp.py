@@ -351,6 +351,37 @@ def test_hostile_metadata_pickle_runs_nothing(run, tmp_path):
     assert "\n" not in str(exc.value) and not marker.exists()
 
 
+def test_metadata_of_torch_1_13_names_the_old_package(run, tmp_path, monkeypatch):
+    """Before torch 2.0 DCP lived in ``torch.distributed._shard.checkpoint``: its ``.metadata`` names the classes
+    there, and torch's reader still loads it; it was refused as a class 'DCP metadata does not hold', which could
+    run code. Written here by pickling today's metadata with the classes' old module names."""
+    import pickle
+    import sys
+
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    old = tmp_path / "step-1"
+    shutil.copytree(run["step-1"], old)
+    metadata = dcp.read_metadata(str(old))
+    for d in ("storage_meta", "version"):  # torch 1.13's Metadata had neither
+        metadata.__dict__.pop(d, None)
+    for module, classes in ((md, [c for c in vars(md).values() if isinstance(c, type) and c.__module__ == md.__name__]),
+                            (fs, [fs._StorageInfo])):
+        name = module.__name__.replace("torch.distributed.", "torch.distributed._shard.")
+        monkeypatch.setitem(sys.modules, name, module)
+        for c in classes:
+            monkeypatch.setattr(c, "__module__", name)
+    (old / ".metadata").write_bytes(pickle.dumps(metadata))
+    monkeypatch.undo()
+    assert b"torch.distributed._shard.checkpoint.metadata" in (old / ".metadata").read_bytes()
+    assert dcp.check(str(old), AutoConfig.from_pretrained(run["assets"])).naming == "torchtitan"
+    m = dcp.from_pretrained(str(old), str(run["assets"]))
+    ref = AutoModelForCausalLM.from_pretrained(run["hf/step-1"])
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
 def test_fingerprint_tokenizer_and_watch(run, tmp_path):
     """The weights identity is of the bytes read (.metadata, the shards, the assets' config); the tokenizer is the
     assets'; a step counts as complete for --watch once its .metadata exists."""

@@ -33,6 +33,10 @@ beside ``model`` (torch's ``get_state_dict(model, optimizer)`` saved as ``{"mode
 DCP recipe's ``AppState`` does under ``app.``: a section's name is its first or second component)."""
 
 
+_LEGACY_PACKAGE = "torch.distributed._shard.checkpoint."
+"""Where DCP lived before torch 2.0: a ``.metadata`` saved then names its classes there, and torch still reads it."""
+
+
 class _MetadataPickle(pickle.Unpickler):
     """``.metadata`` is a pickle (torch's ``FileSystemReader`` reads it with plain ``pickle.load``, so a crafted file
     runs code as it is read). This one builds only what DCP's metadata holds: the classes of
@@ -41,6 +45,8 @@ class _MetadataPickle(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
+        if module.startswith(_LEGACY_PACKAGE):  # torch 1.13's DCP (the same classes: torch aliases the package)
+            module = "torch.distributed.checkpoint." + module[len(_LEGACY_PACKAGE):]
         if module == "torch.distributed.checkpoint.metadata":
             import torch.distributed.checkpoint.metadata as md
 
