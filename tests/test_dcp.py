@@ -298,6 +298,30 @@ def test_bad_names_refused_naming_the_parameter(run, tmp_path, what, edit, expec
         assert expect in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_truncated_shard_file_refused_in_one_line(run, tmp_path, damage):
+    """An incomplete copy of a 2-rank save: a ``__1_0.distcp`` gone was a ``FileNotFoundError`` traceback from the
+    load on every rank, one cut to 20000 bytes an ``EOFError`` from DCP's reader; now one line from the check."""
+    from mpitp.replica.loading import load_config, load_model
+
+    bad = tmp_path / "step-1"
+    shutil.copytree(run["step-1"], bad)
+    shard = bad / "__1_0.distcp"
+    size = shard.stat().st_size
+    if damage == "missing":
+        shard.unlink()
+        expect = "cannot read __1_0.distcp, which holds model tensors .metadata indexes (No such file or directory)"
+    else:
+        os.truncate(shard, 20000)
+        expect = f"__1_0.distcp is 20000 bytes, but .metadata indexes model tensors in it up to byte {size} "
+    config = load_config(str(bad), hf_assets=str(run["assets"]))
+    for attempt in (lambda: dcp.check(str(bad), config),
+                    lambda: load_model(str(bad), 1, "cpu", hf_assets=str(run["assets"]))):
+        with pytest.raises(UsageError) as exc:
+            attempt()
+        assert expect in str(exc.value) and "\n" not in str(exc.value)
+
+
 def test_foreign_formats_and_missing_assets_refused(run, tmp_path):
     from mpitp.replica.loading import load_config
 

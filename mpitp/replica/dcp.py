@@ -41,7 +41,7 @@ from mpitp import compat
 from mpitp.errors import UsageError
 from mpitp.replica.dcp_load import config_params, fill, quiet_transformers, without_weight_init
 from mpitp.replica.dcp_names import Entry, Plan, hf_to_titan_names, hf_to_titan_rows, plan_loading, titan_to_hf_rows
-from mpitp.replica.dcp_read import IGNORED_SECTIONS, METADATA, SliceReader, model_tensors, read_metadata
+from mpitp.replica.dcp_read import IGNORED_SECTIONS, METADATA, SliceReader, check_shards, model_tensors, read_metadata
 
 if TYPE_CHECKING:
     import torch
@@ -120,9 +120,13 @@ def tokenizer_source(model: str | None, tokenizer: str | None, hf_assets: str | 
 
 
 def check(model: str, config: PreTrainedConfig, trust_remote_code: bool = False) -> Plan:
-    """Rank 0, before loading: the checkpoint's names and shapes against the config's model, from ``.metadata``."""
-    tensors = model_tensors(read_metadata(model))
-    return plan_loading(tensors, config, config_params(config, trust_remote_code), f"model path {model}")
+    """Rank 0, before loading: the checkpoint's names and shapes against the config's model, from ``.metadata``,
+    and its shard files' presence and sizes."""
+    metadata = read_metadata(model)
+    plan = plan_loading(model_tensors(metadata), config, config_params(config, trust_remote_code),
+                        f"model path {model}")
+    check_shards(model, metadata)
+    return plan
 
 
 def from_pretrained(path: str, hf_assets: str | None, distributed_config: DistributedConfig | None = None,
@@ -144,6 +148,7 @@ def from_pretrained(path: str, hf_assets: str | None, distributed_config: Distri
     metadata = read_metadata(path)
     plan = plan_loading(model_tensors(metadata), config, config_params(config, trust_remote_code),
                         f"model path {path}")
+    check_shards(path, metadata)
     torch_dtype = plan.dtype if dtype == "auto" else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     # the class AutoModelForCausalLM would build: transformers' private lookup over its public mapping
     model_class = compat.attribute("transformers.models.auto.auto_factory._get_model_class")

@@ -114,6 +114,27 @@ def model_tensors(metadata: Metadata) -> dict[str, tuple[tuple[int, ...], object
     return out
 
 
+def check_shards(path: str, metadata: Metadata) -> None:
+    """Refuse, one line, a step whose ``*.distcp`` files do not hold every model chunk ``.metadata`` indexes: a file
+    missing or shorter than its last chunk's end (a partial copy, a full disk). Found from a ``stat`` per file before
+    any read, where the load's first read of such a chunk ended in a traceback (``FileNotFoundError``, or
+    ``EOFError`` from DCP's reader). Training state's chunks (optimizer, ...) are not needed, so not checked."""
+    tensors = model_tensors(metadata)
+    ends: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn in tensors:
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = os.stat(os.path.join(path, name)).st_size
+        except OSError as exc:
+            raise UsageError(f"model path {path}: cannot read {name}, which holds model tensors {METADATA} indexes "
+                             f"({exc.strerror}): an incomplete save or copy of the checkpoint") from None
+        if size < end:
+            raise UsageError(f"model path {path}: {name} is {size} bytes, but {METADATA} indexes model tensors in it "
+                             f"up to byte {end} ({end - size} bytes short): a truncated save or copy") from None
+
+
 # ------------------------------------------------------------------------------------------------ slice reads
 
 
