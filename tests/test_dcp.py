@@ -322,6 +322,21 @@ def test_a_missing_or_truncated_shard_file_refused_in_one_line(run, tmp_path, da
         assert expect in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_torchtitans_saved_rotary_table_is_not_read(run, tmp_path):
+    """Older torchtitan's full checkpoints hold its persistent ``freqs_cis`` buffer (complex64) beside the weights:
+    it was refused as 'unknown torchtitan parameter freqs_cis'. HF's model computes its own, so it is skipped."""
+    from transformers import AutoModelForCausalLM
+
+    from mpitp.replica.loading import load_config, load_model
+
+    path = _variant(run, tmp_path, lambda s: s.update({"freqs_cis": torch.ones(64, 4, dtype=torch.complex64)}))
+    assert "freqs_cis" not in {e.key for e in dcp.check(path, load_config(path, hf_assets=str(run["assets"])))
+                               .entries.values()}
+    m = load_model(path, 1, "cpu", hf_assets=str(run["assets"]))
+    ref = AutoModelForCausalLM.from_pretrained(run["hf/step-1"])
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
 def test_foreign_formats_and_missing_assets_refused(run, tmp_path):
     from mpitp.replica.loading import load_config
 

@@ -44,6 +44,10 @@ _QWEN3 = {**{k: (hf, None) for k, (hf, _) in _LLAMA.items()},
           "layers.{}.attention.q_norm.weight": ("model.layers.{}.self_attn.q_norm.weight", None),
           "layers.{}.attention.k_norm.weight": ("model.layers.{}.self_attn.k_norm.weight", None)}
 TITAN_NAMES = {"llama": _LLAMA, "qwen3": _QWEN3}
+TITAN_BUFFERS = ("freqs_cis",)
+"""torchtitan's persistent rotary table (``register_buffer("freqs_cis", ..., persistent=True)``, for pp and compile),
+saved in the full checkpoints of torchtitan releases before its ``ModelWrapper`` dropped it: derived from the config
+(HF's model computes its own rotary frequencies), so not read."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,8 @@ def plan_loading(tensors: dict, config: PreTrainedConfig, params: dict[str, tupl
             raise UsageError(f"{where}: unknown entry {key} (the model's weights are under '{prefix}')")
         name = key[len(prefix):]
         if naming == "torchtitan":
+            if name in TITAN_BUFFERS:
+                continue
             hit = _titan_to_hf(name, table)
             if hit is None:
                 raise UsageError(f"{where}: unknown torchtitan parameter {key} for a '{model_type}' model")
