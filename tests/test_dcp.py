@@ -298,17 +298,29 @@ def test_bad_names_refused_naming_the_parameter(run, tmp_path, what, edit, expec
         assert expect in str(exc.value) and "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "chunk_gone"])
 def test_a_missing_or_truncated_shard_file_refused_in_one_line(run, tmp_path, damage):
     """An incomplete copy of a 2-rank save: a ``__1_0.distcp`` gone was a ``FileNotFoundError`` traceback from the
-    load on every rank, one cut to 20000 bytes an ``EOFError`` from DCP's reader; now one line from the check."""
+    load on every rank, one cut to 20000 bytes an ``EOFError`` from DCP's reader; now one line from the check. A
+    ``.metadata`` missing one of a tensor's chunks was loaded with that region unwritten (and checked as ready)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     from mpitp.replica.loading import load_config, load_model
 
     bad = tmp_path / "step-1"
     shutil.copytree(run["step-1"], bad)
     shard = bad / "__1_0.distcp"
     size = shard.stat().st_size
-    if damage == "missing":
+    if damage == "chunk_gone":
+        metadata = dcp.read_metadata(str(bad))
+        key = "layers.0.feed_forward.w2.weight"
+        chunk = metadata.state_dict_metadata[key].chunks.pop(1)
+        metadata.storage_data.pop(MetadataIndex(key, chunk.offsets))
+        (bad / ".metadata").write_bytes(pickle.dumps(metadata))
+        expect = f"{key}'s chunks in .metadata hold "
+    elif damage == "missing":
         shard.unlink()
         expect = "cannot read __1_0.distcp, which holds model tensors .metadata indexes (No such file or directory)"
     else:

@@ -115,11 +115,14 @@ def model_tensors(metadata: Metadata) -> dict[str, tuple[tuple[int, ...], object
 
 
 def check_shards(path: str, metadata: Metadata) -> None:
-    """Refuse, one line, a step whose ``*.distcp`` files do not hold every model chunk ``.metadata`` indexes: a file
-    missing or shorter than its last chunk's end (a partial copy, a full disk). Found from a ``stat`` per file before
+    """Refuse, one line, a step whose ``.metadata`` chunks do not cover each model tensor (:func:`_check_tiling`) or
+    whose ``*.distcp`` files do not hold every model chunk it indexes: a file missing or shorter than its last
+    chunk's end (a partial copy, a full disk). Found from a ``stat`` per file before
     any read, where the load's first read of such a chunk ended in a traceback (``FileNotFoundError``, or
     ``EOFError`` from DCP's reader). Training state's chunks (optimizer, ...) are not needed, so not checked."""
     tensors = model_tensors(metadata)
+    for key, (shape, _) in tensors.items():
+        _check_tiling(path, key, shape, metadata.state_dict_metadata[key].chunks)
     ends: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         if index.fqn in tensors:
@@ -133,6 +136,27 @@ def check_shards(path: str, metadata: Metadata) -> None:
         if size < end:
             raise UsageError(f"model path {path}: {name} is {size} bytes, but {METADATA} indexes model tensors in it "
                              f"up to byte {end} ({end - size} bytes short): a truncated save or copy") from None
+
+
+def _check_tiling(path: str, key: str, shape: tuple[int, ...], chunks: list) -> None:
+    """Refuse a tensor whose saved chunks do not cover it: each inside its shape, their elements adding up to its
+    (DCP's chunks never overlap). A chunk missing from ``.metadata`` left its region of the parameter unwritten
+    (``torch.empty``'s memory: stories-size Qwen2 scored 0.39 off lm-eval, checked as ready)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    covered = 0
+    for c in chunks:
+        if len(c.offsets) != len(shape) or any(o < 0 or o + m > n for o, m, n in zip(c.offsets, c.sizes, shape)):
+            raise UsageError(f"model path {path}: {key} has a chunk at {list(c.offsets)} of {list(c.sizes)} in "
+                             f"{METADATA}, outside its shape {list(shape)}: a damaged checkpoint")
+        size = 1
+        for m in c.sizes:
+            size *= m
+        covered += size
+    if covered != numel:
+        raise UsageError(f"model path {path}: {key}'s chunks in {METADATA} hold {covered} of its {numel} elements "
+                         f"(shape {list(shape)}): a damaged or partly written checkpoint")
 
 
 # ------------------------------------------------------------------------------------------------ slice reads
