@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 import pickle
 import struct
@@ -142,18 +143,11 @@ def _check_tiling(path: str, key: str, shape: tuple[int, ...], chunks: list) -> 
     """Refuse a tensor whose saved chunks do not cover it: each inside its shape, their elements adding up to its
     (DCP's chunks never overlap). A chunk missing from ``.metadata`` left its region of the parameter unwritten
     (``torch.empty``'s memory: stories-size Qwen2 scored 0.39 off lm-eval, checked as ready)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    covered = 0
     for c in chunks:
         if len(c.offsets) != len(shape) or any(o < 0 or o + m > n for o, m, n in zip(c.offsets, c.sizes, shape)):
             raise UsageError(f"model path {path}: {key} has a chunk at {list(c.offsets)} of {list(c.sizes)} in "
                              f"{METADATA}, outside its shape {list(shape)}: a damaged checkpoint")
-        size = 1
-        for m in c.sizes:
-            size *= m
-        covered += size
+    covered, numel = sum(math.prod(c.sizes) for c in chunks), math.prod(shape)
     if covered != numel:
         raise UsageError(f"model path {path}: {key}'s chunks in {METADATA} hold {covered} of its {numel} elements "
                          f"(shape {list(shape)}): a damaged or partly written checkpoint")
