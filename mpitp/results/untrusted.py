@@ -283,7 +283,7 @@ def private_dir(path: str, levels: int = 1) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ JSON
+# ------------------------------------------------------------------------------------------------ planted folders
 
 def planted_by_other(path: str) -> str | None:
     """Why ``path``, an entry found in a folder (a ``--model``/``--peft`` glob's match, a ``--watch`` folder's
@@ -329,6 +329,8 @@ MAX_JSON_DEPTH = 100
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string: the tokenizer's rule
 _NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 
+
+# ------------------------------------------------------------------------------------------------ JSON
 
 def json_depth(text: str) -> int:
     """How deep the brackets of the JSON ``text`` nest, strings left out; a scan that does not itself recurse.
