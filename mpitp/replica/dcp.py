@@ -45,6 +45,7 @@ from mpitp.replica.dcp_read import IGNORED_SECTIONS, METADATA, SliceReader, chec
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.checkpoint.metadata import Metadata
     from transformers import PreTrainedConfig, PreTrainedModel
     from transformers.distributed import DistributedConfig
 
@@ -122,11 +123,17 @@ def tokenizer_source(model: str | None, tokenizer: str | None, hf_assets: str | 
 def check(model: str, config: PreTrainedConfig, trust_remote_code: bool = False) -> Plan:
     """Rank 0, before loading: the checkpoint's names and shapes against the config's model, from ``.metadata``,
     and its shard files' presence and sizes."""
-    metadata = read_metadata(model)
+    return _planned(model, config, trust_remote_code)[1]
+
+
+def _planned(path: str, config: PreTrainedConfig, trust_remote_code: bool) -> tuple[Metadata, Plan]:
+    """``path``'s ``.metadata`` and the plan mapping its tensors onto the config's model, its shard files checked:
+    what rank 0's check and every rank's load read alike."""
+    metadata = read_metadata(path)
     plan = plan_loading(model_tensors(metadata), config, config_params(config, trust_remote_code),
-                        f"model path {model}")
-    check_shards(model, metadata)
-    return plan
+                        f"model path {path}")
+    check_shards(path, metadata)
+    return metadata, plan
 
 
 def from_pretrained(path: str, hf_assets: str | None, distributed_config: DistributedConfig | None = None,
@@ -145,10 +152,7 @@ def from_pretrained(path: str, hf_assets: str | None, distributed_config: Distri
         raise UsageError(f"model path {path}: subfolder= does not apply to a torch DCP checkpoint folder")
     assets = assets_dir(path, hf_assets)
     config = AutoConfig.from_pretrained(assets, trust_remote_code=trust_remote_code)
-    metadata = read_metadata(path)
-    plan = plan_loading(model_tensors(metadata), config, config_params(config, trust_remote_code),
-                        f"model path {path}")
-    check_shards(path, metadata)
+    metadata, plan = _planned(path, config, trust_remote_code)
     torch_dtype = plan.dtype if dtype == "auto" else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     # the class AutoModelForCausalLM would build: transformers' private lookup over its public mapping
     model_class = compat.attribute("transformers.models.auto.auto_factory._get_model_class")
