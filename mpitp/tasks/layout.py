@@ -340,12 +340,18 @@ def in_hf_cache(leaf: LeafTask) -> bool:
     return any(os.path.isdir(os.path.expanduser(f)) for f in folders) or os.path.exists(path)  # or a local folder
 
 
+def uncached_hub(leaf: LeafTask, num_fewshot: int | None = None) -> bool:
+    """Whether ``leaf`` reads a Hub dataset for splits it needs that nothing local holds (:func:`in_hf_cache`): what
+    an offline run cannot read, with or without ``--data-dir``."""
+    return leaf.hub and bool(leaf.needed(num_fewshot)) and not in_hf_cache(leaf)
+
+
 def absent(res: Resolution, data_dir: str | Path) -> list[MissingSplit]:
     """The Hub-reading leaves of ``res`` that are neither in DATA nor in the HF cache: offline, lm-eval would fail on
     them only when it loads the tasks, after the launch."""
     out = []
     for leaf in res.untouched:
-        if leaf.hub and leaf.needed() and not in_hf_cache(leaf):
+        if uncached_hub(leaf):
             where = leaf.folder(resolved(data_dir))
             out.append(MissingSplit(leaf.name, leaf.needed()[0], where / f"{leaf.needed()[0]}.jsonl",
                                     f"reads the Hub dataset {leaf.folder(Path('.')).as_posix()}, which is neither in "
@@ -361,8 +367,7 @@ def require_cached(names: Sequence[str], include_path: list[str] | tuple[str, ..
     (OfflineModeIsEnabled)") and an abort, 11 s into a 2-rank run of stories260K."""
     from mpitp.tasks import index as task_index
 
-    lacking = [leaf for leaf in expand(names, task_index.merged_index(include_path))
-               if leaf.hub and leaf.needed(num_fewshot) and not in_hf_cache(leaf)]
+    lacking = [leaf for leaf in expand(names, task_index.merged_index(include_path)) if uncached_hub(leaf, num_fewshot)]
     if lacking:
         from mpitp.results.untrusted import shown
 
