@@ -282,7 +282,7 @@ def _check_gen_kwargs(gen_kwargs, tp: int) -> None:
     if isinstance(gen_kwargs, str):
         gen_kwargs = parse_eval_args(["--model", "hf", "--model_args", "pretrained=m", "--tasks", "t",
                                       "--gen_kwargs", gen_kwargs]).cfg.gen_kwargs
-    check_generation(checks._check_gen_kwargs(gen_kwargs, tp, 1))
+    check_generation(checks.check_gen_kwargs(gen_kwargs, tp, 1))
 
 
 @pytest.mark.parametrize("text,tp,message", GEN_KWARGS_REFUSED, ids=[t for t, _, _ in GEN_KWARGS_REFUSED])

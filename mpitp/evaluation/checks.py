@@ -240,19 +240,14 @@ def refuse_unsupported_generation(kwargs: dict, generation_config: GenerationCon
 
 
 def check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> dict:
-    """``--gen_kwargs`` parsed and checked without torch (:func:`check_all`'s and ``mpitp.evaluate``'s), the
-    ``generate`` arguments then built by :func:`mpitp.evaluation.gen_kwargs_check.check_generation` (torch)."""
-    if gen_kwargs and "use_cache" in str(gen_kwargs):
-        raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
-                         "KV cache (it passes use_cache=True itself)")
-    return _check_gen_kwargs(gen_kwargs, tp, pp)
-
-
-def _check_gen_kwargs(gen_kwargs, tp: int, pp: int) -> dict:
-    """``--gen_kwargs`` as lm-eval reads it, each value checked (:mod:`mpitp.evaluation.gen_kwargs_check`, no torch);
-    with TP workers or pipeline stages, a generate mode that forks the KV cache is refused too."""
+    """``--gen_kwargs`` as lm-eval reads it, each value checked without torch (:mod:`mpitp.evaluation.gen_kwargs_check`;
+    :func:`check_all`'s and ``mpitp.evaluate``'s), the ``generate`` arguments then built by its ``check_generation``
+    (torch); ``use_cache`` refused, and with TP workers or pipeline stages a generate mode that forks the KV cache."""
     if not gen_kwargs:
         return {}
+    if "use_cache" in str(gen_kwargs):
+        raise UsageError("--gen-kwargs use_cache is not supported: lm-eval's HF model always generates with the "
+                         "KV cache (it passes use_cache=True itself)")
     from mpitp.evaluation.gen_kwargs_check import parse_gen_kwargs
 
     parsed = parse_gen_kwargs(gen_kwargs)
