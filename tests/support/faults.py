@@ -25,7 +25,7 @@ import psutil
 
 from .launch import Launch, file_rows, inspect_diff
 from .mpi import mpi_family
-from .nodes import launcher, launcher_on, namespace, set_link
+from .nodes import launcher, launcher_on, namespace, set_link, slurm_nodes_ready
 
 FAULTS = ("link_cut", "nodeb_killed", "rank0_killed", "sigterm")
 INSTANTS = ("load", "mid_run", "exit")
@@ -130,6 +130,8 @@ def run_cell(fault: str, instant: str, kind: str, workdir: Path, reference: Path
     cell = Cell(fault, instant, kind)
     out = workdir / f"{fault}-{instant}.h5"
     run_env = {**(env or {}), "MPITP_TEST_STALL": STALLS[instant], "UCX_TLS": "tcp,self"}
+    if kind == "srun":
+        slurm_nodes_ready()
     try:
         with Launch(4, [*ARGS, "--output", str(out)], env=run_env, launcher=launch_prefix(kind, run_env)) as job:
             if instant == "load":
@@ -161,6 +163,8 @@ def run_cell(fault: str, instant: str, kind: str, workdir: Path, reference: Path
     if cell.status is not None:
         resume = [*ARGS, "--output", str(out), "--resume"] if cell.status != "complete" else None
         if resume is not None:
+            if kind == "srun":
+                slurm_nodes_ready()
             with Launch(4, resume, env={**(env or {}), "UCX_TLS": "tcp,self"}, launcher=launch_prefix(kind)) as again:
                 rc = again.wait(timeout=300)
             cell.note = "" if rc == 0 else f"resume exit {rc}"

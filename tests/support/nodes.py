@@ -8,8 +8,8 @@ needs the nodes asks for :func:`require_nodes`: skipped where none are up, faile
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -77,9 +77,27 @@ def set_link(node: str, up: bool) -> None:
     """Cut (or restore) a node's network: its interface on the bridge goes down (or up)."""
     subprocess.run(["ip", "-n", namespace(node), "link", "set", "eth0", "up" if up else "down"], check=True,
                    timeout=30)
-    if up and shutil.which("scontrol"):
-        # The local SLURM (hpc/local-slurm.sh) marks a node it could not ping DOWN ("Not responding") and would take
-        # its next ping (minutes) to notice it is back: later tests that run steps on the node need it now.
-        state = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30).stdout
-        if "DOWN" in state or "NOT_RESPONDING" in state:
-            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, timeout=30)
+
+
+def slurm_nodes_ready(nodes=NODES, timeout: float = 60.0) -> list[str]:
+    """Bring the local SLURM's emulated nodes back to a state a step can start on, and return their states (sinfo's
+    ``%t``). A slurmctld ping that met a cut link (or failed after it was restored: a ping waits its MessageTimeout)
+    leaves a node "not responding" (``idle*``) until a ping a hundred seconds later succeeds, or DOWN once
+    SlurmdTimeout passes; until then ``srun`` queues with "Required node not available" (a CI run waited 240 s).
+    ``scontrol reconfigure`` makes every slurmd register again, which clears the first; ``state=resume`` the second.
+    Call it before a step on these nodes, not only after a cut: the ping's failure may land after the link is back."""
+    states: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True,
+                                 timeout=30).stdout.strip() for node in nodes]
+        if all(s in ("idle", "mix", "alloc") for s in states) or not all(states):  # ready, or not SLURM's nodes
+            break
+        for node, state in zip(nodes, states):
+            if state.startswith(("down", "drain")):
+                subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,
+                               timeout=30)
+        if any(s.endswith("*") for s in states):
+            subprocess.run(["scontrol", "reconfigure"], capture_output=True, timeout=30)
+        time.sleep(1.0)
+    return states
