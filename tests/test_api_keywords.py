@@ -15,6 +15,7 @@ and what the caller gets back.
 - an ``output`` or ``gen_kwargs`` that ``mpitp eval`` refuses up front (a directory, a FIFO; ``max_gen_toks=abc``):
   refused alike, before any work; so are values out of range (``max_length=1``, ``num_fewshot=-1``), ``limit`` with
   ``samples``, a tokenizer that does not load or has no chat template to apply; ``limit="2"`` is 2.
+- ``tasks="a,b"`` is two tasks, as ``--tasks a,b`` is (it was looked up as one name).
 """
 
 from __future__ import annotations
@@ -150,6 +151,26 @@ def test_use_cache_is_refused_its_scores_would_be_stale(stories, monkeypatch):
     assert str(err.value).startswith("mpitp.evaluate: use_cache='/tmp/cache' is refused: lm-eval's cache of model "
                                      "responses is keyed by the request, not the weights") and err.value.collective
     assert seen == []
+
+
+def test_tasks_given_as_one_comma_separated_string_are_each_a_task(stories, monkeypatch):
+    """``tasks="mpitp_demo_mc,mpitp_demo_ppl"``, as ``--tasks`` and a job file's ``tasks:`` take them, was looked up as
+    one task of that name and refused as unknown; an empty or repeated name is refused as a job file's is."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen, demo = _stub_run(monkeypatch), str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
+    mpitp.evaluate(stories, str(STORIES), "mpitp_demo_mc, mpitp_demo_ppl", comm=MPI.COMM_SELF, limit=2,
+                   include_path=demo)
+    assert [got["cfg"].tasks for got in seen] == [["mpitp_demo_mc", "mpitp_demo_ppl"]], seen
+    for tasks, why in (("mpitp_demo_mc,", "tasks=['mpitp_demo_mc', '']: empty task name in ''"),
+                       (["mpitp_demo_mc", "mpitp_demo_mc"], "task 'mpitp_demo_mc' is listed twice")):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), tasks, comm=MPI.COMM_SELF, include_path=demo)
+        assert str(err.value).endswith(why) and err.value.collective, str(err.value)
+    assert len(seen) == 1
 
 
 def test_a_peft_model_is_scored_as_the_model_it_wraps_and_refused_under_tp(stories, monkeypatch):

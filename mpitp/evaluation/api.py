@@ -47,7 +47,8 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
              include_path: str | list[str] | None = None, output: str | None = None,
              timeout: float = DEFAULT_TIMEOUT, max_length: int | None = None, device: str | None = None,
              overwrite: bool = True, **lm_eval_kwargs) -> dict | None:
-    """Evaluate ``model`` (already on this rank, TP-sharded or whole) on lm-eval ``tasks``. Collective.
+    """Evaluate ``model`` (already on this rank, TP-sharded or whole) on lm-eval ``tasks`` (names, or one string of
+    comma-separated names as ``mpitp eval --tasks`` takes). Collective.
 
     Every rank of ``comm`` (default COMM_WORLD) must call it with the same arguments. ``layout`` defaults to one
     inferred from the model's TP process group (tp=1 when it has none). Returns lm-eval's results dict on rank 0 of
@@ -198,7 +199,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     cfg = EvalConfig(model=getattr(model, "name_or_path", type(model).__name__), dtype=dtype,
                      tokenizer=getattr(tokenizer, "name_or_path", tokenizer),
-                     tasks=[tasks] if isinstance(tasks, str) else list(tasks), batch_size=batch_size, limit=limit,
+                     tasks=_task_names(tasks), batch_size=batch_size, limit=limit,
                      num_fewshot=num_fewshot, include_path=include_path, output=output, max_length=max_length,
                      overwrite=overwrite, **cfg_fields)
     if output and os.path.exists(output) and not overwrite:
@@ -229,6 +230,13 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     # can reach; its exception must go straight to the caller (or the abort) instead of waiting out the timeout.
     mpicomm.barrier(layout.world.comm, None, phase="end of mpitp.evaluate")
     return result
+
+
+def _task_names(tasks) -> list:
+    """``"arc_easy,piqa"`` is two tasks, as ``mpitp eval --tasks`` and a job file's ``tasks:`` read it (lm-eval's
+    ``simple_evaluate`` looked the whole string up as one name); a sequence is taken as given, checked on rank 0
+    (:func:`_checked`: no empty or repeated name)."""
+    return [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
 
 
 @contextmanager
@@ -269,23 +277,26 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     path, with ``data_dir``'s task YAMLs to remove afterwards) and the claim on ``output`` (one writer per file, as
     ``mpitp eval`` holds it; None without one); (None, None) elsewhere."""
     from mpitp.errors import UsageError
+    from mpitp.evaluation import setting_values as values
     from mpitp.evaluation.checks import check_gen_kwargs, check_output, check_tasks_once, remove_generated
     from mpitp.evaluation.gen_kwargs_check import check_generation
-    from mpitp.evaluation.setting_values import BadValue, limit_value, suggest, yaml_batch_size, yaml_int_at_least
     from mpitp.parallel.runtime import agree
     from mpitp.results.claim import claim_output
 
     built = []
 
     def check() -> int | float | None:
-        for name, value, rule in (("limit", cfg.limit, limit_value), ("batch_size", cfg.batch_size, yaml_batch_size),
-                                  ("num_fewshot", cfg.num_fewshot, yaml_int_at_least(0, "an integer >= 0")),
-                                  ("max_length", cfg.max_length, yaml_int_at_least(2, "an integer >= 2 (tokens)")),
-                                  ("bootstrap_iters", cfg.bootstrap_iters, yaml_int_at_least(0, "an integer >= 0"))):
+        at_least = values.yaml_int_at_least
+        for name, value, rule in (("limit", cfg.limit, values.limit_value),
+                                  ("batch_size", cfg.batch_size, values.yaml_batch_size),
+                                  ("num_fewshot", cfg.num_fewshot, at_least(0, "an integer >= 0")),
+                                  ("max_length", cfg.max_length, at_least(2, "an integer >= 2 (tokens)")),
+                                  ("bootstrap_iters", cfg.bootstrap_iters, at_least(0, "an integer >= 0")),
+                                  ("tasks", cfg.tasks, values.yaml_tasks)):
             try:
                 if value is not None:
                     rule(value)
-            except BadValue as exc:
+            except values.BadValue as exc:
                 raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
         if lm_eval_kwargs.get("samples") is not None and cfg.limit is not None:
             raise UsageError("mpitp.evaluate: limit and samples exclude each other (lm-eval scores either each task's "
@@ -297,7 +308,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
         unknown = sorted(set(lm_eval_kwargs) - set(_simple_evaluate_keywords()))
         if unknown:
             known = [*_simple_evaluate_keywords(), *CONFIG_KEYWORDS]
-            raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{suggest(unknown[0], known)}: "
+            hint = values.suggest(unknown[0], known)
+            raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{hint}: "
                              "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
         check_generation(check_gen_kwargs(cfg.gen_kwargs, layout.tp, layout.pp))
         if isinstance(tokenizer, str) or cfg.apply_chat_template is True:
@@ -311,7 +323,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
             remove_generated(tasks.include)
             raise
         built.append((tasks, claim))
-        return None if cfg.limit is None else limit_value(cfg.limit)
+        return None if cfg.limit is None else values.limit_value(cfg.limit)
 
     # limit="5" is 5 documents, as on the command line; passed on as the string, lm-eval's `limit < 1.0` raised a
     # TypeError on rank 0 alone. Every rank takes the number rank 0 read.
