@@ -9,8 +9,9 @@ its PP plan, and per layout parity (the largest relative |d ll| against lm-eval)
 the type is not in the matrix (not a plain decoder, cannot be built small). A run that dies with a traceback ends
 its launch (a fatal error on one rank aborts the job); this script records it as ``failed`` and starts the layout's
 job again without it (finished runs are skipped: their results files are complete), so one failure never hides the
-rest. ``--table`` writes the generated support table (docs/model-support.md). CI runs the same matrix
-(tests/test_architectures.py) and fails on any failure.
+rest. ``--table`` writes the generated support table (docs/model-support.md). CI runs a subset of
+it (tests/test_architectures.py: the types the table lacks among them; MPITP_MATRIX_FULL=1 runs all) and fails
+on any failure.
 """
 
 from __future__ import annotations
