@@ -218,6 +218,18 @@ def test_every_setting_is_described_in_help():
     assert not missing, missing
 
 
+def test_data_dir_help_names_the_layout_it_serves():
+    """``--data-dir`` serves any lm-eval task from ``DIR/<dataset_path>/...`` (:mod:`mpitp.tasks.layout`), as ``mpitp
+    tasks``/``check`` and the README say; its ``mpitp eval --help`` line said only the six stock tasks'
+    ``DIR/<task>/<split>.jsonl``, so a user reading it would not lay out mmlu's files or expect it served."""
+    from mpitp.evaluation.lmeval_args import help_text
+    from mpitp.evaluation.settings import setting_docs
+
+    layout = "DIR/<dataset_path>/[<dataset_name>/]<split>.<jsonl|parquet>"
+    assert layout in setting_docs()["data_dir"]
+    assert "".join(layout.split()) in "".join(help_text().split())
+
+
 def test_job_file_readers_follow_the_declared_types():
     """lm-eval-named settings are read by their real types (``bool | None`` a flag that may stay unset, ``int |
     None`` a count, ``dict | None`` a mapping), not by matching the annotation's text."""

@@ -130,7 +130,9 @@ class EvalConfig:
     overwrite: bool = setting(False, cli=cli("--overwrite", group=RESULTS, action="store_true"),
                               doc="Replace an existing --output file.")
     data_dir: str | None = setting(identity=ALWAYS, job=yaml_string, cli=cli("--data-dir", group=RESULTS),
-                                   doc="Serve stock tasks offline from DIR/<task>/<split>.jsonl.")
+                                   doc=("Serve any lm-eval task offline from DIR/<dataset_path>/[<dataset_name>/]"
+                                        "<split>.<jsonl|parquet> (or DIR/<task>/<split>.jsonl for the six stock "
+                                        "tasks); mpitp tasks --data-dir DIR lists what is there."))
     log_samples: bool = setting(False, job=yaml_bool, doc=(
         "Keep every document's prompt, model output and scores (lm-eval's samples), in the results file too."))
     demo: bool = setting(False, cli=cli("--demo", group=RESULTS, action="store_true"),
