@@ -1,4 +1,4 @@
-"""The public Python API: ``mpitp.start``, ``mpitp.load_model``, ``mpitp.evaluate`` (README, "Python API").
+"""The public Python API: ``mpitp.start``, ``load_model``, ``evaluate``, ``UsageError`` (README, "Python API").
 
 They are the names a training script may rely on (everything else may move), so they must resolve to the real
 functions; and they are imported on first use, so ``import mpitp`` (which every ``mpitp.*`` import and ``mpitp
@@ -22,17 +22,18 @@ import mpitp
 heavy = ("torch", "transformers", "lm_eval", "mpi4py.MPI", "mpitp.parallel", "mpitp.replica", "mpitp.evaluation")
 at_import = sorted(m for m in heavy if m in sys.modules)
 from mpitp import start
-import mpitp.evaluation.api, mpitp.parallel.runtime, mpitp.replica.loading
+import mpitp.errors, mpitp.evaluation.api, mpitp.parallel.runtime, mpitp.replica.loading
 same = [mpitp.start is mpitp.parallel.runtime.start is start,
         mpitp.load_model is mpitp.replica.loading.load_model,
-        mpitp.evaluate is mpitp.evaluation.api.evaluate]
+        mpitp.evaluate is mpitp.evaluation.api.evaluate,
+        mpitp.UsageError is mpitp.errors.UsageError]
 try:
     mpitp.no_such_name
     missing = None
 except AttributeError as exc:
     missing = str(exc)
 print(json.dumps({"at_import": at_import, "same": same, "missing": missing, "all": sorted(mpitp.__all__),
-                  "dir": [n for n in ("evaluate", "load_model", "start") if n in dir(mpitp)]}))
+                  "dir": [n for n in ("UsageError", "evaluate", "load_model", "start") if n in dir(mpitp)]}))
 """
 
 
@@ -41,10 +42,10 @@ def test_public_names_are_lazy_and_are_the_real_functions():
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["at_import"] == [], f"import mpitp imported {got['at_import']}"
-    assert got["same"] == [True, True, True]
+    assert got["same"] == [True, True, True, True]  # UsageError: README's "raise UsageError", caught by its public name
     assert got["missing"] == "module 'mpitp' has no attribute 'no_such_name'"
-    assert got["all"] == ["__version__", "evaluate", "load_model", "start"]
-    assert got["dir"] == ["evaluate", "load_model", "start"]
+    assert got["all"] == ["UsageError", "__version__", "evaluate", "load_model", "start"]
+    assert got["dir"] == ["UsageError", "evaluate", "load_model", "start"]
 
 
 NOT_A_MODEL = """
