@@ -548,6 +548,20 @@ def test_a_directorys_files_come_in_a_sweeps_order(tmp_path):
     assert [os.path.basename(f) for f in files] == ["step-1.h5", "step-2.h5", "step-10.h5"]
 
 
+def test_a_directory_with_no_results_is_said_not_dropped(tmp_path):
+    """``mpitp report out/ run.h5`` where ``--output_path out/`` put the file in ``out/<model>/``: the page was made
+    from run.h5 alone, out/ dropped without a word (alone it was refused: 'no results files in out')."""
+    from mpitp.results.report import expand
+
+    (tmp_path / "out" / "model").mkdir(parents=True)
+    (tmp_path / "out" / "model" / "results.h5").write_bytes(b"")
+    (tmp_path / "run.h5").write_bytes(b"")
+    said = []
+    files, _ = expand([str(tmp_path / "out"), str(tmp_path / "run.h5")], said.append)
+    assert files == [str(tmp_path / "run.h5")]
+    assert said == [f"skipped {tmp_path / 'out'}: no *.h5 or sweep-summary*.json in it (its subfolders are not read)"]
+
+
 def test_several_sweep_summaries_each_name_their_charts_and_tests(tmp_path):
     """A job's checkpoint sweep and adapter sweep (each step-0, step-1, ...) in one report: their charts were both
     titled "syn_mc: acc,none" and their test lines both "step-1 vs step-0: ...", which sweep each was not said (only

@@ -59,8 +59,11 @@ def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tu
     would wait forever; a device; a socket), and a link another user made (to a file of yours they cannot read: the
     report would publish it; the rule of Linux's ``protected_symlinks``, which covers sticky folders only), are
     skipped, each with one line to ``warn``. A file named on the command line is read as given (a FIFO there is
-    refused by the reader, one line)."""
-    files, summaries = [], []
+    refused by the reader, one line).
+
+    A directory that holds none (its files one folder down, as ``--output_path`` puts them) is said in one line, not
+    dropped in silence while the other inputs make a page: alone it is the error that nothing was found."""
+    files, summaries, empty = [], [], []
     for p in inputs:
         if os.path.isdir(p):
             found = sorted(glob.glob(os.path.join(p, "*.h5")), key=natural_key)  # a sweep's order: step-2, step-10
@@ -81,12 +84,16 @@ def expand(inputs: list[str], warn: Callable[[str], object] | None = None) -> tu
                 else:
                     why = kind(mode) if mode is not None else why
                     (warn or log.warning)(f"skipped {shown(f)}: {why}, not a regular file")
+            if not found:
+                empty.append(p)
         elif p.endswith(".json"):
             summaries.append(p)
         else:
             files.append(p)
     if not files and not summaries:
         raise BadInput(f"no results files in {', '.join(inputs)}")
+    for p in empty:
+        (warn or log.warning)(f"skipped {shown(p)}: no *.h5 or {SUMMARY_GLOB} in it (its subfolders are not read)")
     return files, summaries
 
 
