@@ -239,6 +239,31 @@ def test_integration_messages_hidden_unless_debug(capsys):
     assert "already-initialized model" in err
 
 
+@pytest.mark.parametrize("model", ["ckpts/step-1,ckpts/step-2", "ckpts/step-*"])
+def test_a_sweep_hides_the_integration_warnings_and_takes_verbosity(monkeypatch, model):
+    """``mpitp eval --model 'ckpts/step-*'`` (and --watch) printed lm-eval's two warnings about a pre-built model for
+    every checkpoint, and ``--verbosity WARNING`` left lm-eval's INFO lines on: only a single run's checks installed
+    the filter and the level. Every kind of run now gets them before its checks."""
+    import logging
+    from types import SimpleNamespace
+
+    import mpitp.jobs.sweep
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+    from mpitp.evaluation.quiet import _FILTER, quiet_integration
+    from mpitp.jobs.orchestrate import prepare
+
+    monkeypatch.setattr(mpitp.jobs.sweep, "prepare_sweep", lambda cfg, launch: "sweep")
+    cfg = parse_eval_args(["--model", model, "--tasks", "arc_easy", "--verbosity", "WARNING"]).cfg
+    lm_eval_log = logging.getLogger("lm_eval")
+    try:
+        quiet_integration("DEBUG", True)  # as a fresh process: no filter, lm-eval's own level
+        assert prepare(cfg, SimpleNamespace(world=SimpleNamespace(rank=0))) == "sweep"
+        assert _FILTER in lm_eval_log.filters and all(_FILTER in h.filters for h in lm_eval_log.handlers)
+        assert lm_eval_log.level == logging.WARNING
+    finally:
+        quiet_integration("INFO", True)
+
+
 def test_resume_refuses_other_lm_eval_settings(tmp_path):
     """Settings that change results enter the resume identity; lm-eval's defaults do not (older files resume)."""
     import h5py

@@ -66,11 +66,17 @@ class Watch:
 
 def prepare(cfg: EvalConfig, launch: Launch, watch: Watch | None = None) -> Plan:
     """What the settings ask for, checked on rank 0 before any torch starts: one evaluation, a sweep of checkpoints,
-    a sweep of adapters over one base, or a watched directory."""
+    a sweep of adapters over one base, or a watched directory.
+
+    ``--verbosity`` and the filter of lm-eval's lines about mpitp's own integration (:mod:`mpitp.evaluation.quiet`)
+    apply to every kind: only :func:`prepare_eval` installed them, so each checkpoint of a sweep or a watched
+    directory printed lm-eval's two warnings about a pre-built model, and ``--verbosity`` did nothing there."""
+    from mpitp.evaluation.quiet import quiet_integration
     from mpitp.evaluation.runner import prepare_eval
     from mpitp.jobs.adapter_sweep import check_one_kind, prepare_adapter_sweep
     from mpitp.jobs.sweep import is_sweep, prepare_sweep
 
+    quiet_integration(cfg.verbosity, launch.world.rank == 0)
     t0 = time.perf_counter()
     if cfg.demo:
         cfg = demo_config(cfg, launch)
