@@ -22,7 +22,6 @@ from mpitp.evaluation.finish import RootResult
 from mpitp.evaluation.phases import PhaseClock
 from mpitp.evaluation.progress import TqdmProgress, make_progress
 from mpitp.evaluation.provenance import run_metadata
-from mpitp.evaluation.quiet import quiet_integration
 from mpitp.evaluation.request_rows import result_from_row, rows_by_task
 from mpitp.evaluation.settings import EvalConfig
 from mpitp.parallel import comm as mpicomm
@@ -71,8 +70,8 @@ class EvalPlan:
 def prepare_eval(cfg: EvalConfig, launch: Launch, demo_s: float | None = None) -> EvalPlan:
     """``mpitp eval``'s checks: rank 0 checks the input (the other ranks warm the model's code where cores allow, then
     wait for its verdict: no deadline, only rank 0 works). ``demo_s``: the seconds the demo's model took just before
-    (the run's clock and its phases count them)."""
-    quiet_integration(cfg.verbosity, launch.world.rank == 0)
+    (the run's clock and its phases count them). lm-eval's logging is set by the caller, for every kind of run
+    (:func:`mpitp.jobs.orchestrate.prepare`)."""
     t_checks = time.perf_counter()
     warm_for_load(launch.world, cfg.model)
     checked = check_on_root(cfg, launch, None, "checking input")
