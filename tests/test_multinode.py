@@ -21,7 +21,7 @@ import pytest
 from support import OFFLINE_ENV, STORIES
 from support.launch import inspect_diff
 from support.mpi import explain, mpi_family, mpitp_stderr, run_mpi
-from support.nodes import launcher, require_nodes, slurm_nodes_ready
+from support.nodes import SCHEDULABLE, launcher, require_nodes, slurm_nodes_ready
 from support.parity import compare_requests, mpitp_requests, reference_requests
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multinode]
@@ -159,7 +159,7 @@ def test_slurm_submit_runs_a_two_node_step(tmp_path):
     if shutil.which("sinfo") is None:
         pytest.skip("no SLURM commands (hpc/local-slurm.sh start)")
     states = slurm_nodes_ready()
-    if not states or not set(states) <= {"idle", "mix", "alloc"}:
+    if not states or not set(states) <= SCHEDULABLE:
         why = f"no idle SLURM partition 'nodes' (states {states}); hpc/local-nodes.sh start, then local-slurm.sh start"
         pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
     (tmp_path / "jobs").mkdir()

@@ -20,6 +20,7 @@ import pytest
 
 from support import OFFLINE_ENV, REPO
 from support.mpi import explain, run_mpi
+from support.nodes import SCHEDULABLE
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow]
 
@@ -32,7 +33,7 @@ def slurm():
         pytest.skip("no SLURM commands (hpc/local-slurm.sh start sets one up)")
     ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=60)
     states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=60).stdout.split()
-    if "UP" not in ping.stdout or not {"idle", "mix", "alloc"} & set(states):
+    if "UP" not in ping.stdout or not SCHEDULABLE & set(states):
         pytest.skip(f"no SLURM answers (scontrol ping: {ping.stdout.strip() or ping.stderr.strip()}; "
                     f"node states {states})")
 

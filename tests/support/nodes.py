@@ -79,6 +79,10 @@ def set_link(node: str, up: bool) -> None:
                    timeout=30)
 
 
+#: SLURM node states (sinfo's ``%t``) a step can start on.
+SCHEDULABLE = frozenset({"idle", "mix", "alloc"})
+
+
 def slurm_nodes_ready(nodes=NODES, timeout: float = 60.0) -> list[str]:
     """Bring the local SLURM's emulated nodes back to a state a step can start on, and return their states (sinfo's
     ``%t``). A slurmctld ping that met a cut link (or failed after it was restored: a ping waits its MessageTimeout)
@@ -91,7 +95,7 @@ def slurm_nodes_ready(nodes=NODES, timeout: float = 60.0) -> list[str]:
     while time.monotonic() < deadline:
         states = [subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True,
                                  timeout=30).stdout.strip() for node in nodes]
-        if all(s in ("idle", "mix", "alloc") for s in states) or not all(states):  # ready, or not SLURM's nodes
+        if set(states) <= SCHEDULABLE or not all(states):  # ready, or not SLURM's nodes
             break
         for node, state in zip(nodes, states):
             if state.startswith(("down", "drain")):
