@@ -6,7 +6,7 @@ it? Every rank of ``mpiexec -n N`` is a DP group of one; its "compute" returns s
 :class:`mpitp.evaluation.dispatch.Dispatcher` (token-balanced chunks, two in flight per remote group) and records every
 landed chunk as ``mpitp eval`` does: :func:`mpitp.evaluation.request_rows.request_row` per request (on the writer
 thread) through :class:`mpitp.results.store.ResultWriter` (journal + HDF5 snapshot). Requests are lm-eval-like:
-``--tokens`` token ids per row, arguments of ~300 characters (hashed into the resume key), eight tasks.
+``--tokens`` token ids per row, arguments of ~300 characters (hashed into the resume key before dispatch), eight tasks.
 
 Printed: sustained requests/s (all requests / wall of the dispatch), rank 0's CPU seconds per chunk on the dispatch
 thread and per request on the writer thread, the remote groups' waits for their next chunk (the answer latency),
@@ -115,11 +115,12 @@ def child(args) -> None:
         gather_obj((len(marks), gaps), comm, root=0, timeout=600.0)
         return
 
-    from mpitp.evaluation.lm import KIND_SCORE
+    from mpitp.evaluation.lm import KIND_SCORE, request_keys
     from mpitp.evaluation.request_rows import request_row
     from mpitp.results.store import ResultWriter
 
     items, weights, insts = synthetic(args.requests, args.tokens)
+    keys = request_keys(insts)  # as the LM does before it hands the requests to the runner
     writer = ResultWriter(args.out, dict(model="bench", tokenizer="bench", dtype="float32", world_size=size, tp=1,
                                          dp=size, config_json="{}"))
     stats = _Stats()
@@ -132,7 +133,7 @@ def child(args) -> None:
         def rows():
             by_task: dict[str, list] = {}
             for i, r in zip(indices, res):
-                by_task.setdefault(insts[i].task_name, []).append(request_row(insts[i], r, KIND_SCORE))
+                by_task.setdefault(keys[i][0], []).append(request_row(keys[i], r, KIND_SCORE))
             return by_task
 
         writer.record(rows)

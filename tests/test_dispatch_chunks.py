@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -91,7 +90,7 @@ def test_rolling_windows_reassemble_per_request(seed):
             for n in (3, 0, 1, 7, 2, 0, 12)]
     recorded = []
     disp, progress = _ShuffledDispatcher(seed), _Progress()
-    tasks = [SimpleNamespace(task_name=f"t{j % 2}") for j in range(len(docs))]
+    tasks = [f"t{j % 2}" for j in range(len(docs))]
     out = _run_windows(disp, progress, docs, lambda idx, res: recorded.extend(zip(idx, res)), tasks)
     assert disp.kind == KIND_WINDOW and disp.n == sum(len(d) for d in docs)
     assert disp.owners == [(f"t{j % 2}", j, len(d)) for j, d in enumerate(docs) for _ in d]

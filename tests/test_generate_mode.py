@@ -31,7 +31,7 @@ def test_samples_follows_lm_eval(kw, config_samples):
 def _bare_lm(max_length: int = 512) -> MPITPLM:
     """An MPITPLM with only what ``generate_until`` reads on rank 0 before dispatch (no model)."""
     lm = MPITPLM.__new__(MPITPLM)
-    lm._max_length, lm._max_gen_toks, lm.seed, lm.clock = max_length, 256, 1234, None
+    lm._max_length, lm._max_gen_toks, lm.seed, lm.clock, lm.picked = max_length, 256, 1234, None, {}
 
     def serve(kind, items, weights, requests):
         return [("", 0) for _ in items]

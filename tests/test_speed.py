@@ -35,10 +35,6 @@ class Clock:
         return self.t
 
 
-def inst(task):
-    return SimpleNamespace(task_name=task)
-
-
 # ------------------------------------------------------------------------------------------------ recording
 
 
@@ -56,7 +52,7 @@ def test_request_log_per_task_and_group():
     (in any group); an item without an owner counts for its group only."""
     clock = Clock()
     log = RequestLog(2, clock=clock)
-    a1, a2, b1 = requestlog.whole([inst("A"), inst("A"), inst("B")])
+    a1, a2, b1 = requestlog.whole(["A", "A", "B"])
     log.sent(0, 1)
     clock.t += 1.0
     log.sent(1, 0)
@@ -67,7 +63,7 @@ def test_request_log_per_task_and_group():
     log.sent(2, 1)
     log.landed(2, [None], [(-1.0, True, 7)], [5], busy_s=0.0)  # an item without an owner
     docs = [[([1, 2], 1), ([3, 4], 1)], [([5], 1)]]  # request 0: two windows, request 1: one
-    w00, w01, w10 = requestlog.windows(docs, [inst("P"), inst("P")])
+    w00, w01, w10 = requestlog.windows(docs, ["P", "P"])
     log.sent(3, 0)
     clock.t += 1.0
     log.sent(4, 1)
@@ -104,7 +100,7 @@ def test_dispatcher_records_every_chunk_on_its_stats(monkeypatch):
     d = Dispatcher(SimpleNamespace(dp_leader_comm=None, dp=1), timeout=5.0, stats=stats, per_group=3,
                    compute=lambda kind, items, tick: [(-1.0, True, len(c)) for _, c in items])
     items = [("q", "x" * (i + 1)) for i in range(9)]
-    tasks = [inst("A" if i % 3 else "B") for i in range(9)]
+    tasks = ["A" if i % 3 else "B" for i in range(9)]
     out = d.run("loglikelihood", items, [len(c) for _, c in items], owners=requestlog.whole(tasks))
     assert [n for _, _, n in out] == list(range(1, 10))
     s = stats.speed

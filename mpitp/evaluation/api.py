@@ -278,8 +278,15 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     ``mpitp eval`` holds it; None without one); (None, None) elsewhere."""
     from mpitp.errors import UsageError
     from mpitp.evaluation import setting_values as values
-    from mpitp.evaluation.checks import check_gen_kwargs, check_output, check_tasks_once, remove_generated
+    from mpitp.evaluation.checks import (
+        check_gen_kwargs,
+        check_output,
+        check_tasks_once,
+        remove_generated,
+        run_task_names,
+    )
     from mpitp.evaluation.gen_kwargs_check import check_generation
+    from mpitp.evaluation.picked import check_samples
     from mpitp.parallel.runtime import agree
     from mpitp.results.claim import claim_output
 
@@ -318,6 +325,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
             check_output(cfg)
         tasks = check_tasks_once(cfg)
         try:
+            check_samples(lm_eval_kwargs.get("samples"), run_task_names(cfg.tasks, tasks.task_manager),
+                          tasks.task_manager.all_tasks, "mpitp.evaluate: samples")
             claim = claim_output(cfg.output) if cfg.output else None  # last: a refusal must leave no claim behind
         except BaseException:
             remove_generated(tasks.include)

@@ -293,6 +293,13 @@ class Checked:
         self.release()
 
 
+def run_task_names(names: list[str], tm: TaskManager) -> list[str]:
+    """The leaf tasks ``names`` score (groups and tags expanded), by the names lm-eval gives them."""
+    from mpitp.tasks.layout import expand
+
+    return [leaf.name.rsplit("::", 1)[-1] for leaf in expand(names, tm.task_index)]
+
+
 def check_tasks_once(cfg: EvalConfig) -> CheckedTasks:
     """Write the offline task YAMLs (``--data-dir``) and check every task name: lm-eval's TaskManager."""
     include = offline_include(cfg)
@@ -325,8 +332,10 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
     tasks = tasks or check_tasks_once(cfg)
     try:
         from mpitp.evaluation.lmeval_args import check_lm_eval_settings
+        from mpitp.evaluation.picked import check_samples
 
         check_lm_eval_settings(cfg)
+        check_samples(cfg.samples, run_task_names(cfg.tasks, tasks.task_manager), tasks.task_manager.all_tasks)
         if cfg.trust_remote_code:  # from model_args or a job file's defaults: the user may not know it is on
             log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
                         shown(cfg.model))

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lm_eval.api.task import ConfigurableTask, Task
 
+    from mpitp.evaluation.picked import Picked
+
 
 def _fresh(value):
     """A copy of a decoded document: dicts and lists are new, leaves (strings, numbers, images) shared."""
@@ -83,11 +85,14 @@ class _Listed:
 
 
 @contextlib.contextmanager
-def listed_once() -> Iterator[None]:
-    """Inside this block each lm-eval task's ``eval_docs`` is computed once and then read from memory."""
+def listed_once(picked: Picked | None = None) -> Iterator[None]:
+    """Inside this block each lm-eval task's ``eval_docs`` is computed once and then read from memory; where
+    ``picked`` (``--samples``, :func:`~mpitp.evaluation.picked.picked_docs`) names a document past the end of a task's,
+    it is refused in one line as the task's documents are first counted."""
     from lm_eval.api.task import Task
 
     from mpitp import compat
+    from mpitp.evaluation.picked import check_in_range
 
     original = Task.__dict__["eval_docs"]
     listed: dict[int, tuple] = {}  # id(task) -> (task, docs): the task is held so its id is not reused meanwhile
@@ -97,6 +102,9 @@ def listed_once() -> Iterator[None]:
         if hit is None:
             source = original.fget(task)
             hit = listed[id(task)] = (task, _Listed(source))
+            name = getattr(getattr(task, "config", None), "task", None)
+            if picked and name in picked:
+                check_in_range(picked, name, len(hit[1]))
         return hit[1]
 
     with compat.replaced("lm_eval.api.task.Task.eval_docs", property(eval_docs)):

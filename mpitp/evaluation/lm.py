@@ -20,7 +20,7 @@ import functools
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -80,8 +80,13 @@ def args_hash(args: tuple) -> str:
     return hashlib.sha1(repr(args).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def request_keys(instances: Sequence[Instance]) -> list[tuple]:
+def request_keys(instances: Sequence[Instance], picked: Mapping[str, Sequence[int]] | None = None) -> list[tuple]:
     """Each request's key ``(task, doc_id, idx, args_hash, repeat)``, in request order.
+
+    ``doc_id`` is the document's index in its task (what ``--samples`` names and a full run stores for it), not
+    lm-eval's renumbering of the documents a ``samples`` list kept (``picked``:
+    :func:`mpitp.evaluation.picked.picked_docs`); so a
+    ``--samples`` run's rows compare with a full run's, document by document.
 
     A task with ``repeats: k`` (pass@k, self-consistency) hands lm-eval's model the same request k times in a row;
     ``repeat`` (0..k-1, counted in request order, which lm-eval builds the same way in every run) tells the clones
@@ -90,7 +95,9 @@ def request_keys(instances: Sequence[Instance]) -> list[tuple]:
     seen: dict[tuple, int] = {}
     keys = []
     for inst in instances:
-        base = (inst.task_name, int(inst.doc_id), int(inst.idx), args_hash(inst.args))
+        doc = int(inst.doc_id)
+        ids = picked.get(inst.task_name) if picked else None
+        base = (inst.task_name, ids[doc] if ids else doc, int(inst.idx), args_hash(inst.args))
         rep = seen.get(base, 0)
         seen[base] = rep + 1
         keys.append(base + (rep,))
@@ -132,6 +139,7 @@ class MPITPLM(HFLM):
         # rank 0, while lm-eval runs: a callable (kind, items, weights, instances) -> results (mpitp.evaluation.runner)
         self.serve_requests = None
         self.clock = None  # rank 0, while lm-eval runs: the run's PhaseClock (mpitp.evaluation.phases)
+        self.picked: dict[str, tuple[int, ...]] = {}  # rank 0, while lm-eval runs: the run's --samples (picked_docs)
         self.seed = 1234 if seed is None else seed  # lm-eval's default torch seed unless --seed
         self.auto = auto
         if auto is not None:
@@ -154,17 +162,19 @@ class MPITPLM(HFLM):
 
     # ------------------------------------------------------------------ rank 0: lm-eval's entry points
     @contextmanager
-    def serving(self, serve_requests: Callable[[str, list, list, list[Instance]], list],
-                clock: PhaseClock) -> Iterator[MPITPLM]:
-        """While lm-eval runs on rank 0: its requests go to ``serve_requests`` and are timed by ``clock``. Both are
+    def serving(self, serve_requests: Callable[[str, list, list, list[tuple]], list], clock: PhaseClock,
+                picked: Mapping[str, tuple[int, ...]] | None = None) -> Iterator[MPITPLM]:
+        """While lm-eval runs on rank 0: its requests go to ``serve_requests`` (with their keys,
+        :func:`request_keys`, whose document indices ``picked`` maps) and are timed by ``clock``. Both are
         dropped on leaving, whatever happens: ``serve_requests`` leads back to :meth:`compute` (through the
         dispatcher), a cycle that would otherwise keep the model alive after the run (a sweep frees it before
         loading the next checkpoint)."""
-        self.serve_requests, self.clock = serve_requests, clock
+        self.serve_requests, self.clock, self.picked = serve_requests, clock, dict(picked or {})
         try:
             yield self
         finally:
             self.serve_requests = self.clock = None
+            self.picked = {}
 
     def check_chat_template(self, setting: bool | str) -> None:
         """Rank 0, before lm-eval builds a request: with ``--apply_chat_template``, lm-eval's own selection of the
@@ -188,8 +198,9 @@ class MPITPLM(HFLM):
         a chunk tokenises it (:meth:`score_rows_of`)."""
         pairs = [tuple(req.args) for req in requests]
         weights = shared_context_weights(pairs)
-        out = self.serve_requests(KIND_SCORE, pairs, weights, requests)
-        refuse_nonfinite([ll for ll, _, _ in out], requests)
+        keys = request_keys(requests, self.picked)
+        out = self.serve_requests(KIND_SCORE, pairs, weights, keys)
+        refuse_nonfinite([ll for ll, _, _ in out], keys)
         answers = [(ll, greedy) for ll, greedy, _ in out]
         for pair, ans in zip(pairs, answers):
             self.cache_hook.add_partial("loglikelihood", pair, ans)
@@ -254,8 +265,9 @@ class MPITPLM(HFLM):
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         items = [self.rolling_rows(req.args[0]) for req in requests]
         weights = [sum(len(r[0]) for r in rows) for rows in items]
-        out = self.serve_requests(KIND_ROLLING, items, weights, requests)
-        refuse_nonfinite([ll for ll, _, _ in out], requests)
+        keys = request_keys(requests, self.picked)
+        out = self.serve_requests(KIND_ROLLING, items, weights, keys)
+        refuse_nonfinite([ll for ll, _, _ in out], keys)
         lls = [ll for ll, _, _ in out]
         for req, ll in zip(requests, lls):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
@@ -263,7 +275,7 @@ class MPITPLM(HFLM):
 
     @_timed
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        keys = request_keys(requests)
+        keys = request_keys(requests, self.picked)
         items = [(*req.args, sample_seed(self.seed, key)) for req, key in zip(requests, keys)]
         # Weighed by characters (~4 per token, a balance proxy only) plus the tokens to generate: the DP leader that
         # gets a request tokenises it (``HFLM.generate_until``), rank 0 does not.
@@ -276,7 +288,7 @@ class MPITPLM(HFLM):
                              "a larger --max-length")
         self._check_generation_kwargs(requests)
         weights = [len(ctx) // 4 + 1 + n for (ctx, _, _), n in zip(items, new)]
-        out = self.serve_requests(KIND_GENERATE, items, weights, requests)
+        out = self.serve_requests(KIND_GENERATE, items, weights, keys)
         return [text for text, _ in out]
 
     def _check_generation_kwargs(self, requests: list[Instance]) -> None:
@@ -411,17 +423,16 @@ class MPITPLM(HFLM):
         return cut
 
 
-def refuse_nonfinite(lls: list[float], instances: Sequence[Instance] | None) -> None:
-    """One line naming the first request whose log-likelihood is NaN or infinite (rank 0, after scoring)."""
+def refuse_nonfinite(lls: list[float], keys: Sequence[tuple]) -> None:
+    """One line naming the first request (its key, :func:`request_keys`) whose log-likelihood is NaN or infinite
+    (rank 0, after scoring)."""
     from mpitp.errors import UsageError
 
-    for i, ll in enumerate(lls):
+    for (task, doc, idx, *_), ll in zip(keys, lls):
         if not math.isfinite(ll):
-            inst = instances[i] if instances is not None and i < len(instances) else None
-            where = (f"task {inst.task_name}, doc {inst.doc_id}, request {inst.idx}" if inst is not None
-                     else f"request {i}")
-            raise UsageError(f"non-finite log-likelihood ({ll}) for {where}: the model's logits hold NaN/inf; in "
-                             f"float16 this is usually an overflow: try --dtype bfloat16 or float32")
+            raise UsageError(f"non-finite log-likelihood ({ll}) for task {task}, doc {doc}, request {idx}: the model's "
+                             "logits hold NaN/inf; in float16 this is usually an overflow: try --dtype bfloat16 or "
+                             "float32")
 
 
 _GREEDY_SAFE_KWARGS = {"attention_mask", "do_sample", "temperature", "top_p", "top_k"}

@@ -425,9 +425,6 @@ def check_lm_eval_settings(cfg: EvalConfig) -> None:
             raise UsageError(f"--output_path {cfg.output_path}: {probe} is not a directory")
         if not os.access(probe, os.W_OK):
             raise UsageError(f"--output_path {cfg.output_path}: {probe} is not writable")
-    samples = getattr(cfg, "samples", None)
-    if samples is not None and not isinstance(samples, dict):
-        raise UsageError(f"--samples {samples!r}: expected a JSON object of task: [doc indices] or a JSON file")
 
 
 def model_args_dict(args: str | Mapping | None) -> dict:

@@ -16,9 +16,10 @@ def result_from_row(row: dict, kind: str):
     return (float(row["loglikelihood"]), bool(row["is_greedy"]), int(row["n_tokens"]))
 
 
-def request_row(inst, result, kind: str, repeat: int = 0) -> dict:
-    """The row (:data:`mpitp.results.schema.REQUEST_FIELDS`) that keeps ``result`` of request ``inst``."""
-    from mpitp.evaluation.lm import KIND_GENERATE, args_hash
+def request_row(key: tuple, result, kind: str) -> dict:
+    """The row (:data:`mpitp.results.schema.REQUEST_FIELDS`) that keeps ``result`` of the request whose key
+    (:func:`mpitp.evaluation.lm.request_keys`) is ``key``."""
+    from mpitp.evaluation.lm import KIND_GENERATE
 
     if kind == KIND_GENERATE:
         text, n = result
@@ -28,15 +29,15 @@ def request_row(inst, result, kind: str, repeat: int = 0) -> dict:
         text = ""
     # Generated text can hold lone surrogates (byte-level tokens decoded mid-character); HDF5 stores UTF-8.
     text = text.encode("utf-8", "replace").decode("utf-8")
-    return dict(doc_id=int(inst.doc_id), idx=int(inst.idx), kind=kind, loglikelihood=float(ll),
-                is_greedy=bool(greedy), generation=text, n_tokens=int(n), args_hash=args_hash(inst.args),
-                repeat=int(repeat))
+    _, doc, idx, digest, repeat = key
+    return dict(doc_id=int(doc), idx=int(idx), kind=kind, loglikelihood=float(ll), is_greedy=bool(greedy),
+                generation=text, n_tokens=int(n), args_hash=digest, repeat=int(repeat))
 
 
-def rows_by_task(kind: str, instances: list, keys: list, todo: list[int], indices, res) -> dict[str, list]:
+def rows_by_task(kind: str, keys: list, todo: list[int], indices, res) -> dict[str, list]:
     """The HDF5 rows of the requests ``todo[i]`` for ``i`` in ``indices`` (results ``res``), grouped by task."""
     by_task: dict[str, list] = {}
     for i, r in zip(indices, res):
-        inst = instances[todo[i]]
-        by_task.setdefault(inst.task_name, []).append(request_row(inst, r, kind, keys[todo[i]][4]))
+        key = keys[todo[i]]
+        by_task.setdefault(key[0], []).append(request_row(key, r, kind))
     return by_task

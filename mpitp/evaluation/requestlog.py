@@ -25,16 +25,15 @@ from mpitp.results.speed import quantiles
 Owner = tuple[str, object, int]
 
 
-def whole(instances: list) -> list[Owner]:
-    """Each item one whole request of its instance's task (loglikelihood, generate_until)."""
-    return [(inst.task_name, None, 1) for inst in instances]
+def whole(tasks: list[str]) -> list[Owner]:
+    """Each item one whole request of its task (``tasks[i]``: item i's; loglikelihood, generate_until)."""
+    return [(task, None, 1) for task in tasks]
 
 
-def windows(rows_per_request: list[list], instances: list) -> list[Owner]:
+def windows(rows_per_request: list[list], tasks: list[str]) -> list[Owner]:
     """One owner per window, in the order the windows are dispatched: request ``j``'s rows, then ``j + 1``'s; a
     request is complete once all its windows have landed (in any group, in any order)."""
-    return [(inst.task_name, j, len(rows)) for j, (rows, inst) in enumerate(zip(rows_per_request, instances))
-            for _ in rows]
+    return [(task, j, len(rows)) for j, (rows, task) in enumerate(zip(rows_per_request, tasks)) for _ in rows]
 
 
 def _tokens(result) -> int:

@@ -42,8 +42,9 @@ class MissingRequests(Exception):
         self.kind, self.missing, self.total = kind, missing, total
 
 
-def stored_lm(rows: dict[tuple, dict]) -> LM:
-    """An lm-eval model whose every answer is a stored row; a request not in the file stops the run.
+def stored_lm(rows: dict[tuple, dict], picked: dict[str, tuple[int, ...]] | None = None) -> LM:
+    """An lm-eval model whose every answer is a stored row (``picked``: the run's ``--samples`` documents, as
+    :func:`mpitp.evaluation.picked.picked_docs` gives them); a request not in the file stops the run.
 
     Built by a function so that importing this module (``mpitp --help``) does not import lm-eval.
     """
@@ -57,7 +58,7 @@ def stored_lm(rows: dict[tuple, dict]) -> LM:
             self.served = 0
 
         def _rows(self, kind: str, requests) -> list[dict]:
-            keys = request_keys(requests)
+            keys = request_keys(requests, picked)
             found = [rows.get(k) for k in keys]
             missing = [k for k, r in zip(keys, found) if r is None or r["kind"] != kind]
             if missing:
@@ -170,6 +171,7 @@ def rescore(path: str, include_path: str | list[str] | None = None, data_dir: st
 
     from mpitp.evaluation.checks import check_tasks, offline_include, remove_generated
     from mpitp.evaluation.envinfo import EnvInfoEarly
+    from mpitp.evaluation.picked import picked_docs
     from mpitp.results.docscores import capture
 
     if not os.path.exists(path):  # anything else there but a regular file is refused by the reading (open_h5)
@@ -182,14 +184,16 @@ def rescore(path: str, include_path: str | list[str] | None = None, data_dir: st
     try:
         tm = check_tasks(cfg.tasks, include)
         seeds = cfg.seeds()
-        lm = stored_lm(rows)
+        picked = picked_docs(cfg.samples)
+        lm = stored_lm(rows, picked)
         # EnvInfoEarly: lm-eval's environment record ran torch's collect_env (``python -mpip list``) in this working
         # directory, where a planted pip.py ran as the user, and read its .git by hand
-        with EnvInfoEarly(), capture() as doc_scores:
+        with EnvInfoEarly(), capture(picked) as doc_scores:
             try:
                 res = lm_eval.simple_evaluate(
                     model=lm, tasks=cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
-                    gen_kwargs=cfg.gen_kwargs, log_samples=cfg.log_samples, samples=cfg.samples,
+                    gen_kwargs=cfg.gen_kwargs, log_samples=cfg.log_samples,
+                    samples=None if cfg.samples is None else picked,
                     system_instruction=cfg.system_instruction, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
                     predict_only=cfg.predict_only, metadata=cfg.metadata,
                     bootstrap_iters=cfg.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,

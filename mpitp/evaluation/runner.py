@@ -269,7 +269,7 @@ def task_manager_for(cfg: EvalConfig) -> TaskManager:
     return check_tasks(cfg.tasks, offline_include(cfg))
 
 
-def _run_windows(dispatcher, progress, docs: list[list], record, instances: list) -> list:
+def _run_windows(dispatcher, progress, docs: list[list], record, tasks: list[str]) -> list:
     """Rolling requests dispatched window by window (see :data:`mpitp.evaluation.lm.KIND_WINDOW`); a request's result is
     recorded (``record(indices, results)``) and counted on the progress bar as soon as its last window lands, so a
     crash still loses at most the chunks in flight and the bar counts requests, as for the other kinds."""
@@ -306,7 +306,7 @@ def _run_windows(dispatcher, progress, docs: list[list], record, instances: list
             record(finished, [results[j] for j in finished])
         progress(len(finished), sum(weights[w] for w in indices))
 
-    dispatcher.run(KIND_WINDOW, windows, weights, on_windows, owners=requestlog.windows(docs, instances))
+    dispatcher.run(KIND_WINDOW, windows, weights, on_windows, owners=requestlog.windows(docs, tasks))
     return results
 
 
@@ -344,11 +344,11 @@ class _RootRun:
         watch_writer(writer)
         return writer, stored
 
-    def _record(self, kind: str, instances: list, keys: list, todo: list[int], indices, res) -> None:
+    def _record(self, kind: str, keys: list, todo: list[int], indices, res) -> None:
         """Store the rows of requests whose results are complete (``indices`` into ``todo``). The rows are built and
         written on the writer's thread: the dispatch loop pays O(1) per chunk."""
         if self.writer is not None:
-            self.writer.record(functools.partial(rows_by_task, kind, instances, keys, todo, indices, res))
+            self.writer.record(functools.partial(rows_by_task, kind, keys, todo, indices, res))
 
     def _save_landed(self) -> None:
         """After a failure: what landed goes to disk before the job is torn down."""
@@ -359,23 +359,21 @@ class _RootRun:
                 pass
 
     # ---------------------------------------------------------------------------------------- lm-eval's requests
-    def serve(self, kind: str, items: list, weights: list, instances: list) -> list:
-        """``lm.serve_requests``: reuse stored results (resume), compute the rest across DP groups, record each chunk
-        as it lands. The seconds spent here are the dispatch phase."""
+    def serve(self, kind: str, items: list, weights: list, keys: list[tuple]) -> list:
+        """``lm.serve_requests`` (``keys``: the requests' :func:`~mpitp.evaluation.lm.request_keys`): reuse stored
+        results (resume), compute the rest across DP groups, record each chunk as it lands. The seconds spent here
+        are the dispatch phase."""
         t_run = time.perf_counter()
         try:
-            return self._serve(kind, items, weights, instances)
+            return self._serve(kind, items, weights, keys)
         finally:
             self.clock.dispatch += time.perf_counter() - t_run
 
-    def _serve(self, kind, items, weights, instances) -> list:
-        from mpitp.evaluation.lm import request_keys
-
+    def _serve(self, kind, items, weights, keys) -> list:
         self._size_batches(kind, items, weights)
-        keys = request_keys(instances)
         results, todo = self._reuse_stored(kind, keys)
-        record = functools.partial(self._record, kind, instances, keys, todo)
-        for i, r in zip(todo, self._compute(kind, items, weights, todo, record, [instances[i] for i in todo])):
+        record = functools.partial(self._record, kind, keys, todo)
+        for i, r in zip(todo, self._compute(kind, items, weights, todo, record, [keys[i][0] for i in todo])):
             results[i] = r
         return results
 
@@ -401,18 +399,18 @@ class _RootRun:
             log.info("resume: reusing %d of %d %s results from %s", len(keys) - len(todo), len(keys), kind, self.out)
         return results, todo
 
-    def _compute(self, kind: str, items: list, weights: list, todo: list[int], record, instances: list) -> list:
-        """The results of ``items[i]`` for ``i`` in ``todo`` (lm-eval's ``instances`` of them), dispatched over the DP
-        groups."""
+    def _compute(self, kind: str, items: list, weights: list, todo: list[int], record, tasks: list[str]) -> list:
+        """The results of ``items[i]`` for ``i`` in ``todo`` (of tasks ``tasks``, in the same order), dispatched over
+        the DP groups."""
         from mpitp.evaluation.lm import KIND_ROLLING
 
         if kind == KIND_ROLLING:
-            return _run_windows(self.dispatcher, self.progress, [items[i] for i in todo], record, instances)
+            return _run_windows(self.dispatcher, self.progress, [items[i] for i in todo], record, tasks)
         todo_weights = [weights[i] for i in todo]
         self.progress.add_total(len(todo))
         return self.dispatcher.run(kind, [items[i] for i in todo], todo_weights,
                                    functools.partial(self._landed, record, todo_weights),
-                                   owners=requestlog.whole(instances))
+                                   owners=requestlog.whole(tasks))
 
     def _landed(self, record, weights: list, indices, res) -> None:
         record(indices, res)
@@ -427,8 +425,10 @@ class _RootRun:
 
         cfg, lm = self.cfg, self.lm
         loggers = start_loggers(cfg, t_start)
-        with lm.serving(self.serve, self.clock):
-            res, doc_scores = self._simple_evaluate(self._lm_eval_kwargs(tm, extra, loggers["tracker"]))
+        kwargs = self._lm_eval_kwargs(tm, extra, loggers["tracker"])
+        picked = kwargs.get("samples") or {}
+        with lm.serving(self.serve, self.clock, picked):
+            res, doc_scores = self._simple_evaluate(kwargs, picked)
         self.dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
         testing.stall("post_processing")
         as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, self.rt.layout), device=self.rt.device,
@@ -439,6 +439,8 @@ class _RootRun:
     def _lm_eval_kwargs(self, tm, extra: dict, tracker) -> dict:
         """``simple_evaluate``'s arguments: the settings, lm-eval's request cache (:mod:`mpitp.evaluation.requestcache`
         unless the caller or ``--cache_requests`` says otherwise), then the caller's own (``mpitp.evaluate``)."""
+        from mpitp.evaluation.picked import picked_docs
+
         cfg = self.cfg
         kwargs = dict(cfg.lm_eval_arguments(), task_manager=tm, evaluation_tracker=tracker)
         if not extra and not cfg.cache_requests:  # mpitp.evaluate's callers pass lm-eval arguments of their own
@@ -448,10 +450,13 @@ class _RootRun:
             if self.request_cache:
                 kwargs["cache_requests"] = True
         kwargs.update(extra)
+        if kwargs.get("samples") is not None:  # lm-eval labels its samples indices[i]: --samples [7, 3] logged doc 3
+            kwargs["samples"] = picked_docs(kwargs["samples"])  # as 7; the same documents, in the order it walks them
         return kwargs
 
-    def _simple_evaluate(self, kwargs: dict) -> tuple[dict, dict]:
-        """(lm-eval's results, its per-document scores captured on the way)."""
+    def _simple_evaluate(self, kwargs: dict, picked: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
+        """(lm-eval's results, its per-document scores captured on the way; ``picked``: the documents of
+        ``--samples``, :func:`~mpitp.evaluation.picked.picked_docs`)."""
         import lm_eval
 
         from mpitp.evaluation.eval_docs import fewshot_listed, listed_once
@@ -462,8 +467,8 @@ class _RootRun:
         env_info = EnvInfoEarly()
         try:
             self.clock.t_eval = time.perf_counter()
-            with env_info, used(self.request_cache), compiled_once(), listed_once(), fewshot_listed(), \
-                    capture() as doc_scores:
+            with env_info, used(self.request_cache), compiled_once(), listed_once(picked), fewshot_listed(), \
+                    capture(picked) as doc_scores:
                 res = lm_eval.simple_evaluate(model=self.lm, tasks=self.cfg.tasks, **kwargs)
             self.clock.eval_done()
         except BaseException:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Iterable, Iterator, Mapping, Sequence
 
     import h5py
 
@@ -56,8 +56,10 @@ def _higher(task) -> dict[str, bool]:
 
 
 @contextlib.contextmanager
-def capture() -> Iterator[dict[str, DocScores]]:
-    """Inside this block, every ``simple_evaluate`` leaves ``{task: DocScores}`` in the yielded dict."""
+def capture(picked: Mapping[str, Sequence[int]] | None = None) -> Iterator[dict[str, DocScores]]:
+    """Inside this block, every ``simple_evaluate`` leaves ``{task: DocScores}`` in the yielded dict. ``picked``:
+    the documents a ``samples`` argument kept (:func:`mpitp.evaluation.picked.picked_docs`), whose indices the scores
+    carry instead of lm-eval's numbering of them."""
     from mpitp import compat
 
     out: dict[str, DocScores] = {}
@@ -66,7 +68,8 @@ def capture() -> Iterator[dict[str, DocScores]]:
     def recording(eval_results_acc: dict, *args: object, **kwargs: object) -> object:
         for name, acc in eval_results_acc.items():
             try:
-                out[name] = from_raw(acc["raw_metrics"], _aggregation_names(acc["task"]), _higher(acc["task"]))
+                out[name] = from_raw(acc["raw_metrics"], _aggregation_names(acc["task"]), _higher(acc["task"]),
+                                     (picked or {}).get(name))
             except Exception:  # noqa: BLE001 - never let the bookkeeping break the evaluation
                 continue
         return original(eval_results_acc, *args, **kwargs)
@@ -75,13 +78,15 @@ def capture() -> Iterator[dict[str, DocScores]]:
         yield out
 
 
-def from_raw(raw_metrics: dict, aggregation: dict, higher: dict) -> DocScores:
+def from_raw(raw_metrics: dict, aggregation: dict, higher: dict, picked: Sequence[int] | None = None) -> DocScores:
     """lm-eval's ``raw_metrics`` (``{(metric, filter): [value per document in doc order]}``) as :class:`DocScores`.
 
-    lm-eval walks the documents as ``enumerate(task.eval_docs)`` cut at the limit, so position i is doc_id i.
+    lm-eval walks the documents as ``enumerate(task.eval_docs)`` cut at the limit, so position i is doc_id i; with
+    ``samples``, it walks the ``picked`` documents, position i being ``picked[i]``.
     """
     n = max((len(v) for v in raw_metrics.values()), default=0)
-    ds = DocScores(doc_id=np.arange(n, dtype=np.int64))
+    ids = np.asarray(picked, dtype=np.int64) if picked else np.arange(n, dtype=np.int64)
+    ds = DocScores(doc_id=ids)
     for (metric, filt), vals in raw_metrics.items():
         if len(vals) != n:
             continue

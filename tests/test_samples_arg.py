@@ -1,0 +1,108 @@
+"""lm-eval's ``samples`` (``--samples '{"task": [7, 3]}'``, ``mpitp.evaluate(samples=...)``).
+
+A ``--samples`` run stored its request rows and per-document scores under lm-eval's renumbering of the documents it
+kept (0, 1, ...), while its logged samples said 7 and 3, and said 7 for document 3 (lm-eval labels document i
+``indices[i]``, right only for an ascending list): ``inspect diff`` against a full run compared other documents. Bad
+lists failed inside lm-eval after the model load (tracebacks) or were misread (1.5 as document 1, a task the run does
+not score ignored). See :mod:`mpitp.evaluation.picked`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from support import STORIES
+
+TASK = "mpitp_demo_mc"
+
+
+def test_picked_documents_are_lm_evals_walk():
+    from mpitp.evaluation.lm import request_keys
+    from mpitp.evaluation.picked import picked_docs
+
+    assert picked_docs({"a": [7, 3, 3], "b": [], "c": (2,)}) == {"a": (3, 7), "c": (2,)}
+    assert picked_docs(None) == {}
+
+    class Inst:
+        def __init__(self, task, doc, idx):
+            self.task_name, self.doc_id, self.idx, self.args = task, doc, idx, ("ctx", f" {idx}")
+
+    keys = request_keys([Inst("a", 0, 0), Inst("a", 1, 0), Inst("b", 1, 0)], {"a": (3, 7)})
+    assert [k[:3] for k in keys] == [("a", 3, 0), ("a", 7, 0), ("b", 1, 0)]  # a task without a list: as numbered
+
+
+@pytest.mark.parametrize("value, says", [
+    ([1], "expected a JSON object"),
+    ({TASK: 3}, "is not a list of document indices"),
+    ({TASK: [1.5]}, "is not a list of document indices"),
+    ({TASK: [-1]}, "is not a list of document indices"),
+    ({TASK: [True]}, "is not a list of document indices"),
+    ({"nope": [1]}, "'nope', which is not a task lm-eval knows"),
+    ({"mpitp_demo_gen": [1]}, "'mpitp_demo_gen', which is not among the tasks this run scores"),
+])
+def test_bad_samples_are_one_line(value, says):
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.picked import check_samples
+
+    with pytest.raises(UsageError, match=says):
+        check_samples(value, [TASK], [TASK, "mpitp_demo_gen"])
+    check_samples({TASK: [0, 5]}, [TASK], [TASK])
+    check_samples(None, [TASK], [TASK])
+
+
+@pytest.fixture(scope="module")
+def stories():
+    import mpitp
+
+    return mpitp.load_model(str(STORIES), 1, "cpu", "float32")
+
+
+def _run(stories, path, **kw) -> None:
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.tasks.demo import demo_tasks_dir
+
+    mpitp.evaluate(stories, str(STORIES), [TASK], comm=MPI.COMM_SELF, output=str(path), log_samples=True,
+                   bootstrap_iters=0, include_path=demo_tasks_dir(), **kw)
+
+
+def test_a_samples_run_is_keyed_by_the_documents_it_names(stories, tmp_path):
+    """Documents 7 and 3 (and 3 again): rows, per-document scores and logged samples say 3 and 7, and hold what a
+    run of the first 8 documents holds for those two."""
+    from mpitp.errors import UsageError
+    from mpitp.results.docscores import read as read_scores
+    from mpitp.results.reader import load_samples
+    from mpitp.results.rows import read_requests
+
+    _run(stories, tmp_path / "full.h5", limit=8)
+    _run(stories, tmp_path / "picked.h5", samples={TASK: [7, 3, 3]})
+
+    def rows(name):
+        cols = read_requests(str(tmp_path / name), TASK)
+        return {(int(d), int(i)): float(ll) for d, i, ll in zip(cols["doc_id"], cols["idx"], cols["loglikelihood"])}
+
+    full, picked = rows("full.h5"), rows("picked.h5")
+    assert sorted({d for d, _ in picked}) == [3, 7] and len(picked) > 4
+    for key, ll in picked.items():
+        assert abs(ll - full[key]) <= 1e-5 * max(1.0, abs(ll)), key
+
+    def samples(name):
+        return {s["doc_id"]: s for s in map(json.loads, load_samples(str(tmp_path / name), TASK))}
+
+    full_s, picked_s = samples("full.h5"), samples("picked.h5")
+    assert sorted(picked_s) == [3, 7]
+    assert all(picked_s[d]["doc"] == full_s[d]["doc"] for d in (3, 7))  # lm-eval alone logged document 3 as 7
+
+    full_d, picked_d = read_scores(str(tmp_path / "full.h5"), TASK), read_scores(str(tmp_path / "picked.h5"), TASK)
+    assert picked_d.doc_id.tolist() == [3, 7]
+    for key, col in picked_d.values.items():
+        assert np.array_equal(col, full_d.values[key][[3, 7]]), key
+
+    with pytest.raises(UsageError, match=f"{TASK}: document 30 does not exist: the task has 30 documents"):
+        _run(stories, tmp_path / "past.h5", samples={TASK: [2, 30]})
+    with pytest.raises(UsageError, match="samples names 'mpitp_demo_gen', which is not among the tasks"):
+        _run(stories, tmp_path / "other.h5", samples={"mpitp_demo_gen": [1]})
