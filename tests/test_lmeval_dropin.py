@@ -174,6 +174,8 @@ def test_dash_and_underscore_spellings_agree(test_tasks):
                                                                                      "--model_args dtype=float16"),
     ("--config /no/such.yaml", "--config /no/such.yaml: Config file not found"),
     ("--model hf --model_args pretrained=x --tasks t --no_such_flag", "unrecognized arguments: --no_such_flag"),
+    ("--model hf --model_args pretrained=x --tasks a,,b", "--tasks: empty task name in 'a,,b'"),
+    ("--model hf --model_args pretrained=x --tasks 'a, b,a'", "--tasks: task 'a' is listed twice"),
 ])
 def test_refusals_name_the_flag(argv, message):
     from mpitp.errors import UsageError
@@ -287,3 +289,19 @@ def test_resume_refuses_other_lm_eval_settings(tmp_path):
                          (["--gen_kwargs", "max_gen_toks=4"], "gen_kwargs")):
         with pytest.raises(UsageError, match=f"different settings: {named}"):
             check_resumable(str(path), parse_eval_args([*base, *extra]).cfg)
+
+
+def test_tasks_read_alike_by_eval_check_and_tasks():
+    """``--tasks`` of ``mpitp eval``, ``mpitp check`` / ``prefetch`` and ``mpitp tasks`` read as a job file's
+    ``tasks:``: ``"a, b"`` is a and b (``mpitp check`` looked up ``' b'``, an unknown task); an empty or repeated name
+    is refused (``mpitp eval`` dropped it)."""
+    import click
+
+    from mpitp.cli.options import task_names
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+
+    assert parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks ' a, b'")).cfg.tasks == ["a", "b"]
+    assert task_names(None, None, " a, b") == ("a", "b") and task_names(None, None, None) is None
+    for bad, says in (("a,,b", "empty task name"), ("a,a", "listed twice")):
+        with pytest.raises(click.BadParameter, match=says):
+            task_names(None, None, bad)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import click
 
+from mpitp.cli.options import task_names
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -16,7 +18,7 @@ _F = TypeVar("_F", bound="Callable[..., object]")
 def spec_options(f: _F) -> _F:
     """The options ``mpitp check`` and ``mpitp prefetch`` share: the settings that decide what a run reads."""
     for decl, kw in reversed([
-        (("--tasks",), {"help": "Comma-separated tasks, groups or tags."}),
+        (("--tasks",), {"help": "Comma-separated tasks, groups or tags.", "callback": task_names}),
         (("--data-dir", "--data_dir", "data_dir"), {"help": "Local data: DATA/<dataset_path>/[<dataset_name>/]"
                                                             "<split>.<jsonl|parquet> (or the six tasks' folders)."}),
         (("--include_path", "--include-path", "include_path"), {"multiple": True, "help": "Extra task YAMLs."}),
@@ -33,7 +35,7 @@ def spec_options(f: _F) -> _F:
     return f
 
 
-def specs_from(job_file: str | None, tasks: str | None, model: str | None, tokenizer: str | None,
+def specs_from(job_file: str | None, tasks: tuple[str, ...] | None, model: str | None, tokenizer: str | None,
                revision: str | None, data_dir: str | None, include_path: tuple[str, ...], num_fewshot: int | None,
                apply_chat_template: bool, trust_remote_code: bool, hf_assets: str | None = None,
                peft: str | None = None) -> list:
@@ -52,7 +54,7 @@ def specs_from(job_file: str | None, tasks: str | None, model: str | None, token
             raise click.UsageError(str(exc)) from None
     if not tasks and not model:
         raise click.UsageError("nothing to check: pass --tasks a,b (and/or --model M) or a job file")
-    return [CheckSpec(tasks=tuple(t for t in (tasks or "").split(",") if t), model=model, tokenizer=tokenizer,
+    return [CheckSpec(tasks=tuple(tasks or ()), model=model, tokenizer=tokenizer,
                       revision=revision, data_dir=data_dir, include_path=tuple(include_path), num_fewshot=num_fewshot,
                       apply_chat_template=apply_chat_template, trust_remote_code=trust_remote_code,
                       hf_assets=hf_assets, peft=peft)]
@@ -95,9 +97,9 @@ def _shown_model(model: str, kept: set[str], swept: dict[str, str]) -> str:
                              "--peft): each adapter's config is checked.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write the problems as JSON to this file "
                                                                   "(what mpitp prefetch reads).")
-def check_command(job_file: str | None, tasks: str | None, data_dir: str | None, include_path: tuple[str, ...],
-                  model: str | None, tokenizer: str | None, hf_assets: str | None, revision: str | None,
-                  num_fewshot: int | None, apply_chat_template: bool, trust_remote_code: bool,
+def check_command(job_file: str | None, tasks: tuple[str, ...] | None, data_dir: str | None,
+                  include_path: tuple[str, ...], model: str | None, tokenizer: str | None, hf_assets: str | None,
+                  revision: str | None, num_fewshot: int | None, apply_chat_template: bool, trust_remote_code: bool,
                   peft: str | None, json_out: str | None) -> None:
     """Will these tasks (or every run of JOB.yaml) run with no network? Exit 0 when ready, 2 listing what is
     missing and how to fetch it."""
@@ -148,10 +150,10 @@ def check_command(job_file: str | None, tasks: str | None, data_dir: str | None,
 @click.option("--nltk-index", default=None, metavar="URL",
               help="nltk's data index (default: nltk's own, raw.githubusercontent.com); nltk data goes to "
                    "DATA/nltk_data.")
-def prefetch_command(tasks: str | None, data_dir: str | None, include_path: tuple[str, ...], model: str | None,
-                     tokenizer: str | None, hf_assets: str | None, revision: str | None, num_fewshot: int | None,
-                     apply_chat_template: bool, trust_remote_code: bool, models_dir: str | None,
-                     nltk_index: str | None) -> None:
+def prefetch_command(tasks: tuple[str, ...] | None, data_dir: str | None, include_path: tuple[str, ...],
+                     model: str | None, tokenizer: str | None, hf_assets: str | None, revision: str | None,
+                     num_fewshot: int | None, apply_chat_template: bool, trust_remote_code: bool,
+                     models_dir: str | None, nltk_index: str | None) -> None:
     """On a node with network: fetch the datasets (into --data-dir, as plain parquet files), the model, the
     evaluate metric modules (into the HF modules cache) and the nltk data (into DATA/nltk_data) that a run of these
     tasks needs, write a manifest, then run `mpitp check` on the result."""
@@ -173,3 +175,4 @@ def prefetch_command(tasks: str | None, data_dir: str | None, include_path: tupl
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     raise click.exceptions.Exit(done.returncode)
+

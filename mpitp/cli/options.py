@@ -1,4 +1,4 @@
-"""Options shared by the subcommands that start the MPI runtime (``mpitp info``)."""
+"""Options shared by the subcommands that start the MPI runtime (``mpitp info``), and the reading of ``--tasks``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ def _positive_float(ctx, param, value):
     if not v > 0:
         raise click.BadParameter(f"must be > 0, got {value!r}")
     return v
+
+
+def task_names(ctx, param, value: str | None) -> tuple[str, ...] | None:
+    """``--tasks a,b`` of ``mpitp check`` and ``mpitp tasks`` read as ``mpitp eval --tasks`` and a job file's
+    ``tasks:`` read it (:func:`mpitp.evaluation.setting_values.yaml_tasks`: blanks around a name dropped, an empty or
+    repeated name refused); ``"a, b"`` was checked as the unknown task ``' b'``."""
+    from mpitp.evaluation.setting_values import BadValue, yaml_tasks
+
+    if value is None:
+        return None
+    try:
+        return yaml_tasks(value)
+    except BadValue as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def runtime_options(f: _F) -> _F:

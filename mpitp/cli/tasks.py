@@ -11,15 +11,18 @@ from pathlib import Path
 
 import click
 
+from mpitp.cli.options import task_names
+
 
 @click.command(name="tasks")
 @click.option("--data-dir", required=True,
               help="Directory laid out as DIR/<dataset_path>/[<dataset_name>/]<split>.<jsonl|parquet>, or "
                    "DIR/<task>/<split>.jsonl for the six stock tasks of earlier versions (or named as downloaded).")
-@click.option("--tasks", help="Tasks, groups or tags to look up (groups expanded); default: the six stock tasks.")
+@click.option("--tasks", callback=task_names,
+              help="Tasks, groups or tags to look up (groups expanded); default: the six stock tasks.")
 @click.option("--num_fewshot", "--num-fewshot", "num_fewshot", type=click.IntRange(min=0),
               help="Few-shot examples: their split is then needed too.")
-def tasks_command(data_dir: str, tasks: str | None, num_fewshot: int | None) -> None:
+def tasks_command(data_dir: str, tasks: tuple[str, ...] | None, num_fewshot: int | None) -> None:
     """List the lm-eval tasks runnable offline from --data-dir, and what the others miss."""
     from mpitp.errors import UsageError
     from mpitp.results.untrusted import shown
@@ -28,7 +31,7 @@ def tasks_command(data_dir: str, tasks: str | None, num_fewshot: int | None) -> 
     root = resolved(data_dir)
     try:
         if tasks:
-            return _generic(data_dir, [t for t in tasks.split(",") if t], num_fewshot, root)
+            return _generic(data_dir, list(tasks), num_fewshot, root)
         rows = offline_status(data_dir)
     except UsageError as exc:
         raise click.UsageError(shown(exc)) from None

@@ -31,6 +31,7 @@ from mpitp.evaluation.setting_values import (
     cli_int_at_least,
     cli_limit,
     limit_value,
+    yaml_tasks,
 )
 from mpitp.evaluation.settings import (
     EvalConfig,
@@ -371,8 +372,11 @@ def to_eval_config(ec: EvaluatorConfig, mine: dict) -> EvalConfig:
         raise UsageError(f"--limit: {exc}") from None
     trust = bool(ec.trust_remote_code or str(loading.get("trust_remote_code", "")).lower() in ("true", "1"))
     max_length = hflm.pop("max_length", None)
-    tasks = ec.tasks if isinstance(ec.tasks, list) else [t for t in str(ec.tasks or "").split(",")]
-    tasks = [t.strip() for t in tasks if str(t).strip()]
+    given = ec.tasks if isinstance(ec.tasks, str) else ",".join(map(str, ec.tasks or []))
+    try:  # as a job file's tasks: and mpitp check --tasks read them: blanks dropped, an empty or repeated name refused
+        tasks = list(yaml_tasks(given)) if given else []
+    except BadValue as exc:
+        raise UsageError(f"--tasks: {exc}") from None
     for key, why in NETWORK_ONLY.items():
         if str((ec.hf_hub_log_args or {}).get(key, "")).lower() in ("true", "1"):
             raise UsageError(why)
