@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -305,3 +306,22 @@ def test_tasks_read_alike_by_eval_check_and_tasks():
     for bad, says in (("a,,b", "empty task name"), ("a,a", "listed twice")):
         with pytest.raises(click.BadParameter, match=says):
             task_names(None, None, bad)
+
+
+def test_check_integrity_without_lm_evals_tests_is_one_line():
+    """``--check_integrity`` runs lm-eval's own test suite, which an installed lm-eval lacks: rank 0 failed after the
+    model load with a FileNotFoundError traceback; refused with the checks now (as lm-eval's own search finds it)."""
+    import lm_eval.evaluator_utils as eu
+
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.lmeval_args import check_lm_eval_settings, parse_eval_args
+
+    try:
+        eu.find_test_root(pathlib.Path(eu.__file__))
+        pytest.skip("this lm-eval is a source checkout: its tests are there")
+    except FileNotFoundError:
+        pass
+    cfg = parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t --check_integrity")).cfg
+    with pytest.raises(UsageError, match="--check_integrity runs lm-eval's own test suite"):
+        check_lm_eval_settings(cfg)
+    check_lm_eval_settings(parse_eval_args(shlex.split("--model hf --model_args pretrained=x --tasks t")).cfg)

@@ -286,6 +286,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
         run_task_names,
     )
     from mpitp.evaluation.gen_kwargs_check import check_generation
+    from mpitp.evaluation.lmeval_args import check_integrity_runnable
     from mpitp.evaluation.picked import check_samples
     from mpitp.parallel.runtime import agree
     from mpitp.results.claim import claim_output
@@ -308,6 +309,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
         if lm_eval_kwargs.get("samples") is not None and cfg.limit is not None:
             raise UsageError("mpitp.evaluate: limit and samples exclude each other (lm-eval scores either each task's "
                              "first documents or the listed ones): pass one of them")
+        if lm_eval_kwargs.get("check_integrity"):
+            check_integrity_runnable("mpitp.evaluate: check_integrity=True")
         if lm_eval_kwargs.get("use_cache") is not None:
             raise UsageError(f"mpitp.evaluate: use_cache={lm_eval_kwargs['use_cache']!r} is refused: lm-eval's cache "
                              "of model responses is keyed by the request, not the weights, so a live model's later "

@@ -429,6 +429,23 @@ def check_lm_eval_settings(cfg: EvalConfig) -> None:
             raise UsageError(f"--output_path {cfg.output_path}: {probe} is not a directory")
         if not os.access(probe, os.W_OK):
             raise UsageError(f"--output_path {cfg.output_path}: {probe} is not writable")
+    if getattr(cfg, "check_integrity", False):
+        check_integrity_runnable()
+
+
+def check_integrity_runnable(option: str = "--check_integrity") -> None:
+    """lm-eval's ``check_integrity`` runs its own test suite (``tests/test_version_stable.py``, found within three
+    folders above the installed package): an installed lm-eval has none, and the run failed on rank 0 after the model
+    load with a FileNotFoundError traceback ('Unable to find package root'). One line before any work instead."""
+    import inspect
+    import pathlib
+
+    find_test_root = compat.attribute("lm_eval.evaluator_utils.find_test_root")
+    try:  # from the file lm-eval starts at, its own module's
+        find_test_root(start_path=pathlib.Path(inspect.getfile(find_test_root)))
+    except FileNotFoundError:
+        raise UsageError(f"{option} runs lm-eval's own test suite (tests/test_version_stable.py), which this lm-eval "
+                         "installation does not include (a source checkout of lm-eval does): drop it") from None
 
 
 def model_args_dict(args: str | Mapping | None) -> dict:
