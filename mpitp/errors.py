@@ -42,6 +42,16 @@ class UsageError(Exception):
         self.collective = collective
 
 
+class RelayedRefusal(UsageError):
+    """Rank 0's refusal of a run already under way (an index past a task's documents, a request the model cannot
+    score), told to every rank while none held work in flight (:meth:`mpitp.evaluation.dispatch.Dispatcher.fail`):
+    each raises it together, so ``mpitp.evaluate``'s caller may catch it on every rank and go on, and a sweep or job
+    file goes on to its next run, instead of the other ranks waiting for rank 0 for ever."""
+
+    def __init__(self, message: str):
+        super().__init__(message, collective=True)
+
+
 class JobError(RuntimeError):
     """A fault of the job rather than a bug of this rank: printed as one line naming the rank, its node and the
     message, with no traceback (it would only show where the rank happened to be, and bury the line that says what to

@@ -55,8 +55,10 @@ def test_evaluate_between_training_steps(shared_dir, tmp_path):
 def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_job():
     """Without mpitp's excepthook: an unknown task and ``limit=0`` found by rank 0 alone once the other rank served
     left it in a collective for the deadline (an hour by default); now both raise UsageError on every rank before any
-    work. Then rank 1 leaves ``with mpitp.start()`` with an error while rank 0 waits for it: the job ends at once,
-    naming it (before: rank 1 waited in MPI_Finalize and rank 0 in the collective, for ever)."""
+    work. A ``samples`` index past the task's end, which rank 0 meets only once lm-eval builds the requests, is relayed
+    to the other rank (its TP worker), which raises it too (it waited for rank 0 for ever when the caller caught it);
+    the next call scores. Then rank 1 leaves ``with mpitp.start()`` with an error while rank 0 waits for it: the job
+    ends at once, naming it (before: rank 1 waited in MPI_Finalize and rank 0 in the collective, for ever)."""
     proc = run_mpi_script(2, Path(__file__).parent / "mpi" / "api_refusals.py", [str(STORIES), DEMO_TASKS],
                           timeout=120)
     out = proc.stdout + proc.stderr
@@ -64,5 +66,7 @@ def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_jo
     for rank in (0, 1):
         assert f"rank {rank} refused: unknown task 'no_such_task'" in out, explain(proc)
         assert f"rank {rank} refused: mpitp.evaluate: limit=0: must be > 0, got 0" in out, explain(proc)
+        assert f"rank {rank} refused: --samples mpitp_demo_mc: document 99 does not exist" in out, explain(proc)
+        assert f"rank {rank} scored after the refusals: {rank == 0}" in out, explain(proc)
     assert "[rank 1] mpitp: fatal ValueError: planted on rank 1 only" in out, explain(proc)
     assert proc.elapsed < 60, proc.elapsed

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from support import STORIES
+from support.mpi import explain, run_mpi
 
 TASK = "mpitp_demo_mc"
 
@@ -106,3 +107,15 @@ def test_a_samples_run_is_keyed_by_the_documents_it_names(stories, tmp_path):
         _run(stories, tmp_path / "past.h5", samples={TASK: [2, 30]})
     with pytest.raises(UsageError, match="samples names 'mpitp_demo_gen', which is not among the tasks"):
         _run(stories, tmp_path / "other.h5", samples={"mpitp_demo_gen": [1]})
+
+
+@pytest.mark.mpi
+def test_an_index_past_the_end_ends_every_rank_alike(tmp_path):
+    """``mpiexec -n 2 mpitp eval --demo`` (two DP groups): rank 0 meets the index once lm-eval builds the requests,
+    the other group waits for work. One line, exit 2 on every rank by itself: no traceback, no MPI_Abort."""
+    proc = run_mpi(2, ["eval", "--demo", "--samples", '{"mpitp_demo_mc": [4, 99]}', "--output", "out.h5"],
+                   timeout=120, cwd=str(tmp_path))
+    out = proc.stdout + proc.stderr
+    line = "mpitp: error: --samples mpitp_demo_mc: document 99 does not exist: the task has 30 documents"
+    assert proc.returncode == 2, explain(proc)
+    assert out.count(line) == 1 and "Traceback" not in out and "Abort" not in out, explain(proc)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpitp import gcpolicy, testing
-from mpitp.errors import UsageError
+from mpitp.errors import RelayedRefusal, UsageError
 from mpitp.evaluation import requestlog
 from mpitp.evaluation.checks import Checked, check_on_root, check_tasks, offline_include, remove_generated
 from mpitp.evaluation.envinfo import EnvInfoEarly
@@ -232,10 +232,21 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
         if lay.is_root:
             tm = task_manager or task_manager_for(cfg)
-            state = _RootRun(cfg, rt, lm, out, stats).evaluate(tm, extra_lm_eval or {}, t_start)
+            root = _RootRun(cfg, rt, lm, out, stats)
+            try:
+                state = root.evaluate(tm, extra_lm_eval or {}, t_start)
+            except UsageError as exc:
+                if not root.dispatcher.fail(str(exc)):
+                    raise
+                leader.stop(refusal=str(exc))
+                raise RelayedRefusal(str(exc)) from None
             state.phases.update(phases or {})
         else:
-            serve_remote(lay, lm.compute, rt.timeout, stats, idle=leader.idle)
+            try:
+                serve_remote(lay, lm.compute, rt.timeout, stats, idle=leader.idle)
+            except RelayedRefusal as exc:
+                leader.stop(refusal=str(exc))
+                raise
         leader.stop()
         _merge_stage_stats(stats, lay, rt.timeout)
         all_stats = mpicomm.gather_obj(stats.snapshot(), lay.dp_leader_comm, root=0, timeout=rt.timeout,

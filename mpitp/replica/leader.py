@@ -211,10 +211,11 @@ class ReplicaLeader:
             gen.end()
 
     # ------------------------------------------------------------------ lifecycle
-    def stop(self) -> None:
-        """Release the workers from their serve loop."""
+    def stop(self, refusal: str | None = None) -> None:
+        """Release the workers from their serve loop; with ``refusal`` (rank 0's, relayed between runs: the workers
+        wait idle) each raises it as a :class:`~mpitp.errors.RelayedRefusal`."""
         if self.has_workers:
-            self.channel.send(OP_STOP, phase="TP stop")
+            self.channel.send(OP_STOP, phase="TP stop", **({"refusal": refusal} if refusal is not None else {}))
 
     def idle(self) -> None:
         """Tell the workers that no forward comes until the next dispatch run: they wait without a deadline while

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mpitp import testing
+from mpitp.errors import RelayedRefusal
 from mpitp.replica.generation import GenerationState
 from mpitp.replica.prefix import packed_size
 from mpitp.replica.protocol import (
@@ -59,6 +60,8 @@ class ReplicaWorker:
             idle = op == OP_IDLE
             testing.check_raise(self.layout.rank, self.stats.forwards)
             if op == OP_STOP:
+                if "refusal" in msg.meta:
+                    raise RelayedRefusal(msg.meta["refusal"])
                 return
             try:
                 self._run(msg)

@@ -1,5 +1,6 @@
-"""Under mpiexec (2 ranks): mpitp.evaluate refusing bad settings on every rank alike, then one rank leaving
-``with mpitp.start()`` with an error while the other waits for it in a collective. No excepthook of mpitp's.
+"""Under mpiexec (2 ranks): mpitp.evaluate refusing bad settings on every rank alike (one of them, a document index
+past the task's end, found by rank 0 alone once the run is under way and relayed), a run after them, then one rank
+leaving ``with mpitp.start()`` with an error while the other waits for it in a collective. No excepthook of mpitp's.
 
 argv: MODEL_DIR INCLUDE_PATH
 """
@@ -12,11 +13,14 @@ from mpitp.errors import UsageError
 model_dir, include_path = sys.argv[1:3]
 with mpitp.start(tp=2, threads=1) as rt:
     model = mpitp.load_model(model_dir, rt.layout.tp, rt.device, "float32")
-    for tasks, limit in ((["no_such_task"], 2), (["mpitp_demo_mc"], 0)):
+    for tasks, kw in ((["no_such_task"], {"limit": 2}), (["mpitp_demo_mc"], {"limit": 0}),
+                      (["mpitp_demo_mc"], {"samples": {"mpitp_demo_mc": [99]}})):
         try:
-            mpitp.evaluate(model, model_dir, tasks, include_path=include_path, limit=limit, timeout=600)
+            mpitp.evaluate(model, model_dir, tasks, include_path=include_path, timeout=600, **kw)
         except UsageError as exc:
             print(f"rank {rt.world.rank} refused: {exc}", flush=True)
+    res = mpitp.evaluate(model, model_dir, ["mpitp_demo_mc"], include_path=include_path, limit=2, timeout=600)
+    print(f"rank {rt.world.rank} scored after the refusals: {res is not None}", flush=True)
     if rt.world.rank == 1:
         raise ValueError("planted on rank 1 only")
     mpitp.evaluate(model, model_dir, ["mpitp_demo_mc"], include_path=include_path, limit=2, timeout=600)
