@@ -51,7 +51,18 @@ def test_bad_samples_are_one_line(value, says):
     with pytest.raises(UsageError, match=says):
         check_samples(value, [TASK], [TASK, "mpitp_demo_gen"])
     check_samples({TASK: [0, 5]}, [TASK], [TASK])
-    check_samples(None, [TASK], [TASK])
+    check_samples(None, [TASK], [TASK], cached=True)
+
+
+def test_samples_with_lm_evals_request_cache_is_refused():
+    """lm-eval's request cache (``--cache_requests true``) is keyed without the samples: after a full run it handed
+    every document's requests to a ``--samples`` run (IndexError once mpitp mapped their numbers, scored as other
+    documents before), and a ``--samples`` run left only its documents there for the next full run."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.picked import check_samples
+
+    with pytest.raises(UsageError, match="--samples with --cache_requests: lm-eval's request cache is keyed"):
+        check_samples({TASK: [1]}, [TASK], [TASK], cached=True)
 
 
 @pytest.fixture(scope="module")

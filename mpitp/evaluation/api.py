@@ -329,7 +329,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
         tasks = check_tasks_once(cfg)
         try:
             check_samples(lm_eval_kwargs.get("samples"), run_task_names(cfg.tasks, tasks.task_manager),
-                          tasks.task_manager.all_tasks, "mpitp.evaluate: samples")
+                          tasks.task_manager.all_tasks, bool(lm_eval_kwargs.get("cache_requests")),
+                          "mpitp.evaluate: samples")
             claim = claim_output(cfg.output) if cfg.output else None  # last: a refusal must leave no claim behind
         except BaseException:
             remove_generated(tasks.include)

@@ -335,7 +335,8 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         from mpitp.evaluation.picked import check_samples
 
         check_lm_eval_settings(cfg)
-        check_samples(cfg.samples, run_task_names(cfg.tasks, tasks.task_manager), tasks.task_manager.all_tasks)
+        check_samples(cfg.samples, run_task_names(cfg.tasks, tasks.task_manager), tasks.task_manager.all_tasks,
+                      cached=cfg.requests_cache()["cache_requests"])
         if cfg.trust_remote_code:  # from model_args or a job file's defaults: the user may not know it is on
             log.warning("trust_remote_code is on: %s's own Python code (from its repository) runs on every rank",
                         shown(cfg.model))

@@ -28,12 +28,20 @@ def picked_docs(samples: Mapping[str, Sequence[int]] | None) -> Picked:
     return {task: tuple(sorted({int(i) for i in ids})) for task, ids in (samples or {}).items() if ids}
 
 
-def check_samples(samples: object, tasks: Iterable[str], known: Iterable[str], option: str = "--samples") -> None:
+def check_samples(samples: object, tasks: Iterable[str], known: Iterable[str], cached: bool = False,
+                  option: str = "--samples") -> None:
     """Refuse, in one line, a ``samples`` value lm-eval would fail on or misread: not a mapping of task names to
-    lists of integers >= 0, or naming a task that is not among the run's leaf ``tasks`` (``known``: every task name
-    lm-eval's index holds, to tell a typo from a task this run does not score)."""
+    lists of integers >= 0, naming a task that is not among the run's leaf ``tasks`` (``known``: every task name
+    lm-eval's index holds, to tell a typo from a task this run does not score), or with lm-eval's own request cache
+    (``cached``: ``--cache_requests true|refresh``), whose key leaves the samples out: it handed back every
+    document's requests (scored under the listed documents' numbers), and a run with samples left only those in it
+    for the next run. mpitp's request cache (on without ``--cache_requests``) keys the samples."""
     if samples is None:
         return
+    if cached:
+        raise UsageError(f"{option} with --cache_requests: lm-eval's request cache is keyed without the samples (it "
+                         "hands back every document's requests): drop --cache_requests (mpitp's own request cache "
+                         "keys them)")
     if not isinstance(samples, Mapping):
         raise UsageError(f"{option} {samples!r}: expected a JSON object of task: [doc indices] or a JSON file")
     run = set(tasks)
