@@ -176,6 +176,9 @@ def test_dash_and_underscore_spellings_agree(test_tasks):
     ("--config /no/such.yaml", "--config /no/such.yaml: Config file not found"),
     ("--model hf --model_args pretrained=x --tasks t --no_such_flag", "unrecognized arguments: --no_such_flag"),
     ("--model hf --model_args pretrained=x --tasks a,,b", "--tasks: empty task name in 'a,,b'"),
+    ("--model hf --model_args pretrained=x --tasks t --metadata {bad", "--metadata: Invalid JSON: {bad."),
+    ("--model hf --model_args {bad --tasks t", "--model_args: Invalid JSON: {bad."),
+    ("--model hf --model_args pretrained=x --tasks t --seed a,b", "--seed: invalid value: 'a,b'"),
     ("--model hf --model_args pretrained=x --tasks 'a, b,a'", "--tasks: task 'a' is listed twice"),
 ])
 def test_refusals_name_the_flag(argv, message):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -120,8 +121,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing and exiting, so rank 0 can decide and share the outcome."""
 
     def error(self, message: str) -> NoReturn:
-        # "argument --batch_size/-b/--batch-size: must be >= 1" -> "--batch_size: must be >= 1"
-        raise UsageError(re.sub(r"^argument (--?[\w-]+)(/\S+)*:", r"\1:", message))
+        # "argument --batch_size/-b/--batch-size: must be >= 1" -> "--batch_size: must be >= 1"; and argparse's name
+        # for the value's reader, "invalid functools.partial(<function _int_or_none_list_arg_type at 0x..>, 3, 4,
+        # '0,1234,1234,1234') value: 'a,b'" (--seed a,b), as "invalid value: 'a,b'"
+        message = re.sub(r"^argument (--?[\w-]+)(/\S+)*:", r"\1:", message)
+        raise UsageError(re.sub(r"invalid (functools\.partial\(.*\)|[\w.]+) value:", "invalid value:", message))
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         raise _Exit(status, message or "")
@@ -231,6 +235,11 @@ def parse_eval_args(argv: list[str]) -> ParsedRun | ParsedExit:
         ns = p.parse_args(argv)
     except _Exit as exc:
         return ParsedExit(exc.status, exc.text)
+    except ValueError as exc:  # lm-eval's MergeDictAction (--model_args, --gen_kwargs, --metadata) reads JSON as it
+        # stores the value, outside argparse's own error handling: a traceback and MPI_Abort for --metadata '{bad'
+        bad = re.match(r"Invalid JSON: (.*)\. Hint", str(exc))  # lm-eval's try_parse_json names the value
+        flag = next((a for a, v in zip(argv, argv[1:]) if bad and a.startswith("-") and v == bad.group(1)), None)
+        raise UsageError(f"{flag}: {_first_line(exc)}" if flag else _first_line(exc)) from None
     values = vars(ns)
     mine = {k: values.pop(k) for k in MPITPLM_KEYS if k in values}
     lm_ns = argparse.Namespace(**values)
@@ -260,6 +269,8 @@ def parse_eval_args(argv: list[str]) -> ParsedRun | ParsedExit:
                 ec = EvaluatorConfig.from_cli(lm_ns)
                 ec.output_path = None
     except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
+        if isinstance(exc, json.JSONDecodeError) and getattr(lm_ns, "samples", None):  # lm-eval reads a --samples
+            raise UsageError(f"--samples {lm_ns.samples}: not JSON: {_first_line(exc)}") from None  # file's text
         raise UsageError(_first_line(exc)) from None
     if ns.device is None and yaml_device is None:
         ec.device = None  # lm-eval's default is cuda:0; mpitp picks each rank's device itself
