@@ -63,7 +63,7 @@ BAD_FIELDS = [
     ("limit", "0", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1), got 0"),
     ("limit", "1.5", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1), got 1.5"),
     ("limit", "'10'", P + "'limit': expected a positive integer (examples per task) or a fraction in (0, 1), got '10'"),
-    ("max_length", "-5", P + "'max_length': expected a positive integer, got -5"),
+    ("max_length", "-5", P + "'max_length': expected an integer >= 2 (tokens), got -5"),
     ("gen_kwargs", "3", P + "'gen_kwargs': expected a string like 'temperature=0,top_p=1' or a mapping, got 3"),
     ("gen_kwargs", "{a: {b: 1}}", P + "'gen_kwargs': key 'a': expected a number, string, boolean "
                                       "or list of them, got {'b': 1}"),

@@ -109,7 +109,7 @@ class EvalConfig:
         "Documents per task: a count from 1 (1.0 is one document), a fraction of each task below 1."))
     batch_size: int | str = setting(1, job=yaml_batch_size, doc=(
         "Batch size per DP group: an integer, 'auto' or 'auto:N' (default 1)."))
-    max_length: int | None = setting(identity=ALWAYS, job=yaml_int_at_least(1, "a positive integer"),
+    max_length: int | None = setting(identity=ALWAYS, job=yaml_int_at_least(2, "an integer >= 2 (tokens)"),
                                      doc="Longest context in tokens (default: the model's).",
                                      cli=cli("--max-length", group=SHORTHANDS, shorthand=True,
                                              type=cli_int_at_least(2)))
