@@ -230,6 +230,7 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
             kept.tokenizer = lm.tokenizer
         # No ``finally``: after a failure (an OOM inside a forward) the workers may sit in a torch collective of
         # that forward and can join no message; the exception goes straight to the abort, which ends every rank.
+        # Only rank 0's refusal between dispatch runs, when every other rank waits for a message, is relayed.
         if lay.is_root:
             tm = task_manager or task_manager_for(cfg)
             root = _RootRun(cfg, rt, lm, out, stats)
