@@ -175,4 +175,3 @@ def prefetch_command(tasks: tuple[str, ...] | None, data_dir: str | None, includ
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     raise click.exceptions.Exit(done.returncode)
-
