@@ -180,9 +180,9 @@ def test_dash_and_underscore_spellings_agree(test_tasks):
     ("--model hf --model_args {bad --tasks t", "--model_args: Invalid JSON: {bad."),
     ("--model hf --model_args pretrained=x --tasks t --seed a,b", "--seed: invalid value: 'a,b'"),
     ("--model hf --model_args pretrained=x,add_bos_token=maybe --tasks t",
-     "--model_args add_bos_token=maybe: expected True or False"),
+     "--model_args add_bos_token: expected true or false, got 'maybe'"),
     ("--model hf --model_args pretrained=x,max_length=-5 --tasks t",
-     "--model_args max_length=-5.0: expected an integer >= 2 (tokens), as --max-length"),
+     "--model_args max_length: expected an integer >= 2 (tokens), as --max-length, got -5.0"),
     ("--model hf --model_args pretrained=x --tasks 'a, b,a'", "--tasks: task 'a' is listed twice"),
 ])
 def test_refusals_name_the_flag(argv, message):

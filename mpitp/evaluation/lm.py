@@ -85,8 +85,8 @@ def request_keys(instances: Sequence[Instance], picked: Mapping[str, Sequence[in
 
     ``doc_id`` is the document's index in its task (what ``--samples`` names and a full run stores for it), not
     lm-eval's renumbering of the documents a ``samples`` list kept (``picked``:
-    :func:`mpitp.evaluation.picked.picked_docs`); so a
-    ``--samples`` run's rows compare with a full run's, document by document.
+    :func:`mpitp.evaluation.picked.picked_docs`); so a ``--samples`` run's rows compare with a full run's, document
+    by document.
 
     A task with ``repeats: k`` (pass@k, self-consistency) hands lm-eval's model the same request k times in a row;
     ``repeat`` (0..k-1, counted in request order, which lm-eval builds the same way in every run) tells the clones
@@ -136,7 +136,7 @@ class MPITPLM(HFLM):
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                          **hflm_kwargs)
         self.leader = leader
-        # rank 0, while lm-eval runs: a callable (kind, items, weights, instances) -> results (mpitp.evaluation.runner)
+        # rank 0, while lm-eval runs: a callable (kind, items, weights, keys) -> results (mpitp.evaluation.runner)
         self.serve_requests = None
         self.clock = None  # rank 0, while lm-eval runs: the run's PhaseClock (mpitp.evaluation.phases)
         self.picked: dict[str, tuple[int, ...]] = {}  # rank 0, while lm-eval runs: the run's --samples (picked_docs)

@@ -32,6 +32,8 @@ from mpitp.evaluation.setting_values import (
     cli_int_at_least,
     cli_limit,
     limit_value,
+    yaml_bool,
+    yaml_int_at_least,
     yaml_tasks,
 )
 from mpitp.evaluation.settings import (
@@ -325,18 +327,14 @@ def resolve_model(model: str | None, model_args: dict) -> tuple[str, str | None]
     return "hf", model  # a hub id without an organisation (gpt2)
 
 
-def _int_at_least(lo: int):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
 #: ``--model_args`` values lm-eval's HFLM takes as they come (``key_val_to_dict`` types "True" and "12"): a flag
 #: left a string ('maybe') failed inside the tokenizer on a DP leader (TypeError traceback, MPI_Abort), a negative
 #: max_length only once a request met it
-_MODEL_ARG_TYPES = {
-    **{k: (lambda v: isinstance(v, bool), "True or False") for k in (
-        "add_bos_token", "truncation", "logits_cache", "use_fast_tokenizer", "enable_thinking")},
-    "max_length": (_int_at_least(2), "an integer >= 2 (tokens), as --max-length"),
-    "prefix_token_id": (_int_at_least(0), "a token id (an integer >= 0)"),
+_MODEL_ARG_RULES = {
+    **dict.fromkeys(("add_bos_token", "truncation", "logits_cache", "use_fast_tokenizer", "enable_thinking"),
+                    yaml_bool),
+    "max_length": yaml_int_at_least(2, "an integer >= 2 (tokens), as --max-length"),
+    "prefix_token_id": yaml_int_at_least(0, "a token id (an integer >= 0)"),
 }
 
 
@@ -354,9 +352,12 @@ def split_model_args(model_args: dict) -> tuple[dict, dict]:
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise UsageError(f"--model_args {unknown[0]}: not an HFLM argument mpitp passes on{hint}; accepted: "
                          + ", ".join(known))
-    for key, rule in _MODEL_ARG_TYPES.items():
-        if key in model_args and not rule[0](model_args[key]):
-            raise UsageError(f"--model_args {key}={model_args[key]}: expected {rule[1]}")
+    for key, rule in _MODEL_ARG_RULES.items():
+        try:
+            if key in model_args:
+                rule(model_args[key])
+        except BadValue as exc:
+            raise UsageError(f"--model_args {key}: {exc}") from None
     backend = model_args.get("backend", "default")
     if backend not in ("default", "causal"):
         raise UsageError(f"--model_args backend={backend}: mpitp runs causal (decoder-only) models only")
