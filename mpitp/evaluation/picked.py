@@ -51,8 +51,9 @@ def check_samples(samples: object, tasks: Iterable[str], known: Iterable[str], c
             raise UsageError(f"{option}: {task!r}: {ids!r} is not a list of document indices (integers >= 0)")
         if task not in run:
             what = "is not a task lm-eval knows" if task not in set(known) else "is not among the tasks this run scores"
-            raise UsageError(f"{option} names {task!r}, which {what} ({', '.join(sorted(run))}): lm-eval would "
-                             "ignore it")
+            names = sorted(run)
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} tasks)" if len(names) > 8 else "")
+            raise UsageError(f"{option} names {task!r}, which {what} ({shown}): lm-eval would ignore it")
 
 
 def check_in_range(picked: Picked, task: str, n_docs: int) -> None:
