@@ -86,9 +86,11 @@ def test_a_samples_run_is_keyed_by_the_documents_it_names(stories, tmp_path):
     """Documents 7 and 3 (and 3 again): rows, per-document scores and logged samples say 3 and 7, and hold what a
     run of the first 8 documents holds for those two."""
     from mpitp.errors import UsageError
+    from mpitp.evaluation.rescore import rescore
     from mpitp.results.docscores import read as read_scores
     from mpitp.results.reader import load_samples
     from mpitp.results.rows import read_requests
+    from mpitp.tasks.demo import demo_tasks_dir
 
     _run(stories, tmp_path / "full.h5", limit=8)
     _run(stories, tmp_path / "picked.h5", samples={TASK: [7, 3, 3]})
@@ -113,6 +115,10 @@ def test_a_samples_run_is_keyed_by_the_documents_it_names(stories, tmp_path):
     assert picked_d.doc_id.tolist() == [3, 7]
     for key, col in picked_d.values.items():
         assert np.array_equal(col, full_d.values[key][[3, 7]]), key
+
+    # the file records the samples (they went to lm-eval unrecorded): rescore rebuilds the same two documents' requests
+    _, rescored, served, _ = rescore(str(tmp_path / "picked.h5"), include_path=demo_tasks_dir(), bootstrap_iters=0)
+    assert served == len(picked) and rescored[TASK].doc_id.tolist() == [3, 7]
 
     with pytest.raises(UsageError, match=f"{TASK}: document 30 does not exist: the task has 30 documents"):
         _run(stories, tmp_path / "past.h5", samples={TASK: [2, 30]})

@@ -306,7 +306,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
                     rule(value)
             except values.BadValue as exc:
                 raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
-        if lm_eval_kwargs.get("samples") is not None and cfg.limit is not None:
+        if cfg.samples is not None and cfg.limit is not None:
             raise UsageError("mpitp.evaluate: limit and samples exclude each other (lm-eval scores either each task's "
                              "first documents or the listed ones): pass one of them")
         if lm_eval_kwargs.get("check_integrity"):
@@ -328,7 +328,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
             check_output(cfg)
         tasks = check_tasks_once(cfg)
         try:
-            check_samples(lm_eval_kwargs.get("samples"), run_task_names(cfg.tasks, tasks.task_manager),
+            check_samples(cfg.samples, run_task_names(cfg.tasks, tasks.task_manager),
                           tasks.task_manager.all_tasks, bool(lm_eval_kwargs.get("cache_requests")),
                           "mpitp.evaluate: samples")
             claim = claim_output(cfg.output) if cfg.output else None  # last: a refusal must leave no claim behind
@@ -367,7 +367,7 @@ def _check_tokenizer(tokenizer, chat: bool) -> None:
 #: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
 #: results file, as ``mpitp eval`` records them) rather than handing them to ``lm_eval.simple_evaluate``.
 CONFIG_KEYWORDS = ("gen_kwargs", "apply_chat_template", "log_samples", "bootstrap_iters", "seed", "skip_head_check",
-                   "no_prefix_sharing", "data_dir")
+                   "no_prefix_sharing", "data_dir", "samples")
 
 
 def _simple_evaluate_keywords() -> list[str]:
