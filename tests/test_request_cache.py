@@ -31,6 +31,9 @@ def test_key_follows_what_shapes_requests(test_tasks, tmp_path):
     assert request_key(EvalConfig(tasks=["arc_easy_local"], num_fewshot=1, seed=1), tm, "tok") != base
     assert request_key(EvalConfig(tasks=["arc_easy_local"], num_fewshot=0, seed=2), tm, "tok") != base
     assert request_key(cfg, tm, "other-tok") != base
+    picked = request_key(EvalConfig(tasks=["arc_easy_local"], samples={"arc_easy_local": [7, 3]}), tm, "tok")
+    assert picked not in (None, base)  # the same documents, however listed: one set of requests
+    assert request_key(EvalConfig(tasks=["arc_easy_local"], samples={"arc_easy_local": [3, 7, 7]}), tm, "tok") == picked
     yaml = copy / "arc_easy_local.yaml"
     yaml.write_text(yaml.read_text() + "\n# edited\n")
     assert request_key(cfg, task_manager(cfg.tasks, [str(copy)]), "tok") != base

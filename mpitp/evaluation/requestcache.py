@@ -112,6 +112,7 @@ def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str)
     """A hash of everything that shapes the requests of ``cfg.tasks``, or None when they cannot be keyed."""
     import lm_eval
 
+    from mpitp.evaluation.picked import picked_docs
     from mpitp.version import __version__
 
     h = hashlib.sha256()
@@ -119,7 +120,9 @@ def request_key(cfg: EvalConfig, task_manager: TaskManager, tokenizer_name: str)
                  tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, seed=cfg.seed,
                  apply_chat_template=cfg.apply_chat_template, tokenizer=tokenizer_name, max_length=cfg.max_length,
                  gen_kwargs=cfg.gen_kwargs, **{k: getattr(cfg, k, None) for k in (
-                     "system_instruction", "fewshot_as_multiturn", "samples", "metadata", "hflm_args")})
+                     "system_instruction", "fewshot_as_multiturn", "metadata", "hflm_args")})
+    # the documents lm-eval builds: [7, 3] and [3, 7, 7] are one set of requests (None as before: other keys kept)
+    ident["samples"] = None if cfg.samples is None else picked_docs(cfg.samples)
     h.update(json.dumps(ident, sort_keys=True, default=str).encode())
     index = getattr(task_manager, "task_index", {}) or {}
     for name in cfg.tasks:
