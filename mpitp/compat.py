@@ -145,7 +145,7 @@ TARGETS: dict[str, Target] = _by_name((
     Target("lm-eval", TASK_INDEX, "log", LM_EVAL, "mpitp.tasks.index", kind="read"),
     Target("lm-eval", "lm_eval.tasks._yaml_loader", "load_yaml", LM_EVAL, "mpitp.tasks.index", kind="read"),
     Target("lm-eval", "lm_eval._cli.run", "Run", LM_EVAL, "mpitp.evaluation.lmeval_args", kind="read"),
-    Target("lm-eval", "lm_eval._cli.utils", "key_val_to_dict", LM_EVAL, "mpitp.evaluation.lmeval_args", kind="read"),
+    Target("lm-eval", "lm_eval._cli.utils", "key_val_to_dict", LM_EVAL, "mpitp.evaluation.model_args", kind="read"),
     Target("lm-eval", "lm_eval.evaluator_utils", "find_test_root", LM_EVAL, "mpitp.evaluation.lmeval_args",
            kind="read"),
     Target("lm-eval", "lm_eval._cli.utils", "request_caching_arg_to_dict", LM_EVAL, "mpitp.evaluation.lmeval_args",

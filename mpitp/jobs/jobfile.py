@@ -426,7 +426,7 @@ def _check_lm_eval(extras: dict) -> None:
     if args is None:
         return
     from mpitp.errors import UsageError
-    from mpitp.evaluation.lmeval_args import model_args_dict, split_model_args
+    from mpitp.evaluation.model_args import model_args_dict, split_model_args
 
     try:
         split_model_args(model_args_dict(args))
