@@ -127,8 +127,8 @@ class Dispatcher:
         self.per_group = per_group
         self.batch_size = batch_size
         self.idle = idle  # releases rank 0's own TP workers from the deadline when a run ends (see serve_remote)
-        self.in_run = False  # inside run() (chunks may be in flight, whose results a later receive would meet) or
-        # after shutdown(): no remote group would take a failure
+        self.between_runs = True  # every remote group waits for rank 0's next message: not inside run() (chunks
+        # may be in flight, whose results a later receive would meet), not after shutdown() (the groups left their loop)
         self.handed_out = 0  # requests sent to a group or being computed here, and of those, landed: what a stop
         self.landed = 0  # abandons is the difference (mpitp.parallel.walltime reports it)
         self.requests = RequestLog(self.n_groups)  # where each request went and how long it took; rank 0's stats
@@ -141,7 +141,7 @@ class Dispatcher:
             on_chunk: Callable[[tuple[int, ...], list], None] | None = None, owners: list | None = None) -> list:
         """Compute every item somewhere; returns results in item order. ``on_chunk(indices, results)`` as they land.
         ``owners``: each item's :data:`~mpitp.evaluation.requestlog.Owner` (its task), for the run's speed record."""
-        self.in_run = True
+        self.between_runs = False
         per_group = testing.chunks_per_group(kind, len(items), self.per_group)
         chunks = make_chunks(kind, items, weights, self.n_groups, per_group, min_items=self.batch_size)
         results: list = [None] * len(items)
@@ -213,13 +213,13 @@ class Dispatcher:
             mpicomm.send_obj(("idle",), dest, TAG_WORK, self.comm, timeout=self.timeout, phase="releasing DP groups")
         if self.idle is not None:
             self.idle()
-        self.in_run = False
+        self.between_runs = True
         if self.stats is not None:
             self.stats.speed = self.requests.summary()
         return results
 
     def shutdown(self) -> None:
-        self.in_run = True  # for fail(): the groups left their loop, no message of rank 0's reaches them now
+        self.between_runs = False
         for dest in range(1, self.n_groups):
             mpicomm.send_obj(("stop",), dest, TAG_WORK, self.comm, timeout=self.timeout, phase="stopping DP groups")
 
@@ -227,7 +227,7 @@ class Dispatcher:
         """Rank 0 refused the run between two dispatch runs (lm-eval building a task's requests, a check of
         lm-eval's results): every remote DP group raises ``message`` as a :class:`~mpitp.errors.RelayedRefusal`
         instead of a stop. False, and nothing sent, inside a run: a chunk in flight would answer a later receive."""
-        if self.in_run:
+        if not self.between_runs:
             return False
         for dest in range(1, self.n_groups):
             mpicomm.send_obj(("fail", message), dest, TAG_WORK, self.comm, timeout=self.timeout,
