@@ -122,6 +122,7 @@ def test_a_samples_run_is_keyed_by_the_documents_it_names(stories, tmp_path):
 
     with pytest.raises(UsageError, match=f"{TASK}: document 30 does not exist: the task has 30 documents"):
         _run(stories, tmp_path / "past.h5", samples={TASK: [2, 30]})
+    assert not (tmp_path / "past.h5").exists()  # refused before any request: no 'running' file for the rerun to meet
     with pytest.raises(UsageError, match="samples names 'mpitp_demo_gen', which is not among the tasks"):
         _run(stories, tmp_path / "other.h5", samples={"mpitp_demo_gen": [1]})
 

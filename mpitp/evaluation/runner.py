@@ -335,15 +335,23 @@ class _RootRun:
         self.tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
         self.clock = PhaseClock()
         self.request_cache: str | None = None  # lm-eval's request cache folder for this run (set with its arguments)
-        lm.check_chat_template(cfg.apply_chat_template)  # before the file: a refused run leaves no 'running' file
-        t0 = time.perf_counter()
-        self.writer, self.stored = self._open_writer()
-        self.clock.add("writing", time.perf_counter() - t0)
+        lm.check_chat_template(cfg.apply_chat_template)
+        self.writer, self.stored, self._opened = None, {}, False  # until lm-eval first asks (:meth:`_open_once`)
         self.progress = make_progress(TqdmProgress)  # a line every few seconds in batch logs, a bar on a terminal
         self.dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
                                      idle=lm.leader.idle)
 
     # ------------------------------------------------------------------------------------------ the results file
+    def _open_once(self) -> None:
+        """Open the results file when lm-eval first asks for results, not before: a refusal while it builds requests
+        (``--samples`` past a task's end, ``--max-length`` too short) left a 'running' file of no rows that the fixed
+        rerun had to ``--overwrite`` (``--resume`` refuses other settings); an unwritable file still fails first."""
+        if self._opened:
+            return
+        self._opened, t0 = True, time.perf_counter()
+        self.writer, self.stored = self._open_writer()
+        self.clock.add("writing", time.perf_counter() - t0)
+
     def _open_writer(self):
         """(writer or None, the rows it holds by resume key: empty unless resuming)."""
         if not self.out:
@@ -375,6 +383,7 @@ class _RootRun:
         """``lm.serve_requests`` (``keys``: the requests' :func:`~mpitp.evaluation.lm.request_keys`): reuse stored
         results (resume), compute the rest across DP groups, record each chunk as it lands. The seconds spent here
         are the dispatch phase."""
+        self._open_once()
         t_run = time.perf_counter()
         try:
             return self._serve(kind, items, weights, keys)
@@ -392,7 +401,6 @@ class _RootRun:
     def _size_batches(self, kind: str, items: list, weights: list) -> None:
         """With ``--batch_size auto``, chunks hold whole auto-sized batches of their longest rows (as for a fixed
         size)."""
-
         if self.lm.auto is None:
             return
         self.dispatcher.batch_size = self.lm.auto.size(self.lm.longest_tokens(kind, items, weights))
@@ -442,6 +450,7 @@ class _RootRun:
         with lm.serving(self.serve, self.clock, picked):
             res, doc_scores = self._simple_evaluate(kwargs, picked)
         self.dispatcher.shutdown()  # only after success: a failure aborts the job (see evaluate_loaded)
+        self._open_once()  # lm-eval asked for nothing: the file still records the run
         testing.stall("post_processing")
         as_lm_eval_ran(res, cfg, num_parameters=full_num_parameters(cfg, self.rt.layout), device=self.rt.device,
                        loggers=loggers)
