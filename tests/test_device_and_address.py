@@ -93,6 +93,21 @@ def test_overrides():
     assert choose_address(NODE, ["10.1.2.3"], {"MPITP_IFACE": "ib", "GLOO_SOCKET_IFNAME": "eth"}) == "192.168.10.3"
 
 
+def test_an_iface_the_node_lacks_is_refused_not_passed_over():
+    """MPITP_IFACE=ib1 on a node with ib0 only: the host name's address was taken instead, in silence (another
+    network, or one the nodes cannot reach each other on). NCCL's prefix match holds, as in choose_address."""
+    from mpitp.parallel.netaddr import iface_objection
+
+    assert iface_objection({"MPITP_IFACE": "ib1"}, "n7", NODE) == (
+        "--iface ib1 (MPITP_IFACE): node n7 has no interface of that name with a non-loopback IPv4 address (it has "
+        "docker0 172.17.0.1, eth0 10.1.2.3, ib0 192.168.10.3, lo 127.0.0.1)")
+    assert "node n7 has no interface" in iface_objection({"MPITP_IFACE": "lo"}, "n7", NODE)  # loopback only
+    for env in ({"MPITP_IFACE": "ib"}, {"MPITP_IFACE": "ib0"}, {"MPITP_IFACE": "ib9,eth0"}, {}, {"MPITP_IFACE": ""},
+                {"GLOO_SOCKET_IFNAME": "missing0"}):  # the libraries' own variables: theirs to refuse
+        assert iface_objection(env, "n7", NODE) is None, env
+    assert iface_objection({"MPITP_IFACE": "ib0"}, "n7", {}) is None  # interfaces not listed here: not checked
+
+
 def test_link_local_and_loopback_only_is_an_error():
     with pytest.raises(RuntimeError, match="set MPITP_IFACE"):
         choose_address({"lo": ["127.0.0.1"], "eth0": ["169.254.3.4"], "docker0": ["172.17.0.1"]}, ["127.0.1.1"], {})

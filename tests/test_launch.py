@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from mpitp.parallel.netaddr import interface_addresses
 from support import OFFLINE_ENV
-from support.mpi import explain, run_mpi
+from support.mpi import explain, mpitp_stderr, run_mpi
 
 SMALL = ["eval", "--demo", "--tasks", "mpitp_demo_mc", "--limit", "2", "--bootstrap-iters", "0"]
 
@@ -132,6 +134,13 @@ def test_info_names_the_mpi_and_the_launcher():
     assert "\x00" not in text
     mpi_line = next(ln for ln in text.splitlines() if ln.startswith("MPI: "))
     assert mpi_line.startswith(("MPI: MPICH ", "MPI: Open MPI ")), mpi_line
+    # --iface naming an interface no node has: one line on every rank's exit 2, not another network in silence
+    proc = run_mpi(2, ["info", "--iface", "nosuchnic9"], timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert mpitp_stderr(proc.stderr).strip().splitlines() == [
+        f"mpitp: error: --iface nosuchnic9 (MPITP_IFACE): node {socket.gethostname()} has no interface of that name "
+        "with a non-loopback IPv4 address (it has " + ", ".join(
+            f"{n} {' '.join(a)}" for n, a in sorted(interface_addresses().items())) + ")"], explain(proc)
 
 
 def test_mpi_strings_are_cleaned():

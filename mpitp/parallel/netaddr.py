@@ -62,6 +62,27 @@ def choose_address(interfaces: dict[str, list[str]], host_addrs: list[str], env:
                        "set MPITP_IFACE (--iface) to the interface of the node network")
 
 
+def iface_objection(env: dict, node: str, interfaces: dict[str, list[str]] | None = None) -> str | None:
+    """Why ``MPITP_IFACE`` (``--iface``) cannot be used on ``node``, or None. An interface that does not exist (a typo,
+    ``ib0`` where the nodes say ``ib1``) was passed over silently for the host name's address: the traffic went over
+    another network, slower, or one the nodes cannot reach each other on (a wait until ``--timeout``); ``mpitp info``
+    printed that address as if asked for. NCCL and gloo refuse their own variables so. ``interfaces``: this host's
+    (:func:`interface_addresses`) unless given; none listed (not Linux) is no objection."""
+    value = env.get("MPITP_IFACE")
+    wanted = _ifnames(value)
+    if not wanted:
+        return None
+    interfaces = interface_addresses() if interfaces is None else interfaces
+    if not interfaces:
+        return None
+    if any(name.startswith(want) and any(_usable(a) for a in addrs)
+           for want in wanted for name, addrs in interfaces.items()):
+        return None
+    have = ", ".join(f"{name} {' '.join(addrs)}" for name, addrs in sorted(interfaces.items()))
+    return (f"--iface {value} (MPITP_IFACE): node {node} has no interface of that name with a non-loopback IPv4 "
+            f"address (it has {have})")
+
+
 def interface_addresses() -> dict[str, list[str]]:
     """IPv4 address of each network interface (Linux ``SIOCGIFADDR``); empty where that is unavailable."""
     out: dict[str, list[str]] = {}

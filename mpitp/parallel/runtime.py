@@ -19,6 +19,7 @@ from mpitp.errors import UsageError, exit_bound, report_and_abort
 from mpitp.parallel import check_ep
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.layout import Layout, make_layout
+from mpitp.parallel.netaddr import iface_objection
 from mpitp.parallel.replica_group import ReplicaGroup, init_replica_group
 from mpitp.parallel.world import World, world_from_comm
 
@@ -145,6 +146,10 @@ def make_launch(tp: int = 1, pp: int = 1, device: str | None = None, threads: in
     if iface:
         os.environ["MPITP_IFACE"] = iface
     world = world or world_from_comm(comm)
+    why = iface_objection(dict(os.environ), world.node_name)  # each node its own interfaces
+    why = mpicomm.first_objection(why, world.comm, timeout, phase="checking --iface")
+    if why is not None:
+        raise UsageError(why, collective=True)
     try:
         layout = make_layout(world, tp, pp)
     except UsageError as exc:
