@@ -249,6 +249,27 @@ def test_integration_messages_hidden_unless_debug(capsys):
     assert "already-initialized model" in err
 
 
+def test_integration_messages_hidden_for_an_api_call_only(caplog):
+    """``mpitp.evaluate`` in a training script, whose logging is its own (lm-eval's loggers hold no handler to
+    filter): every rank printed the two warnings on each call; hidden during the call, the loggers as before after."""
+    import logging
+
+    from mpitp.evaluation.quiet import integration_hidden
+
+    pre_built = "Passed an already-initialized model through `pretrained`, assuming single-process call"
+    loggers = [logging.getLogger(n) for n in ("lm_eval.models.huggingface", "lm_eval.evaluator")]
+    before = [list(lg.filters) for lg in loggers]
+    with caplog.at_level(logging.INFO), integration_hidden():
+        loggers[0].warning(pre_built)
+        loggers[1].info("Using pre-initialized model")
+        loggers[0].warning("Left truncation applied. Original sequence length was 2183")
+    assert [r.getMessage()[:22] for r in caplog.records] == ["Left truncation applie"]
+    assert [list(lg.filters) for lg in loggers] == before
+    with caplog.at_level(logging.INFO):
+        loggers[0].warning(pre_built)
+    assert caplog.records[-1].getMessage() == pre_built
+
+
 @pytest.mark.parametrize("model", ["ckpts/step-1,ckpts/step-2", "ckpts/step-*"])
 def test_a_sweep_hides_the_integration_warnings_and_takes_verbosity(monkeypatch, model):
     """``mpitp eval --model 'ckpts/step-*'`` (and --watch) printed lm-eval's two warnings about a pre-built model for

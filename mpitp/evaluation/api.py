@@ -184,6 +184,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     import torch
 
     from mpitp.evaluation.checks import remove_generated
+    from mpitp.evaluation.quiet import integration_hidden
     from mpitp.evaluation.runner import evaluate_loaded
     from mpitp.evaluation.settings import EvalConfig
     from mpitp.parallel.replica_group import ReplicaGroup, backend_for
@@ -214,7 +215,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
     try:
-        with torch.no_grad(), _rng_kept():
+        with torch.no_grad(), _rng_kept(), integration_hidden():
             result = evaluate_loaded(model, tokenizer, cfg, rt, out=output,
                                      task_manager=tasks.task_manager if tasks is not None else None,
                                      extra_lm_eval=lm_eval_kwargs)

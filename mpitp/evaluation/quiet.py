@@ -9,6 +9,8 @@ would never see them. Everything else (``--limit`` warnings, few-shot overrides,
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 INTEGRATION_MESSAGES = (
     "`pretrained` model kwarg is not of type `str`",
@@ -40,6 +42,26 @@ class IntegrationFilter(logging.Filter):
 
 
 _FILTER = IntegrationFilter()
+
+
+#: The loggers of lm-eval's modules that say :data:`INTEGRATION_MESSAGES` (``logging.getLogger(__name__)`` there)
+_SOURCES = ("lm_eval.models.huggingface", "lm_eval.evaluator")
+
+
+@contextmanager
+def integration_hidden() -> Iterator[None]:
+    """The filter on the loggers that say the integration messages, for ``mpitp.evaluate``'s call only: a training
+    script's logging is its own (no handler of lm-eval's to filter), so on the loggers themselves, and taken off after.
+    Without it every rank printed lm-eval's two warnings about a pre-built model on each call, one of them
+    "assuming single-process call to evaluate()" of a multi-process evaluation."""
+    added = [logger for logger in map(logging.getLogger, _SOURCES) if _FILTER not in logger.filters]
+    for logger in added:
+        logger.addFilter(_FILTER)
+    try:
+        yield
+    finally:
+        for logger in added:
+            logger.removeFilter(_FILTER)
 
 
 def quiet_integration(verbosity: str | None, is_root: bool) -> None:
