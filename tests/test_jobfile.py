@@ -344,3 +344,23 @@ def test_run_spec_fields_follow_the_declarations():
     have = [(f.name, f.default, f.hash is not False) for f in dataclasses.fields(RunSpec)]
     assert have == declared_run_fields()
     assert all(f.type != "Any" for f in dataclasses.fields(RunSpec))
+
+
+@pytest.mark.parametrize("value,parsed", [("true", {"cache_requests": True, "rewrite_requests_cache": False,
+                                                    "delete_requests_cache": False}),
+                                          ("refresh", {"cache_requests": True, "rewrite_requests_cache": True,
+                                                       "delete_requests_cache": False}),
+                                          ("false", None)])
+def test_cache_requests_read_as_the_flag(tmp_path, value, parsed):
+    """``cache_requests:`` takes what ``--cache_requests`` takes (``true`` was refused as not a mapping); a value
+    lm-eval's parser refuses is the file's error, not its ArgumentTypeError traceback once the run began."""
+    from mpitp.jobs.jobrun import eval_config
+
+    job = tmp_path / "job.yaml"
+    job.write_text(f"runs:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n    cache_requests: {value}\n")
+    assert eval_config(load_job(job).runs[0]).cache_requests == parsed
+    job.write_text("runs:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n    cache_requests: maybe\n")
+    with pytest.raises(JobFileError) as info:
+        load_job(job)
+    assert str(info.value) == (f"{job}: run 1 ('r'): field 'cache_requests': expected true, 'refresh' or 'delete' "
+                               "(lm-eval's --cache_requests), got 'maybe'")

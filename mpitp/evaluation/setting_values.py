@@ -221,6 +221,22 @@ def yaml_mapping(v: Any) -> str | FrozenDict:
     raise BadValue(f"expected a mapping or a string like 'key=value,key2=value2', got {show(v)}")
 
 
+CACHE_REQUESTS = ("true", "refresh", "delete")
+"""lm-eval's ``--cache_requests`` values (``lm_eval._cli.utils.request_caching_arg_to_dict``)."""
+
+
+def yaml_cache_requests(v: Any) -> str | None:
+    """lm-eval's ``--cache_requests true|refresh|delete`` as a job file writes it: ``true`` (a YAML boolean, or the
+    flag's word), ``refresh`` or ``delete``; ``false`` leaves it off. Its declared type is the mapping lm-eval parses
+    the flag into, so the mapping reader refused ``true`` and passed ``maybe`` on to lm-eval's parser, whose
+    ArgumentTypeError was a traceback and MPI_Abort once the run began."""
+    if v is True or v is False:
+        return "true" if v else None
+    if isinstance(v, str) and v.strip().lower() in CACHE_REQUESTS:
+        return v.strip().lower()
+    raise BadValue(f"expected true, 'refresh' or 'delete' (lm-eval's --cache_requests), got {show(v)}")
+
+
 # -------------------------------------------------------------------------------- reading a command-line value
 
 

@@ -27,6 +27,7 @@ from mpitp.evaluation.setting_values import (
     cli_positive_float,
     yaml_batch_size,
     yaml_bool,
+    yaml_cache_requests,
     yaml_dtype,
     yaml_gen_kwargs,
     yaml_int_at_least,
@@ -411,13 +412,20 @@ def from_evaluator_config(f: Field, value: Any) -> Any:
     return value
 
 
+_FLAG_READERS = {"cache_requests": yaml_cache_requests}
+"""lm-eval-named settings whose type is what lm-eval parses the flag into, not what the flag takes: read as the flag."""
+
+
 def lm_eval_job_fields() -> dict[str, Callable[[Any], Any]]:
     """Job-file fields named as lm-eval's ``EvaluatorConfig`` fields, read with their meaning on the command line;
-    the YAML reader follows the field's type (its first declared one, or a mapping where a dict is allowed)."""
+    the YAML reader follows the field's type (its first declared one, or a mapping where a dict is allowed), or the
+    flag's own values where the type is what lm-eval parses the flag into (:data:`_FLAG_READERS`)."""
     out = {}
     for f in lm_eval_named():
         kinds = _types(f)
-        if dict in kinds:
+        if f.name in _FLAG_READERS:
+            out[f.name] = _FLAG_READERS[f.name]
+        elif dict in kinds:
             out[f.name] = yaml_mapping
         elif kinds[0] is bool:
             out[f.name] = yaml_bool
