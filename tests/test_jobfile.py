@@ -364,3 +364,19 @@ def test_cache_requests_read_as_the_flag(tmp_path, value, parsed):
         load_job(job)
     assert str(info.value) == (f"{job}: run 1 ('r'): field 'cache_requests': expected true, 'refresh' or 'delete' "
                                "(lm-eval's --cache_requests), got 'maybe'")
+
+
+def test_samples_with_limit_refused(tmp_path):
+    """``samples`` with ``limit`` (a default's too) is the file's error, as ``--samples`` with ``--limit`` is the
+    command line's: it passed the file's checks and lm-eval's ValueError was a traceback after the model load."""
+    job = tmp_path / "job.yaml"
+    job.write_text("defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n"
+                   "    samples: {mpitp_demo_mc: [1]}\n")
+    with pytest.raises(JobFileError) as info:
+        load_job(job)
+    assert str(info.value) == (f"{job}: run 1 ('r'): field 'samples': limit: 3 and samples exclude each other "
+                               "(lm-eval scores either each task's first documents or the listed ones): give one of "
+                               "them")
+    job.write_text("defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n"
+                   "    samples: {mpitp_demo_mc: [1]}\n    limit: null\n")
+    assert load_job(job).runs[0].limit is None

@@ -374,6 +374,9 @@ def _run_values(raw: dict, merged: dict, run_fail: _RunFail) -> dict:
             _check_lm_eval(extras)
         except _Bad as exc:
             raise run_fail("model_args", str(exc)) from None
+        if extras.get("samples") is not None and values.get("limit") is not None:
+            raise run_fail("samples", f"limit: {values['limit']} and samples exclude each other (lm-eval scores "
+                                      "either each task's first documents or the listed ones): give one of them")
         values["lm_eval"] = FrozenDict(extras)
     return values
 
