@@ -380,3 +380,21 @@ def test_samples_with_limit_refused(tmp_path):
     job.write_text("defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n"
                    "    samples: {mpitp_demo_mc: [1]}\n    limit: null\n")
     assert load_job(job).runs[0].limit is None
+
+
+def test_model_args_pretrained_is_the_run_model(tmp_path):
+    """``model_args: {pretrained: B}`` beside ``model: A`` is refused, as ``--model A --model_args pretrained=B``
+    is (it was recorded as the model while A was loaded); the same model, relative to the job file, is accepted."""
+    from mpitp.jobs.jobrun import eval_config
+
+    (tmp_path / "m").mkdir()
+    job = tmp_path / "job.yaml"
+    job.write_text("runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n"
+                   "    model_args: pretrained=/other,dtype=float32\n")
+    with pytest.raises(JobFileError) as info:
+        load_job(job)
+    assert str(info.value) == (f"{job}: run 1 ('r'): field 'model_args': pretrained=/other and model: {tmp_path}/m "
+                               "name different models: give the model once, as 'model:'")
+    job.write_text("runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n    model_args: {pretrained: ./m}\n")
+    cfg = eval_config(load_job(job).runs[0])
+    assert cfg.model == str(tmp_path / "m") and cfg.model_args["pretrained"] == cfg.model

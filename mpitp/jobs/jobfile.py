@@ -327,11 +327,36 @@ def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
             except _Bad as exc:
                 raise run_fail(field, str(exc)) from None
 
+    _pretrained(values, base, run_fail)
     for key, fix in (("name", "give each run a unique 'name:'"), ("output", "give each run its own 'output:'")):
         other = seen[key].setdefault(values[key], index)
         if other != index:
             raise run_fail(key, f"{values[key]!r} is already used by run {other}; {fix}")
     return RunSpec(**values)
+
+
+def _pretrained(values: dict, base: Path, run_fail: _RunFail) -> None:
+    """``model_args``' ``pretrained=`` names the run's model or is refused, as ``mpitp eval --model A --model_args
+    pretrained=B`` is: it replaced the model in the model_args lm-eval records while ``model:`` was loaded, so the
+    results file named a model that was never evaluated. The same model (as written, or relative to the job file) is
+    dropped from model_args: ``model:`` resolved is the one recorded."""
+    from mpitp.evaluation.model_args import model_args_dict
+
+    lm_eval = values.get("lm_eval") or {}
+    if lm_eval.get("model_args") is None:
+        return
+    args = model_args_dict(lm_eval["model_args"])  # read once already by _check_lm_eval
+    if "pretrained" not in args:
+        return
+    given = str(args.pop("pretrained"))
+    try:
+        same = values["model"] in (given, _resolve("model", given, base))
+    except _Bad as exc:
+        raise run_fail("model_args", f"pretrained={given}: {exc}") from None
+    if not same:
+        raise run_fail("model_args", f"pretrained={given} and model: {values['model']} name different models: "
+                                     "give the model once, as 'model:'")
+    values["lm_eval"] = FrozenDict({**lm_eval, "model_args": FrozenDict(args)})
 
 
 def _merge_models(merged: dict, base: Path, run_fail: _RunFail) -> None:
