@@ -33,6 +33,14 @@ def _error(write, text: str) -> str:
     return str(info.value)
 
 
+def _refusal(job: Path, text: str) -> str:
+    """``text`` written to ``job``: the one line loading it raises."""
+    job.write_text(text)
+    with pytest.raises(JobFileError) as info:
+        load_job(job)
+    return str(info.value)
+
+
 def _one_run(field: str, value: str) -> str:
     """Two runs; the second, named llama-arc, carries the bad field."""
     return f"""
@@ -359,10 +367,8 @@ def test_cache_requests_read_as_the_flag(tmp_path, value, parsed):
     job = tmp_path / "job.yaml"
     job.write_text(f"runs:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n    cache_requests: {value}\n")
     assert eval_config(load_job(job).runs[0]).cache_requests == parsed
-    job.write_text("runs:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n    cache_requests: maybe\n")
-    with pytest.raises(JobFileError) as info:
-        load_job(job)
-    assert str(info.value) == (f"{job}: run 1 ('r'): field 'cache_requests': expected true, 'refresh' or 'delete' "
+    text = "runs:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n    cache_requests: maybe\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'cache_requests': expected true, 'refresh' or 'delete' "
                                "(lm-eval's --cache_requests), got 'maybe'")
 
 
@@ -370,11 +376,9 @@ def test_samples_with_limit_refused(tmp_path):
     """``samples`` with ``limit`` (a default's too) is the file's error, as ``--samples`` with ``--limit`` is the
     command line's: it passed the file's checks and lm-eval's ValueError was a traceback after the model load."""
     job = tmp_path / "job.yaml"
-    job.write_text("defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n"
-                   "    samples: {mpitp_demo_mc: [1]}\n")
-    with pytest.raises(JobFileError) as info:
-        load_job(job)
-    assert str(info.value) == (f"{job}: run 1 ('r'): field 'samples': limit: 3 and samples exclude each other "
+    text = "defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n" \
+           "    samples: {mpitp_demo_mc: [1]}\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'samples': limit: 3 and samples exclude each other "
                                "(lm-eval scores either each task's first documents or the listed ones): give one of "
                                "them")
     job.write_text("defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n"
@@ -389,11 +393,8 @@ def test_model_args_pretrained_is_the_run_model(tmp_path):
 
     (tmp_path / "m").mkdir()
     job = tmp_path / "job.yaml"
-    job.write_text("runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n"
-                   "    model_args: pretrained=/other,dtype=float32\n")
-    with pytest.raises(JobFileError) as info:
-        load_job(job)
-    assert str(info.value) == (f"{job}: run 1 ('r'): field 'model_args': pretrained=/other and model: {tmp_path}/m "
+    text = "runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n    model_args: pretrained=/other,dtype=float32\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'model_args': pretrained=/other and model: {tmp_path}/m "
                                "name different models: give the model once, as 'model:'")
     job.write_text("runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n    model_args: {pretrained: ./m}\n")
     cfg = eval_config(load_job(job).runs[0])
