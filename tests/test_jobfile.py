@@ -77,7 +77,8 @@ BAD_FIELDS = [
                                       "or list of them, got {'b': 1}"),
     ("apply_chat_template", "'yes'", P + "'apply_chat_template': expected true or false, got 'yes'"),
     ("log_samples", "1", P + "'log_samples': expected true or false, got 1"),
-    ("seed", "-1", P + "'seed': expected a non-negative integer, got -1"),
+    ("seed", "-1", P + "'seed': expected a non-negative integer or a list of four (python, numpy, torch, "
+                          "few-shot; null: unseeded), got -1"),
     ("output", "out.txt", P + "'output': expected a path ending in .h5, got 'out.txt'"),
     ("timeout", "0", P + "'timeout': expected a positive number of seconds, got 0"),
     ("timeout", "1h", P + "'timeout': expected a positive number of seconds, got '1h'"),

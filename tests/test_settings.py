@@ -272,3 +272,18 @@ def test_seconds_refuse_a_deadline_that_never_comes():
                       ("0", "must be > 0, got '0'")):
         with pytest.raises(argparse.ArgumentTypeError, match=said):
             cli_positive_float(bad)
+
+
+@pytest.mark.parametrize("yaml_seed,cli_seed", [("[1, null, 3, 4]", "1,None,3,4"), ("[5, 6, 7, 8]", "5,6,7,8"),
+                                                ("9", "9")])
+def test_job_file_seeds_mean_the_flag(tmp_path, yaml_seed, cli_seed):
+    """``seed:`` takes ``--seed``'s four values (null: that generator unseeded) as well as one integer; the list was
+    refused ('expected a non-negative integer') though the setting's description offers it."""
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB.split("runs:")[0] + f"runs:\n  - {{name: s, limit: 3, seed: {yaml_seed}, output: /o/s.h5}}\n")
+    from_job, from_cli = eval_config(load_job(path).runs[0]), _cli_config("--limit", "3", "--seed", cli_seed)
+    assert from_job.identity() == from_cli.identity()
+    assert from_job.lm_eval_arguments() == from_cli.lm_eval_arguments()
+    path.write_text(JOB.split("runs:")[0] + "runs:\n  - {name: s, seed: [1, 2, 3], output: /o/s.h5}\n")
+    with pytest.raises(JobFileError, match=r"field 'seed': expected a non-negative integer or a list of four"):
+        load_job(path)

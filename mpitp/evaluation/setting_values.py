@@ -129,6 +129,18 @@ def yaml_int_at_least(lo: int, what: str) -> Callable[[Any], int]:
     return check
 
 
+def yaml_seed(v: Any) -> int | tuple[int | None, ...]:
+    """lm-eval's ``--seed``: one integer for its four generators (python, numpy, torch, few-shot), or four values,
+    ``null`` leaving that one unseeded (``--seed 0,None,8,52``). The job file took only the one integer, so
+    ``seed: [1, 2, 3, 4]`` (the settings' own description) was refused."""
+    if _is_int(v) and v >= 0:
+        return v
+    if isinstance(v, list) and len(v) == 4 and all(x is None or (_is_int(x) and x >= 0) for x in v):
+        return tuple(v)
+    raise BadValue(f"expected a non-negative integer or a list of four (python, numpy, torch, few-shot; null: "
+                   f"unseeded), got {show(v)}")
+
+
 def yaml_dtype(v: Any) -> str:
     if v in DTYPES:
         return v

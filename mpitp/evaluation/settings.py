@@ -34,6 +34,7 @@ from mpitp.evaluation.setting_values import (
     yaml_limit,
     yaml_mapping,
     yaml_output,
+    yaml_seed,
     yaml_string,
     yaml_string_list,
     yaml_tasks,
@@ -121,7 +122,7 @@ class EvalConfig:
         "Wrap prompts in the tokenizer's chat template (optionally a template name)."))
     include_path: str | list[str] | None = setting(job=yaml_string,
                                                    doc="Additional directory of lm-eval task YAMLs.")
-    seed: int | list | None = setting(identity=ALWAYS, job=yaml_int_at_least(0, "a non-negative integer"), doc=(
+    seed: int | list | None = setting(identity=ALWAYS, job=yaml_seed, doc=(
         "Random seeds (python, numpy, torch, few-shot): one integer for all four or four values (default "
         "0,1234,1234,1234)."))
     output: str | None = setting(job=yaml_output, cli=cli("--output", group=RESULTS), doc=(
