@@ -98,6 +98,9 @@ ROWS = [
         _err("bad-job.yaml: run 1 ('demo-mpitp_demo_mc'): field 'tp': expected a positive integer, got 'two'")),
     Row("missing-include-path", "`--include-path` does not exist", 2,
         ("eval", "--demo", "--include-path", "./no-such-dir"), _err("--include-path ./no-such-dir: no such directory")),
+    Row("missing-tokenizer", "`--tokenizer` path does not exist", 2,
+        ("eval", "--demo", "--tokenizer", "./no-such-tokenizer"),
+        _err("--tokenizer ./no-such-tokenizer: no such directory")),
     Row("missing-data-dir", "`--data-dir` does not exist", 2, ("eval", "--demo", "--data-dir", "./no-such-dir"),
         _err("--data-dir ./no-such-dir: no such directory")),
     Row("data-dir-task-absent", "`--data-dir` lacks a task's dataset (offline)", 2,
@@ -327,8 +330,8 @@ def test_bad_gen_kwargs_under_mpiexec(tmp_path):
 def test_requests_lm_eval_cannot_score_are_one_line(args, message, tmp_path):
     """What lm-eval refuses by an assertion once its requests are built (a traceback from whichever rank met it): one
     line and exit 2, the file left 'running' for a --resume with a larger --max-length. A tokenizer without a chat
-    template is refused after the load too (the checks do not load the tokenizer), but before the file is made: a
-    rerun without the flag needs no --resume."""
+    template is refused by the checks, before the load and before the file is made: a rerun without the flag needs
+    no --resume."""
     proc = run_mpi(2, ["eval", *args, "--tp", "2", "--limit", "2", "--output", "out.h5"], timeout=120,
                    cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
@@ -351,3 +354,24 @@ def test_commands_that_use_no_mpi_run_once_under_mpiexec(tmp_path):
     assert proc.returncode == 0 and proc.stdout.count("mpitp check: ready offline") == 1, explain(proc)
     proc = run_mpi(2, ["inspect", "missing.h5"], timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.count("missing.h5: no such file") == 1, explain(proc)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tokenizer="./no-such-tokenizer"), "--tokenizer ./no-such-tokenizer: no such directory"),
+    (dict(tokenizer="no-such-org/no-such-tokenizer"), "--tokenizer no-such-org/no-such-tokenizer cannot be loaded: "),
+    (dict(apply_chat_template=True), "--apply_chat_template: the tokenizer cannot apply a chat template: "),
+], ids=["path", "hub-id", "no-chat-template"])
+def test_tokenizer_refused_before_the_load(kwargs, message, monkeypatch):
+    """The checks load the tokenizer lm-eval will load when one is named or a chat template asked for: a missing one
+    was an OSError traceback on every rank after the model load, one without a template a refusal on rank 0 alone
+    (a job file's later runs never started)."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_tokenizer
+    from mpitp.evaluation.settings import EvalConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_tokenizer(EvalConfig(model=str(STORIES)))  # neither: the model's own, left to mpitp check
+    check_tokenizer(EvalConfig(model=str(STORIES), tokenizer=str(STORIES)))
+    with pytest.raises(UsageError) as info:
+        check_tokenizer(EvalConfig(model=str(STORIES), **kwargs))
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
