@@ -375,3 +375,20 @@ def test_tokenizer_refused_before_the_load(kwargs, message, monkeypatch):
     with pytest.raises(UsageError) as info:
         check_tokenizer(EvalConfig(model=str(STORIES), **kwargs))
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_tokenizer_larger_than_the_embedding_refused():
+    """GPT-2's tokenizer (50257 ids) for stories260K (512 embedded): an IndexError traceback on every rank at the
+    first forward; now refused by the checks, the arithmetic spelt out."""
+    from transformers import AutoConfig
+
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_tokenizer
+    from mpitp.evaluation.settings import EvalConfig
+
+    gpt2, config = SHARED / "tokenizers" / "gpt2", AutoConfig.from_pretrained(str(STORIES))
+    check_tokenizer(EvalConfig(model=str(STORIES), tokenizer=str(STORIES)), config)
+    with pytest.raises(UsageError) as info:
+        check_tokenizer(EvalConfig(model=str(STORIES), tokenizer=str(gpt2)), config)
+    assert str(info.value) == (f"--tokenizer {gpt2} has 50257 token ids, the model {STORIES} embeds 512 (config "
+                               "vocab_size): ids 512 to 50256 have no embedding; give the model's own tokenizer")

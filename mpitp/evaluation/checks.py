@@ -342,7 +342,7 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
                         shown(cfg.model))
         config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, cfg.hf_assets)
         _check_dcp(cfg, config)
-        check_tokenizer(cfg)
+        check_tokenizer(cfg, config)
         if cfg.peft:
             from mpitp.replica.adapters import check_config
 
@@ -374,14 +374,16 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
                    claim)
 
 
-def check_tokenizer(cfg: EvalConfig) -> None:
+def check_tokenizer(cfg: EvalConfig, config=None) -> None:
     """Rank 0, before any rank loads: the tokenizer lm-eval will load loads, and applies a chat template when
     ``--apply_chat_template`` asks for one; only then (a run without either reads the model's own, which
     ``mpitp check`` covers). Found after the load, ``--tokenizer ./nope`` was an OSError traceback on every rank
     (MPI_Abort, exit 1), and a tokenizer without a template a refusal on rank 0 alone
     (:meth:`mpitp.evaluation.lm.MPITPLM.check_chat_template`), which ended a job file's whole campaign, its later runs
     never started, where a refusal agreed here fails that run and the job goes on. A template chosen by name is still
-    lm-eval's to pick, after the load."""
+    lm-eval's to pick, after the load. With the model's ``config``: a named tokenizer whose own vocabulary is larger
+    than the model's embedding (GPT-2's 50257 ids for stories260K's 512) is refused; its ids past the embedding were
+    an IndexError traceback on every rank at the first forward."""
     from mpitp.replica.dcp import tokenizer_source
 
     source = tokenizer_source(cfg.model, cfg.tokenizer, cfg.hf_assets)
@@ -399,6 +401,11 @@ def check_tokenizer(cfg: EvalConfig) -> None:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         what = f"--tokenizer {shown(source)}" if cfg.tokenizer else f"the tokenizer of {shown(source)}"
         raise UsageError(f"{what} cannot be loaded: {why}") from None
+    vocab = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    if cfg.tokenizer and isinstance(vocab, int) and tokenizer.vocab_size > vocab:
+        raise UsageError(f"--tokenizer {shown(cfg.tokenizer)} has {tokenizer.vocab_size} token ids, the model "
+                         f"{shown(cfg.model)} embeds {vocab} (config vocab_size): ids {vocab} to "
+                         f"{tokenizer.vocab_size - 1} have no embedding; give the model's own tokenizer")
     if cfg.apply_chat_template is True:
         try:
             tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
