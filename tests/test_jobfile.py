@@ -400,3 +400,18 @@ def test_model_args_pretrained_is_the_run_model(tmp_path):
     job.write_text("runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n    model_args: {pretrained: ./m}\n")
     cfg = eval_config(load_job(job).runs[0])
     assert cfg.model == str(tmp_path / "m") and cfg.model_args["pretrained"] == cfg.model
+
+
+@pytest.mark.parametrize("first", ["model: m1", "models: ['m*']"], ids=["one-model", "sweep"])
+def test_outputs_distinct_once_name_is_expanded(tmp_path, first):
+    """``output: out/{name}.h5`` for model m1 (or a sweep over m1 and m2) and ``output: out/m1.h5`` in another run
+    are one file: the second run was refused only at its turn, after the first ran, or skipped over its numbers."""
+    for m in ("m1", "m2"):
+        (tmp_path / m).mkdir()
+    job = tmp_path / "job.yaml"
+    text = (f"runs:\n  - {{name: a, {first}, tasks: [arc_easy], output: 'out/{{name}}.h5'}}\n"
+            "  - {name: b, model: m1, tasks: [piqa], output: out/m1.h5}\n")
+    assert _refusal(job, text) == (f"{job}: run 2 ('b'): field 'output': '{tmp_path}/out/m1.h5' is already run 1's "
+                                   "file once {name} is expanded; give each run its own 'output:'")
+    job.write_text(text.replace("out/m1.h5", "out/b.h5"))
+    assert [r.name for r in load_job(job).runs] == ["a", "b"]
