@@ -415,3 +415,18 @@ def test_outputs_distinct_once_name_is_expanded(tmp_path, first):
                                    "file once {name} is expanded; give each run its own 'output:'")
     job.write_text(text.replace("out/m1.h5", "out/b.h5"))
     assert [r.name for r in load_job(job).runs] == ["a", "b"]
+
+
+def test_every_path_relative_to_the_job_file(tmp_path, monkeypatch):
+    """hf_assets, output_path and use_cache resolve against the job file's folder, as data_dir and output do: they
+    were left as written, so lm-eval's files, the response store and a DCP checkpoint's config were looked for in
+    whatever directory the scheduler started the job in."""
+    (tmp_path / "jobs").mkdir()
+    job = tmp_path / "jobs" / "job.yaml"
+    job.write_text("runs:\n  - {name: r, model: demo, tasks: [a], hf_assets: assets, output_path: lm-out,\n"
+                   "     use_cache: cache/c, data_dir: data}\n")
+    monkeypatch.chdir(tmp_path)
+    spec = load_job("jobs/job.yaml").runs[0]
+    here = tmp_path / "jobs"
+    assert (spec.hf_assets, spec.data_dir) == (str(here / "assets"), str(here / "data"))
+    assert dict(spec.lm_eval) == {"output_path": str(here / "lm-out"), "use_cache": str(here / "cache/c")}

@@ -168,7 +168,8 @@ _LM_EVAL_FIELDS = settings.lm_eval_job_fields()
 _REQUIRED = ("model", "tasks")
 # Fields whose RunSpec default is None accept an explicit null (to clear a default); lm-eval-named ones always do.
 _NULLABLE = {f.name for f in dataclasses.fields(RunSpec) if f.default is None}
-_PATH_FIELDS = ("include_path", "data_dir", "output")
+_PATH_FIELDS = ("include_path", "data_dir", "output", "hf_assets")
+_LM_EVAL_PATHS = ("output_path", "use_cache")  # lm-eval-named fields that name a local path
 _MAYBE_PATH_FIELDS = ("model", "tokenizer")  # HF id or local directory
 
 
@@ -333,13 +334,28 @@ def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
                 values[field] = _resolve(field, values[field], base)
             except _Bad as exc:
                 raise run_fail(field, str(exc)) from None
-
+    _lm_eval_paths(values, base, run_fail)
     _pretrained(values, base, run_fail)
     for key, fix in (("name", "give each run a unique 'name:'"), ("output", "give each run its own 'output:'")):
         other = seen[key].setdefault(values[key], index)
         if other != index:
             raise run_fail(key, f"{values[key]!r} is already used by run {other}; {fix}")
     return RunSpec(**values)
+
+
+def _lm_eval_paths(values: dict, base: Path, run_fail: _RunFail) -> None:
+    """``output_path`` and ``use_cache`` relative to the job file, as its other paths are: left as written, they
+    resolved against whatever directory the scheduler started the job in (lm-eval's files and the response store
+    written there), where ``hf_assets``, also a folder, did too."""
+    lm_eval = values.get("lm_eval") or {}
+    paths = {k: lm_eval[k] for k in _LM_EVAL_PATHS if isinstance(lm_eval.get(k), str)}
+    for field, value in paths.items():
+        try:
+            paths[field] = _resolve(field, value, base)
+        except _Bad as exc:
+            raise run_fail(field, str(exc)) from None
+    if paths:
+        values["lm_eval"] = FrozenDict({**lm_eval, **paths})
 
 
 def _pretrained(values: dict, base: Path, run_fail: _RunFail) -> None:
