@@ -78,8 +78,8 @@ def test_job_file_reaches_lm_eval_as_written(job):
         assert args["metadata"] == {"pretrained": "org/m", "add_bos_token": True, "dtype": "float32",
                                     "max_seq_lengths": [64]}  # model_args merged in, as lm-eval merges them
         assert args["system_instruction"] == "Be brief."
-        if name == "kv-string":  # lm-eval parses the k=v string itself
-            assert args["gen_kwargs"] == "temperature=0,max_gen_toks=5"
+        if name == "kv-string":  # read as --gen_kwargs reads it, not left to simple_evaluate's k=v reading
+            assert args["gen_kwargs"] == {"temperature": 0, "max_gen_toks": 5}
         else:
             assert args["gen_kwargs"] == {"until": ["\n\n", "Question:"], "max_gen_toks": 5}
             assert isinstance(args["gen_kwargs"]["until"], list)
@@ -287,3 +287,27 @@ def test_job_file_seeds_mean_the_flag(tmp_path, yaml_seed, cli_seed):
     path.write_text(JOB.split("runs:")[0] + "runs:\n  - {name: s, seed: [1, 2, 3], output: /o/s.h5}\n")
     with pytest.raises(JobFileError, match=r"field 'seed': expected a non-negative integer or a list of four"):
         load_job(path)
+
+
+@pytest.mark.parametrize("field,yaml_value,flag", [
+    ("gen_kwargs", "'temperature=0,until=[\"x\"]'", 'temperature=0,until=["x"]'),
+    ("gen_kwargs", "'{\"until\": [\"x\"], \"max_gen_toks\": 5}'", '{"until": ["x"], "max_gen_toks": 5}'),
+    ("metadata", "'{\"max_seq_lengths\": [64]}'", '{"max_seq_lengths": [64]}'),
+    ("model_args", "'{\"pretrained\": \"org/m\", \"add_bos_token\": true}'",
+     '{"pretrained": "org/m", "add_bos_token": true}'),
+    ("samples", "'{\"a\": [1, 3]}'", '{"a": [1, 3]}'),
+    ("samples", "picked.json", "{dir}/picked.json"),
+], ids=["gen-kv-list", "gen-json", "metadata-json", "model-args-json", "samples-json", "samples-file"])
+def test_job_file_strings_read_as_the_flags(tmp_path, field, yaml_value, flag):
+    """A string for one of lm-eval's mapping settings means what the flag's text means (lm-eval's MergeDictAction:
+    a JSON object, else key=value pairs; --samples: JSON, else a JSON file's path, here relative to the job file).
+    Read as key=value pairs by lm-eval's simple_parse_args_string, until=["x"] was the one stop string '["x"]' and
+    the JSON metadata the key '{"max_seq_lengths": [64]}'; a JSON model_args was refused, a samples string not read."""
+    (tmp_path / "picked.json").write_text('{"a": [1, 3]}')
+    path = tmp_path / "job.yaml"
+    path.write_text(f"runs:\n  - {{name: r, model: org/m, tasks: [a, b], {field}: {yaml_value}, output: /o/r.h5}}\n")
+    from_job = eval_config(load_job(path).runs[0])
+    flag = flag.replace("{dir}", str(tmp_path))
+    from_cli = parse_eval_args(["--model", "org/m", "--tasks", "a,b", f"--{field}", flag]).cfg
+    assert getattr(from_job, field) == getattr(from_cli, field)
+    assert from_job.identity() == from_cli.identity()

@@ -344,11 +344,13 @@ def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
 
 
 def _lm_eval_paths(values: dict, base: Path, run_fail: _RunFail) -> None:
-    """``output_path`` and ``use_cache`` relative to the job file, as its other paths are: left as written, they
-    resolved against whatever directory the scheduler started the job in (lm-eval's files and the response store
-    written there), where ``hf_assets``, also a folder, did too."""
+    """``output_path``, ``use_cache`` and a ``samples`` file relative to the job file, as its other paths are: left
+    as written, they resolved against whatever directory the scheduler started the job in (lm-eval's files and the
+    response store written there), where ``hf_assets``, also a folder, did too."""
     lm_eval = values.get("lm_eval") or {}
     paths = {k: lm_eval[k] for k in _LM_EVAL_PATHS if isinstance(lm_eval.get(k), str)}
+    if isinstance(lm_eval.get("samples"), str) and not lm_eval["samples"].lstrip().startswith("{"):
+        paths["samples"] = lm_eval["samples"]  # a JSON file's path, as --samples takes one
     for field, value in paths.items():
         try:
             paths[field] = _resolve(field, value, base)
