@@ -430,3 +430,15 @@ def test_every_path_relative_to_the_job_file(tmp_path, monkeypatch):
     here = tmp_path / "jobs"
     assert (spec.hf_assets, spec.data_dir) == (str(here / "assets"), str(here / "data"))
     assert dict(spec.lm_eval) == {"output_path": str(here / "lm-out"), "use_cache": str(here / "cache/c")}
+
+
+def test_fewshot_as_multiturn_needs_the_chat_template(tmp_path):
+    """``fewshot_as_multiturn: true`` without ``apply_chat_template: true`` is refused as lm-eval refuses the flags
+    (mpitp eval: 'When fewshot_as_multiturn is True, apply_chat_template must be set'); the job ran it to complete."""
+    job = tmp_path / "job.yaml"
+    text = "runs:\n  - {name: r, model: demo, tasks: [mpitp_demo_mc], fewshot_as_multiturn: true}\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'fewshot_as_multiturn': true needs apply_chat_template: "
+                                   "true (few-shot examples as turns of a chat), as lm-eval refuses "
+                                   "--fewshot_as_multiturn without --apply_chat_template")
+    job.write_text(text.replace("true}", "true, apply_chat_template: true}"))
+    assert load_job(job).runs[0].apply_chat_template is True

@@ -427,6 +427,10 @@ def _run_values(raw: dict, merged: dict, run_fail: _RunFail) -> dict:
         if extras.get("samples") is not None and values.get("limit") is not None:
             raise run_fail("samples", f"limit: {values['limit']} and samples exclude each other (lm-eval scores "
                                       "either each task's first documents or the listed ones): give one of them")
+        if extras.get("fewshot_as_multiturn") and not values.get("apply_chat_template"):
+            raise run_fail("fewshot_as_multiturn", "true needs apply_chat_template: true (few-shot examples as turns "
+                                                   "of a chat), as lm-eval refuses --fewshot_as_multiturn without "
+                                                   "--apply_chat_template")
         values["lm_eval"] = FrozenDict(extras)
     return values
 
