@@ -233,13 +233,13 @@ def test_data_dir_help_names_the_layout_it_serves():
 def test_job_file_readers_follow_the_declared_types():
     """lm-eval-named settings are read by their real types (``bool | None`` a flag that may stay unset, ``int |
     None`` a count, ``dict | None`` a mapping), not by matching the annotation's text."""
-    from mpitp.evaluation.setting_values import BadValue, yaml_bool, yaml_mapping, yaml_string
+    from mpitp.evaluation.setting_values import BadValue, yaml_bool, yaml_mapping, yaml_string, yaml_verbosity
     from mpitp.evaluation.settings import from_evaluator_config, lm_eval_job_fields
 
     readers = lm_eval_job_fields()
     assert readers["fewshot_as_multiturn"] is yaml_bool and readers["predict_only"] is yaml_bool
     assert readers["metadata"] is yaml_mapping and readers["model_args"] is yaml_mapping
-    assert readers["verbosity"] is yaml_string and readers["output_path"] is yaml_string
+    assert readers["verbosity"] is yaml_verbosity and readers["output_path"] is yaml_string
     assert readers["max_batch_size"](4) == 4
     with pytest.raises(BadValue):
         readers["max_batch_size"](0)

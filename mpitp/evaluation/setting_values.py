@@ -233,6 +233,27 @@ def yaml_mapping(v: Any) -> str | FrozenDict:
     raise BadValue(f"expected a mapping or a string like 'key=value,key2=value2', got {show(v)}")
 
 
+VERBOSITIES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""lm-eval's ``--verbosity`` levels (any case, as its logging reads them)."""
+
+
+def yaml_verbosity(v: Any) -> str:
+    """A log level of :data:`VERBOSITIES`: refused while reading the job file, where the run's turn refused it before
+    (the run recorded as failed, the job file's field unnamed)."""
+    if isinstance(v, str) and v.strip().upper() in VERBOSITIES:
+        return v.strip()
+    raise BadValue(f"expected one of {', '.join(VERBOSITIES)}, got {show(v)}")
+
+
+def yaml_device(v: Any) -> str:
+    """A device kind as ``--device`` takes it (:func:`mpitp.parallel.device.plan_device`): cpu, cuda, cuda:<index> or
+    auto; whether the node has it is the run's to find out."""
+    text = v.strip().lower() if isinstance(v, str) else None
+    if text in ("cpu", "cuda", "auto") or (text and text.startswith("cuda:") and text[5:].isdigit()):
+        return v.strip()
+    raise BadValue(f"expected cpu, cuda, cuda:<index> or auto, got {show(v)}")
+
+
 CACHE_REQUESTS = ("true", "refresh", "delete")
 """lm-eval's ``--cache_requests`` values (``lm_eval._cli.utils.request_caching_arg_to_dict``)."""
 

@@ -28,6 +28,7 @@ from mpitp.evaluation.setting_values import (
     yaml_batch_size,
     yaml_bool,
     yaml_cache_requests,
+    yaml_device,
     yaml_dtype,
     yaml_gen_kwargs,
     yaml_int_at_least,
@@ -39,6 +40,7 @@ from mpitp.evaluation.setting_values import (
     yaml_string_list,
     yaml_tasks,
     yaml_timeout,
+    yaml_verbosity,
 )
 
 ALWAYS = "always"
@@ -335,7 +337,7 @@ RUNTIME = (
         "Node-local directory: one rank per node copies a local model there before loading, the node's other ranks "
         "wait, every rank loads the copy; reused while the model is unchanged. ~, $VARS and {node} are expanded on "
         "each node (default: MPITP_STAGE_DIR, else load in place).")),
-    RuntimeSetting("device", None, yaml_string,  # on the command line: lm-eval's own --device
+    RuntimeSetting("device", None, yaml_device,  # on the command line: lm-eval's own --device
                    doc="Device kind for every rank: cpu or cuda (default: cuda when available)."),
     RuntimeSetting("watch", None, None, cli(
         "--watch", group=SWEEPS, default=None, metavar="DIR"),
@@ -413,14 +415,15 @@ def from_evaluator_config(f: Field, value: Any) -> Any:
     return value
 
 
-_FLAG_READERS = {"cache_requests": yaml_cache_requests}
-"""lm-eval-named settings whose type is what lm-eval parses the flag into, not what the flag takes: read as the flag."""
+_FLAG_READERS = {"cache_requests": yaml_cache_requests, "verbosity": yaml_verbosity}
+"""lm-eval-named settings read by the flag's own rule rather than their type's: what lm-eval parses the flag into (a
+mapping), or a word of a fixed set."""
 
 
 def lm_eval_job_fields() -> dict[str, Callable[[Any], Any]]:
     """Job-file fields named as lm-eval's ``EvaluatorConfig`` fields, read with their meaning on the command line;
     the YAML reader follows the field's type (its first declared one, or a mapping where a dict is allowed), or the
-    flag's own values where the type is what lm-eval parses the flag into (:data:`_FLAG_READERS`)."""
+    flag's own rule (:data:`_FLAG_READERS`)."""
     out = {}
     for f in lm_eval_named():
         kinds = _types(f)
