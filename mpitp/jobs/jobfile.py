@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mpitp.evaluation import settings
 from mpitp.evaluation.setting_values import (
     DTYPES,
@@ -47,6 +45,7 @@ from mpitp.evaluation.setting_values import (
     yaml_string,
     yaml_tasks,
 )
+from mpitp.jobs.jobyaml import JobFileError, read_yaml
 
 __all__ = ["DEMO_MODEL", "DTYPES", "Job", "JobFileError", "RunSpec", "load_job"]
 
@@ -54,15 +53,6 @@ DEMO_MODEL = "demo"  # built-in tiny model; never treated as a path
 _PER_RUN_ONLY = ("name", "output")  # would collide if shared by all runs
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _UNSET_VAR_RE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
-
-
-class JobFileError(ValueError):
-    """A job file is unreadable or invalid; ``str()`` is the full one-line message."""
-
-    def __init__(self, message: str, *, path: str | None = None, run: int | None = None,
-                 run_name: str | None = None, field: str | None = None):
-        super().__init__(message)
-        self.path, self.run, self.run_name, self.field = path, run, run_name, field
 
 
 @dataclass(frozen=True)
@@ -174,50 +164,6 @@ _MAYBE_PATH_FIELDS = ("model", "tokenizer")  # HF id or local directory
 
 
 # --------------------------------------------------------------------------
-# YAML reading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys: PyYAML keeps the last one silently,
-    which would turn a copy-paste slip into a quietly wrong run."""
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    dup = key in seen
-                    seen.add(key)
-                except TypeError:  # unhashable key; SafeLoader reports it
-                    continue
-                if dup:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}", key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: Path, shown: str) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise JobFileError(f"{shown}: cannot read job file: {exc.strerror or exc}", path=shown) from None
-    except UnicodeDecodeError as exc:
-        raise JobFileError(f"{shown}: not a UTF-8 text file ({exc.reason})", path=shown) from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = exc.problem or exc.context or "syntax error"
-        raise JobFileError(f"{shown}: {where}invalid YAML: {problem}", path=shown) from None
-    except yaml.YAMLError as exc:
-        raise JobFileError(f"{shown}: invalid YAML: {exc}", path=shown) from None
-
-
-# --------------------------------------------------------------------------
 # Loading
 
 
@@ -259,7 +205,7 @@ def load_job(path: str | os.PathLike[str]) -> Job:
         parts = [shown] + ([where] if where else []) + ([f"field {field!r}"] if field else [])
         return JobFileError(": ".join(parts + [msg]), path=shown, run=run, run_name=run_name, field=field)
 
-    defaults, runs = _top_level(_read_yaml(abspath, shown), fail)
+    defaults, runs = _top_level(read_yaml(abspath, shown), fail)
     seen: dict[str, dict[str, int]] = {"name": {}, "output": {}}
     specs = [_run_spec(index, raw, defaults, abspath.parent, fail, seen) for index, raw in enumerate(runs, 1)]
     from mpitp.jobs.joboutputs import shared_output
