@@ -392,3 +392,23 @@ def test_tokenizer_larger_than_the_embedding_refused():
         check_tokenizer(EvalConfig(model=str(STORIES), tokenizer=str(gpt2)), config)
     assert str(info.value) == (f"--tokenizer {gpt2} has 50257 token ids, the model {STORIES} embeds 512 (config "
                                "vocab_size): ids 512 to 50256 have no embedding; give the model's own tokenizer")
+
+
+def test_gen_kwargs_key_generate_would_refuse():
+    """A --gen_kwargs key that is no generation setting nor an input of the model (a typo) was generate's ValueError
+    ('The following model_kwargs are not used by the model: ['tempreature']') on every DP leader after the load;
+    the checks refuse it with the closest setting. Model inputs and transformers' own keywords pass, as generate
+    takes them."""
+    from transformers import AutoConfig
+
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.gen_kwargs_check import check_model_kwargs, parse_gen_kwargs
+
+    config = AutoConfig.from_pretrained(str(STORIES))
+    for ok in ("temperature=0,max_gen_toks=4,until=Q:", "output_hidden_states=False", "do_sample=False,top_k=5"):
+        check_model_kwargs(parse_gen_kwargs(ok), config)
+    with pytest.raises(UsageError) as info:
+        check_model_kwargs(parse_gen_kwargs("temperature=0,tempreature=0"), config)
+    assert str(info.value) == ("--gen_kwargs tempreature=0: tempreature is no generation setting (transformers' "
+                               "GenerationConfig) nor an input of LlamaForCausalLM: generate would refuse it (did you "
+                               "mean temperature?)")

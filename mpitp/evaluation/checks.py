@@ -354,9 +354,10 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         check_pp(config, pp)
         check_plans_apply(config, tp, pp, ep)
         check_decoder_mode(config)
-        from mpitp.evaluation.gen_kwargs_check import check_generation
+        from mpitp.evaluation.gen_kwargs_check import check_generation, check_model_kwargs
 
         check_generation(gen_kwargs)  # transformers' generation checks: torch is imported by now
+        check_model_kwargs(gen_kwargs, config)
         # Resolving these imports torch and transformers' model code (seconds on a loaded node): after the input
         # checks, so that bad input is refused without them.
         compat.check(packages=("transformers", "torch"))
