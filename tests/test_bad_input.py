@@ -98,6 +98,9 @@ ROWS = [
         _err("bad-job.yaml: run 1 ('demo-mpitp_demo_mc'): field 'tp': expected a positive integer, got 'two'")),
     Row("missing-include-path", "`--include-path` does not exist", 2,
         ("eval", "--demo", "--include-path", "./no-such-dir"), _err("--include-path ./no-such-dir: no such directory")),
+    Row("missing-tokenizer", "`--tokenizer` path does not exist", 2,
+        ("eval", "--demo", "--tokenizer", "./no-such-tokenizer"),
+        _err("--tokenizer ./no-such-tokenizer: no such directory")),
     Row("missing-data-dir", "`--data-dir` does not exist", 2, ("eval", "--demo", "--data-dir", "./no-such-dir"),
         _err("--data-dir ./no-such-dir: no such directory")),
     Row("data-dir-task-absent", "`--data-dir` lacks a task's dataset (offline)", 2,
@@ -327,9 +330,10 @@ def test_bad_gen_kwargs_under_mpiexec(tmp_path):
 def test_requests_lm_eval_cannot_score_are_one_line(args, message, tmp_path):
     """What lm-eval refuses by an assertion once its requests are built (a traceback from whichever rank met it): one
     line and exit 2. A continuation too long is met by the DP leader that tokenises a chunk, once the run is under
-    way: the file is left 'running', for a --resume with a larger --max-length. The others (and a tokenizer without a
-    chat template: the checks do not load the tokenizer) before any request is served, so before the file is made:
-    the fixed rerun needs no --overwrite (a 'running' file of no rows was left, whose settings --resume refused)."""
+    way: the file is left 'running', for a --resume with a larger --max-length. max_gen_toks leaving no room is met
+    before any request is served, so before the file is made, and a tokenizer without a chat template by the checks,
+    before the load: the fixed rerun needs no --overwrite (a 'running' file of no rows was left, which --resume
+    refused over its other settings)."""
     proc = run_mpi(2, ["eval", *args, "--tp", "2", "--limit", "2", "--output", "out.h5"], timeout=120,
                    cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
@@ -352,3 +356,61 @@ def test_commands_that_use_no_mpi_run_once_under_mpiexec(tmp_path):
     assert proc.returncode == 0 and proc.stdout.count("mpitp check: ready offline") == 1, explain(proc)
     proc = run_mpi(2, ["inspect", "missing.h5"], timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.count("missing.h5: no such file") == 1, explain(proc)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tokenizer="./no-such-tokenizer"), "--tokenizer ./no-such-tokenizer: no such directory"),
+    (dict(tokenizer="no-such-org/no-such-tokenizer"), "--tokenizer no-such-org/no-such-tokenizer cannot be loaded: "),
+    (dict(apply_chat_template=True), "--apply_chat_template: the tokenizer cannot apply a chat template: "),
+], ids=["path", "hub-id", "no-chat-template"])
+def test_tokenizer_refused_before_the_load(kwargs, message, monkeypatch):
+    """The checks load the tokenizer lm-eval will load when one is named or a chat template asked for: a missing one
+    was an OSError traceback on every rank after the model load, one without a template a refusal on rank 0 alone
+    (a job file's later runs never started)."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_tokenizer
+    from mpitp.evaluation.settings import EvalConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_tokenizer(EvalConfig(model=str(STORIES)))  # neither: the model's own, left to mpitp check
+    check_tokenizer(EvalConfig(model=str(STORIES), tokenizer=str(STORIES)))
+    with pytest.raises(UsageError) as info:
+        check_tokenizer(EvalConfig(model=str(STORIES), **kwargs))
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_tokenizer_larger_than_the_embedding_refused():
+    """GPT-2's tokenizer (50257 ids) for stories260K (512 embedded): an IndexError traceback on every rank at the
+    first forward; now refused by the checks, the arithmetic spelt out."""
+    from transformers import AutoConfig
+
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import check_tokenizer
+    from mpitp.evaluation.settings import EvalConfig
+
+    gpt2, config = SHARED / "tokenizers" / "gpt2", AutoConfig.from_pretrained(str(STORIES))
+    check_tokenizer(EvalConfig(model=str(STORIES), tokenizer=str(STORIES)), config)
+    with pytest.raises(UsageError) as info:
+        check_tokenizer(EvalConfig(model=str(STORIES), tokenizer=str(gpt2)), config)
+    assert str(info.value) == (f"--tokenizer {gpt2} has 50257 token ids, the model {STORIES} embeds 512 (config "
+                               "vocab_size): ids 512 to 50256 have no embedding; give the model's own tokenizer")
+
+
+def test_gen_kwargs_key_generate_would_refuse():
+    """A --gen_kwargs key that is no generation setting nor an input of the model (a typo) was generate's ValueError
+    ('The following model_kwargs are not used by the model: ['tempreature']') on every DP leader after the load;
+    the checks refuse it with the closest setting. Model inputs and transformers' own keywords pass, as generate
+    takes them."""
+    from transformers import AutoConfig
+
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.gen_kwargs_check import check_model_kwargs, parse_gen_kwargs
+
+    config = AutoConfig.from_pretrained(str(STORIES))
+    for ok in ("temperature=0,max_gen_toks=4,until=Q:", "output_hidden_states=False", "do_sample=False,top_k=5"):
+        check_model_kwargs(parse_gen_kwargs(ok), config)
+    with pytest.raises(UsageError) as info:
+        check_model_kwargs(parse_gen_kwargs("temperature=0,tempreature=0"), config)
+    assert str(info.value) == ("--gen_kwargs tempreature=0: tempreature is no generation setting (transformers' "
+                               "GenerationConfig) nor an input of LlamaForCausalLM: generate would refuse it (did you "
+                               "mean temperature?)")

@@ -33,6 +33,14 @@ def _error(write, text: str) -> str:
     return str(info.value)
 
 
+def _refusal(job: Path, text: str) -> str:
+    """``text`` written to ``job``: the one line loading it raises."""
+    job.write_text(text)
+    with pytest.raises(JobFileError) as info:
+        load_job(job)
+    return str(info.value)
+
+
 def _one_run(field: str, value: str) -> str:
     """Two runs; the second, named llama-arc, carries the bad field."""
     return f"""
@@ -69,13 +77,16 @@ BAD_FIELDS = [
                                       "or list of them, got {'b': 1}"),
     ("apply_chat_template", "'yes'", P + "'apply_chat_template': expected true or false, got 'yes'"),
     ("log_samples", "1", P + "'log_samples': expected true or false, got 1"),
-    ("seed", "-1", P + "'seed': expected a non-negative integer, got -1"),
+    ("seed", "-1", P + "'seed': expected a non-negative integer or a list of four (python, numpy, torch, "
+                          "few-shot; null: unseeded), got -1"),
     ("output", "out.txt", P + "'output': expected a path ending in .h5, got 'out.txt'"),
     ("timeout", "0", P + "'timeout': expected a positive number of seconds, got 0"),
     ("timeout", "1h", P + "'timeout': expected a positive number of seconds, got '1h'"),
     ("revision", "1.0", P + "'revision': expected a non-empty string, got 1.0 (quote it in YAML)"),
     ("tokenizer", "''", P + "'tokenizer': expected a non-empty string, got ''"),
-    ("device", "[cuda]", P + "'device': expected a non-empty string, got ['cuda']"),
+    ("device", "[cuda]", P + "'device': expected cpu, cuda, cuda:<index> or auto, got ['cuda']"),
+    ("device", "tpu", P + "'device': expected cpu, cuda, cuda:<index> or auto, got 'tpu'"),
+    ("verbosity", "LOUD", P + "'verbosity': expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'LOUD'"),
     ("include_path", "$MPITP_SURELY_UNSET/tasks",
      P + "'include_path': environment variable $MPITP_SURELY_UNSET is not set (in '$MPITP_SURELY_UNSET/tasks')"),
     ("batchsize", "8", P + "'batchsize': unknown field (did you mean 'batch_size'?)"),
@@ -344,3 +355,110 @@ def test_run_spec_fields_follow_the_declarations():
     have = [(f.name, f.default, f.hash is not False) for f in dataclasses.fields(RunSpec)]
     assert have == declared_run_fields()
     assert all(f.type != "Any" for f in dataclasses.fields(RunSpec))
+
+
+@pytest.mark.parametrize("value,parsed", [("true", {"cache_requests": True, "rewrite_requests_cache": False,
+                                                    "delete_requests_cache": False}),
+                                          ("refresh", {"cache_requests": True, "rewrite_requests_cache": True,
+                                                       "delete_requests_cache": False}),
+                                          ("false", None)])
+def test_cache_requests_read_as_the_flag(tmp_path, value, parsed):
+    """``cache_requests:`` takes what ``--cache_requests`` takes (``true`` was refused as not a mapping); a value
+    lm-eval's parser refuses is the file's error, not its ArgumentTypeError traceback once the run began."""
+    from mpitp.jobs.jobrun import eval_config
+
+    job = tmp_path / "job.yaml"
+    job.write_text(f"runs:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n    cache_requests: {value}\n")
+    assert eval_config(load_job(job).runs[0]).cache_requests == parsed
+    text = "runs:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n    cache_requests: maybe\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'cache_requests': expected true, 'refresh' or 'delete' "
+                               "(lm-eval's --cache_requests), got 'maybe'")
+
+
+def test_samples_with_limit_refused(tmp_path):
+    """``samples`` with ``limit`` (a default's too) is the file's error, as ``--samples`` with ``--limit`` is the
+    command line's: it passed the file's checks and lm-eval's ValueError was a traceback after the model load."""
+    job = tmp_path / "job.yaml"
+    text = "defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n" \
+           "    samples: {mpitp_demo_mc: [1]}\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'samples': limit: 3 and samples exclude each other "
+                               "(lm-eval scores either each task's first documents or the listed ones): give one of "
+                               "them")
+    job.write_text("defaults:\n  limit: 3\nruns:\n  - name: r\n    model: demo\n    tasks: [mpitp_demo_mc]\n"
+                   "    samples: {mpitp_demo_mc: [1]}\n    limit: null\n")
+    assert load_job(job).runs[0].limit is None
+
+
+def test_model_args_pretrained_is_the_run_model(tmp_path):
+    """``model_args: {pretrained: B}`` beside ``model: A`` is refused, as ``--model A --model_args pretrained=B``
+    is (it was recorded as the model while A was loaded); the same model, relative to the job file, is accepted."""
+    from mpitp.jobs.jobrun import eval_config
+
+    (tmp_path / "m").mkdir()
+    job = tmp_path / "job.yaml"
+    text = "runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n    model_args: pretrained=/other,dtype=float32\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'model_args': pretrained=/other and model: {tmp_path}/m "
+                               "name different models: give the model once, as 'model:'")
+    job.write_text("runs:\n  - name: r\n    model: m\n    tasks: [arc_easy]\n    model_args: {pretrained: ./m}\n")
+    cfg = eval_config(load_job(job).runs[0])
+    assert cfg.model == str(tmp_path / "m") and cfg.model_args["pretrained"] == cfg.model
+
+
+@pytest.mark.parametrize("first", ["model: m1", "models: ['m*']"], ids=["one-model", "sweep"])
+def test_outputs_distinct_once_name_is_expanded(tmp_path, first):
+    """``output: out/{name}.h5`` for model m1 (or a sweep over m1 and m2) and ``output: out/m1.h5`` in another run
+    are one file: the second run was refused only at its turn, after the first ran, or skipped over its numbers."""
+    for m in ("m1", "m2"):
+        (tmp_path / m).mkdir()
+    job = tmp_path / "job.yaml"
+    text = (f"runs:\n  - {{name: a, {first}, tasks: [arc_easy], output: 'out/{{name}}.h5'}}\n"
+            "  - {name: b, model: m1, tasks: [piqa], output: out/m1.h5}\n")
+    assert _refusal(job, text) == (f"{job}: run 2 ('b'): field 'output': '{tmp_path}/out/m1.h5' is already run 1's "
+                                   "file once {name} is expanded; give each run its own 'output:'")
+    job.write_text(text.replace("out/m1.h5", "out/b.h5"))
+    assert [r.name for r in load_job(job).runs] == ["a", "b"]
+
+
+def test_every_path_relative_to_the_job_file(tmp_path, monkeypatch):
+    """hf_assets, output_path and use_cache resolve against the job file's folder, as data_dir and output do: they
+    were left as written, so lm-eval's files, the response store and a DCP checkpoint's config were looked for in
+    whatever directory the scheduler started the job in."""
+    (tmp_path / "jobs").mkdir()
+    job = tmp_path / "jobs" / "job.yaml"
+    job.write_text("runs:\n  - {name: r, model: demo, tasks: [a], hf_assets: assets, output_path: lm-out,\n"
+                   "     use_cache: cache/c, data_dir: data}\n")
+    monkeypatch.chdir(tmp_path)
+    spec = load_job("jobs/job.yaml").runs[0]
+    here = tmp_path / "jobs"
+    assert (spec.hf_assets, spec.data_dir) == (str(here / "assets"), str(here / "data"))
+    assert dict(spec.lm_eval) == {"output_path": str(here / "lm-out"), "use_cache": str(here / "cache/c")}
+
+
+def test_fewshot_as_multiturn_needs_the_chat_template(tmp_path):
+    """``fewshot_as_multiturn: true`` without ``apply_chat_template: true`` is refused as lm-eval refuses the flags
+    (mpitp eval: 'When fewshot_as_multiturn is True, apply_chat_template must be set'); the job ran it to complete."""
+    job = tmp_path / "job.yaml"
+    text = "runs:\n  - {name: r, model: demo, tasks: [mpitp_demo_mc], fewshot_as_multiturn: true}\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'fewshot_as_multiturn': true needs apply_chat_template: "
+                                   "true (few-shot examples as turns of a chat), as lm-eval refuses "
+                                   "--fewshot_as_multiturn without --apply_chat_template")
+    job.write_text(text.replace("true}", "true, apply_chat_template: true}"))
+    assert load_job(job).runs[0].apply_chat_template is True
+
+
+def test_aliases_and_nesting_bounded(tmp_path):
+    """Nine aliases of nine (a 'billion laughs') under metadata loaded in 0.04 s and were copied out by each run:
+    7 levels took 5 s and 28 MB of JSON, 9 levels would be 387 million strings; [[[...]]] 3000 deep was PyYAML's
+    RecursionError traceback. Both are one line now; anchors within the bound still work."""
+    job = tmp_path / "job.yaml"
+    laughs = "defaults:\n  metadata:\n    l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 9))
+    run = "runs:\n  - {name: r, model: demo, tasks: [mpitp_demo_mc]}\n"
+    assert _refusal(job, laughs + run) == (f"{job}: holds 490329078 values with its aliases (*name) copied out, more "
+                                           "than the 1000000 a job file may: each run's settings are copied out that "
+                                           "far")
+    deep = "runs:\n  - {name: r, model: demo, tasks: [mpitp_demo_mc], metadata: {x: " + "[" * 3000 + "]" * 3000 + "}}\n"
+    assert _refusal(job, deep).startswith(f"{job}: invalid YAML: nested deeper than ")
+    job.write_text("defaults: &d {model: demo, tasks: [mpitp_demo_mc]}\nruns:\n  - {<<: *d, name: a}\n"
+                   "  - {<<: *d, name: b, limit: 2}\n")
+    assert [r.limit for r in load_job(job).runs] == [None, 2]

@@ -293,3 +293,23 @@ def test_a_run_whose_output_names_its_model_is_skipped_once_complete(tmp_path, s
     assert p.returncode == 0, explain(p)
     assert summary(p.stdout)[1]["one"]["status"] == "skipped (complete)", p.stdout
     assert "=== run 1/1" not in p.stderr and os.stat(out).st_mtime_ns == stamp
+
+
+def test_a_run_whose_tokenizer_is_refused_fails_alone(tmp_path):
+    """A run asking for a chat template its tokenizer lacks, or naming a tokenizer that does not exist, is refused by
+    the checks on every rank before its load: the job records it and goes on. Refused on rank 0 alone after the load,
+    the chat template ended the whole job (MPI_Abort(2), no summary, the later runs never started); the missing
+    tokenizer was an OSError traceback on every rank (MPI_Abort(1))."""
+    job = tmp_path / "job.yaml"
+    job.write_text("defaults:\n  model: demo\n  tasks: [mpitp_demo_mc]\n  limit: 2\nruns:\n"
+                   "  - {name: chat, apply_chat_template: true, output: out/chat.h5}\n"
+                   "  - {name: tok, tokenizer: ./no-such-tokenizer, output: out/tok.h5}\n"
+                   "  - {name: plain, output: out/plain.h5}\n")
+    p = run_mpi(2, ["run", str(job)], timeout=300, cwd=str(tmp_path))
+    assert p.returncode == 1 and "Traceback" not in p.stdout + p.stderr, explain(p)
+    rows = summary(p.stdout)[1]
+    assert rows["chat"]["status"].startswith("FAILED: --apply_chat_template: the tokenizer cannot apply a chat "
+                                             "template: "), rows
+    assert rows["tok"]["status"] == f"FAILED: --tokenizer {tmp_path}/no-such-tokenizer: no such directory", rows
+    assert rows["plain"]["status"] == "complete", rows
+    assert not (tmp_path / "out" / "chat.h5").exists() and not (tmp_path / "out" / "tok.h5").exists()

@@ -78,8 +78,8 @@ def test_job_file_reaches_lm_eval_as_written(job):
         assert args["metadata"] == {"pretrained": "org/m", "add_bos_token": True, "dtype": "float32",
                                     "max_seq_lengths": [64]}  # model_args merged in, as lm-eval merges them
         assert args["system_instruction"] == "Be brief."
-        if name == "kv-string":  # lm-eval parses the k=v string itself
-            assert args["gen_kwargs"] == "temperature=0,max_gen_toks=5"
+        if name == "kv-string":  # read as --gen_kwargs reads it, not left to simple_evaluate's k=v reading
+            assert args["gen_kwargs"] == {"temperature": 0, "max_gen_toks": 5}
         else:
             assert args["gen_kwargs"] == {"until": ["\n\n", "Question:"], "max_gen_toks": 5}
             assert isinstance(args["gen_kwargs"]["until"], list)
@@ -233,13 +233,13 @@ def test_data_dir_help_names_the_layout_it_serves():
 def test_job_file_readers_follow_the_declared_types():
     """lm-eval-named settings are read by their real types (``bool | None`` a flag that may stay unset, ``int |
     None`` a count, ``dict | None`` a mapping), not by matching the annotation's text."""
-    from mpitp.evaluation.setting_values import BadValue, yaml_bool, yaml_mapping, yaml_string
+    from mpitp.evaluation.setting_values import BadValue, yaml_bool, yaml_mapping, yaml_string, yaml_verbosity
     from mpitp.evaluation.settings import from_evaluator_config, lm_eval_job_fields
 
     readers = lm_eval_job_fields()
     assert readers["fewshot_as_multiturn"] is yaml_bool and readers["predict_only"] is yaml_bool
     assert readers["metadata"] is yaml_mapping and readers["model_args"] is yaml_mapping
-    assert readers["verbosity"] is yaml_string and readers["output_path"] is yaml_string
+    assert readers["verbosity"] is yaml_verbosity and readers["output_path"] is yaml_string
     assert readers["max_batch_size"](4) == 4
     with pytest.raises(BadValue):
         readers["max_batch_size"](0)
@@ -272,3 +272,42 @@ def test_seconds_refuse_a_deadline_that_never_comes():
                       ("0", "must be > 0, got '0'")):
         with pytest.raises(argparse.ArgumentTypeError, match=said):
             cli_positive_float(bad)
+
+
+@pytest.mark.parametrize("yaml_seed,cli_seed", [("[1, null, 3, 4]", "1,None,3,4"), ("[5, 6, 7, 8]", "5,6,7,8"),
+                                                ("9", "9")])
+def test_job_file_seeds_mean_the_flag(tmp_path, yaml_seed, cli_seed):
+    """``seed:`` takes ``--seed``'s four values (null: that generator unseeded) as well as one integer; the list was
+    refused ('expected a non-negative integer') though the setting's description offers it."""
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB.split("runs:")[0] + f"runs:\n  - {{name: s, limit: 3, seed: {yaml_seed}, output: /o/s.h5}}\n")
+    from_job, from_cli = eval_config(load_job(path).runs[0]), _cli_config("--limit", "3", "--seed", cli_seed)
+    assert from_job.identity() == from_cli.identity()
+    assert from_job.lm_eval_arguments() == from_cli.lm_eval_arguments()
+    path.write_text(JOB.split("runs:")[0] + "runs:\n  - {name: s, seed: [1, 2, 3], output: /o/s.h5}\n")
+    with pytest.raises(JobFileError, match=r"field 'seed': expected a non-negative integer or a list of four"):
+        load_job(path)
+
+
+@pytest.mark.parametrize("field,yaml_value,flag", [
+    ("gen_kwargs", "'temperature=0,until=[\"x\"]'", 'temperature=0,until=["x"]'),
+    ("gen_kwargs", "'{\"until\": [\"x\"], \"max_gen_toks\": 5}'", '{"until": ["x"], "max_gen_toks": 5}'),
+    ("metadata", "'{\"max_seq_lengths\": [64]}'", '{"max_seq_lengths": [64]}'),
+    ("model_args", "'{\"pretrained\": \"org/m\", \"add_bos_token\": true}'",
+     '{"pretrained": "org/m", "add_bos_token": true}'),
+    ("samples", "'{\"a\": [1, 3]}'", '{"a": [1, 3]}'),
+    ("samples", "picked.json", "{dir}/picked.json"),
+], ids=["gen-kv-list", "gen-json", "metadata-json", "model-args-json", "samples-json", "samples-file"])
+def test_job_file_strings_read_as_the_flags(tmp_path, field, yaml_value, flag):
+    """A string for one of lm-eval's mapping settings means what the flag's text means (lm-eval's MergeDictAction:
+    a JSON object, else key=value pairs; --samples: JSON, else a JSON file's path, here relative to the job file).
+    Read as key=value pairs by lm-eval's simple_parse_args_string, until=["x"] was the one stop string '["x"]' and
+    the JSON metadata the key '{"max_seq_lengths": [64]}'; a JSON model_args was refused, a samples string not read."""
+    (tmp_path / "picked.json").write_text('{"a": [1, 3]}')
+    path = tmp_path / "job.yaml"
+    path.write_text(f"runs:\n  - {{name: r, model: org/m, tasks: [a, b], {field}: {yaml_value}, output: /o/r.h5}}\n")
+    from_job = eval_config(load_job(path).runs[0])
+    flag = flag.replace("{dir}", str(tmp_path))
+    from_cli = parse_eval_args(["--model", "org/m", "--tasks", "a,b", f"--{field}", flag]).cfg
+    assert getattr(from_job, field) == getattr(from_cli, field)
+    assert from_job.identity() == from_cli.identity()

@@ -342,6 +342,7 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
                         shown(cfg.model))
         config = load_config(cfg.model, cfg.revision, cfg.trust_remote_code, cfg.hf_assets)
         _check_dcp(cfg, config)
+        check_tokenizer(cfg, config)
         if cfg.peft:
             from mpitp.replica.adapters import check_config
 
@@ -353,9 +354,10 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         check_pp(config, pp)
         check_plans_apply(config, tp, pp, ep)
         check_decoder_mode(config)
-        from mpitp.evaluation.gen_kwargs_check import check_generation
+        from mpitp.evaluation.gen_kwargs_check import check_generation, check_model_kwargs
 
         check_generation(gen_kwargs)  # transformers' generation checks: torch is imported by now
+        check_model_kwargs(gen_kwargs, config)
         # Resolving these imports torch and transformers' model code (seconds on a loaded node): after the input
         # checks, so that bad input is refused without them.
         compat.check(packages=("transformers", "torch"))
@@ -371,6 +373,46 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
 
     return Checked(out, tokenizer_source(cfg.model, cfg.tokenizer, cfg.hf_assets), config, tasks,
                    claim)
+
+
+def check_tokenizer(cfg: EvalConfig, config=None) -> None:
+    """Rank 0, before any rank loads: the tokenizer lm-eval will load loads, and applies a chat template when
+    ``--apply_chat_template`` asks for one; only then (a run without either reads the model's own, which
+    ``mpitp check`` covers). Found after the load, ``--tokenizer ./nope`` was an OSError traceback on every rank
+    (MPI_Abort, exit 1), and a tokenizer without a template a refusal on rank 0 alone
+    (:meth:`mpitp.evaluation.lm.MPITPLM.check_chat_template`), which ended a job file's whole campaign, its later runs
+    never started, where a refusal agreed here fails that run and the job goes on. A template chosen by name is still
+    lm-eval's to pick, after the load. With the model's ``config``: a named tokenizer whose own vocabulary is larger
+    than the model's embedding (GPT-2's 50257 ids for stories260K's 512) is refused; its ids past the embedding were
+    an IndexError traceback on every rank at the first forward."""
+    from mpitp.replica.dcp import tokenizer_source
+
+    source = tokenizer_source(cfg.model, cfg.tokenizer, cfg.hf_assets)
+    if source is None or (not cfg.tokenizer and cfg.apply_chat_template is not True):
+        return
+    if cfg.tokenizer and cfg.tokenizer.startswith(("/", "./", "../", "~")) and \
+            not os.path.isdir(os.path.expanduser(cfg.tokenizer)):  # a path, not a hub id: transformers says neither
+        raise UsageError(f"--tokenizer {shown(cfg.tokenizer)}: no such directory")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=cfg.revision or "main",
+                                                  trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ... for one that does not load
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        what = f"--tokenizer {shown(source)}" if cfg.tokenizer else f"the tokenizer of {shown(source)}"
+        raise UsageError(f"{what} cannot be loaded: {why}") from None
+    vocab = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    if cfg.tokenizer and isinstance(vocab, int) and tokenizer.vocab_size > vocab:
+        raise UsageError(f"--tokenizer {shown(cfg.tokenizer)} has {tokenizer.vocab_size} token ids, the model "
+                         f"{shown(cfg.model)} embeds {vocab} (config vocab_size): ids {vocab} to "
+                         f"{tokenizer.vocab_size - 1} have no embedding; give the model's own tokenizer")
+    if cfg.apply_chat_template is True:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+        except ValueError as exc:
+            why = " ".join(str(exc).split()[:40]) or type(exc).__name__
+            raise UsageError(f"--apply_chat_template: the tokenizer cannot apply a chat template: {why}") from None
 
 
 def _check_dcp(cfg: EvalConfig, config) -> None:

@@ -121,6 +121,41 @@ def check_generation(parsed: dict) -> None:
         _build_generation(generate_kwargs(parsed), f"--gen_kwargs {shown_kwargs(parsed)}")
 
 
+def check_model_kwargs(parsed: dict, config) -> None:
+    """Keys of ``parsed`` that neither lm-eval, transformers' ``GenerationConfig`` nor the model ``config`` names
+    takes as an input: ``generate`` hands them to the model and refuses them (``The following model_kwargs are not
+    used by the model: ['tempreature']``), a ValueError traceback on every DP leader after the load; refused here as
+    one line with the closest generation setting. The inputs are ``generate``'s own test
+    (``GenerationMixin._validate_model_kwargs``, decoder-only): ``prepare_inputs_for_generation``'s parameters, the
+    forward's where that takes ``**kwargs``, and transformers' model-agnostic keywords."""
+    import difflib
+    import inspect
+
+    from transformers import GenerationConfig
+    from transformers.utils.generic import TransformersKwargs
+
+    from mpitp.replica.tp_plans import causal_lm_class
+
+    unused = GenerationConfig().update(**generate_kwargs(parsed)) if parsed else {}
+    unused = {k: v for k, v in unused.items() if v is not None}
+    if not unused:
+        return
+    try:
+        model = causal_lm_class(config)
+    except (KeyError, AttributeError):  # no causal-LM class: refused by the checks with its reason
+        return
+    inputs = set(inspect.signature(model.prepare_inputs_for_generation).parameters)
+    if inputs & {"kwargs", "model_kwargs"}:
+        inputs |= set(inspect.signature(model.forward).parameters)
+    inputs |= set(TransformersKwargs.__optional_keys__)
+    for key, value in unused.items():
+        if key not in inputs:
+            close = difflib.get_close_matches(key, list(GenerationConfig().to_dict()), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise _refuse(key, value, f"{key} is no generation setting (transformers' GenerationConfig) nor an input "
+                                      f"of {model.__name__}: generate would refuse it{hint}")
+
+
 def check_request_generation(kwargs: dict, default_max_gen_toks: int, task: str) -> None:
     """One request's generation kwargs as lm-eval hands them to its model (the task's ``generation_kwargs`` with
     ``--gen_kwargs`` merged in) checked as ``HFLM`` passes them to ``generate``: its ``normalize_gen_kwargs`` decides

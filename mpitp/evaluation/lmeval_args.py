@@ -380,21 +380,39 @@ def check_integrity_runnable(option: str = "--check_integrity") -> None:
                          "installation does not include (a source checkout of lm-eval does): drop it") from None
 
 
+def samples_dict(text: str) -> dict:
+    """A job file's ``samples:`` string as lm-eval reads ``--samples``: a JSON object, else a JSON file's path (made
+    absolute against the job file's folder when the file was read). The string reached the checks as it was."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        with open(text, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise UsageError(f"--samples {text}: neither JSON nor a readable file ({exc.strerror or exc})") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise UsageError(f"--samples {text}: not JSON: {_first_line(exc)}") from None
+
+
 def apply_lm_eval_settings(cfg: EvalConfig, settings: dict) -> None:
     """A job file's lm-eval fields (named as lm-eval's EvaluatorConfig fields) onto ``cfg``, with the flags' meaning:
     model_args split and refused as for ``--model_args`` (the job file's tokenizer, revision, dtype and max_length
     merged into it as ``--dtype`` ... are), ``predict_only`` implying ``log_samples``, ``metadata`` merged over
     model_args for the TaskManager, as lm-eval merges them (babilong and RULER read ``pretrained`` there)."""
     from lm_eval.config.evaluate_config import DICT_KEYS
-    from lm_eval.utils import simple_parse_args_string
 
     settings = {k: v for k, v in settings.items() if v is not None}
     for key in DICT_KEYS:
         if isinstance(settings.get(key), str):
-            settings[key] = model_args_dict(settings[key]) if key == "model_args" else \
-                simple_parse_args_string(settings[key])
+            settings[key] = model_args_dict(settings[key], f"--{key}")  # as the flag reads it: JSON or key=value
         elif key in settings:
             settings[key] = dict(settings[key])
+    if isinstance(settings.get("samples"), str):  # as lm-eval reads --samples: JSON, else a JSON file's path
+        settings["samples"] = samples_dict(settings["samples"])
+    if isinstance(cfg.gen_kwargs, str):
+        cfg.gen_kwargs = model_args_dict(cfg.gen_kwargs, "--gen_kwargs") or None
     model_args = {**({"pretrained": cfg.model} if cfg.model else {}), **settings.pop("model_args", {})}
     for key in cli_setting_dests(shorthand=True):
         current = getattr(cfg, key)

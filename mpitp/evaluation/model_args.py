@@ -4,6 +4,7 @@ name."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -107,12 +108,23 @@ def split_model_args(model_args: dict) -> tuple[dict, dict]:
     return loading, hflm
 
 
-def model_args_dict(args: str | Mapping | None) -> dict:
-    """``--model_args`` as lm-eval reads it: a mapping, or ``key=value,key2=value2`` (values typed as lm-eval types
-    them)."""
+def model_args_dict(args: str | Mapping | None, option: str = "--model_args") -> dict:
+    """``--model_args`` (or another of lm-eval's mapping flags, ``option``) as lm-eval's command line reads it
+    (``MergeDictAction``): a mapping, a JSON object, or ``key=value,key2=value2`` (values typed as lm-eval types them).
+    A job file's string was read as ``key=value`` pairs alone: its JSON object was refused as model_args, and taken
+    as metadata (or gen_kwargs) by lm-eval's ``simple_parse_args_string``, whose ``{"a": 1}`` is the key '{"a": 1}'
+    and whose ``until=["x"]`` the one stop string '["x"]' (a list on the command line)."""
     if isinstance(args, str):
+        if args.strip().startswith("{"):
+            try:
+                parsed = json.loads(args)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{option} {args!r}: not a JSON object: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise UsageError(f"{option} {args!r}: not a JSON object")
+            return parsed
         try:
             return compat.attribute("lm_eval._cli.utils.key_val_to_dict")(args)
         except ValueError as exc:
-            raise UsageError(f"--model_args {args!r}: {exc}") from None
+            raise UsageError(f"{option} {args!r}: {exc}") from None
     return dict(args or {})

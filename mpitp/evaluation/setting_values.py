@@ -129,6 +129,18 @@ def yaml_int_at_least(lo: int, what: str) -> Callable[[Any], int]:
     return check
 
 
+def yaml_seed(v: Any) -> int | tuple[int | None, ...]:
+    """lm-eval's ``--seed``: one integer for its four generators (python, numpy, torch, few-shot), or four values,
+    ``null`` leaving that one unseeded (``--seed 0,None,8,52``). The job file took only the one integer, so
+    ``seed: [1, 2, 3, 4]`` (the settings' own description) was refused."""
+    if _is_int(v) and v >= 0:
+        return v
+    if isinstance(v, list) and len(v) == 4 and all(x is None or (_is_int(x) and x >= 0) for x in v):
+        return tuple(v)
+    raise BadValue(f"expected a non-negative integer or a list of four (python, numpy, torch, few-shot; null: "
+                   f"unseeded), got {show(v)}")
+
+
 def yaml_dtype(v: Any) -> str:
     if v in DTYPES:
         return v
@@ -219,6 +231,43 @@ def yaml_mapping(v: Any) -> str | FrozenDict:
     if isinstance(v, dict):
         return FrozenDict({k: (FrozenDict(x) if isinstance(x, dict) else x) for k, x in v.items()})
     raise BadValue(f"expected a mapping or a string like 'key=value,key2=value2', got {show(v)}")
+
+
+VERBOSITIES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""lm-eval's ``--verbosity`` levels (any case, as its logging reads them)."""
+
+
+def yaml_verbosity(v: Any) -> str:
+    """A log level of :data:`VERBOSITIES`: refused while reading the job file, where the run's turn refused it before
+    (the run recorded as failed, the job file's field unnamed)."""
+    if isinstance(v, str) and v.strip().upper() in VERBOSITIES:
+        return v.strip()
+    raise BadValue(f"expected one of {', '.join(VERBOSITIES)}, got {show(v)}")
+
+
+def yaml_device(v: Any) -> str:
+    """A device kind as ``--device`` takes it (:func:`mpitp.parallel.device.plan_device`): cpu, cuda, cuda:<index> or
+    auto; whether the node has it is the run's to find out."""
+    text = v.strip().lower() if isinstance(v, str) else None
+    if text in ("cpu", "cuda", "auto") or (text and text.startswith("cuda:") and text[5:].isdigit()):
+        return v.strip()
+    raise BadValue(f"expected cpu, cuda, cuda:<index> or auto, got {show(v)}")
+
+
+CACHE_REQUESTS = ("true", "refresh", "delete")
+"""lm-eval's ``--cache_requests`` values (``lm_eval._cli.utils.request_caching_arg_to_dict``)."""
+
+
+def yaml_cache_requests(v: Any) -> str | None:
+    """lm-eval's ``--cache_requests true|refresh|delete`` as a job file writes it: ``true`` (a YAML boolean, or the
+    flag's word), ``refresh`` or ``delete``; ``false`` leaves it off. Its declared type is the mapping lm-eval parses
+    the flag into, so the mapping reader refused ``true`` and passed ``maybe`` on to lm-eval's parser, whose
+    ArgumentTypeError was a traceback and MPI_Abort once the run began."""
+    if v is True or v is False:
+        return "true" if v else None
+    if isinstance(v, str) and v.strip().lower() in CACHE_REQUESTS:
+        return v.strip().lower()
+    raise BadValue(f"expected true, 'refresh' or 'delete' (lm-eval's --cache_requests), got {show(v)}")
 
 
 # -------------------------------------------------------------------------------- reading a command-line value

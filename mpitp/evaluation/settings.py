@@ -27,16 +27,20 @@ from mpitp.evaluation.setting_values import (
     cli_positive_float,
     yaml_batch_size,
     yaml_bool,
+    yaml_cache_requests,
+    yaml_device,
     yaml_dtype,
     yaml_gen_kwargs,
     yaml_int_at_least,
     yaml_limit,
     yaml_mapping,
     yaml_output,
+    yaml_seed,
     yaml_string,
     yaml_string_list,
     yaml_tasks,
     yaml_timeout,
+    yaml_verbosity,
 )
 
 ALWAYS = "always"
@@ -120,7 +124,7 @@ class EvalConfig:
         "Wrap prompts in the tokenizer's chat template (optionally a template name)."))
     include_path: str | list[str] | None = setting(job=yaml_string,
                                                    doc="Additional directory of lm-eval task YAMLs.")
-    seed: int | list | None = setting(identity=ALWAYS, job=yaml_int_at_least(0, "a non-negative integer"), doc=(
+    seed: int | list | None = setting(identity=ALWAYS, job=yaml_seed, doc=(
         "Random seeds (python, numpy, torch, few-shot): one integer for all four or four values (default "
         "0,1234,1234,1234)."))
     output: str | None = setting(job=yaml_output, cli=cli("--output", group=RESULTS), doc=(
@@ -333,7 +337,7 @@ RUNTIME = (
         "Node-local directory: one rank per node copies a local model there before loading, the node's other ranks "
         "wait, every rank loads the copy; reused while the model is unchanged. ~, $VARS and {node} are expanded on "
         "each node (default: MPITP_STAGE_DIR, else load in place).")),
-    RuntimeSetting("device", None, yaml_string,  # on the command line: lm-eval's own --device
+    RuntimeSetting("device", None, yaml_device,  # on the command line: lm-eval's own --device
                    doc="Device kind for every rank: cpu or cuda (default: cuda when available)."),
     RuntimeSetting("watch", None, None, cli(
         "--watch", group=SWEEPS, default=None, metavar="DIR"),
@@ -411,13 +415,21 @@ def from_evaluator_config(f: Field, value: Any) -> Any:
     return value
 
 
+_FLAG_READERS = {"cache_requests": yaml_cache_requests, "verbosity": yaml_verbosity}
+"""lm-eval-named settings read by the flag's own rule rather than their type's: what lm-eval parses the flag into (a
+mapping), or a word of a fixed set."""
+
+
 def lm_eval_job_fields() -> dict[str, Callable[[Any], Any]]:
     """Job-file fields named as lm-eval's ``EvaluatorConfig`` fields, read with their meaning on the command line;
-    the YAML reader follows the field's type (its first declared one, or a mapping where a dict is allowed)."""
+    the YAML reader follows the field's type (its first declared one, or a mapping where a dict is allowed), or the
+    flag's own rule (:data:`_FLAG_READERS`)."""
     out = {}
     for f in lm_eval_named():
         kinds = _types(f)
-        if dict in kinds:
+        if f.name in _FLAG_READERS:
+            out[f.name] = _FLAG_READERS[f.name]
+        elif dict in kinds:
             out[f.name] = yaml_mapping
         elif kinds[0] is bool:
             out[f.name] = yaml_bool

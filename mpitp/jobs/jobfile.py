@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mpitp.evaluation import settings
 from mpitp.evaluation.setting_values import (
     DTYPES,
@@ -47,6 +45,7 @@ from mpitp.evaluation.setting_values import (
     yaml_string,
     yaml_tasks,
 )
+from mpitp.jobs.jobyaml import JobFileError, read_yaml
 
 __all__ = ["DEMO_MODEL", "DTYPES", "Job", "JobFileError", "RunSpec", "load_job"]
 
@@ -54,15 +53,6 @@ DEMO_MODEL = "demo"  # built-in tiny model; never treated as a path
 _PER_RUN_ONLY = ("name", "output")  # would collide if shared by all runs
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _UNSET_VAR_RE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
-
-
-class JobFileError(ValueError):
-    """A job file is unreadable or invalid; ``str()`` is the full one-line message."""
-
-    def __init__(self, message: str, *, path: str | None = None, run: int | None = None,
-                 run_name: str | None = None, field: str | None = None):
-        super().__init__(message)
-        self.path, self.run, self.run_name, self.field = path, run, run_name, field
 
 
 @dataclass(frozen=True)
@@ -168,52 +158,9 @@ _LM_EVAL_FIELDS = settings.lm_eval_job_fields()
 _REQUIRED = ("model", "tasks")
 # Fields whose RunSpec default is None accept an explicit null (to clear a default); lm-eval-named ones always do.
 _NULLABLE = {f.name for f in dataclasses.fields(RunSpec) if f.default is None}
-_PATH_FIELDS = ("include_path", "data_dir", "output")
+_PATH_FIELDS = ("include_path", "data_dir", "output", "hf_assets")
+_LM_EVAL_PATHS = ("output_path", "use_cache")  # lm-eval-named fields that name a local path
 _MAYBE_PATH_FIELDS = ("model", "tokenizer")  # HF id or local directory
-
-
-# --------------------------------------------------------------------------
-# YAML reading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys: PyYAML keeps the last one silently,
-    which would turn a copy-paste slip into a quietly wrong run."""
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    dup = key in seen
-                    seen.add(key)
-                except TypeError:  # unhashable key; SafeLoader reports it
-                    continue
-                if dup:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}", key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: Path, shown: str) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise JobFileError(f"{shown}: cannot read job file: {exc.strerror or exc}", path=shown) from None
-    except UnicodeDecodeError as exc:
-        raise JobFileError(f"{shown}: not a UTF-8 text file ({exc.reason})", path=shown) from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = exc.problem or exc.context or "syntax error"
-        raise JobFileError(f"{shown}: {where}invalid YAML: {problem}", path=shown) from None
-    except yaml.YAMLError as exc:
-        raise JobFileError(f"{shown}: invalid YAML: {exc}", path=shown) from None
 
 
 # --------------------------------------------------------------------------
@@ -258,9 +205,16 @@ def load_job(path: str | os.PathLike[str]) -> Job:
         parts = [shown] + ([where] if where else []) + ([f"field {field!r}"] if field else [])
         return JobFileError(": ".join(parts + [msg]), path=shown, run=run, run_name=run_name, field=field)
 
-    defaults, runs = _top_level(_read_yaml(abspath, shown), fail)
+    defaults, runs = _top_level(read_yaml(abspath, shown), fail)
     seen: dict[str, dict[str, int]] = {"name": {}, "output": {}}
     specs = [_run_spec(index, raw, defaults, abspath.parent, fail, seen) for index, raw in enumerate(runs, 1)]
+    from mpitp.jobs.joboutputs import shared_output
+
+    shared = shared_output(specs)
+    if shared:
+        earlier, later, out = shared
+        raise fail(f"run {later} ({specs[later - 1].name!r})", "output", f"{out!r} is already run {earlier}'s file "
+                   "once {name} is expanded; give each run its own 'output:'", later, specs[later - 1].name)
     return Job(path=abspath, runs=tuple(specs))
 
 
@@ -326,12 +280,54 @@ def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
                 values[field] = _resolve(field, values[field], base)
             except _Bad as exc:
                 raise run_fail(field, str(exc)) from None
-
+    _lm_eval_paths(values, base, run_fail)
+    _pretrained(values, base, run_fail)
     for key, fix in (("name", "give each run a unique 'name:'"), ("output", "give each run its own 'output:'")):
         other = seen[key].setdefault(values[key], index)
         if other != index:
             raise run_fail(key, f"{values[key]!r} is already used by run {other}; {fix}")
     return RunSpec(**values)
+
+
+def _lm_eval_paths(values: dict, base: Path, run_fail: _RunFail) -> None:
+    """``output_path``, ``use_cache`` and a ``samples`` file relative to the job file, as its other paths are: left
+    as written, they resolved against whatever directory the scheduler started the job in (lm-eval's files and the
+    response store written there), where ``hf_assets``, also a folder, did too."""
+    lm_eval = values.get("lm_eval") or {}
+    paths = {k: lm_eval[k] for k in _LM_EVAL_PATHS if isinstance(lm_eval.get(k), str)}
+    if isinstance(lm_eval.get("samples"), str) and not lm_eval["samples"].lstrip().startswith("{"):
+        paths["samples"] = lm_eval["samples"]  # a JSON file's path, as --samples takes one
+    for field, value in paths.items():
+        try:
+            paths[field] = _resolve(field, value, base)
+        except _Bad as exc:
+            raise run_fail(field, str(exc)) from None
+    if paths:
+        values["lm_eval"] = FrozenDict({**lm_eval, **paths})
+
+
+def _pretrained(values: dict, base: Path, run_fail: _RunFail) -> None:
+    """``model_args``' ``pretrained=`` names the run's model or is refused, as ``mpitp eval --model A --model_args
+    pretrained=B`` is: it replaced the model in the model_args lm-eval records while ``model:`` was loaded, so the
+    results file named a model that was never evaluated. The same model (as written, or relative to the job file) is
+    dropped from model_args: ``model:`` resolved is the one recorded."""
+    from mpitp.evaluation.model_args import model_args_dict
+
+    lm_eval = values.get("lm_eval") or {}
+    if lm_eval.get("model_args") is None:
+        return
+    args = model_args_dict(lm_eval["model_args"])  # read once already by _check_lm_eval
+    if "pretrained" not in args:
+        return
+    given = str(args.pop("pretrained"))
+    try:
+        same = values["model"] in (given, _resolve("model", given, base))
+    except _Bad as exc:
+        raise run_fail("model_args", f"pretrained={given}: {exc}") from None
+    if not same:
+        raise run_fail("model_args", f"pretrained={given} and model: {values['model']} name different models: "
+                                     "give the model once, as 'model:'")
+    values["lm_eval"] = FrozenDict({**lm_eval, "model_args": FrozenDict(args)})
 
 
 def _merge_models(merged: dict, base: Path, run_fail: _RunFail) -> None:
@@ -374,6 +370,13 @@ def _run_values(raw: dict, merged: dict, run_fail: _RunFail) -> dict:
             _check_lm_eval(extras)
         except _Bad as exc:
             raise run_fail("model_args", str(exc)) from None
+        if extras.get("samples") is not None and values.get("limit") is not None:
+            raise run_fail("samples", f"limit: {values['limit']} and samples exclude each other (lm-eval scores "
+                                      "either each task's first documents or the listed ones): give one of them")
+        if extras.get("fewshot_as_multiturn") and not values.get("apply_chat_template"):
+            raise run_fail("fewshot_as_multiturn", "true needs apply_chat_template: true (few-shot examples as turns "
+                                                   "of a chat), as lm-eval refuses --fewshot_as_multiturn without "
+                                                   "--apply_chat_template")
         values["lm_eval"] = FrozenDict(extras)
     return values
 
