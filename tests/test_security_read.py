@@ -316,6 +316,28 @@ def test_short_doc_scores_are_one_line(tmp_path):
                                                  "values for 3 documents")
 
 
+@pytest.mark.parametrize("bad", ["text", "rows"])
+def test_doc_scores_doc_id_not_integers_is_one_line(bad, tmp_path):
+    """/tasks/<t>/doc_scores/doc_id as text or as a 3 x 2 array: mpitp report (which reads every task's scores)
+    ended in a ValueError or TypeError traceback; now one line, exit 2."""
+    from click.testing import CliRunner
+
+    from mpitp.cli.report import report_command
+
+    path = make_file(tmp_path / "bad.h5")
+    with h5py.File(path, "a") as f:
+        g = f.require_group("tasks/syn_mc/doc_scores")
+        g["acc,none"] = np.arange(3.0)
+        if bad == "text":
+            g.create_dataset("doc_id", data=np.array(["x"] * 3, dtype=object), dtype=h5py.string_dtype())
+        else:
+            g["doc_id"] = np.zeros((3, 2), dtype=np.int64)
+    r = CliRunner().invoke(report_command, [path, "-o", str(tmp_path / "r.html"), "--bootstrap-iters", "0"])
+    line = one_line_exit_2(r)
+    assert "doc_scores/doc_id holds " in line and "not one integer document number per row" in line, line
+    assert not (tmp_path / "r.html").exists()
+
+
 def _running(tmp_path, edit_attrs=None, records=()) -> str:
     path = str(tmp_path / "running.h5")
     w = ResultWriter(path, META)
