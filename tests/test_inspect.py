@@ -622,3 +622,20 @@ def test_a_long_generation_is_cut_between_escapes_never_inside_one():
         body = text[:-1]
         assert body in {"a" * pad + "\\u001b" + "b" * k for k in range(11)} | {"a" * pad}, text
     assert short_text("ab\ncd") == "ab\\ncd" and short_text("x" * 40) == "x" * 40
+
+
+def test_samples_of_an_unfinished_run(tmp_path):
+    """A run killed before its first snapshot held a task: its rows in the journal only. --samples said the file
+    "is not an mpitp results file (samples of task syn_mc: Unable to synchronously open object ...)", exit 2; now
+    exit 1 with a line that says the samples are written when the run finishes."""
+    path = str(tmp_path / "killed.h5")
+    w = ResultWriter(path, META)
+    w.flush()  # the first snapshot: no task yet
+    w.append("syn_mc", _mc_rows())
+    w.close()  # killed: the rows are in the journal
+    with open_h5(path) as f:
+        assert list(f["tasks"]) == []
+    r = invoke(path, "--task", "syn_mc", "--samples")
+    assert r.exit_code == 1 and r.stdout == "", r.output
+    assert r.stderr == (f"mpitp: {path}: no samples stored for task syn_mc yet: status is 'running' (logged samples "
+                        "are written when the run finishes)\n")

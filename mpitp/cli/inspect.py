@@ -175,7 +175,10 @@ def inspect_command(ctx: click.Context, file: str | None, task: str | None, show
         _echo(render_requests(file, task, limit))
     elif show_samples:
         samples = load_samples(file, task)
-        if not samples:
+        if not samples and run.status != "complete":  # lm-eval logs its samples with the metrics, at the end
+            failure = (f"{file}: no samples stored for task {task} yet: status is '{run.status}' (logged samples "
+                       f"are written when the run finishes)")
+        elif not samples:
             failure = f"{file}: no samples stored for task {task} (the run did not use --log-samples)"
         else:
             picked = samples if limit is None else samples[:limit]

@@ -179,8 +179,8 @@ def load_samples(path: str, task: str) -> list[str] | None:
 
     try:
         with open_h5(path) as f:
-            g = f[f"tasks/{task}"]
-            if "samples" not in g:
+            g = f.get(f"tasks/{task}")  # None: an unfinished run whose rows of the task are in its journal only
+            if g is None or "samples" not in g:
                 return None
             return [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in g["samples"][()]]
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
