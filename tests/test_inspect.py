@@ -639,3 +639,19 @@ def test_samples_of_an_unfinished_run(tmp_path):
     assert r.exit_code == 1 and r.stdout == "", r.output
     assert r.stderr == (f"mpitp: {path}: no samples stored for task syn_mc yet: status is 'running' (logged samples "
                         "are written when the run finishes)\n")
+
+
+def test_rescore_reads_rows_of_the_journal(tmp_path):
+    """mpitp rescore of a run killed before its first snapshot held a task read the snapshot's tasks only: 'cannot
+    rescore F: no request rows stored' for a file with 6 rows in its journal (inspect --requests listed them); it
+    now sees them, so a run stopped short is told which requests are missing and to --resume it."""
+    from mpitp.evaluation.rescore import _stored_rows
+
+    path = str(tmp_path / "killed.h5")
+    w = ResultWriter(path, META)
+    w.flush()
+    w.append("syn_mc", _mc_rows())
+    w.close()
+    rows = _stored_rows(path)
+    assert sorted(k[:3] for k in rows) == [("syn_mc", d, i) for d in range(3) for i in range(2)]
+    assert rows[("syn_mc", 2, 1, "mc-2-1", 0)]["loglikelihood"] == -3.125

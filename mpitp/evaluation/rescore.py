@@ -80,12 +80,11 @@ def stored_lm(rows: dict[tuple, dict], picked: dict[str, tuple[int, ...]] | None
 
 def _stored_rows(path: str) -> dict[tuple, dict]:
     """Every stored request row by its resume key; a damaged or crafted file is a one-line usage error."""
-    from mpitp.results.rows import read_requests
-    from mpitp.results.schema import REQUEST_FIELDS, open_h5
+    from mpitp.results.rows import load_rows, read_requests
+    from mpitp.results.schema import REQUEST_FIELDS
 
-    try:
-        with open_h5(path) as f:
-            tasks = list(f.get("tasks", {}))
+    try:  # the journal's tasks too: a killed run's rows may all be there ("no request rows stored", said of 24)
+        tasks = list(load_rows(path, counts_only=True)[1])
         out = {}
         for task in tasks:
             cols = read_requests(path, task)
