@@ -655,3 +655,12 @@ def test_rescore_reads_rows_of_the_journal(tmp_path):
     rows = _stored_rows(path)
     assert sorted(k[:3] for k in rows) == [("syn_mc", d, i) for d in range(3) for i in range(2)]
     assert rows[("syn_mc", 2, 1, "mc-2-1", 0)]["loglikelihood"] == -3.125
+
+
+def test_diff_of_an_unfinished_run_says_why_it_has_no_scores(syn, syn_running):
+    """inspect diff (and the report's Diff view) of a finished run against one still running blamed the file's age:
+    'no per-document scores in B (file written before doc_scores existed, without --log-samples)'; a run writes them
+    when it finishes, and the note now says so."""
+    r = invoke("diff", syn, syn_running, "--bootstrap-iters", "10")
+    assert "syn_mc: no per-document scores in A and B (a run writes them when it finishes; a file from before " \
+           "doc_scores existed has them only with --log-samples)" in r.stdout, r.output
