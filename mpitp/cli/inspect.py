@@ -155,6 +155,9 @@ def inspect_command(ctx: click.Context, file: str | None, task: str | None, show
     Figure = figure_class() if plot else None  # fail before any output when matplotlib is missing
 
     if file.endswith(".json"):  # a sweep summary: metric vs checkpoint
+        if modes:  # were ignored: the table printed, exit 0, as if --json or --requests had been answered
+            raise BadInputExit(f"{modes[0]} reads a results file (.h5), not a sweep summary (which takes --task and "
+                               f"--plot); inspect one checkpoint's file")
         return _inspect_sweep(file, task, plot, Figure)
     run = load(file)
     if task is not None:
@@ -218,6 +221,9 @@ def _inspect_sweep(path: str, task: str | None, plot: str | None, Figure) -> Non
             raise TypeError("its comparisons are not a list of {a, b, sentence} texts")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInputExit(f"{path} is not a sweep summary ({one_line(exc)})") from None
+    tasks = sorted({t for r in rows for t in r.metrics})
+    if task is not None and task not in tasks:  # before the table: the error came after it, under --plot only
+        raise BadInputExit(f"{path} has no task '{task}' (tasks: {', '.join(tasks) or 'none evaluated'})")
     _echo(render_summary(rows, path))
     if plot:
         try:
