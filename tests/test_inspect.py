@@ -664,3 +664,30 @@ def test_diff_of_an_unfinished_run_says_why_it_has_no_scores(syn, syn_running):
     r = invoke("diff", syn, syn_running, "--bootstrap-iters", "10")
     assert "syn_mc: no per-document scores in A and B (a run writes them when it finishes; a file from before " \
            "doc_scores existed has them only with --log-samples)" in r.stdout, r.output
+
+
+def test_samples_print_as_lm_evals_samples_file(tmp_path):
+    """--samples printed the record as lm-eval held it in memory (``"target": 0``, ``"arguments": [[ctx, cont]]``,
+    ``"resps": [[[-1.5, true]]]``); lm-eval's samples_<task>_<time>.jsonl of the same run has ``"0"``,
+    ``{"gen_args_0": {"arg_0": ctx, "arg_1": cont}}`` and ``[[["-1.5", "True"]]]``. Now the same keys, order and
+    values as that file, built here the way lm-eval's EvaluationTracker builds it."""
+    from lm_eval.utils import sanitize_list
+
+    sample = {"doc_id": 0, "doc": {"q": "x"}, "target": 0, "arguments": [["ctx", " a"], ["ctx", " b"]],
+              "resps": [[[-1.5, True]], [[-2.25, False]]], "filtered_resps": [[-1.5, True], [-2.25, False]],
+              "filter": "none", "metrics": ["acc"], "acc": 1.0}
+    path = str(tmp_path / "s.h5")
+    w = ResultWriter(path, META)
+    w.append("syn_mc", _mc_rows())
+    w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=3), MC_METRICS,
+                 samples=[sample])
+    w.finish({"results": {"syn_mc": {"alias": "syn_mc", **MC_METRICS}}}, wall_time_s=1.0)
+    w.close()
+    expected = dict(sample, target="0", resps=sanitize_list(sample["resps"]),
+                    filtered_resps=sanitize_list(sample["filtered_resps"]),
+                    arguments={f"gen_args_{i}": {f"arg_{j}": x for j, x in enumerate(a)}
+                               for i, a in enumerate(sample["arguments"])})
+    r = invoke(path, "--task", "syn_mc", "--samples")
+    assert r.exit_code == 0, r.output
+    [got] = _json_stream(r.stdout)
+    assert got == expected and list(got) == list(expected), got

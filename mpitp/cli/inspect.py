@@ -25,7 +25,7 @@ from mpitp import compat
 from mpitp.results.diff import diff_runs, render_diff, render_statistics
 from mpitp.results.plot import figure_class, plot_run
 from mpitp.results.reader import BadInput, check_path, load, load_samples, one_line
-from mpitp.results.render import lm_eval_json, render_csv, render_requests, render_summary
+from mpitp.results.render import lm_eval_json, lm_eval_sample, render_csv, render_requests, render_summary
 from mpitp.results.untrusted import load_json, shown
 
 if TYPE_CHECKING:
@@ -187,7 +187,9 @@ def inspect_command(ctx: click.Context, file: str | None, task: str | None, show
             picked = samples if limit is None else samples[:limit]
             for s in picked:
                 try:
-                    _echo(json.dumps(load_json(s, "a sample"), indent=2, ensure_ascii=False, default=str))
+                    record = load_json(s, "a sample")
+                    record = lm_eval_sample(record) if isinstance(record, dict) else record
+                    _echo(json.dumps(record, indent=2, ensure_ascii=False, default=str))
                 except ValueError:  # not JSON, or beyond the bounds (BadInput): shown as the text it is
                     _echo(s)
             if len(picked) < len(samples):
