@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 
+import h5py
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -691,3 +692,28 @@ def test_samples_print_as_lm_evals_samples_file(tmp_path):
     assert r.exit_code == 0, r.output
     [got] = _json_stream(r.stdout)
     assert got == expected and list(got) == list(expected), got
+
+
+def test_task_may_name_a_group(tmp_path):
+    """The table lists an lm-eval group's aggregate as a row, but --task GROUP was 'has no task' (exit 2) for the
+    table, --json and --csv alike. Now they show the group's aggregate; --requests and --samples, which read rows
+    only tasks have, say it is a group and name its tasks; an unknown name lists the groups too."""
+    path = make_file(tmp_path / "g.h5")
+    with h5py.File(path, "a") as f:
+        res = json.loads(f.attrs["results_json"])
+        res["results"]["grp"] = {"alias": "grp", "acc,none": 0.5, "acc_stderr,none": 0.25}
+        res["group_subtasks"] = {"grp": ["syn_mc", "syn_gen"]}
+        f.attrs["results_json"] = json.dumps(res)
+    r = invoke(path, "--task", "grp")
+    assert r.exit_code == 0, r.output
+    assert [line.split()[:3] for line in r.stdout.splitlines() if line.startswith(("grp", "syn"))] == [
+        ["grp", "acc", "none"]]
+    r = invoke(path, "--task", "grp", "--csv")
+    assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["grp,acc,none,0.5,0.25,"], r.output
+    r = invoke(path, "--task", "grp", "--json")
+    assert r.exit_code == 0 and list(json.loads(r.stdout)["results"]) == ["grp"], r.output
+    r = invoke(path, "--task", "grp", "--requests")
+    assert r.exit_code == 2 and r.stderr == (f"mpitp: error: {path}: 'grp' is a group, whose rows and samples are "
+                                             "its tasks' (tasks: syn_gen, syn_mc)\n"), r.output
+    r = invoke(path, "--task", "nope")
+    assert "has no task 'nope' (tasks: syn_gen, syn_mc; groups: grp)" in r.stderr, r.output

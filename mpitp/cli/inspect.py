@@ -160,8 +160,8 @@ def inspect_command(ctx: click.Context, file: str | None, task: str | None, show
                                f"--plot); inspect one checkpoint's file")
         return _inspect_sweep(file, task, plot, Figure)
     run = load(file)
-    if task is not None:
-        run.task(task)
+    if task is not None and not (task in run.extra_results and not (show_requests or show_samples)):
+        run.task(task)  # a group's name shows its aggregate (it was 'has no task', though the table listed it)
 
     failure = None  # the note of an exit-status-1 answer, raised after any plot is written
     if as_json:
