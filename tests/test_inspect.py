@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 
+import h5py
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -622,3 +623,97 @@ def test_a_long_generation_is_cut_between_escapes_never_inside_one():
         body = text[:-1]
         assert body in {"a" * pad + "\\u001b" + "b" * k for k in range(11)} | {"a" * pad}, text
     assert short_text("ab\ncd") == "ab\\ncd" and short_text("x" * 40) == "x" * 40
+
+
+def test_samples_of_an_unfinished_run(tmp_path):
+    """A run killed before its first snapshot held a task: its rows in the journal only. --samples said the file
+    "is not an mpitp results file (samples of task syn_mc: Unable to synchronously open object ...)", exit 2; now
+    exit 1 with a line that says the samples are written when the run finishes."""
+    path = str(tmp_path / "killed.h5")
+    w = ResultWriter(path, META)
+    w.flush()  # the first snapshot: no task yet
+    w.append("syn_mc", _mc_rows())
+    w.close()  # killed: the rows are in the journal
+    with open_h5(path) as f:
+        assert list(f["tasks"]) == []
+    r = invoke(path, "--task", "syn_mc", "--samples")
+    assert r.exit_code == 1 and r.stdout == "", r.output
+    assert r.stderr == (f"mpitp: {path}: no samples stored for task syn_mc yet: status is 'running' (logged samples "
+                        "are written when the run finishes)\n")
+
+
+def test_rescore_reads_rows_of_the_journal(tmp_path):
+    """mpitp rescore of a run killed before its first snapshot held a task read the snapshot's tasks only: 'cannot
+    rescore F: no request rows stored' for a file with 6 rows in its journal (inspect --requests listed them); it
+    now sees them, so a run stopped short is told which requests are missing and to --resume it."""
+    from mpitp.evaluation.rescore import _stored_rows
+
+    path = str(tmp_path / "killed.h5")
+    w = ResultWriter(path, META)
+    w.flush()
+    w.append("syn_mc", _mc_rows())
+    w.close()
+    rows = _stored_rows(path)
+    assert sorted(k[:3] for k in rows) == [("syn_mc", d, i) for d in range(3) for i in range(2)]
+    assert rows[("syn_mc", 2, 1, "mc-2-1", 0)]["loglikelihood"] == -3.125
+
+
+def test_diff_of_an_unfinished_run_says_why_it_has_no_scores(syn, syn_running):
+    """inspect diff (and the report's Diff view) of a finished run against one still running blamed the file's age:
+    'no per-document scores in B (file written before doc_scores existed, without --log-samples)'; a run writes them
+    when it finishes, and the note now says so."""
+    r = invoke("diff", syn, syn_running, "--bootstrap-iters", "10")
+    assert "syn_mc: no per-document scores in A and B (a run writes them when it finishes; a file from before " \
+           "doc_scores existed has them only with --log-samples)" in r.stdout, r.output
+
+
+def test_samples_print_as_lm_evals_samples_file(tmp_path):
+    """--samples printed the record as lm-eval held it in memory (``"target": 0``, ``"arguments": [[ctx, cont]]``,
+    ``"resps": [[[-1.5, true]]]``); lm-eval's samples_<task>_<time>.jsonl of the same run has ``"0"``,
+    ``{"gen_args_0": {"arg_0": ctx, "arg_1": cont}}`` and ``[[["-1.5", "True"]]]``. Now the same keys, order and
+    values as that file, built here the way lm-eval's EvaluationTracker builds it."""
+    from lm_eval.utils import sanitize_list
+
+    sample = {"doc_id": 0, "doc": {"q": "x"}, "target": 0, "arguments": [["ctx", " a"], ["ctx", " b"]],
+              "resps": [[[-1.5, True]], [[-2.25, False]]], "filtered_resps": [[-1.5, True], [-2.25, False]],
+              "filter": "none", "metrics": ["acc"], "acc": 1.0}
+    path = str(tmp_path / "s.h5")
+    w = ResultWriter(path, META)
+    w.append("syn_mc", _mc_rows())
+    w.write_task("syn_mc", dict(output_type="multiple_choice", num_fewshot=0, n_docs=3), MC_METRICS,
+                 samples=[sample])
+    w.finish({"results": {"syn_mc": {"alias": "syn_mc", **MC_METRICS}}}, wall_time_s=1.0)
+    w.close()
+    expected = dict(sample, target="0", resps=sanitize_list(sample["resps"]),
+                    filtered_resps=sanitize_list(sample["filtered_resps"]),
+                    arguments={f"gen_args_{i}": {f"arg_{j}": x for j, x in enumerate(a)}
+                               for i, a in enumerate(sample["arguments"])})
+    r = invoke(path, "--task", "syn_mc", "--samples")
+    assert r.exit_code == 0, r.output
+    [got] = _json_stream(r.stdout)
+    assert got == expected and list(got) == list(expected), got
+
+
+def test_task_may_name_a_group(tmp_path):
+    """The table lists an lm-eval group's aggregate as a row, but --task GROUP was 'has no task' (exit 2) for the
+    table, --json and --csv alike. Now they show the group's aggregate; --requests and --samples, which read rows
+    only tasks have, say it is a group and name its tasks; an unknown name lists the groups too."""
+    path = make_file(tmp_path / "g.h5")
+    with h5py.File(path, "a") as f:
+        res = json.loads(f.attrs["results_json"])
+        res["results"]["grp"] = {"alias": "grp", "acc,none": 0.5, "acc_stderr,none": 0.25}
+        res["group_subtasks"] = {"grp": ["syn_mc", "syn_gen"]}
+        f.attrs["results_json"] = json.dumps(res)
+    r = invoke(path, "--task", "grp")
+    assert r.exit_code == 0, r.output
+    assert [line.split()[:3] for line in r.stdout.splitlines() if line.startswith(("grp", "syn"))] == [
+        ["grp", "acc", "none"]]
+    r = invoke(path, "--task", "grp", "--csv")
+    assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["grp,acc,none,0.5,0.25,"], r.output
+    r = invoke(path, "--task", "grp", "--json")
+    assert r.exit_code == 0 and list(json.loads(r.stdout)["results"]) == ["grp"], r.output
+    r = invoke(path, "--task", "grp", "--requests")
+    assert r.exit_code == 2 and r.stderr == (f"mpitp: error: {path}: 'grp' is a group, whose rows and samples are "
+                                             "its tasks' (tasks: syn_gen, syn_mc)\n"), r.output
+    r = invoke(path, "--task", "nope")
+    assert "has no task 'nope' (tasks: syn_gen, syn_mc; groups: grp)" in r.stderr, r.output

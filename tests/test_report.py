@@ -581,3 +581,27 @@ def test_several_sweep_summaries_each_name_their_charts_and_tests(tmp_path):
     alone = build([str(folders[0])], diff_iters=0)
     assert [p.title for p in alone.sweeps] == ["syn_mc: acc,none"]
     assert alone.sweep_tests[0].startswith("step-1 vs step-0: ")
+
+
+def test_output_never_replaces_an_input_or_a_results_file(tmp_path):
+    """``mpitp report run.h5 -o run.h5`` wrote the page over the results file (its rows and scores gone, exit 0);
+    so did -o naming another run's file, a sweep summary read from a folder, or a run's journal. Each is one line,
+    exit 2, and the file keeps its bytes."""
+    (tmp_path / "sw").mkdir()
+    run = make_run(tmp_path / "sw" / "step-1.h5", "m/step-1", [1, 0, 1])
+    other = make_run(tmp_path / "other.h5", "m/other", [1, 1, 0])
+    sweep_summary(tmp_path / "sw" / "sweep-summary.json", [0.5, 0.75])
+    journal = tmp_path / "running.h5.journal"
+    journal.write_bytes(b"MPITPJ1\n" + b"\0" * 40)
+    for inputs, out, why in (
+            ([run], run, "is an HDF5 file (a results file?), not a page to replace"),
+            ([run], other, "is an HDF5 file (a results file?), not a page to replace"),
+            ([tmp_path / "sw"], tmp_path / "sw" / "sweep-summary.json",
+             f"is {tmp_path / 'sw' / 'sweep-summary.json'}, one of the report's inputs"),
+            ([run], journal, "is a run's journal (the rows of a run not finished), not a page to replace")):
+        before = open(out, "rb").read()
+        res = CliRunner().invoke(report_command, [*map(str, inputs), "-o", str(out)])
+        assert res.exit_code == 2 and res.output == f"mpitp: error: -o {out}: {why}\n", res.output
+        assert open(out, "rb").read() == before
+    render_cli(run, out=tmp_path / "r.html")
+    assert "<html" in render_cli(run, out=tmp_path / "r.html", iters=0)  # a page replaces a page

@@ -175,3 +175,24 @@ def test_rewritten_checkpoint_is_refused_on_resume(shared_dir, tmp_path, demo_ru
     assert len(msg) == 1 and f"cannot resume {out}: different settings: weights '" in msg[0], proc.stderr
     assert "changed on disk: model.safetensors content differs" in msg[0]
     assert out.read_bytes() == before  # nothing overwritten
+
+
+def test_rescored_results_keep_the_runs_model():
+    """lm-eval rescored with a stand-in LM: the rescored file's results_json said model 'StoredLM', model_args and
+    device None, model_dtype gone, and each task's metadata lost pretrained and dtype; they are the run's again, and
+    what the file holds that is not a mapping is left out."""
+    from mpitp.evaluation.rescore import with_run_identity
+
+    stored = json.dumps({"config": {"model": "hf", "model_args": {"pretrained": "/m", "dtype": "float32"},
+                                    "model_dtype": "torch.float32", "device": "cpu", "batch_size": 1, "limit": 9},
+                         "configs": {"t": {"metadata": {"version": 1.0, "pretrained": "/m", "dtype": "float32"}},
+                                     "u": "not a mapping"}})
+    res = {"config": {"model": "StoredLM", "model_args": None, "device": None, "batch_size": None, "limit": 4,
+                      "bootstrap_iters": 100},
+           "configs": {"t": {"metadata": {"version": 2.0}}, "u": {"metadata": {"version": 1.0}}}}
+    out = with_run_identity(res, stored)
+    assert out["config"] == {"model": "hf", "model_args": {"pretrained": "/m", "dtype": "float32"}, "device": "cpu",
+                             "batch_size": 1, "limit": 4, "bootstrap_iters": 100, "model_dtype": "torch.float32"}
+    assert out["configs"] == {"t": {"metadata": {"version": 2.0, "pretrained": "/m", "dtype": "float32"}},
+                              "u": {"metadata": {"version": 1.0}}}
+    assert with_run_identity({"config": {"model": "StoredLM"}}, "[1, 2]") == {"config": {"model": "StoredLM"}}

@@ -316,6 +316,28 @@ def test_short_doc_scores_are_one_line(tmp_path):
                                                  "values for 3 documents")
 
 
+@pytest.mark.parametrize("bad", ["text", "rows"])
+def test_doc_scores_doc_id_not_integers_is_one_line(bad, tmp_path):
+    """/tasks/<t>/doc_scores/doc_id as text or as a 3 x 2 array: mpitp report (which reads every task's scores)
+    ended in a ValueError or TypeError traceback; now one line, exit 2."""
+    from click.testing import CliRunner
+
+    from mpitp.cli.report import report_command
+
+    path = make_file(tmp_path / "bad.h5")
+    with h5py.File(path, "a") as f:
+        g = f.require_group("tasks/syn_mc/doc_scores")
+        g["acc,none"] = np.arange(3.0)
+        if bad == "text":
+            g.create_dataset("doc_id", data=np.array(["x"] * 3, dtype=object), dtype=h5py.string_dtype())
+        else:
+            g["doc_id"] = np.zeros((3, 2), dtype=np.int64)
+    r = CliRunner().invoke(report_command, [path, "-o", str(tmp_path / "r.html"), "--bootstrap-iters", "0"])
+    line = one_line_exit_2(r)
+    assert "doc_scores/doc_id holds " in line and "not one integer document number per row" in line, line
+    assert not (tmp_path / "r.html").exists()
+
+
 def _running(tmp_path, edit_attrs=None, records=()) -> str:
     path = str(tmp_path / "running.h5")
     w = ResultWriter(path, META)
@@ -854,3 +876,33 @@ def test_escaper_lives_below_errors():
     assert not [m for m in imported if m and m.startswith("mpitp")]
     assert untrusted.shown is mpitp.escape.shown and "mpitp.escape import shown" in open(
         __import__("mpitp.errors").errors.__file__, encoding="utf-8").read()
+
+
+def test_plots_show_names_escaped(tmp_path):
+    """--plot drew a file's task and model names as they are: matplotlib, lacking a glyph for ESC, warned on stderr
+    'Glyph 27 (\\x1b) missing from font(s)' with the raw control character in it (the terminal took it), and the
+    chart showed nothing where the text was. The charts (a run's and a sweep summary's) now show them as the
+    terminal does (arc\\x1b[31m), so no warning is raised."""
+    import warnings
+
+    pytest.importorskip("matplotlib")
+    from mpitp.results.plot import figure_class
+    from mpitp.results.sweepsummary import Row, plot_summary, write_summary
+
+    path = make_file(tmp_path / "evil.h5")
+    with h5py.File(path, "a") as f:
+        f.attrs["model"] = "m\x1b]0;title\x07"
+        f.move("tasks/syn_mc", "tasks/syn\x1b[31mmc")
+        res = json.loads(f.attrs["results_json"])
+        res["results"]["syn\x1b[31mmc"] = res["results"].pop("syn_mc")
+        f.attrs["results_json"] = json.dumps(res)
+    summary = str(tmp_path / "sweep-summary.json")
+    write_summary(summary, [Row("m", f"step\x1b[2J{i}", "o.h5", "complete", wall_s=1.0,
+                                metrics={"t\x1b[5m": {"acc,none": 0.5}}) for i in (1, 2)], 2.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = invoke(path, "--plot", str(tmp_path / "p.png"))
+        plot_summary(summary, str(tmp_path / "s.png"), figure_class())
+    assert r.exit_code == 0, r.output
+    assert [str(w.message) for w in caught if "Glyph" in str(w.message)] == []
+    assert "\x1b" not in r.output

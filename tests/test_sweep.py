@@ -501,3 +501,26 @@ def test_resume_of_a_sweep_without_output_is_refused(tmp_path, monkeypatch):
     assert not (tmp_path / "results").exists()
     cfg.output = "out/{name}.h5"
     _refuse_existing(cfg, "model", ["ck/step-1", "ck/step-2"], ["out/step-1.h5", "out/step-2.h5"])
+
+
+def test_inspect_sweep_summary_refuses_what_it_cannot_answer(tmp_path):
+    """A sweep summary with --json, --csv or --requests printed the summary table, exit 0, the mode ignored; with
+    --task nope the table came first and the error after it (and only under --plot). Now one line, exit 2, and no
+    table."""
+    from click.testing import CliRunner
+
+    from mpitp.cli.inspect import inspect_command
+    from mpitp.results.sweepsummary import Row, write_summary
+
+    rows = [Row(f"ck/step-{i}", f"step-{i}", str(tmp_path / f"step-{i}.h5"), "complete", wall_s=1.0,
+                metrics={"t": {"acc,none": 0.5, "acc_stderr,none": 0.05}}) for i in (1, 2)]
+    path = str(tmp_path / "sweep-summary.json")
+    write_summary(path, rows, 2.0)
+    for args, line in (
+            (["--json"], "--json reads a results file (.h5), not a sweep summary (which takes --task and --plot); "
+                         "inspect one checkpoint's file"),
+            (["--task", "t", "--requests"], "--requests reads a results file (.h5), not a sweep summary"),
+            (["--task", "nope"], f"{path} has no task 'nope' (tasks: t)")):
+        r = CliRunner().invoke(inspect_command, [path, *args], prog_name="mpitp inspect")
+        assert r.exit_code == 2 and r.stdout == "", (args, r.output)
+        assert r.stderr.startswith(f"mpitp: error: {line}") and r.stderr.count("\n") == 1, (args, r.stderr)

@@ -25,7 +25,7 @@ from mpitp import compat
 from mpitp.results.diff import diff_runs, render_diff, render_statistics
 from mpitp.results.plot import figure_class, plot_run
 from mpitp.results.reader import BadInput, check_path, load, load_samples, one_line
-from mpitp.results.render import lm_eval_json, render_csv, render_requests, render_summary
+from mpitp.results.render import lm_eval_json, lm_eval_sample, render_csv, render_requests, render_summary
 from mpitp.results.untrusted import load_json, shown
 
 if TYPE_CHECKING:
@@ -155,10 +155,13 @@ def inspect_command(ctx: click.Context, file: str | None, task: str | None, show
     Figure = figure_class() if plot else None  # fail before any output when matplotlib is missing
 
     if file.endswith(".json"):  # a sweep summary: metric vs checkpoint
+        if modes:  # were ignored: the table printed, exit 0, as if --json or --requests had been answered
+            raise BadInputExit(f"{modes[0]} reads a results file (.h5), not a sweep summary (which takes --task and "
+                               f"--plot); inspect one checkpoint's file")
         return _inspect_sweep(file, task, plot, Figure)
     run = load(file)
-    if task is not None:
-        run.task(task)
+    if task is not None and not (task in run.extra_results and not (show_requests or show_samples)):
+        run.task(task)  # a group's name shows its aggregate (it was 'has no task', though the table listed it)
 
     failure = None  # the note of an exit-status-1 answer, raised after any plot is written
     if as_json:
@@ -175,13 +178,18 @@ def inspect_command(ctx: click.Context, file: str | None, task: str | None, show
         _echo(render_requests(file, task, limit))
     elif show_samples:
         samples = load_samples(file, task)
-        if not samples:
+        if not samples and run.status != "complete":  # lm-eval logs its samples with the metrics, at the end
+            failure = (f"{file}: no samples stored for task {task} yet: status is '{run.status}' (logged samples "
+                       f"are written when the run finishes)")
+        elif not samples:
             failure = f"{file}: no samples stored for task {task} (the run did not use --log-samples)"
         else:
             picked = samples if limit is None else samples[:limit]
             for s in picked:
                 try:
-                    _echo(json.dumps(load_json(s, "a sample"), indent=2, ensure_ascii=False, default=str))
+                    record = load_json(s, "a sample")
+                    record = lm_eval_sample(record) if isinstance(record, dict) else record
+                    _echo(json.dumps(record, indent=2, ensure_ascii=False, default=str))
                 except ValueError:  # not JSON, or beyond the bounds (BadInput): shown as the text it is
                     _echo(s)
             if len(picked) < len(samples):
@@ -215,6 +223,9 @@ def _inspect_sweep(path: str, task: str | None, plot: str | None, Figure) -> Non
             raise TypeError("its comparisons are not a list of {a, b, sentence} texts")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInputExit(f"{path} is not a sweep summary ({one_line(exc)})") from None
+    tasks = sorted({t for r in rows for t in r.metrics})
+    if task is not None and task not in tasks:  # before the table: the error came after it, under --plot only
+        raise BadInputExit(f"{path} has no task '{task}' (tasks: {', '.join(tasks) or 'none evaluated'})")
     _echo(render_summary(rows, path))
     if plot:
         try:

@@ -19,10 +19,11 @@ from mpitp.results.reader import one_line
 @_bad_input_exits
 def report_command(inputs: tuple[str, ...], output: str, bootstrap_iters: int) -> None:
     """Write one HTML page (runs, leaderboard, samples, sweep plot) that opens from disk with no server."""
-    from mpitp.results.report import write
+    from mpitp.results.report import output_problem, write
     from mpitp.results.safefile import replace_problem
 
-    why = replace_problem(output)  # before the page is built: a wrong -o was a traceback after all the work
+    # before the page is built: a wrong -o was a traceback after all the work, or an input replaced by the page
+    why = replace_problem(output) or output_problem(list(inputs), output)
     if why:
         raise BadInputExit(f"-o {output}: {why}")
     try:

@@ -80,12 +80,11 @@ def stored_lm(rows: dict[tuple, dict], picked: dict[str, tuple[int, ...]] | None
 
 def _stored_rows(path: str) -> dict[tuple, dict]:
     """Every stored request row by its resume key; a damaged or crafted file is a one-line usage error."""
-    from mpitp.results.rows import read_requests
-    from mpitp.results.schema import REQUEST_FIELDS, open_h5
+    from mpitp.results.rows import load_rows, read_requests
+    from mpitp.results.schema import REQUEST_FIELDS
 
-    try:
-        with open_h5(path) as f:
-            tasks = list(f.get("tasks", {}))
+    try:  # the journal's tasks too: a killed run's rows may all be there ("no request rows stored", said of 24)
+        tasks = list(load_rows(path, counts_only=True)[1])
         out = {}
         for task in tasks:
             cols = read_requests(path, task)
@@ -206,7 +205,32 @@ def rescore(path: str, include_path: str | list[str] | None = None, data_dir: st
                     f"limit or file incomplete); recompute them with mpitp eval --resume", collective=True) from None
     finally:
         remove_generated(include)
-    return res, doc_scores, lm.served, len(rows)
+    return with_run_identity(res, attrs.get("results_json")), doc_scores, lm.served, len(rows)
+
+
+#: lm-eval's ``config`` keys that name the model and how it ran: the stand-in LM's are not the run's
+MODEL_KEYS = ("model", "model_args", "model_num_parameters", "model_dtype", "model_revision", "model_sha",
+              "batch_size", "batch_sizes", "device", "use_cache")
+
+
+def with_run_identity(res: dict, stored: object) -> dict:
+    """``res`` with the model of the file's run (its ``results_json``): lm-eval saw the stand-in LM, so its config
+    said model 'StoredLM', model_args and device None, and each task's metadata lost the model's arguments (pretrained,
+    dtype) lm-eval puts there; a rescored file's ``inspect --json`` no longer said which model it scored. What the
+    file holds is untrusted: only mappings are taken, anything else leaves lm-eval's values."""
+    try:
+        old = mapping(load_json(stored, "results_json"), "results_json") if stored is not None else {}
+    except BadInput:
+        return res
+    cfg, configs = old.get("config"), old.get("configs")
+    if isinstance(cfg, dict) and isinstance(res.get("config"), dict):
+        res["config"].update({k: cfg[k] for k in MODEL_KEYS if k in cfg})
+    for task, c in (res.get("configs") or {}).items():
+        oc = configs.get(task) if isinstance(configs, dict) else None
+        if isinstance(c, dict) and isinstance(oc, dict) and isinstance(oc.get("metadata"), dict) \
+                and isinstance(c.get("metadata"), dict):
+            c["metadata"] = {**oc["metadata"], **c["metadata"]}
+    return res
 
 
 def write_rescored(src: str, dst: str, res: dict, doc_scores: dict) -> None:

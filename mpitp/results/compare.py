@@ -98,8 +98,9 @@ def compare_files(path_a: str, path_b: str, tasks: list[str], iters: int = 10000
         sa, sb = scores(path_a, task), scores(path_b, task)
         if sa is None or sb is None:
             which = " and ".join(x for x, s in (("A", sa), ("B", sb)) if s is None)
-            out.append(TaskComparison(task, [], f"no per-document scores in {which} (file written before "
-                                                "doc_scores existed, without --log-samples)"))
+            out.append(TaskComparison(task, [], f"no per-document scores in {which} (a run writes them when it "
+                                                "finishes; a file from before doc_scores existed has them only "
+                                                "with --log-samples)"))
             continue
         out.append(compare_scores(task, sa, sb, iters, seed, (higher or {}).get(task)))
     return out

@@ -149,7 +149,11 @@ def read(path: str, task: str, samples: list[dict] | None = None) -> DocScores |
             d = g["doc_scores"]
             if not isinstance(d, h5py.Group):
                 raise BadInput(f"/tasks/{task}/doc_scores is not a group")
-            ds = DocScores(doc_id=np.asarray(dataset(d.get("doc_id"), "doc_scores/doc_id")[()], dtype=np.int64))
+            ids = dataset(d.get("doc_id"), "doc_scores/doc_id")
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":  # text or rows of ids: a traceback in mpitp report
+                raise BadInput(f"doc_scores/doc_id holds {ids.dtype} of shape {ids.shape}, not one integer "
+                               f"document number per row")
+            ds = DocScores(doc_id=np.asarray(ids[()], dtype=np.int64))
             for key in d:
                 if key == "doc_id":
                     continue

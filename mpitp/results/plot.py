@@ -9,6 +9,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+from mpitp.escape import shown
 from mpitp.results.reader import BadInput, MetricRow, RunFile, as_number, metric_rows
 from mpitp.results.render import layout_line
 
@@ -86,9 +87,9 @@ def plot_run(run: RunFile, out: str, task: str | None = None, Figure: Callable[.
                 ax.set_ylim(*limits)
         ax.bar_label(bars, labels=[f"{v:.3g}" if np.isfinite(v) else "nan" for v in vals], padding=2, fontsize=8)
         rotate = len(rows) > 3
-        ax.set_xticks(x, [r.task for r in rows], rotation=45 if rotate else 0, ha="right" if rotate else "center",
-                      fontsize=8)
-        ax.set_title(metric if filt == "none" else f"{metric} [{filt}]")
+        ax.set_xticks(x, [shown(r.task) for r in rows], rotation=45 if rotate else 0,
+                      ha="right" if rotate else "center", fontsize=8)
+        ax.set_title(shown(metric if filt == "none" else f"{metric} [{filt}]"))
         ax.margins(y=0.15)
 
     ax = axes[len(panels)]
@@ -113,5 +114,7 @@ def plot_run(run: RunFile, out: str, task: str | None = None, Figure: Callable[.
     a = run.attrs
     # what the error bars are: the report draws 95% intervals, so an unlabelled bar could be read as one
     bars_are = "\nerror bars: +/- 1 standard error (lm-eval's stderr)" if drew_errors else ""
-    fig.suptitle(f"{os.path.basename(run.path)}: {a.get('model', '?')}, {layout_line(a)} ({run.status}){bars_are}")
+    # names from the file escaped as on the terminal: matplotlib's warning of a glyph it lacks quoted a raw ESC
+    fig.suptitle(shown(f"{os.path.basename(run.path)}: {a.get('model', '?')}, {layout_line(a)} ({run.status})")
+                 + bars_are)
     fig.savefig(out, dpi=120)

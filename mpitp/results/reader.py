@@ -74,9 +74,13 @@ class RunFile:
         return str(self.attrs.get("status", "unknown"))
 
     def task(self, name: str) -> TaskInfo:
+        if name in self.extra_results:  # an lm-eval group: its aggregate, no rows of its own
+            raise BadInput(f"{self.path}: '{name}' is a group, whose rows and samples are its tasks' (tasks: "
+                           f"{', '.join(self.tasks) or 'none'})")
         if name not in self.tasks:
             known = ", ".join(self.tasks) or "none"
-            raise BadInput(f"{self.path} has no task '{name}' (tasks: {known})")
+            groups = f"; groups: {', '.join(self.extra_results)}" if self.extra_results else ""
+            raise BadInput(f"{self.path} has no task '{name}' (tasks: {known}{groups})")
         return self.tasks[name]
 
 
@@ -179,8 +183,8 @@ def load_samples(path: str, task: str) -> list[str] | None:
 
     try:
         with open_h5(path) as f:
-            g = f[f"tasks/{task}"]
-            if "samples" not in g:
+            g = f.get(f"tasks/{task}")  # None: an unfinished run whose rows of the task are in its journal only
+            if g is None or "samples" not in g:
                 return None
             return [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in g["samples"][()]]
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
@@ -237,7 +241,7 @@ def metric_rows(run: RunFile, task: str | None = None) -> list[MetricRow]:
     for name, t in run.tasks.items():
         if task is None or name == task:
             rows += _metric_rows(name, t.metrics, task_n_docs(run, t))
-    if task is None:
-        for name, res in run.extra_results.items():
+    for name, res in run.extra_results.items():
+        if task is None or name == task:
             rows += _metric_rows(name, res, None)
     return rows

@@ -175,6 +175,27 @@ def lm_eval_json(run: RunFile, task: str | None) -> tuple[dict, bool]:
     return res, False
 
 
+def lm_eval_sample(s: dict) -> dict:
+    """A stored sample as lm-eval's ``samples_<task>_<time>.jsonl`` holds it (its ``EvaluationTracker`` writes
+    ``arguments`` as ``{gen_args_i: {arg_j: ...}}``, every leaf of ``resps`` and ``filtered_resps`` as text, and
+    ``target`` as text). The results file keeps lm-eval's record as it was in memory; ``inspect --samples`` printed
+    that, so its output and lm-eval's file of the same run differed in those four keys (``"target": 0`` against
+    ``"0"``, ``[-141.07, false]`` against ``["-141.07", "False"]``)."""
+    def texts(v: object) -> object:  # lm_eval.utils.sanitize_list on what came back from JSON
+        return [texts(x) for x in v] if isinstance(v, list) else str(v)
+
+    out = dict(s)
+    args = s.get("arguments")
+    if isinstance(args, list) and all(isinstance(a, list) for a in args):
+        out["arguments"] = {f"gen_args_{i}": {f"arg_{j}": x for j, x in enumerate(a)} for i, a in enumerate(args)}
+    for key in ("resps", "filtered_resps"):
+        if key in s:
+            out[key] = texts(s[key])
+    if "target" in s:
+        out["target"] = str(s["target"])
+    return out
+
+
 def short_text(s: str, width: int = 40) -> str:
     """``s`` on one line, at most ``width`` characters: newlines, tabs and control characters escaped as JSON
     escapes them, and a long text cut between two escapes, never inside one (``\\u001`` then "…" was shown)."""

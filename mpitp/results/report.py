@@ -25,6 +25,7 @@ import stat
 from typing import TYPE_CHECKING
 
 from mpitp.results.diff import paired_comparisons, statistics_text
+from mpitp.results.journal import MAGIC
 from mpitp.results.reader import BadInput, RunFile, load
 from mpitp.results.report_board import higher_is_better, leaderboard, run_view
 from mpitp.results.report_html import render, script_json
@@ -174,6 +175,36 @@ def build(inputs: list[str], cap: int = SAMPLE_CAP, text_budget: int = TEXT_BUDG
         report.sweep_tests += tests
         report.sweep_speed += family_speed(runs)
     return report
+
+
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+"""The first bytes of an HDF5 file whose superblock is at offset 0, as h5py writes every results file."""
+
+
+def output_problem(inputs: list[str], out: str) -> str | None:
+    """Why ``out`` must not receive the page (None when it may): it is one of the files the report reads, an
+    existing HDF5 file or a run's journal. ``mpitp report run.h5 -o run.h5`` replaced the results file with the page,
+    its rows and scores lost; ``-o other.h5`` did the same to a run not even in the report."""
+    try:
+        with open(out, "rb") as f:
+            head = f.read(len(HDF5_SIGNATURE))
+        if head == HDF5_SIGNATURE:
+            return "is an HDF5 file (a results file?), not a page to replace"
+        if head == MAGIC:
+            return "is a run's journal (the rows of a run not finished), not a page to replace"
+    except OSError:  # none there yet, or unreadable: replace_problem says what matters
+        return None
+    try:
+        files, summaries = expand(inputs, warn=lambda line: None)
+    except BadInput:
+        return None  # the report itself then says that nothing was found
+    for p in files + summaries:
+        try:
+            if os.path.samefile(p, out):
+                return f"is {shown(p)}, one of the report's inputs"
+        except OSError:
+            continue
+    return None
 
 
 def write(inputs: list[str], out: str, cap: int = SAMPLE_CAP, diff_iters: int = DIFF_ITERS,

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mpitp.escape import shown
 from mpitp.results.safefile import write_replace
 
 if TYPE_CHECKING:
@@ -208,11 +209,12 @@ def plot_summary(path: str, out: str, Figure: Callable[..., Figure], task: str |
                 es.append(float(e) if isinstance(e, (int, float)) else float("nan"))
                 names.append(r["name"])
         ax.errorbar(xs, ys, yerr=[0.0 if math.isnan(e) else e for e in es], marker="o", capsize=4)
-        ax.set_xticks(xs, names, rotation=45 if len(xs) > 4 else 0, ha="right" if len(xs) > 4 else "center",
+        wide = len(xs) > 4
+        ax.set_xticks(xs, [shown(n) for n in names], rotation=45 if wide else 0, ha="right" if wide else "center",
                       fontsize=8)
-        ax.set_title(f"{t}: {metric}" + ("" if filt == "none" else f" [{filt}]"), fontsize=9)
+        ax.set_title(shown(f"{t}: {metric}" + ("" if filt == "none" else f" [{filt}]")), fontsize=9)
     for extra in axes[len(keys):]:
         extra.set_axis_off()
-    fig.suptitle(f"sweep: {os.path.dirname(os.path.abspath(path))}")
+    fig.suptitle(shown(f"sweep: {os.path.dirname(os.path.abspath(path))}"))  # names from the file, escaped
     fig.savefig(out, dpi=120)
     return len(keys)
