@@ -291,3 +291,34 @@ def test_apply_chat_template_without_a_template_is_refused_before_any_work(stori
         assert str(err.value) == ("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
                                   f"({STORIES})") and err.value.collective
     assert seen == []
+
+
+def test_seeds_are_checked_first_and_sample_as_mpitp_eval_samples(stories, monkeypatch):
+    """``seed=(1, 2, 3)`` was an IndexError and ``seed=-1`` NumPy's ValueError, on rank 0 alone once the run had begun
+    (a training script's peers left serving). And a sampled generation's seed was hashed from ``seed`` as given, so
+    the same setting sampled other texts through each path: ``mpitp eval``'s default ``[0, 1234, 1234, 1234]`` and
+    ``mpitp.evaluate``'s ``None`` (gsm8k, ``do_sample=True``: ``'"Charlail on'`` against ``'\\n"Can you mad'``), as did
+    ``--seed 42`` and ``seed=42``."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+    from mpitp.evaluation.settings import EvalConfig
+
+    seen = _stub_run(monkeypatch)
+    what = "expected one integer from 0 to 4294967295 or a list of four (None: that generator left unseeded)"
+    for seed in ((1, 2, 3), -1, "a", [0, None, 8, 2**32], True):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, seed=seed)
+        assert str(err.value).startswith(f"mpitp.evaluate: seed={seed!r}: {what}") and err.value.collective
+    assert seen == []
+    mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, seed=(42, 42, 42, 42),
+                   include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+
+    def cli(*argv):
+        return parse_eval_args(["--model", str(STORIES), "--tasks", "mpitp_demo_gen", *argv]).cfg.sampling_seed()
+
+    assert seen[0]["cfg"].sampling_seed() == EvalConfig(seed=42).sampling_seed() == cli("--seed", "42")
+    assert EvalConfig().sampling_seed() == cli() == [0, 1234, 1234, 1234]
+    assert EvalConfig(seed=(0, None, 8, 52)).sampling_seed() == cli("--seed", "0,None,8,52")

@@ -272,7 +272,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     ValueError; ``use_cache=False``, a TypeError from ``generate`` on the leader alone), and an output ``mpitp eval``
     refuses up front (a directory, a FIFO, a folder that takes no files: an IsADirectoryError from the results writer
     on rank 0 once the requests were computed); so did ``limit`` with ``samples`` (lm-eval's ValueError), a
-    tokenizer path that does not load, and ``limit="5"`` (now read as 5 on every rank).
+    tokenizer path that does not load, a ``seed`` of three values (an IndexError) or -1 (NumPy's
+    ValueError), and ``limit="5"`` (now read as 5 on every rank).
     Returns, on rank 0, the :class:`~mpitp.evaluation.checks.CheckedTasks` (lm-eval's TaskManager and the include
     path, with ``data_dir``'s task YAMLs to remove afterwards) and the claim on ``output`` (one writer per file, as
     ``mpitp eval`` holds it; None without one); (None, None) elsewhere."""
@@ -300,6 +301,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
                                   ("num_fewshot", cfg.num_fewshot, at_least(0, "an integer >= 0")),
                                   ("max_length", cfg.max_length, at_least(2, "an integer >= 2 (tokens)")),
                                   ("bootstrap_iters", cfg.bootstrap_iters, at_least(0, "an integer >= 0")),
+                                  ("seed", cfg.seed, values.seeds_value),
                                   ("tasks", cfg.tasks, values.yaml_tasks)):
             try:
                 if value is not None:

@@ -66,6 +66,25 @@ def limit_value(v: object) -> int | float:
     return int(v) if v >= 1 and v == int(v) else v
 
 
+SEED_MAX = 2**32 - 1
+"""The largest seed every generator lm-eval seeds takes (NumPy's ``np.random.seed``: 0 to 2**32 - 1)."""
+
+
+def seeds_value(v: object) -> int | list:
+    """lm-eval's seeds as ``simple_evaluate`` takes them: one integer for all four slots (python, numpy, torch,
+    few-shot) or four values, each an integer or None (that generator left as it is, as ``--seed 0,None,8,52``),
+    each integer in NumPy's range. A tuple of three was an IndexError and -1 or 'a' an error from ``np.random.seed``,
+    each on rank 0 alone once the run had begun."""
+    what = f"one integer from 0 to {SEED_MAX} or a list of four (None: that generator left unseeded)"
+    if isinstance(v, (list, tuple)):
+        if len(v) == 4 and all(s is None or (_is_int(s) and 0 <= s <= SEED_MAX) for s in v):
+            return list(v)
+        raise BadValue(f"expected {what}, got {show(v)}")
+    if _is_int(v) and 0 <= v <= SEED_MAX:
+        return v
+    raise BadValue(f"expected {what}, got {show(v)}")
+
+
 def batch_size_value(value: object) -> int | str:
     """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N`` (N >= 1)."""
     text = str(value).strip()
