@@ -322,3 +322,43 @@ def test_seeds_are_checked_first_and_sample_as_mpitp_eval_samples(stories, monke
     assert seen[0]["cfg"].sampling_seed() == EvalConfig(seed=42).sampling_seed() == cli("--seed", "42")
     assert EvalConfig().sampling_seed() == cli() == [0, 1234, 1234, 1234]
     assert EvalConfig(seed=(0, None, 8, 52)).sampling_seed() == cli("--seed", "0,None,8,52")
+
+
+def test_keywords_of_the_wrong_type_are_refused_by_name_before_any_work(stories, monkeypatch):
+    """Each was an exception other than UsageError, so a script's ``except mpitp.UsageError`` missed it and the job
+    ended: ``tasks=None`` and ``tasks=123`` a TypeError on every rank; ``gen_kwargs=123`` and ``output=123`` one on
+    rank 0 alone inside the checks (its peers left waiting for the verdict); ``device="gpu"`` torch's RuntimeError on
+    every rank once the checks had passed; ``timeout=-1`` failed the first wait it bounded; ``system_instruction=123``,
+    ``write_out="x"`` and ``max_batch_size=0`` went on to lm-eval unread. Flags given a string were read as true:
+    ``skip_head_check="no"`` skipped the head check, ``overwrite="no"`` replaced the file."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    for kw, why in ((dict(tasks=None), "tasks=None: expected a list of task names or a comma-separated string, got "
+                                       "an empty value"),
+                    (dict(tasks=123), "tasks=123: expected a list of task names or a comma-separated string, got 123"),
+                    (dict(gen_kwargs=123), "gen_kwargs=123: expected a string like 'temperature=0,top_p=1' or a "
+                                           "mapping, got 123"),
+                    (dict(output=123), "output=123: expected a non-empty string, got 123"),
+                    (dict(skip_head_check="no"), "skip_head_check='no': expected True or False, got 'no'"),
+                    (dict(overwrite="no"), "overwrite='no': expected True or False, got 'no'"),
+                    (dict(log_samples=1), "log_samples=1: expected True or False, got 1"),
+                    (dict(apply_chat_template=1), "apply_chat_template=1: expected True, False or a chat template's "
+                                                  "name, got 1"),
+                    (dict(timeout=-1), "timeout=-1: expected a positive number of seconds, got -1"),
+                    (dict(timeout="60"), "timeout='60': expected a positive number of seconds, got '60'"),
+                    (dict(device="gpu"), "device='gpu': Expected one of cpu, cuda, "),
+                    (dict(system_instruction=123), "system_instruction=123: expected a non-empty string, got 123"),
+                    (dict(write_out="x"), "write_out='x': expected True or False, got 'x'"),
+                    (dict(max_batch_size=0), "max_batch_size=0: expected an integer >= 1, got 0")):
+        args = {"tasks": ["mpitp_demo_mc"], **kw}
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), comm=MPI.COMM_SELF, **args)
+        assert str(err.value).startswith(f"mpitp.evaluate: {why}") and err.value.collective, str(err.value)
+    assert seen == []
+    demo = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
+    mpitp.evaluate(stories, str(STORIES), ("mpitp_demo_mc",), comm=MPI.COMM_SELF, include_path=demo, timeout=None)
+    assert seen[0]["cfg"].tasks == ["mpitp_demo_mc"]

@@ -64,6 +64,7 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     (``mpitp.start(timeout=...)``), which torch does not let a caller change afterwards.
     """
     _check_model(model)
+    _check_timeout(timeout)
     model = _unwrapped(model)
     layout, group = layout_for(model, comm, layout)
     _refuse_adapters_under_tp(model, layout.tp)
@@ -79,6 +80,20 @@ def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"mpitp.evaluate takes a loaded model (a torch.nn.Module), not {type(model).__name__} "
                         f"{model!r:.80}: load it first, e.g. mpitp.load_model(path, rt.layout.tp, rt.device)")
+
+
+def _check_timeout(timeout) -> None:
+    """``timeout`` bounds the collectives from the first one on, so it is checked before them, on every rank (each
+    holds the same value, so each refuses alike): -1 ran and failed in the first wait it bounded, and "60" (a string)
+    failed in the arithmetic of a deadline. None waits without one."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation import setting_values as values
+
+    if timeout is not None:
+        try:
+            values.yaml_timeout(timeout)
+        except values.BadValue as exc:
+            raise UsageError(f"mpitp.evaluate: timeout={timeout!r}: {exc}", collective=True) from None
 
 
 def _unwrapped(model):
@@ -189,7 +204,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     from mpitp.parallel.replica_group import ReplicaGroup, backend_for
     from mpitp.parallel.runtime import Runtime
 
-    dev = device or str(next(model.parameters()).device)
+    output = os.fspath(output) if isinstance(output, os.PathLike) else output  # a pathlib.Path is a path too
+    dev = _device(device, model)
     rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,
                  replica_group=ReplicaGroup(size=layout.replica_size, rank=layout.replica_rank, tp_size=layout.tp,
                                             tp_rank=layout.tp_rank, backend=backend_for(dev), device=dev,
@@ -232,11 +248,29 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     return result
 
 
+def _device(device, model) -> str:
+    """The device the model's parameters are on, or the one named; a name torch does not know ("gpu") is refused on
+    every rank alike before any work (it was a RuntimeError from ``torch.device`` on every rank once the checks had
+    passed, which ended the job)."""
+    import torch
+
+    from mpitp.errors import UsageError
+
+    if device is None:
+        return str(next(model.parameters()).device)
+    try:
+        return str(torch.device(device))
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"mpitp.evaluate: device={device!r}: {str(exc).splitlines()[0]}", collective=True) from None
+
+
 def _task_names(tasks) -> list:
     """``"arc_easy,piqa"`` is two tasks, as ``mpitp eval --tasks`` and a job file's ``tasks:`` read it (lm-eval's
     ``simple_evaluate`` looked the whole string up as one name); a sequence is taken as given, checked on rank 0
     (:func:`_checked`: no empty or repeated name)."""
-    return [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
+    if isinstance(tasks, str):
+        return [t.strip() for t in tasks.split(",")]
+    return list(tasks) if isinstance(tasks, (list, tuple)) else tasks  # anything else: refused by name on rank 0
 
 
 @contextmanager
@@ -295,16 +329,23 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     built = []
 
     def check() -> int | float | None:
-        at_least = values.yaml_int_at_least
+        at_least, passed = values.yaml_int_at_least, lm_eval_kwargs.get
         for name, value, rule in (("limit", cfg.limit, values.limit_value),
                                   ("batch_size", cfg.batch_size, values.yaml_batch_size),
                                   ("num_fewshot", cfg.num_fewshot, at_least(0, "an integer >= 0")),
                                   ("max_length", cfg.max_length, at_least(2, "an integer >= 2 (tokens)")),
                                   ("bootstrap_iters", cfg.bootstrap_iters, at_least(0, "an integer >= 0")),
                                   ("seed", cfg.seed, values.seeds_value),
+                                  ("gen_kwargs", cfg.gen_kwargs, values.yaml_gen_kwargs),
+                                  ("apply_chat_template", cfg.apply_chat_template, values.bool_or_name),
+                                  ("output", cfg.output, values.string_value),
+                                  *((name, getattr(cfg, name), values.flag_value) for name in _FLAGS),
+                                  *((name, passed(name), values.flag_value) for name in _LM_EVAL_FLAGS),
+                                  ("system_instruction", passed("system_instruction"), values.string_value),
+                                  ("max_batch_size", passed("max_batch_size"), at_least(1, "an integer >= 1")),
                                   ("tasks", cfg.tasks, values.yaml_tasks)):
             try:
-                if value is not None:
+                if value is not None or name == "tasks":  # the one setting without a default
                     rule(value)
             except values.BadValue as exc:
                 raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
@@ -365,6 +406,11 @@ def _check_tokenizer(tokenizer, chat: bool) -> None:
         raise UsageError("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
                          f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)})")
 
+
+#: The run's settings that are flags: True or False (the string "no" read as true and skipped the head check).
+_FLAGS = ("log_samples", "skip_head_check", "no_prefix_sharing", "overwrite")
+#: lm-eval's flags a caller may pass on to ``simple_evaluate``, checked as mpitp's own are.
+_LM_EVAL_FLAGS = ("write_out", "predict_only", "check_integrity", "confirm_run_unsafe_code", "fewshot_as_multiturn")
 
 #: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
 #: results file, as ``mpitp eval`` records them) rather than handing them to ``lm_eval.simple_evaluate``.

@@ -161,6 +161,27 @@ def yaml_bool(v: Any) -> bool:
     raise BadValue(f"expected true or false, got {show(v)}")
 
 
+def flag_value(v: Any) -> bool:
+    """A flag given from Python: True or False (a truthy string such as "no" is the slip it most likely is)."""
+    if isinstance(v, bool):
+        return v
+    raise BadValue(f"expected True or False, got {show(v)}")
+
+
+def string_value(v: Any) -> str:
+    """A text setting given from Python: a non-empty string."""
+    if isinstance(v, str) and v.strip():
+        return v
+    raise BadValue(f"expected a non-empty string, got {show(v)}")
+
+
+def bool_or_name(v: Any) -> bool | str:
+    """``apply_chat_template``: True, False or the name of one of the tokenizer's chat templates."""
+    if isinstance(v, bool) or (isinstance(v, str) and v.strip()):
+        return v
+    raise BadValue(f"expected True, False or a chat template's name, got {show(v)}")
+
+
 def yaml_limit(v: Any) -> int | float:
     """:func:`limit_value`'s rule; YAML is typed, so a quoted number or a count with a fraction (1.5) is refused as
     the slip it most likely is."""
