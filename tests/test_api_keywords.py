@@ -362,3 +362,24 @@ def test_keywords_of_the_wrong_type_are_refused_by_name_before_any_work(stories,
     demo = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
     mpitp.evaluate(stories, str(STORIES), ("mpitp_demo_mc",), comm=MPI.COMM_SELF, include_path=demo, timeout=None)
     assert seen[0]["cfg"].tasks == ["mpitp_demo_mc"]
+
+
+def test_lm_eval_settings_are_the_runs_recorded_as_mpitp_eval_records_them(stories, monkeypatch):
+    """``system_instruction``, ``max_batch_size``, ``predict_only``, ... went on to ``simple_evaluate`` and not into
+    the run's settings: the results file's config had no system instruction (``mpitp eval --system_instruction``'s
+    has, and resume compares it), and ``batch_size="auto", max_batch_size=2`` picked batches of 64 (``--max_batch_size
+    2``: 2), the run's own setting being what bounds them. ``predict_only`` logs the samples, as on the command
+    line."""
+    from mpi4py import MPI
+
+    import mpitp
+
+    seen = _stub_run(monkeypatch)
+    mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, batch_size="auto",
+                   include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"), system_instruction="Answer.",
+                   max_batch_size=2, predict_only=True, write_out=True, fewshot_as_multiturn=False)
+    (got,) = seen
+    cfg = got["cfg"]
+    assert (cfg.system_instruction, cfg.max_batch_size, cfg.predict_only, cfg.log_samples, cfg.write_out,
+            cfg.fewshot_as_multiturn) == ("Answer.", 2, True, True, True, False), cfg
+    assert got["extra"] == {} and cfg.identity()["system_instruction"] == "Answer."

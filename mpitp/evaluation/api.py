@@ -218,6 +218,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
                      tasks=_task_names(tasks), batch_size=batch_size, limit=limit,
                      num_fewshot=num_fewshot, include_path=include_path, output=output, max_length=max_length,
                      overwrite=overwrite, **cfg_fields)
+    if cfg.predict_only is True:  # as --predict_only implies --log_samples (the samples are the only output)
+        cfg.log_samples = True
     if output and os.path.exists(output) and not overwrite:
         from mpitp.errors import UsageError
 
@@ -329,7 +331,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     built = []
 
     def check() -> int | float | None:
-        at_least, passed = values.yaml_int_at_least, lm_eval_kwargs.get
+        at_least = values.yaml_int_at_least
         for name, value, rule in (("limit", cfg.limit, values.limit_value),
                                   ("batch_size", cfg.batch_size, values.yaml_batch_size),
                                   ("num_fewshot", cfg.num_fewshot, at_least(0, "an integer >= 0")),
@@ -340,9 +342,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
                                   ("apply_chat_template", cfg.apply_chat_template, values.bool_or_name),
                                   ("output", cfg.output, values.string_value),
                                   *((name, getattr(cfg, name), values.flag_value) for name in _FLAGS),
-                                  *((name, passed(name), values.flag_value) for name in _LM_EVAL_FLAGS),
-                                  ("system_instruction", passed("system_instruction"), values.string_value),
-                                  ("max_batch_size", passed("max_batch_size"), at_least(1, "an integer >= 1")),
+                                  ("system_instruction", cfg.system_instruction, values.string_value),
+                                  ("max_batch_size", cfg.max_batch_size, at_least(1, "an integer >= 1")),
                                   ("tasks", cfg.tasks, values.yaml_tasks)):
             try:
                 if value is not None or name == "tasks":  # the one setting without a default
@@ -352,7 +353,7 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
         if cfg.samples is not None and cfg.limit is not None:
             raise UsageError("mpitp.evaluate: limit and samples exclude each other (lm-eval scores either each task's "
                              "first documents or the listed ones): pass one of them")
-        if lm_eval_kwargs.get("check_integrity"):
+        if cfg.check_integrity:
             check_integrity_runnable("mpitp.evaluate: check_integrity=True")
         if lm_eval_kwargs.get("use_cache") is not None:
             raise UsageError(f"mpitp.evaluate: use_cache={lm_eval_kwargs['use_cache']!r} is refused: lm-eval's cache "
@@ -408,14 +409,18 @@ def _check_tokenizer(tokenizer, chat: bool) -> None:
 
 
 #: The run's settings that are flags: True or False (the string "no" read as true and skipped the head check).
-_FLAGS = ("log_samples", "skip_head_check", "no_prefix_sharing", "overwrite")
-#: lm-eval's flags a caller may pass on to ``simple_evaluate``, checked as mpitp's own are.
-_LM_EVAL_FLAGS = ("write_out", "predict_only", "check_integrity", "confirm_run_unsafe_code", "fewshot_as_multiturn")
+_FLAGS = ("log_samples", "skip_head_check", "no_prefix_sharing", "overwrite", "write_out", "predict_only",
+          "check_integrity", "confirm_run_unsafe_code", "fewshot_as_multiturn")
+#: lm-eval's flags among them (``fewshot_as_multiturn`` None: lm-eval's rule, on with a chat template).
+_LM_EVAL_FLAGS = _FLAGS[4:]
 
 #: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
 #: results file, as ``mpitp eval`` records them) rather than handing them to ``lm_eval.simple_evaluate``.
+#: lm-eval's own settings among them went on to ``simple_evaluate`` unrecorded: ``system_instruction="..."`` left the
+#: file's config without it (``mpitp eval --system_instruction`` records it, and resume compares it) and
+#: ``max_batch_size=2`` with ``batch_size="auto"`` picked 64, which only the configuration's value bounds.
 CONFIG_KEYWORDS = ("gen_kwargs", "apply_chat_template", "log_samples", "bootstrap_iters", "seed", "skip_head_check",
-                   "no_prefix_sharing", "data_dir", "samples")
+                   "no_prefix_sharing", "data_dir", "samples", "max_batch_size", "system_instruction", *_LM_EVAL_FLAGS)
 
 
 def _simple_evaluate_keywords() -> list[str]:
