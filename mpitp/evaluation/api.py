@@ -220,10 +220,6 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
                      overwrite=overwrite, **cfg_fields)
     if cfg.predict_only is True:  # as --predict_only implies --log_samples (the samples are the only output)
         cfg.log_samples = True
-    if output and os.path.exists(output) and not overwrite:
-        from mpitp.errors import UsageError
-
-        raise UsageError(f"output {output} already exists (pass overwrite=True)", collective=True)
     from mpitp import compat
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
@@ -368,6 +364,10 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
         check_generation(check_gen_kwargs(cfg.gen_kwargs, layout.tp, layout.pp))
         if isinstance(tokenizer, str) or cfg.apply_chat_template is True:
             _check_tokenizer(tokenizer, cfg.apply_chat_template is True)
+        if cfg.output and not cfg.overwrite and os.path.exists(cfg.output):
+            # here, on rank 0 (which writes it), not on every rank: a rank whose working folder or node had no such
+            # file went on to these checks while rank 0 raised, and waited out the timeout (an hour by default)
+            raise UsageError(f"mpitp.evaluate: output {cfg.output} already exists (pass overwrite=True)")
         if cfg.output:
             check_output(cfg)
         tasks = check_tasks_once(cfg)
