@@ -383,3 +383,25 @@ def test_lm_eval_settings_are_the_runs_recorded_as_mpitp_eval_records_them(stori
     assert (cfg.system_instruction, cfg.max_batch_size, cfg.predict_only, cfg.log_samples, cfg.write_out,
             cfg.fewshot_as_multiturn) == ("Answer.", 2, True, True, True, False), cfg
     assert got["extra"] == {} and cfg.identity()["system_instruction"] == "Answer."
+
+
+def test_settings_are_recorded_as_mpitp_eval_records_them_so_it_resumes_the_file(stories, monkeypatch):
+    """A ``gen_kwargs`` string was recorded as given and the model's own tokenizer by its path, where ``mpitp eval``
+    records lm-eval's parsed mapping and no tokenizer: ``mpitp eval --resume`` with the very settings refused the
+    file ("different settings: gen_kwargs 'max_gen_toks=8' in the file, {'max_gen_toks': 8} now; tokenizer '...' in
+    the file, None now")."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+
+    seen = _stub_run(monkeypatch)
+    for gen_kwargs in ("max_gen_toks=8,until=['\\n\\n']", '{"max_gen_toks": 8, "until": ["\\n\\n"]}'):
+        mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_gen"], comm=MPI.COMM_SELF, gen_kwargs=gen_kwargs,
+                       include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+        cli = parse_eval_args(["--model", str(STORIES), "--tasks", "mpitp_demo_gen", "--gen_kwargs", gen_kwargs]).cfg
+        got = seen.pop()["cfg"]
+        assert (got.gen_kwargs, got.tokenizer) == (cli.gen_kwargs, cli.tokenizer) == ({"max_gen_toks": 8,
+                                                                                       "until": ["\n\n"]}, None)
+        assert {k: got.identity()[k] for k in ("gen_kwargs", "tokenizer", "model")} == \
+            {k: cli.identity()[k] for k in ("gen_kwargs", "tokenizer", "model")}

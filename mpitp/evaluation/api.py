@@ -224,6 +224,7 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
     tasks, claim = _checked(cfg, layout, timeout, lm_eval_kwargs, tokenizer)
+    _recorded_as_mpitp_eval(cfg)
     was_training = model.training
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
@@ -260,6 +261,29 @@ def _device(device, model) -> str:
         return str(torch.device(device))
     except (RuntimeError, TypeError) as exc:
         raise UsageError(f"mpitp.evaluate: device={device!r}: {str(exc).splitlines()[0]}", collective=True) from None
+
+
+def _recorded_as_mpitp_eval(cfg) -> None:
+    """The settings in ``mpitp eval``'s spelling, which the results file records and ``--resume`` compares: a
+    ``gen_kwargs`` string as ``--gen_kwargs`` reads it (lm-eval's parser: a JSON object, else ``key=value`` pairs
+    typed by ``key_val_to_dict``), and no ``tokenizer`` where it is the model's own (``--tokenizer`` not given). The
+    file recorded ``'max_gen_toks=8'`` and the model's path as tokenizer, so ``mpitp eval --resume`` with the same
+    settings refused it ("different settings: gen_kwargs 'max_gen_toks=8' in the file, {'max_gen_toks': 8} now;
+    tokenizer '...' in the file, None now"). Every rank, after the checks passed: the same value everywhere."""
+    import json
+
+    from mpitp import compat
+
+    if cfg.tokenizer == cfg.model:
+        cfg.tokenizer = None
+    text = cfg.gen_kwargs.strip() if isinstance(cfg.gen_kwargs, str) else None
+    if text:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        cfg.gen_kwargs = parsed if isinstance(parsed, dict) else \
+            compat.attribute("lm_eval._cli.utils.key_val_to_dict")(text)
 
 
 def _task_names(tasks) -> list:
