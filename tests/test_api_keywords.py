@@ -276,7 +276,8 @@ def test_limit_as_text_samples_with_limit_and_a_missing_tokenizer(stories, monke
 
 def test_apply_chat_template_without_a_template_is_refused_before_any_work(stories, monkeypatch):
     """``apply_chat_template=True`` with a tokenizer that has no chat template was a UsageError on rank 0 alone, from
-    the run's own check, after its TP peer had begun to serve (2 ranks: the launch ran into its 100 s timeout)."""
+    the run's own check, after its TP peer had begun to serve (2 ranks: the launch ran into its 100 s timeout); a
+    template's name (``apply_chat_template="default"``) was not checked first at all: its peer waited for ever."""
     from mpi4py import MPI
     from transformers import AutoTokenizer
 
@@ -284,12 +285,13 @@ def test_apply_chat_template_without_a_template_is_refused_before_any_work(stori
     from mpitp.errors import UsageError
 
     seen = _stub_run(monkeypatch)
-    for tok in (str(STORIES), AutoTokenizer.from_pretrained(str(STORIES))):
+    for tok, chat in ((str(STORIES), True), (AutoTokenizer.from_pretrained(str(STORIES)), True),
+                      (str(STORIES), "default")):
         with pytest.raises(UsageError) as err:
-            mpitp.evaluate(stories, tok, ["mpitp_demo_mc"], comm=MPI.COMM_SELF, apply_chat_template=True,
+            mpitp.evaluate(stories, tok, ["mpitp_demo_mc"], comm=MPI.COMM_SELF, apply_chat_template=chat,
                            include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
-        assert str(err.value) == ("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
-                                  f"({STORIES})") and err.value.collective
+        assert str(err.value) == (f"mpitp.evaluate: apply_chat_template={chat!r}, but the tokenizer has no chat "
+                                  f"template ({STORIES})") and err.value.collective
     assert seen == []
 
 

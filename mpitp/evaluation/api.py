@@ -386,8 +386,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
             raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{hint}: "
                              "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
         check_generation(check_gen_kwargs(cfg.gen_kwargs, layout.tp, layout.pp))
-        if isinstance(tokenizer, str) or cfg.apply_chat_template is True:
-            _check_tokenizer(tokenizer, cfg.apply_chat_template is True)
+        if isinstance(tokenizer, str) or cfg.apply_chat_template:
+            _check_tokenizer(tokenizer, cfg.apply_chat_template)
         if cfg.output and not cfg.overwrite and os.path.exists(cfg.output):
             # here, on rank 0 (which writes it), not on every rank: a rank whose working folder or node had no such
             # file went on to these checks while rank 0 raised, and waited out the timeout (an hour by default)
@@ -412,11 +412,12 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     return built[0] if built else (None, None)
 
 
-def _check_tokenizer(tokenizer, chat: bool) -> None:
+def _check_tokenizer(tokenizer, chat: bool | str) -> None:
     """A tokenizer named by path or hub id loads on rank 0 (lm-eval loads it there, and each DP leader): one that does
     not was an OSError on rank 0 alone once the run had begun, its peers left serving. ``chat``
     (``apply_chat_template=True``): it has a chat template, which lm-eval's run checks on rank 0 only after the
-    others began to serve (:meth:`mpitp.evaluation.lm.MPITPLM.check_chat_template`, a UsageError there alone)."""
+    others began to serve (:meth:`mpitp.evaluation.lm.MPITPLM.check_chat_template`, a UsageError there alone); so
+    did a template's name (``apply_chat_template="default"``: its peer waited for rank 0 for ever)."""
     from transformers import AutoTokenizer
 
     from mpitp.errors import UsageError
@@ -428,7 +429,7 @@ def _check_tokenizer(tokenizer, chat: bool) -> None:
             raise UsageError(f"mpitp.evaluate: tokenizer {tokenizer!r} cannot be loaded: "
                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise UsageError("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
+        raise UsageError(f"mpitp.evaluate: apply_chat_template={chat!r}, but the tokenizer has no chat template "
                          f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)})")
 
 
