@@ -361,6 +361,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
                                   ("gen_kwargs", cfg.gen_kwargs, values.yaml_gen_kwargs),
                                   ("apply_chat_template", cfg.apply_chat_template, values.bool_or_name),
                                   ("output", cfg.output, values.string_value),
+                                  ("include_path", cfg.include_path, values.paths_value),
+                                  ("data_dir", cfg.data_dir, values.string_value),
                                   *((name, getattr(cfg, name), values.flag_value) for name in _FLAGS),
                                   ("system_instruction", cfg.system_instruction, values.string_value),
                                   ("max_batch_size", cfg.max_batch_size, at_least(1, "an integer >= 1")),

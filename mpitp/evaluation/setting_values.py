@@ -175,6 +175,15 @@ def string_value(v: Any) -> str:
     raise BadValue(f"expected a non-empty string, got {show(v)}")
 
 
+def paths_value(v: Any) -> str | list:
+    """``include_path`` given from Python: one folder or a list of them (maybe empty), each a non-empty string."""
+    if isinstance(v, (list, tuple)) and all(isinstance(p, str) and p.strip() for p in v):
+        return list(v)
+    if isinstance(v, str) and v.strip():
+        return v
+    raise BadValue(f"expected a folder or a list of folders, got {show(v)}")
+
+
 def bool_or_name(v: Any) -> bool | str:
     """``apply_chat_template``: True, False or the name of one of the tokenizer's chat templates."""
     if isinstance(v, bool) or (isinstance(v, str) and v.strip()):
