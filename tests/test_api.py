@@ -54,21 +54,26 @@ def test_evaluate_between_training_steps(shared_dir, tmp_path):
           f"to {max(d):.3g} in ll; mpitp eval on the saved weights vs the 2nd call: max relative |d ll| {worst:.2e}")
 
 
-def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_job():
+def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_job(tmp_path):
     """Without mpitp's excepthook: an unknown task and ``limit=0`` found by rank 0 alone once the other rank served
     left it in a collective for the deadline (an hour by default); now both raise UsageError on every rank before any
     work. A ``samples`` index past the task's end, which rank 0 meets only once lm-eval builds the requests, is relayed
     to the other rank (its TP worker), which raises it too (it waited for rank 0 for ever when the caller caught it);
-    the next call scores. Then rank 1 leaves ``with mpitp.start()`` with an error while rank 0 waits for it: the job
-    ends at once, naming it (before: rank 1 waited in MPI_Finalize and rank 0 in the collective, for ever)."""
-    proc = run_mpi_script(2, Path(__file__).parent / "mpi" / "api_refusals.py", [str(STORIES), DEMO_TASKS],
-                          timeout=120)
+    so is an ``output`` that exists where rank 0 writes it, with ``overwrite=False``: each rank looked for it itself,
+    and a rank in a working folder without it waited for rank 0's verdict until the deadline (here it took the next
+    call's verdict for this one's and ran on out of step, rank 0 'went on'). The next call scores.
+    Then rank 1 leaves ``with mpitp.start()`` with an error while rank 0 waits for it: the job ends at once, naming it
+    (before: rank 1 waited in MPI_Finalize and rank 0 in the collective, for ever)."""
+    proc = run_mpi_script(2, Path(__file__).parent / "mpi" / "api_refusals.py", [str(STORIES), DEMO_TASKS,
+                                                                                 str(tmp_path)], timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "went on" not in out, explain(proc)
     for rank in (0, 1):
         assert f"rank {rank} refused: unknown task 'no_such_task'" in out, explain(proc)
         assert f"rank {rank} refused: mpitp.evaluate: limit=0: must be > 0, got 0" in out, explain(proc)
         assert f"rank {rank} refused: --samples mpitp_demo_mc: document 99 does not exist" in out, explain(proc)
+        assert f"rank {rank} refused: mpitp.evaluate: output out.h5 already exists (pass overwrite=True)" in out, \
+            explain(proc)
         assert f"rank {rank} scored after the refusals: {rank == 0}" in out, explain(proc)
     assert "[rank 1] mpitp: fatal ValueError: planted on rank 1 only" in out, explain(proc)
     assert proc.elapsed < 60, proc.elapsed

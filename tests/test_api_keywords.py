@@ -276,7 +276,8 @@ def test_limit_as_text_samples_with_limit_and_a_missing_tokenizer(stories, monke
 
 def test_apply_chat_template_without_a_template_is_refused_before_any_work(stories, monkeypatch):
     """``apply_chat_template=True`` with a tokenizer that has no chat template was a UsageError on rank 0 alone, from
-    the run's own check, after its TP peer had begun to serve (2 ranks: the launch ran into its 100 s timeout)."""
+    the run's own check, after its TP peer had begun to serve (2 ranks: the launch ran into its 100 s timeout); a
+    template's name (``apply_chat_template="default"``) was not checked first at all: its peer waited for ever."""
     from mpi4py import MPI
     from transformers import AutoTokenizer
 
@@ -284,10 +285,147 @@ def test_apply_chat_template_without_a_template_is_refused_before_any_work(stori
     from mpitp.errors import UsageError
 
     seen = _stub_run(monkeypatch)
-    for tok in (str(STORIES), AutoTokenizer.from_pretrained(str(STORIES))):
+    for tok, chat in ((str(STORIES), True), (AutoTokenizer.from_pretrained(str(STORIES)), True),
+                      (str(STORIES), "default")):
         with pytest.raises(UsageError) as err:
-            mpitp.evaluate(stories, tok, ["mpitp_demo_mc"], comm=MPI.COMM_SELF, apply_chat_template=True,
+            mpitp.evaluate(stories, tok, ["mpitp_demo_mc"], comm=MPI.COMM_SELF, apply_chat_template=chat,
                            include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
-        assert str(err.value) == ("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
-                                  f"({STORIES})") and err.value.collective
+        assert str(err.value) == (f"mpitp.evaluate: apply_chat_template={chat!r}, but the tokenizer has no chat "
+                                  f"template ({STORIES})") and err.value.collective
     assert seen == []
+
+
+def test_seeds_are_checked_first_and_sample_as_mpitp_eval_samples(stories, monkeypatch):
+    """``seed=(1, 2, 3)`` was an IndexError and ``seed=-1`` NumPy's ValueError, on rank 0 alone once the run had begun
+    (a training script's peers left serving). And a sampled generation's seed was hashed from ``seed`` as given, so
+    the same setting sampled other texts through each path: ``mpitp eval``'s default ``[0, 1234, 1234, 1234]`` and
+    ``mpitp.evaluate``'s ``None`` (gsm8k, ``do_sample=True``: ``'"Charlail on'`` against ``'\\n"Can you mad'``), as did
+    ``--seed 42`` and ``seed=42``."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+    from mpitp.evaluation.settings import EvalConfig
+
+    seen = _stub_run(monkeypatch)
+    what = "expected one integer from 0 to 4294967295 or a list of four (None: that generator left unseeded)"
+    for seed in ((1, 2, 3), -1, "a", [0, None, 8, 2**32], True):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, seed=seed)
+        assert str(err.value).startswith(f"mpitp.evaluate: seed={seed!r}: {what}") and err.value.collective
+    assert seen == []
+    mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, seed=(42, 42, 42, 42),
+                   include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+
+    def cli(*argv):
+        return parse_eval_args(["--model", str(STORIES), "--tasks", "mpitp_demo_gen", *argv]).cfg.sampling_seed()
+
+    assert seen[0]["cfg"].sampling_seed() == EvalConfig(seed=42).sampling_seed() == cli("--seed", "42")
+    assert EvalConfig().sampling_seed() == cli() == [0, 1234, 1234, 1234]
+    assert EvalConfig(seed=(0, None, 8, 52)).sampling_seed() == cli("--seed", "0,None,8,52")
+
+
+def test_keywords_of_the_wrong_type_are_refused_by_name_before_any_work(stories, monkeypatch):
+    """Each was an exception other than UsageError, so a script's ``except mpitp.UsageError`` missed it and the job
+    ended: ``tasks=None`` and ``tasks=123`` a TypeError on every rank; ``gen_kwargs=123`` and ``output=123`` one on
+    rank 0 alone inside the checks (its peers left waiting for the verdict); ``device="gpu"`` torch's RuntimeError on
+    every rank once the checks had passed; ``timeout=-1`` failed the first wait it bounded; ``system_instruction=123``,
+    ``write_out="x"`` and ``max_batch_size=0`` went on to lm-eval unread. Flags given a string were read as true:
+    ``skip_head_check="no"`` skipped the head check, ``overwrite="no"`` replaced the file."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    for kw, why in ((dict(tasks=None), "tasks=None: expected a list of task names or a comma-separated string, got "
+                                       "an empty value"),
+                    (dict(tasks=123), "tasks=123: expected a list of task names or a comma-separated string, got 123"),
+                    (dict(gen_kwargs=123), "gen_kwargs=123: expected a string like 'temperature=0,top_p=1' or a "
+                                           "mapping, got 123"),
+                    (dict(output=123), "output=123: expected a non-empty string, got 123"),
+                    (dict(skip_head_check="no"), "skip_head_check='no': expected True or False, got 'no'"),
+                    (dict(overwrite="no"), "overwrite='no': expected True or False, got 'no'"),
+                    (dict(log_samples=1), "log_samples=1: expected True or False, got 1"),
+                    (dict(apply_chat_template=1), "apply_chat_template=1: expected True, False or a chat template's "
+                                                  "name, got 1"),
+                    (dict(timeout=-1), "timeout=-1: expected a positive number of seconds, got -1"),
+                    (dict(timeout="60"), "timeout='60': expected a positive number of seconds, got '60'"),
+                    (dict(device="gpu"), "device='gpu': Expected one of cpu, cuda, "),
+                    (dict(system_instruction=123), "system_instruction=123: expected a non-empty string, got 123"),
+                    (dict(write_out="x"), "write_out='x': expected True or False, got 'x'"),
+                    (dict(max_batch_size=0), "max_batch_size=0: expected an integer >= 1, got 0")):
+        args = {"tasks": ["mpitp_demo_mc"], **kw}
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), comm=MPI.COMM_SELF, **args)
+        assert str(err.value).startswith(f"mpitp.evaluate: {why}") and err.value.collective, str(err.value)
+    assert seen == []
+    demo = str(REPO / "mpitp" / "tasks" / "demo" / "tasks")
+    mpitp.evaluate(stories, str(STORIES), ("mpitp_demo_mc",), comm=MPI.COMM_SELF, include_path=demo, timeout=None)
+    assert seen[0]["cfg"].tasks == ["mpitp_demo_mc"]
+
+
+def test_lm_eval_settings_are_the_runs_recorded_as_mpitp_eval_records_them(stories, monkeypatch):
+    """``system_instruction``, ``max_batch_size``, ``predict_only``, ... went on to ``simple_evaluate`` and not into
+    the run's settings: the results file's config had no system instruction (``mpitp eval --system_instruction``'s
+    has, and resume compares it), and ``batch_size="auto", max_batch_size=2`` picked batches of 64 (``--max_batch_size
+    2``: 2), the run's own setting being what bounds them. ``predict_only`` logs the samples, as on the command
+    line."""
+    from mpi4py import MPI
+
+    import mpitp
+
+    seen = _stub_run(monkeypatch)
+    mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, batch_size="auto",
+                   include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"), system_instruction="Answer.",
+                   max_batch_size=2, predict_only=True, write_out=True, fewshot_as_multiturn=False)
+    (got,) = seen
+    cfg = got["cfg"]
+    assert (cfg.system_instruction, cfg.max_batch_size, cfg.predict_only, cfg.log_samples, cfg.write_out,
+            cfg.fewshot_as_multiturn) == ("Answer.", 2, True, True, True, False), cfg
+    assert got["extra"] == {} and cfg.identity()["system_instruction"] == "Answer."
+
+
+def test_settings_are_recorded_as_mpitp_eval_records_them_so_it_resumes_the_file(stories, monkeypatch):
+    """A ``gen_kwargs`` string was recorded as given and the model's own tokenizer by its path, where ``mpitp eval``
+    records lm-eval's parsed mapping and no tokenizer: ``mpitp eval --resume`` with the very settings refused the
+    file ("different settings: gen_kwargs 'max_gen_toks=8' in the file, {'max_gen_toks': 8} now; tokenizer '...' in
+    the file, None now")."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.evaluation.lmeval_args import parse_eval_args
+
+    seen = _stub_run(monkeypatch)
+    for gen_kwargs in ("max_gen_toks=8,until=['\\n\\n']", '{"max_gen_toks": 8, "until": ["\\n\\n"]}'):
+        mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_gen"], comm=MPI.COMM_SELF, gen_kwargs=gen_kwargs,
+                       include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks"))
+        cli = parse_eval_args(["--model", str(STORIES), "--tasks", "mpitp_demo_gen", "--gen_kwargs", gen_kwargs]).cfg
+        got = seen.pop()["cfg"]
+        assert (got.gen_kwargs, got.tokenizer) == (cli.gen_kwargs, cli.tokenizer) == ({"max_gen_toks": 8,
+                                                                                       "until": ["\n\n"]}, None)
+        assert {k: got.identity()[k] for k in ("gen_kwargs", "tokenizer", "model")} == \
+            {k: cli.identity()[k] for k in ("gen_kwargs", "tokenizer", "model")}
+
+
+def test_task_folders_of_the_wrong_type_are_refused_by_name_before_any_work(stories, monkeypatch):
+    """``include_path=123`` and ``data_dir=123`` were a TypeError on rank 0 alone inside the shared checks ('int'
+    object is not iterable; expected str, bytes or os.PathLike object), its peers left waiting for the verdict."""
+    from mpi4py import MPI
+
+    import mpitp
+    from mpitp.errors import UsageError
+
+    seen = _stub_run(monkeypatch)
+    for kw, why in ((dict(include_path=123), "include_path=123: expected a folder or a list of folders, got 123"),
+                    (dict(include_path=[None]), "include_path=[None]: expected a folder or a list of folders, got "
+                                                "[None]"),
+                    (dict(data_dir=123), "data_dir=123: expected a non-empty string, got 123")):
+        with pytest.raises(UsageError) as err:
+            mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, **kw)
+        assert str(err.value) == f"mpitp.evaluate: {why}" and err.value.collective, str(err.value)
+    assert seen == []
+    mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF,
+                   include_path=[str(REPO / "mpitp" / "tasks" / "demo" / "tasks")])
+    assert len(seen) == 1

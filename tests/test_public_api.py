@@ -69,3 +69,52 @@ def test_evaluate_given_a_path_says_so_before_any_collective():
     assert p.stdout.splitlines() == [
         "TypeError: mpitp.evaluate takes a loaded model (a torch.nn.Module), not str 'path/to/model': load it first, "
         "e.g. mpitp.load_model(path, rt.layout.tp, rt.device)", "MPI initialised: False"], p.stdout
+
+
+START_REFUSALS = """
+import mpitp
+for kw in ({"threads": -1}, {"threads": "2"}, {"threads": 0}, {"timeout": -1}, {"timeout": "60"}):
+    try:
+        with mpitp.start(device="cpu", **kw):
+            print("started", kw)
+    except mpitp.UsageError as exc:
+        print(exc, exc.collective)
+import torch.distributed as dist
+print("torch world:", dist.is_initialized())
+"""
+
+
+def test_start_refuses_bad_threads_and_timeout_before_building_anything():
+    """``threads=-1`` and ``threads="2"`` were a RuntimeError from ``torch.set_num_threads`` once the MPI and torch
+    worlds were built (the job aborted), ``threads=0`` silently meant the default, ``timeout=-1`` was a DeadlineError
+    traceback from the first wait and ``timeout="60"`` a deadline never checked; ``mpitp eval --threads/--timeout``
+    refuse each. Now one UsageError each, on every rank, before anything is built."""
+    p = subprocess.run([sys.executable, "-c", START_REFUSALS], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    threads = "expected a positive integer (or None: the cores per node / ranks per node) True"
+    timeout = "expected a positive number of seconds (or None: no deadline) True"
+    assert p.stdout.splitlines() == [
+        f"mpitp.start: threads=-1: {threads}", f"mpitp.start: threads='2': {threads}",
+        f"mpitp.start: threads=0: {threads}", f"mpitp.start: timeout=-1: {timeout}",
+        f"mpitp.start: timeout='60': {timeout}", "torch world: False"], p.stdout
+
+
+def test_load_model_refuses_a_bad_dtype_device_or_tp_before_reading_the_checkpoint():
+    """``dtype="fp32"`` was an AttributeError from ``getattr(torch, "fp32")``, ``device="gpu"`` torch's RuntimeError
+    after the load, and ``tp=2`` without a torch world of 2 ranks (``mpitp.start()`` at tp=1) transformers' OSError
+    'We tried to initialize torch.distributed for you, but it failed': tracebacks that ended the job."""
+    import pytest
+
+    import mpitp
+    from support import STORIES
+
+    for args, why in ((dict(tp=1, device="cpu", dtype="fp32"),
+                       "dtype='fp32': expected one of auto, float32, bfloat16, float16"),
+                      (dict(tp=1, device="gpu", dtype="float32"), "device='gpu': Expected one of cpu, cuda, "),
+                      (dict(tp=0, device="cpu", dtype="float32"), "tp=0: expected a positive integer"),
+                      (dict(tp=2, device="cpu", dtype="float32"),
+                       "tp=2, but this rank's torch world has 1 rank(s): a replica of tp=2 needs one torch world of "
+                       "its 2 ranks (mpitp.start(tp=2) makes it; pass rt.layout.tp)")):
+        with pytest.raises(mpitp.UsageError) as err:
+            mpitp.load_model(str(STORIES), **args)
+        assert str(err.value).startswith(f"mpitp.load_model: {why}") and err.value.collective, str(err.value)

@@ -64,6 +64,7 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, t
     (``mpitp.start(timeout=...)``), which torch does not let a caller change afterwards.
     """
     _check_model(model)
+    _check_timeout(timeout)
     model = _unwrapped(model)
     layout, group = layout_for(model, comm, layout)
     _refuse_adapters_under_tp(model, layout.tp)
@@ -79,6 +80,20 @@ def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"mpitp.evaluate takes a loaded model (a torch.nn.Module), not {type(model).__name__} "
                         f"{model!r:.80}: load it first, e.g. mpitp.load_model(path, rt.layout.tp, rt.device)")
+
+
+def _check_timeout(timeout) -> None:
+    """``timeout`` bounds the collectives from the first one on, so it is checked before them, on every rank (each
+    holds the same value, so each refuses alike): -1 ran and failed in the first wait it bounded, and "60" (a string)
+    failed in the arithmetic of a deadline. None waits without one."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation import setting_values as values
+
+    if timeout is not None:
+        try:
+            values.yaml_timeout(timeout)
+        except values.BadValue as exc:
+            raise UsageError(f"mpitp.evaluate: timeout={timeout!r}: {exc}", collective=True) from None
 
 
 def _unwrapped(model):
@@ -190,7 +205,8 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     from mpitp.parallel.replica_group import ReplicaGroup, backend_for
     from mpitp.parallel.runtime import Runtime
 
-    dev = device or str(next(model.parameters()).device)
+    output = os.fspath(output) if isinstance(output, os.PathLike) else output  # a pathlib.Path is a path too
+    dev = _device(device, model)
     rt = Runtime(world=layout.world, layout=layout, device=dev, threads=torch.get_num_threads(), timeout=timeout,
                  replica_group=ReplicaGroup(size=layout.replica_size, rank=layout.replica_rank, tp_size=layout.tp,
                                             tp_rank=layout.tp_rank, backend=backend_for(dev), device=dev,
@@ -203,14 +219,13 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
                      tasks=_task_names(tasks), batch_size=batch_size, limit=limit,
                      num_fewshot=num_fewshot, include_path=include_path, output=output, max_length=max_length,
                      overwrite=overwrite, **cfg_fields)
-    if output and os.path.exists(output) and not overwrite:
-        from mpitp.errors import UsageError
-
-        raise UsageError(f"output {output} already exists (pass overwrite=True)", collective=True)
+    if cfg.predict_only is True:  # as --predict_only implies --log_samples (the samples are the only output)
+        cfg.log_samples = True
     from mpitp import compat
 
     compat.check(collective=True)  # every rank: the same installation (mpitp eval checks on rank 0, in check_all)
     tasks, claim = _checked(cfg, layout, timeout, lm_eval_kwargs, tokenizer)
+    _recorded_as_mpitp_eval(cfg)
     was_training = model.training
     attention = compat.attention_implementation(model.config)  # prefix sharing may switch it to tree attention
     model.eval()
@@ -233,11 +248,52 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
     return result
 
 
+def _device(device, model) -> str:
+    """The device the model's parameters are on, or the one named; a name torch does not know ("gpu") is refused on
+    every rank alike before any work (it was a RuntimeError from ``torch.device`` on every rank once the checks had
+    passed, which ended the job)."""
+    import torch
+
+    from mpitp.errors import UsageError
+
+    if device is None:
+        return str(next(model.parameters()).device)
+    try:
+        return str(torch.device(device))
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"mpitp.evaluate: device={device!r}: {str(exc).splitlines()[0]}", collective=True) from None
+
+
+def _recorded_as_mpitp_eval(cfg) -> None:
+    """The settings in ``mpitp eval``'s spelling, which the results file records and ``--resume`` compares: a
+    ``gen_kwargs`` string as ``--gen_kwargs`` reads it (lm-eval's parser: a JSON object, else ``key=value`` pairs
+    typed by ``key_val_to_dict``), and no ``tokenizer`` where it is the model's own (``--tokenizer`` not given). The
+    file recorded ``'max_gen_toks=8'`` and the model's path as tokenizer, so ``mpitp eval --resume`` with the same
+    settings refused it ("different settings: gen_kwargs 'max_gen_toks=8' in the file, {'max_gen_toks': 8} now;
+    tokenizer '...' in the file, None now"). Every rank, after the checks passed: the same value everywhere."""
+    import json
+
+    from mpitp import compat
+
+    if cfg.tokenizer == cfg.model:
+        cfg.tokenizer = None
+    text = cfg.gen_kwargs.strip() if isinstance(cfg.gen_kwargs, str) else None
+    if text:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        cfg.gen_kwargs = parsed if isinstance(parsed, dict) else \
+            compat.attribute("lm_eval._cli.utils.key_val_to_dict")(text)
+
+
 def _task_names(tasks) -> list:
     """``"arc_easy,piqa"`` is two tasks, as ``mpitp eval --tasks`` and a job file's ``tasks:`` read it (lm-eval's
     ``simple_evaluate`` looked the whole string up as one name); a sequence is taken as given, checked on rank 0
     (:func:`_checked`: no empty or repeated name)."""
-    return [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
+    if isinstance(tasks, str):
+        return [t.strip() for t in tasks.split(",")]
+    return list(tasks) if isinstance(tasks, (list, tuple)) else tasks  # anything else: refused by name on rank 0
 
 
 @contextmanager
@@ -273,7 +329,8 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     ValueError; ``use_cache=False``, a TypeError from ``generate`` on the leader alone), and an output ``mpitp eval``
     refuses up front (a directory, a FIFO, a folder that takes no files: an IsADirectoryError from the results writer
     on rank 0 once the requests were computed); so did ``limit`` with ``samples`` (lm-eval's ValueError), a
-    tokenizer path that does not load, and ``limit="5"`` (now read as 5 on every rank).
+    tokenizer path that does not load, a ``seed`` of three values (an IndexError) or -1 (NumPy's
+    ValueError), and ``limit="5"`` (now read as 5 on every rank).
     Returns, on rank 0, the :class:`~mpitp.evaluation.checks.CheckedTasks` (lm-eval's TaskManager and the include
     path, with ``data_dir``'s task YAMLs to remove afterwards) and the claim on ``output`` (one writer per file, as
     ``mpitp eval`` holds it; None without one); (None, None) elsewhere."""
@@ -301,16 +358,25 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
                                   ("num_fewshot", cfg.num_fewshot, at_least(0, "an integer >= 0")),
                                   ("max_length", cfg.max_length, at_least(2, "an integer >= 2 (tokens)")),
                                   ("bootstrap_iters", cfg.bootstrap_iters, at_least(0, "an integer >= 0")),
+                                  ("seed", cfg.seed, values.seeds_value),
+                                  ("gen_kwargs", cfg.gen_kwargs, values.yaml_gen_kwargs),
+                                  ("apply_chat_template", cfg.apply_chat_template, values.bool_or_name),
+                                  ("output", cfg.output, values.string_value),
+                                  ("include_path", cfg.include_path, values.paths_value),
+                                  ("data_dir", cfg.data_dir, values.string_value),
+                                  *((name, getattr(cfg, name), values.flag_value) for name in _FLAGS),
+                                  ("system_instruction", cfg.system_instruction, values.string_value),
+                                  ("max_batch_size", cfg.max_batch_size, at_least(1, "an integer >= 1")),
                                   ("tasks", cfg.tasks, values.yaml_tasks)):
             try:
-                if value is not None:
+                if value is not None or name == "tasks":  # the one setting without a default
                     rule(value)
             except values.BadValue as exc:
                 raise UsageError(f"mpitp.evaluate: {name}={value!r}: {exc}") from None
         if cfg.samples is not None and cfg.limit is not None:
             raise UsageError("mpitp.evaluate: limit and samples exclude each other (lm-eval scores either each task's "
                              "first documents or the listed ones): pass one of them")
-        if lm_eval_kwargs.get("check_integrity"):
+        if cfg.check_integrity:
             check_integrity_runnable("mpitp.evaluate: check_integrity=True")
         if lm_eval_kwargs.get("use_cache") is not None:
             raise UsageError(f"mpitp.evaluate: use_cache={lm_eval_kwargs['use_cache']!r} is refused: lm-eval's cache "
@@ -323,8 +389,12 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
             raise UsageError(f"mpitp.evaluate: unknown keyword argument {unknown[0]!r}{hint}: "
                              "neither mpitp.evaluate's own nor one of lm_eval.simple_evaluate's")
         check_generation(check_gen_kwargs(cfg.gen_kwargs, layout.tp, layout.pp))
-        if isinstance(tokenizer, str) or cfg.apply_chat_template is True:
-            _check_tokenizer(tokenizer, cfg.apply_chat_template is True)
+        if isinstance(tokenizer, str) or cfg.apply_chat_template:
+            _check_tokenizer(tokenizer, cfg.apply_chat_template)
+        if cfg.output and not cfg.overwrite and os.path.exists(cfg.output):
+            # here, on rank 0 (which writes it), not on every rank: a rank whose working folder or node had no such
+            # file went on to these checks while rank 0 raised, and waited out the timeout (an hour by default)
+            raise UsageError(f"mpitp.evaluate: output {cfg.output} already exists (pass overwrite=True)")
         if cfg.output:
             check_output(cfg)
         tasks = check_tasks_once(cfg)
@@ -345,11 +415,12 @@ def _checked(cfg, layout: Layout, timeout: float, lm_eval_kwargs: dict, tokenize
     return built[0] if built else (None, None)
 
 
-def _check_tokenizer(tokenizer, chat: bool) -> None:
+def _check_tokenizer(tokenizer, chat: bool | str) -> None:
     """A tokenizer named by path or hub id loads on rank 0 (lm-eval loads it there, and each DP leader): one that does
     not was an OSError on rank 0 alone once the run had begun, its peers left serving. ``chat``
     (``apply_chat_template=True``): it has a chat template, which lm-eval's run checks on rank 0 only after the
-    others began to serve (:meth:`mpitp.evaluation.lm.MPITPLM.check_chat_template`, a UsageError there alone)."""
+    others began to serve (:meth:`mpitp.evaluation.lm.MPITPLM.check_chat_template`, a UsageError there alone); so
+    did a template's name (``apply_chat_template="default"``: its peer waited for rank 0 for ever)."""
     from transformers import AutoTokenizer
 
     from mpitp.errors import UsageError
@@ -361,14 +432,23 @@ def _check_tokenizer(tokenizer, chat: bool) -> None:
             raise UsageError(f"mpitp.evaluate: tokenizer {tokenizer!r} cannot be loaded: "
                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise UsageError("mpitp.evaluate: apply_chat_template=True, but the tokenizer has no chat template "
+        raise UsageError(f"mpitp.evaluate: apply_chat_template={chat!r}, but the tokenizer has no chat template "
                          f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)})")
 
 
+#: The run's settings that are flags: True or False (the string "no" read as true and skipped the head check).
+_FLAGS = ("log_samples", "skip_head_check", "no_prefix_sharing", "overwrite", "write_out", "predict_only",
+          "check_integrity", "confirm_run_unsafe_code", "fewshot_as_multiturn")
+#: lm-eval's flags among them (``fewshot_as_multiturn`` None: lm-eval's rule, on with a chat template).
+_LM_EVAL_FLAGS = _FLAGS[4:]
+
 #: Keywords :func:`evaluate` takes into the run's :class:`~mpitp.evaluation.settings.EvalConfig` (recorded in the
 #: results file, as ``mpitp eval`` records them) rather than handing them to ``lm_eval.simple_evaluate``.
+#: lm-eval's own settings among them went on to ``simple_evaluate`` unrecorded: ``system_instruction="..."`` left the
+#: file's config without it (``mpitp eval --system_instruction`` records it, and resume compares it) and
+#: ``max_batch_size=2`` with ``batch_size="auto"`` picked 64, which only the configuration's value bounds.
 CONFIG_KEYWORDS = ("gen_kwargs", "apply_chat_template", "log_samples", "bootstrap_iters", "seed", "skip_head_check",
-                   "no_prefix_sharing", "data_dir", "samples")
+                   "no_prefix_sharing", "data_dir", "samples", "max_batch_size", "system_instruction", *_LM_EVAL_FLAGS)
 
 
 def _simple_evaluate_keywords() -> list[str]:

@@ -104,7 +104,7 @@ def request_keys(instances: Sequence[Instance], picked: Mapping[str, Sequence[in
     return keys
 
 
-def sample_seed(base: int, key: tuple) -> int:
+def sample_seed(base: int | list, key: tuple) -> int:
     """The seed of one sampled generation: a function of the run's seed and the request's key only, so a request
     samples the same text whatever DP group, batch or resume computes it."""
     return int(hashlib.sha1(repr((base,) + tuple(key)).encode()).hexdigest()[:8], 16)
@@ -129,10 +129,11 @@ class MPITPLM(HFLM):
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str, leader: ReplicaLeader, *,
                  batch_size: int = 1, max_length: int | None = None, auto: AutoBatch | None = None,
-                 encode_cache: dict | None = None, seed: int | None = None, **hflm_kwargs):
+                 encode_cache: dict | None = None, seed: int | list | None = None, **hflm_kwargs):
         """``leader``: this DP group's :class:`~mpitp.replica.leader.ReplicaLeader` (it runs the forwards); ``auto``:
         a :class:`~mpitp.replica.batchsize.AutoBatch` with ``--batch_size auto``; ``encode_cache``: token ids a
-        sweep shares among checkpoints with the same tokenizer; ``seed``: base of the per-request sampling seeds."""
+        sweep shares among checkpoints with the same tokenizer; ``seed``: base of the per-request sampling seeds
+        (the runs pass :meth:`~mpitp.evaluation.settings.EvalConfig.sampling_seed`)."""
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                          **hflm_kwargs)
         self.leader = leader

@@ -224,7 +224,7 @@ def _evaluate_shard(shard: ReplicaShard, tokenizer: PreTrainedTokenizerBase | st
             auto = AutoBatch(budget, model.config, lay.tp, 1, next(model.parameters()).element_size(),
                              cfg.max_batch_size)
         lm = MPITPLM(model, tokenizer, leader, batch_size=cfg.fixed_batch_size(), max_length=cfg.max_length,
-                     auto=auto, encode_cache=encode_cache, seed=cfg.seed,
+                     auto=auto, encode_cache=encode_cache, seed=cfg.sampling_seed(),
                      trust_remote_code=cfg.trust_remote_code, **(cfg.hflm_args or {}))
         if kept is not None:
             kept.tokenizer = lm.tokenizer

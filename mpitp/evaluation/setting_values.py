@@ -66,6 +66,25 @@ def limit_value(v: object) -> int | float:
     return int(v) if v >= 1 and v == int(v) else v
 
 
+SEED_MAX = 2**32 - 1
+"""The largest seed every generator lm-eval seeds takes (NumPy's ``np.random.seed``: 0 to 2**32 - 1)."""
+
+
+def seeds_value(v: object) -> int | list:
+    """lm-eval's seeds as ``simple_evaluate`` takes them: one integer for all four slots (python, numpy, torch,
+    few-shot) or four values, each an integer or None (that generator left as it is, as ``--seed 0,None,8,52``),
+    each integer in NumPy's range. A tuple of three was an IndexError and -1 or 'a' an error from ``np.random.seed``,
+    each on rank 0 alone once the run had begun."""
+    what = f"one integer from 0 to {SEED_MAX} or a list of four (None: that generator left unseeded)"
+    if isinstance(v, (list, tuple)):
+        if len(v) == 4 and all(s is None or (_is_int(s) and 0 <= s <= SEED_MAX) for s in v):
+            return list(v)
+        raise BadValue(f"expected {what}, got {show(v)}")
+    if _is_int(v) and 0 <= v <= SEED_MAX:
+        return v
+    raise BadValue(f"expected {what}, got {show(v)}")
+
+
 def batch_size_value(value: object) -> int | str:
     """lm-eval's batch size: a positive integer, ``auto`` or ``auto:N`` (N >= 1)."""
     text = str(value).strip()
@@ -152,6 +171,36 @@ def yaml_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
     raise BadValue(f"expected true or false, got {show(v)}")
+
+
+def flag_value(v: Any) -> bool:
+    """A flag given from Python: True or False (a truthy string such as "no" is the slip it most likely is)."""
+    if isinstance(v, bool):
+        return v
+    raise BadValue(f"expected True or False, got {show(v)}")
+
+
+def string_value(v: Any) -> str:
+    """A text setting given from Python: a non-empty string."""
+    if isinstance(v, str) and v.strip():
+        return v
+    raise BadValue(f"expected a non-empty string, got {show(v)}")
+
+
+def paths_value(v: Any) -> str | list:
+    """``include_path`` given from Python: one folder or a list of them (maybe empty), each a non-empty string."""
+    if isinstance(v, (list, tuple)) and all(isinstance(p, str) and p.strip() for p in v):
+        return list(v)
+    if isinstance(v, str) and v.strip():
+        return v
+    raise BadValue(f"expected a folder or a list of folders, got {show(v)}")
+
+
+def bool_or_name(v: Any) -> bool | str:
+    """``apply_chat_template``: True, False or the name of one of the tokenizer's chat templates."""
+    if isinstance(v, bool) or (isinstance(v, str) and v.strip()):
+        return v
+    raise BadValue(f"expected True, False or a chat template's name, got {show(v)}")
 
 
 def yaml_limit(v: Any) -> int | float:

@@ -265,6 +265,13 @@ class EvalConfig:
             s = list(self.seed) if isinstance(self.seed, (list, tuple)) else [self.seed] * 4
         return dict(random_seed=s[0], numpy_random_seed=s[1], torch_random_seed=s[2], fewshot_random_seed=s[3])
 
+    def sampling_seed(self) -> list:
+        """The base of each sampled generation's own seed (:func:`mpitp.evaluation.lm.sample_seed`): the four seeds
+        as one list, one spelling per meaning. The raw ``seed`` was hashed as given, so ``mpitp eval`` (lm-eval's
+        parser always gives a list, ``[0, 1234, 1234, 1234]`` by default) and ``mpitp.evaluate`` or a job file
+        (``None``, ``42``, a tuple) sampled different texts for the same setting."""
+        return list(self.seeds().values())
+
     @classmethod
     def from_saved(cls, saved: dict) -> EvalConfig:
         """The configuration a results file recorded (``eval_config_json``); keys of other versions are ignored."""

@@ -223,8 +223,23 @@ def start(tp: int = 1, device: str | None = None, threads: int | None = None,
     """The public :func:`mpitp.start`: :func:`make_launch` and :func:`open_replica` in one call, for a script that
     builds and evaluates its own model. Collective. Use the result in a ``with`` block (or call ``close()``) to tear
     its torch world down; an exception that leaves the block on one rank ends the job (:meth:`Runtime.__exit__`)."""
+    _check_start(threads, timeout)
     return open_replica(make_launch(tp=tp, pp=pp, device=device, threads=threads, timeout=timeout, world=world,
                                     comm=comm, iface=iface, stage_dir=stage_dir))
+
+
+def _check_start(threads, timeout) -> None:
+    """:func:`start`'s numbers, checked as ``mpitp eval --threads/--timeout`` are, before any collective (every rank
+    holds the same values, so each refuses alike): ``threads=-1`` and ``threads="2"`` were a RuntimeError from
+    ``torch.set_num_threads`` after the world was built (the job aborted), ``threads=0`` silently meant the default,
+    and ``timeout=-1`` a DeadlineError traceback from the first wait. ``timeout=None`` waits without a deadline."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UsageError(f"mpitp.start: threads={threads!r}: expected a positive integer (or None: the cores per "
+                         "node / ranks per node)", collective=True)
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if timeout is not None and not (number and 0 < timeout < float("inf")):
+        raise UsageError(f"mpitp.start: timeout={timeout!r}: expected a positive number of seconds (or None: no "
+                         "deadline)", collective=True)
 
 
 def warm_imports(world: World) -> bool:

@@ -310,6 +310,7 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
 
     from mpitp.replica import dcp
 
+    _check_load_arguments(tp, device, dtype)
     load_kwargs = {**LOAD_DEFAULTS, **load_kwargs}
     hf_assets = load_kwargs.pop("hf_assets", None)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
@@ -331,6 +332,31 @@ def load_model(model: str, tp: int, device: str, dtype: str = "auto", revision: 
     else:
         m = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device)
     return _finish(m, peft)
+
+
+def _check_load_arguments(tp, device, dtype) -> None:
+    """The public :func:`mpitp.load_model`'s layout, device and dtype, refused in one line before any file is read
+    (every rank of a replica holds the same values, so each refuses alike): ``dtype="fp32"`` was an AttributeError
+    from ``getattr(torch, ...)``, ``device="gpu"`` torch's RuntimeError after the load, and ``tp=2`` in a torch world
+    that is not one replica of 2 ranks (``mpitp.start()`` at tp=1, say) transformers' OSError ('We tried to initialize
+    torch.distributed for you, but it failed'), each a traceback that ended the job."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise UsageError(f"mpitp.load_model: dtype={dtype!r}: expected one of {', '.join(DTYPES)}", collective=True)
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"mpitp.load_model: device={device!r}: {str(exc).splitlines()[0]}", collective=True) from None
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UsageError(f"mpitp.load_model: tp={tp!r}: expected a positive integer", collective=True)
+    import torch.distributed as dist
+
+    size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp > 1 and size != tp:
+        raise UsageError(f"mpitp.load_model: tp={tp}, but this rank's torch world has {size} rank(s): a replica of "
+                         f"tp={tp} needs one torch world of its {tp} ranks (mpitp.start(tp={tp}) makes it; pass "
+                         "rt.layout.tp)", collective=True)
 
 
 def _distributed(model: str, tp: int, revision, trust_remote_code: bool, hf_assets, load_kwargs: dict, ep: int = 1):
