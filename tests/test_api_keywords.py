@@ -411,7 +411,8 @@ def test_settings_are_recorded_as_mpitp_eval_records_them_so_it_resumes_the_file
 
 def test_task_folders_of_the_wrong_type_are_refused_by_name_before_any_work(stories, monkeypatch):
     """``include_path=123`` and ``data_dir=123`` were a TypeError on rank 0 alone inside the shared checks ('int'
-    object is not iterable; expected str, bytes or os.PathLike object), its peers left waiting for the verdict."""
+    object is not iterable; expected str, bytes or os.PathLike object), its peers left waiting for the verdict.
+    ``samples="s.json"`` was refused as "expected a JSON object ... or a JSON file": a file is --samples' alone."""
     from mpi4py import MPI
 
     import mpitp
@@ -421,7 +422,10 @@ def test_task_folders_of_the_wrong_type_are_refused_by_name_before_any_work(stor
     for kw, why in ((dict(include_path=123), "include_path=123: expected a folder or a list of folders, got 123"),
                     (dict(include_path=[None]), "include_path=[None]: expected a folder or a list of folders, got "
                                                 "[None]"),
-                    (dict(data_dir=123), "data_dir=123: expected a non-empty string, got 123")):
+                    (dict(data_dir=123), "data_dir=123: expected a non-empty string, got 123"),
+                    (dict(samples="s.json", include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks")),
+                     "samples 's.json': expected a mapping of task names to lists of document indices (a JSON file "
+                     "is --samples' alone)")):
         with pytest.raises(UsageError) as err:
             mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, **kw)
         assert str(err.value) == f"mpitp.evaluate: {why}" and err.value.collective, str(err.value)
