@@ -330,7 +330,8 @@ def test_keywords_of_the_wrong_type_are_refused_by_name_before_any_work(stories,
     """Each was an exception other than UsageError, so a script's ``except mpitp.UsageError`` missed it and the job
     ended: ``tasks=None`` and ``tasks=123`` a TypeError on every rank; ``gen_kwargs=123`` and ``output=123`` one on
     rank 0 alone inside the checks (its peers left waiting for the verdict); ``device="gpu"`` torch's RuntimeError on
-    every rank once the checks had passed; ``timeout=-1`` failed the first wait it bounded; ``system_instruction=123``,
+    every rank once the checks had passed, ``device="cuda"`` for a model on the CPU torch's AssertionError on every
+    rank in the head check; ``timeout=-1`` failed the first wait it bounded; ``system_instruction=123``,
     ``write_out="x"`` and ``max_batch_size=0`` went on to lm-eval unread. Flags given a string were read as true:
     ``skip_head_check="no"`` skipped the head check, ``overwrite="no"`` replaced the file."""
     from mpi4py import MPI
@@ -353,6 +354,8 @@ def test_keywords_of_the_wrong_type_are_refused_by_name_before_any_work(stories,
                     (dict(timeout=-1), "timeout=-1: expected a positive number of seconds, got -1"),
                     (dict(timeout="60"), "timeout='60': expected a positive number of seconds, got '60'"),
                     (dict(device="gpu"), "device='gpu': Expected one of cpu, cuda, "),
+                    (dict(device="cuda"), "device='cuda', but the model's parameters are on cpu: move the model there "
+                                          "first (model.to(...)) or leave device out"),
                     (dict(system_instruction=123), "system_instruction=123: expected a non-empty string, got 123"),
                     (dict(write_out="x"), "write_out='x': expected True or False, got 'x'"),
                     (dict(max_batch_size=0), "max_batch_size=0: expected an integer >= 1, got 0")):
@@ -411,7 +414,8 @@ def test_settings_are_recorded_as_mpitp_eval_records_them_so_it_resumes_the_file
 
 def test_task_folders_of_the_wrong_type_are_refused_by_name_before_any_work(stories, monkeypatch):
     """``include_path=123`` and ``data_dir=123`` were a TypeError on rank 0 alone inside the shared checks ('int'
-    object is not iterable; expected str, bytes or os.PathLike object), its peers left waiting for the verdict."""
+    object is not iterable; expected str, bytes or os.PathLike object), its peers left waiting for the verdict.
+    ``samples="s.json"`` was refused as "expected a JSON object ... or a JSON file": a file is --samples' alone."""
     from mpi4py import MPI
 
     import mpitp
@@ -421,7 +425,10 @@ def test_task_folders_of_the_wrong_type_are_refused_by_name_before_any_work(stor
     for kw, why in ((dict(include_path=123), "include_path=123: expected a folder or a list of folders, got 123"),
                     (dict(include_path=[None]), "include_path=[None]: expected a folder or a list of folders, got "
                                                 "[None]"),
-                    (dict(data_dir=123), "data_dir=123: expected a non-empty string, got 123")):
+                    (dict(data_dir=123), "data_dir=123: expected a non-empty string, got 123"),
+                    (dict(samples="s.json", include_path=str(REPO / "mpitp" / "tasks" / "demo" / "tasks")),
+                     "samples 's.json': expected a mapping of task names to lists of document indices (a JSON file "
+                     "is --samples' alone)")):
         with pytest.raises(UsageError) as err:
             mpitp.evaluate(stories, str(STORIES), ["mpitp_demo_mc"], comm=MPI.COMM_SELF, **kw)
         assert str(err.value) == f"mpitp.evaluate: {why}" and err.value.collective, str(err.value)

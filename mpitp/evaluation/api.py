@@ -251,17 +251,23 @@ def _evaluate(model, tokenizer, tasks, layout, group, batch_size, limit, num_few
 def _device(device, model) -> str:
     """The device the model's parameters are on, or the one named; a name torch does not know ("gpu") is refused on
     every rank alike before any work (it was a RuntimeError from ``torch.device`` on every rank once the checks had
-    passed, which ended the job)."""
+    passed, which ended the job), and so is a device other than the model's ("cuda" for a model on the CPU: torch's
+    AssertionError 'Torch not compiled with CUDA enabled' on every rank)."""
     import torch
 
     from mpitp.errors import UsageError
 
+    on = next(model.parameters()).device
     if device is None:
-        return str(next(model.parameters()).device)
+        return str(on)
     try:
-        return str(torch.device(device))
+        named = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise UsageError(f"mpitp.evaluate: device={device!r}: {str(exc).splitlines()[0]}", collective=True) from None
+    if named.type != on.type:  # "cuda" for a model on the CPU: torch's AssertionError on every rank in the head check
+        raise UsageError(f"mpitp.evaluate: device={device!r}, but the model's parameters are on {on}: move the model "
+                         "there first (model.to(...)) or leave device out", collective=True)
+    return str(named)
 
 
 def _recorded_as_mpitp_eval(cfg) -> None:

@@ -42,8 +42,10 @@ def check_samples(samples: object, tasks: Iterable[str], known: Iterable[str], c
         raise UsageError(f"{option} with --cache_requests: lm-eval's request cache is keyed without the samples (it "
                          "hands back every document's requests): drop --cache_requests (mpitp's own request cache "
                          "keys them)")
-    if not isinstance(samples, Mapping):
-        raise UsageError(f"{option} {samples!r}: expected a JSON object of task: [doc indices] or a JSON file")
+    if not isinstance(samples, Mapping):  # a file is the command line's (mpitp.evaluate takes the mapping only)
+        what = "a JSON object of task: [doc indices] or a JSON file" if option.startswith("--") else \
+            "a mapping of task names to lists of document indices (a JSON file is --samples' alone)"
+        raise UsageError(f"{option} {samples!r}: expected {what}")
     run = set(tasks)
     for task, ids in samples.items():
         if not isinstance(ids, list | tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
