@@ -81,6 +81,7 @@ BAD_FIELDS = [
                           "few-shot; null: unseeded), got -1"),
     ("output", "out.txt", P + "'output': expected a path ending in .h5, got 'out.txt'"),
     ("timeout", "0", P + "'timeout': expected a positive number of seconds, got 0"),
+    ("ep", "3", P + "'ep': ep=3: the experts are spread over a TP group's ranks, so ep must be 1 or tp (1)"),
     ("timeout", "1h", P + "'timeout': expected a positive number of seconds, got '1h'"),
     ("revision", "1.0", P + "'revision': expected a non-empty string, got 1.0 (quote it in YAML)"),
     ("tokenizer", "''", P + "'tokenizer': expected a non-empty string, got ''"),

@@ -282,6 +282,13 @@ def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
                 raise run_fail(field, str(exc)) from None
     _lm_eval_paths(values, base, run_fail)
     _pretrained(values, base, run_fail)
+    from mpitp.errors import UsageError
+    from mpitp.parallel import check_ep
+
+    try:  # the file's own arithmetic: refused here, not at the run's turn on the compute nodes
+        check_ep(values.get("ep", 1), values.get("tp", 1))
+    except UsageError as exc:
+        raise run_fail("ep", str(exc)) from None
     for key, fix in (("name", "give each run a unique 'name:'"), ("output", "give each run its own 'output:'")):
         other = seen[key].setdefault(values[key], index)
         if other != index:
