@@ -81,6 +81,7 @@ BAD_FIELDS = [
                           "few-shot; null: unseeded), got -1"),
     ("output", "out.txt", P + "'output': expected a path ending in .h5, got 'out.txt'"),
     ("timeout", "0", P + "'timeout': expected a positive number of seconds, got 0"),
+    ("ep", "3", P + "'ep': ep=3: the experts are spread over a TP group's ranks, so ep must be 1 or tp (1)"),
     ("timeout", "1h", P + "'timeout': expected a positive number of seconds, got '1h'"),
     ("revision", "1.0", P + "'revision': expected a non-empty string, got 1.0 (quote it in YAML)"),
     ("tokenizer", "''", P + "'tokenizer': expected a non-empty string, got ''"),
@@ -462,3 +463,14 @@ def test_aliases_and_nesting_bounded(tmp_path):
     job.write_text("defaults: &d {model: demo, tasks: [mpitp_demo_mc]}\nruns:\n  - {<<: *d, name: a}\n"
                    "  - {<<: *d, name: b, limit: 2}\n")
     assert [r.limit for r in load_job(job).runs] == [None, 2]
+
+
+def test_model_args_shorthand_disagreeing_refused_while_reading(tmp_path):
+    """``dtype: float32`` with ``model_args: {dtype: bfloat16}`` passed mpitp check and submit, and failed the run at
+    its turn ('dtype: float32 and model_args dtype=bfloat16 disagree', exit 1); the same value given twice is fine."""
+    job = tmp_path / "job.yaml"
+    text = "runs:\n  - {name: r, model: demo, tasks: [a], dtype: float32, model_args: 'dtype=bfloat16'}\n"
+    assert _refusal(job, text) == (f"{job}: run 1 ('r'): field 'model_args': dtype=bfloat16 and dtype: float32 "
+                                   "disagree: give it once")
+    job.write_text(text.replace("bfloat16", "float32"))
+    assert load_job(job).runs[0].dtype == "float32"

@@ -282,6 +282,13 @@ def _run_spec(index: int, raw: Any, defaults: dict, base: Path, fail: _Fail,
                 raise run_fail(field, str(exc)) from None
     _lm_eval_paths(values, base, run_fail)
     _pretrained(values, base, run_fail)
+    from mpitp.errors import UsageError
+    from mpitp.parallel import check_ep
+
+    try:  # the file's own arithmetic: refused here, not at the run's turn on the compute nodes
+        check_ep(values.get("ep", 1), values.get("tp", 1))
+    except UsageError as exc:
+        raise run_fail("ep", str(exc)) from None
     for key, fix in (("name", "give each run a unique 'name:'"), ("output", "give each run its own 'output:'")):
         other = seen[key].setdefault(values[key], index)
         if other != index:
@@ -310,13 +317,17 @@ def _pretrained(values: dict, base: Path, run_fail: _RunFail) -> None:
     """``model_args``' ``pretrained=`` names the run's model or is refused, as ``mpitp eval --model A --model_args
     pretrained=B`` is: it replaced the model in the model_args lm-eval records while ``model:`` was loaded, so the
     results file named a model that was never evaluated. The same model (as written, or relative to the job file) is
-    dropped from model_args: ``model:`` resolved is the one recorded."""
+    dropped from model_args: ``model:`` resolved is the one recorded. A dtype, revision or max_length there that
+    disagrees with the run's field is refused here too, not at the run's turn on the compute nodes."""
     from mpitp.evaluation.model_args import model_args_dict
 
     lm_eval = values.get("lm_eval") or {}
     if lm_eval.get("model_args") is None:
         return
     args = model_args_dict(lm_eval["model_args"])  # read once already by _check_lm_eval
+    for key in ("dtype", "revision", "max_length"):  # the shorthands that are no path, as --dtype ... are merged
+        if key in args and values.get(key) not in (None, "auto") and str(values[key]) != str(args[key]):
+            raise run_fail("model_args", f"{key}={args[key]} and {key}: {values[key]} disagree: give it once")
     if "pretrained" not in args:
         return
     given = str(args.pop("pretrained"))
