@@ -375,3 +375,28 @@ def test_name_scan_reads_every_yaml_spelling(tmp_path):
     assert names_in_file(tmp_path / "a.yaml") == {"quoted_task", "quoted_tag", "grp", "member_a", "member_b",
                                                   "flow_a", "flow_b", "col0_item"}
     assert scan_task_names(tmp_path) == names_in_file(tmp_path / "a.yaml") | {"from_template"}
+
+
+def test_a_task_file_given_as_a_task_says_how_to_name_it(tmp_path, monkeypatch):
+    """``--tasks my.yaml`` (lm_eval's form) was 'unknown task 'my.yaml'', as for a typo: now the folder to include
+    and the file's task names, in mpitp eval's refusal and in mpitp check's problem alike."""
+    from mpitp.errors import UsageError
+    from mpitp.evaluation.checks import _refuse_unknown
+    from mpitp.tasks.names import task_file_hint
+
+    (tmp_path / "my.yaml").write_text("task: my_arc\ndoc_to_text: !function utils.x\n")
+    (tmp_path / "grp.yml").write_text("group: my_group\ntask:\n  - my_arc\n")
+    (tmp_path / "empty.yaml").write_text("dataset_path: json\n")
+    monkeypatch.chdir(tmp_path)
+    assert task_file_hint("my.yaml") == (
+        f": a file, not a task name: pass its folder as --include_path {tmp_path} and its name (my_arc) to --tasks")
+    assert task_file_hint(str(tmp_path / "grp.yml")).endswith("and its name (my_arc, my_group) to --tasks")
+    assert task_file_hint("empty.yaml").endswith("and the name its task: line gives to --tasks")
+    assert task_file_hint(str(tmp_path)) == (f": a folder, not a task name: pass it as --include_path {tmp_path} "
+                                             "and the names its YAML files give (task: or group:) to --tasks")
+    for other in ("arc_esy", "nope.yaml", "a/b"):  # a name, a file that is not there
+        assert task_file_hint(other) == "", other
+    with pytest.raises(UsageError, match=r"^unknown task 'my.yaml': a file, not a task name: pass its folder"):
+        _refuse_unknown(["my.yaml"], {"my_ark"})
+    with pytest.raises(UsageError, match=r"^unknown task 'my_ark2'; did you mean: my_ark\?$"):
+        _refuse_unknown(["my_ark2"], {"my_ark"})

@@ -61,11 +61,13 @@ def task_manager(tasks: list[str], include_path: str | Sequence[str] | None,
 
 
 def _refuse_unknown(tasks: list[str], known: set[str]) -> None:
+    from mpitp.tasks.names import task_file_hint
+
     for t in tasks:
         if t not in known:
             close = difflib.get_close_matches(t, sorted(known), n=5, cutoff=0.6)
             hint = f"; did you mean: {', '.join(close)}?" if close else ""
-            raise UsageError(f"unknown task '{t}'{hint}")
+            raise UsageError(f"unknown task '{t}'{task_file_hint(t) or hint}")
 
 
 def offline_include(cfg: EvalConfig) -> list[str]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from mpitp import compat
 from mpitp.jobs.readiness_spec import CheckSpec, Problem, Report, prefetch_command, why
+from mpitp.tasks.names import task_file_hint
 from mpitp.tasks.offline import data_dir_problem
 
 if TYPE_CHECKING:
@@ -98,8 +99,8 @@ def check_tasks(spec: CheckSpec, report: Report, tokenizer: PreTrainedTokenizerB
         known = set(tm.all_tasks)
         for name in spec.tasks:
             if name not in known:
-                report.problems.append(Problem(f"unknown task '{name}' (not in lm-eval's index"
-                                               f"{' nor --include_path' if spec.include_path else ''})"))
+                report.problems.append(Problem(f"unknown task '{name}'" + (task_file_hint(name) or (
+                    f" (not in lm-eval's index{' nor --include_path' if spec.include_path else ''})"))))
         groups: dict = {}
         for leaf in leaves if leaves is not None else expand(spec.tasks, tm.task_index):
             if leaf.name not in broken:

@@ -80,3 +80,25 @@ def stock_task_names() -> set[str]:
     from mpitp.tasks.offline import stock_tasks_dir
 
     return scan_task_names(stock_tasks_dir())
+
+
+def task_file_hint(name: str) -> str:
+    """What to pass instead of a task YAML file (or a folder of them) given where a task name goes, else "".
+
+    ``lm_eval --tasks my.yaml`` reads the file; mpitp, whose results, resume and rescore know a task by its name,
+    reads task files through ``--include_path``. A plain 'unknown task' sent a user of lm-eval's form looking for a
+    typo. The file's names are read as the stock ones are (its ``task``/``group`` lines, no YAML parsing)."""
+    from mpitp.escape import shown
+
+    if not (name.endswith((".yaml", ".yml")) or os.sep in name) or not os.path.exists(name):
+        return ""
+    if os.path.isdir(name):
+        return (f": a folder, not a task name: pass it as --include_path {shown(name)} and the names its YAML files "
+                "give (task: or group:) to --tasks")
+    try:
+        names = sorted(key_values(name, ("task", "group")))
+    except OSError:
+        names = []
+    said = f"its name ({', '.join(shown(n) for n in names[:8])})" if names else "the name its task: line gives"
+    folder = shown(os.path.dirname(os.path.abspath(name)))
+    return f": a file, not a task name: pass its folder as --include_path {folder} and {said} to --tasks"
