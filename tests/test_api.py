@@ -58,7 +58,8 @@ def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_jo
     """Without mpitp's excepthook: an unknown task and ``limit=0`` found by rank 0 alone once the other rank served
     left it in a collective for the deadline (an hour by default); now both raise UsageError on every rank before any
     work. A ``samples`` index past the task's end, which rank 0 meets only once lm-eval builds the requests, is relayed
-    to the other rank (its TP worker), which raises it too (it waited for rank 0 for ever when the caller caught it);
+    to the other rank (its TP worker), which raises it too (it waited for rank 0 for ever when the caller caught it),
+    as is a chat template's name the tokenizer lacks (met as lm-eval's run began, outside the relay: a hang too);
     so is an ``output`` that exists where rank 0 writes it, with ``overwrite=False``: each rank looked for it itself,
     and a rank in a working folder without it waited for rank 0's verdict until the deadline (here it took the next
     call's verdict for this one's and ran on out of step, rank 0 'went on'). The next call scores.
@@ -72,6 +73,8 @@ def test_bad_settings_are_refused_on_every_rank_and_one_rank_failing_ends_the_jo
         assert f"rank {rank} refused: unknown task 'no_such_task'" in out, explain(proc)
         assert f"rank {rank} refused: mpitp.evaluate: limit=0: must be > 0, got 0" in out, explain(proc)
         assert f"rank {rank} refused: --samples mpitp_demo_mc: document 99 does not exist" in out, explain(proc)
+        assert (f"rank {rank} refused: --apply_chat_template: the tokenizer cannot apply a chat template: The "
+                "specified chat template 'nope' is not available") in out, explain(proc)
         assert f"rank {rank} refused: mpitp.evaluate: output out.h5 already exists (pass overwrite=True)" in out, \
             explain(proc)
         assert f"rank {rank} scored after the refusals: {rank == 0}" in out, explain(proc)

@@ -335,7 +335,6 @@ class _RootRun:
         self.tokenizer_name = getattr(lm.tokenizer, "name_or_path", str(cfg.tokenizer))
         self.clock = PhaseClock()
         self.request_cache: str | None = None  # lm-eval's request cache folder for this run (set with its arguments)
-        lm.check_chat_template(cfg.apply_chat_template)
         self.writer, self.stored, self._opened = None, {}, False  # until lm-eval first asks (:meth:`_open_once`)
         self.progress = make_progress(TqdmProgress)  # a line every few seconds in batch logs, a bar on a terminal
         self.dispatcher = Dispatcher(rt.layout, lm.compute, rt.timeout, stats, batch_size=cfg.fixed_batch_size(),
@@ -444,6 +443,7 @@ class _RootRun:
         from mpitp.evaluation.outputs import as_lm_eval_ran, full_num_parameters, start_loggers
 
         cfg, lm = self.cfg, self.lm
+        lm.check_chat_template(cfg.apply_chat_template)  # relayed as any refusal between runs: no peer left waiting
         loggers = start_loggers(cfg, t_start)
         kwargs = self._lm_eval_kwargs(tm, extra, loggers["tracker"])
         picked = kwargs.get("samples") or {}

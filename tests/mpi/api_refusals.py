@@ -1,13 +1,16 @@
-"""Under mpiexec (2 ranks): mpitp.evaluate refusing bad settings on every rank alike (one of them, a document index
-past the task's end, found by rank 0 alone once the run is under way and relayed; an ``output`` that exists only in
-rank 0's working folder, with ``overwrite=False``), a run after them, then one rank leaving ``with mpitp.start()``
-with an error while the other waits for it in a collective. No excepthook of mpitp's.
+"""Under mpiexec (2 ranks): mpitp.evaluate refusing bad settings on every rank alike (a document index past the
+task's end and a chat template's name the tokenizer lacks, found by rank 0 alone once the run is under way and
+relayed; an ``output`` that exists only in rank 0's working folder, with ``overwrite=False``), a run after them, then
+one rank leaving ``with mpitp.start()`` with an error while the other waits for it in a collective. No excepthook of
+mpitp's.
 
 argv: MODEL_DIR INCLUDE_PATH TMP_DIR
 """
 
 import os
 import sys
+
+from transformers import AutoTokenizer
 
 import mpitp
 from mpitp.errors import UsageError
@@ -21,6 +24,13 @@ with mpitp.start(tp=2, threads=1) as rt:
             mpitp.evaluate(model, model_dir, tasks, include_path=include_path, timeout=600, **kw)
         except UsageError as exc:
             print(f"rank {rt.world.rank} refused: {exc}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # two named templates, neither the one asked for
+    tokenizer.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "{{ messages[0]['content'] }}"}
+    try:
+        mpitp.evaluate(model, tokenizer, ["mpitp_demo_mc"], include_path=include_path, limit=2, timeout=600,
+                       apply_chat_template="nope")
+    except UsageError as exc:
+        print(f"rank {rt.world.rank} refused: {exc}", flush=True)
     here, mine = os.getcwd(), os.path.join(tmp, f"rank{rt.world.rank}")  # each rank its own working folder
     os.makedirs(mine)
     if rt.world.rank == 0:
