@@ -405,21 +405,6 @@ def test_model_args_pretrained_is_the_run_model(tmp_path):
     assert cfg.model == str(tmp_path / "m") and cfg.model_args["pretrained"] == cfg.model
 
 
-@pytest.mark.parametrize("first", ["model: m1", "models: ['m*']"], ids=["one-model", "sweep"])
-def test_outputs_distinct_once_name_is_expanded(tmp_path, first):
-    """``output: out/{name}.h5`` for model m1 (or a sweep over m1 and m2) and ``output: out/m1.h5`` in another run
-    are one file: the second run was refused only at its turn, after the first ran, or skipped over its numbers."""
-    for m in ("m1", "m2"):
-        (tmp_path / m).mkdir()
-    job = tmp_path / "job.yaml"
-    text = (f"runs:\n  - {{name: a, {first}, tasks: [arc_easy], output: 'out/{{name}}.h5'}}\n"
-            "  - {name: b, model: m1, tasks: [piqa], output: out/m1.h5}\n")
-    assert _refusal(job, text) == (f"{job}: run 2 ('b'): field 'output': '{tmp_path}/out/m1.h5' is already run 1's "
-                                   "file once {name} is expanded; give each run its own 'output:'")
-    job.write_text(text.replace("out/m1.h5", "out/b.h5"))
-    assert [r.name for r in load_job(job).runs] == ["a", "b"]
-
-
 def test_every_path_relative_to_the_job_file(tmp_path, monkeypatch):
     """hf_assets, output_path and use_cache resolve against the job file's folder, as data_dir and output do: they
     were left as written, so lm-eval's files, the response store and a DCP checkpoint's config were looked for in

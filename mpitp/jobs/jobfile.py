@@ -208,13 +208,6 @@ def load_job(path: str | os.PathLike[str]) -> Job:
     defaults, runs = _top_level(read_yaml(abspath, shown), fail)
     seen: dict[str, dict[str, int]] = {"name": {}, "output": {}}
     specs = [_run_spec(index, raw, defaults, abspath.parent, fail, seen) for index, raw in enumerate(runs, 1)]
-    from mpitp.jobs.joboutputs import shared_output
-
-    shared = shared_output(specs)
-    if shared:
-        earlier, later, out = shared
-        raise fail(f"run {later} ({specs[later - 1].name!r})", "output", f"{out!r} is already run {earlier}'s file "
-                   "once {name} is expanded; give each run its own 'output:'", later, specs[later - 1].name)
     return Job(path=abspath, runs=tuple(specs))
 
 

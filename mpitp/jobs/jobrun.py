@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from mpitp.errors import UsageError
 from mpitp.evaluation.setting_values import thaw
 from mpitp.evaluation.settings import EvalConfig, eval_settings
-from mpitp.jobs.joboutputs import run_outputs
 from mpitp.jobs.orchestrate import run_config
 from mpitp.parallel import comm as mpicomm
 from mpitp.parallel.runtime import agree, make_launch, setup_logging
@@ -142,6 +141,26 @@ def _same_settings(spec: RunSpec) -> None:
     except UsageError as exc:
         raise UsageError(f"{exc}; it is complete for those: give this run another output, or move the file away to "
                          "recompute it") from None
+
+
+def run_outputs(spec: RunSpec, matched: bool = False) -> list[str]:
+    """The results files of a run: its ``output``, or, when that is a pattern with ``{name}`` (a sweep of
+    checkpoints or adapters, or one model), each member's file as the sweep names it
+    (:func:`mpitp.jobs.sweep.checkpoint_names`, :func:`~mpitp.jobs.sweep.output_for`). A glob that matches nothing
+    now is a :class:`UsageError`, or no file with ``matched`` (the run fails on it in its turn)."""
+    if "{name}" not in spec.output:
+        return [spec.output]
+    from mpitp.jobs.sweep import checkpoint_names, expand_models, is_sweep, output_for
+
+    field = "peft" if is_sweep(spec.peft) else "model"
+    spec_items = getattr(spec, field)
+    try:
+        items = expand_models(spec_items, f"--{field}") if is_sweep(spec_items) else [spec_items]
+    except UsageError:
+        if matched:
+            return []
+        raise
+    return [output_for(spec.output, name, "") for name in checkpoint_names(items)]
 
 
 def one_output(spec: RunSpec) -> str:
