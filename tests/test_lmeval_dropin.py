@@ -249,25 +249,43 @@ def test_integration_messages_hidden_unless_debug(capsys):
     assert "already-initialized model" in err
 
 
-def test_integration_messages_hidden_for_an_api_call_only(caplog):
+def test_integration_messages_hidden_for_an_api_call_only():
     """``mpitp.evaluate`` in a training script, whose logging is its own (lm-eval's loggers hold no handler to
-    filter): every rank printed the two warnings on each call; hidden during the call, the loggers as before after."""
+    filter): every rank printed the two warnings on each call; hidden during the call, the loggers as before after.
+    Records are caught by a handler on the loggers themselves: an earlier test's lm-eval logging setup may stop
+    them from reaching the root logger."""
     import logging
 
     from mpitp.evaluation.quiet import integration_hidden
 
+    class Caught(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.said: list[str] = []
+
+        def emit(self, record):
+            self.said.append(record.getMessage())
+
     pre_built = "Passed an already-initialized model through `pretrained`, assuming single-process call"
     loggers = [logging.getLogger(n) for n in ("lm_eval.models.huggingface", "lm_eval.evaluator")]
-    before = [list(lg.filters) for lg in loggers]
-    with caplog.at_level(logging.INFO), integration_hidden():
+    before = [(list(lg.filters), lg.level) for lg in loggers]
+    caught = Caught()
+    for lg in loggers:
+        lg.addHandler(caught)
+        lg.setLevel(logging.INFO)
+    try:
+        with integration_hidden():
+            loggers[0].warning(pre_built)
+            loggers[1].info("Using pre-initialized model")
+            loggers[0].warning("Left truncation applied. Original sequence length was 2183")
+        assert caught.said == ["Left truncation applied. Original sequence length was 2183"]
+        assert [list(lg.filters) for lg in loggers] == [f for f, _ in before]
         loggers[0].warning(pre_built)
-        loggers[1].info("Using pre-initialized model")
-        loggers[0].warning("Left truncation applied. Original sequence length was 2183")
-    assert [r.getMessage()[:22] for r in caplog.records] == ["Left truncation applie"]
-    assert [list(lg.filters) for lg in loggers] == before
-    with caplog.at_level(logging.INFO):
-        loggers[0].warning(pre_built)
-    assert caplog.records[-1].getMessage() == pre_built
+        assert caught.said[-1] == pre_built
+    finally:
+        for lg, (_, level) in zip(loggers, before):
+            lg.removeHandler(caught)
+            lg.setLevel(level)
 
 
 @pytest.mark.parametrize("model", ["ckpts/step-1,ckpts/step-2", "ckpts/step-*"])

@@ -183,6 +183,7 @@ def test_check_refuses_a_layout_the_model_cannot_take(tmp_path):
     refuses it before the queue), with the line `mpitp eval` would print before loading; a layout that fits is not."""
     from transformers import AutoConfig
 
+    from mpitp.jobs.jobfile import JobFileError
     from mpitp.jobs.readiness import job_specs
     from mpitp.jobs.readiness_model import check_layout
     from mpitp.jobs.readiness_spec import Report
@@ -190,8 +191,7 @@ def test_check_refuses_a_layout_the_model_cannot_take(tmp_path):
     config = AutoConfig.from_pretrained(str(STORIES))  # Llama, 8 attention heads, 5 layers, no experts
     job = tmp_path / "job.yaml"
     runs = "".join(f"  - {{name: {n}, tp: {tp}, pp: {pp}, ep: {ep}, output: {tmp_path / n}.h5}}\n"
-                   for n, tp, pp, ep in (("fits", 2, 1, 1), ("tp3", 3, 1, 1), ("pp6", 1, 6, 1), ("ep2", 2, 1, 2),
-                                         ("ep4", 2, 1, 4)))
+                   for n, tp, pp, ep in (("fits", 2, 1, 1), ("tp3", 3, 1, 1), ("pp6", 1, 6, 1), ("ep2", 2, 1, 2)))
     job.write_text(f"defaults: {{model: {STORIES}, tasks: [arc_easy_local]}}\nruns:\n{runs}")
     found = {}
     for spec in job_specs(job):
@@ -204,8 +204,12 @@ def test_check_refuses_a_layout_the_model_cannot_take(tmp_path):
         "pp6": ["pp=6 exceeds the model's 5 decoder layers (each stage needs at least one)"],
         "ep2": ["model type 'llama' has no expert-parallel plan in transformers; run it without --ep (its experts "
                 "are then split by --tp)"],
-        "ep4": ["ep=4: the experts are spread over a TP group's ranks, so ep must be 1 or tp (2)"],
     }, found
+    # an ep that is neither 1 nor the run's tp, whatever the model: the job file itself is refused (e51b23a)
+    job.write_text(f"defaults: {{model: {STORIES}, tasks: [arc_easy_local]}}\nruns:\n  - {{name: ep4, tp: 2, ep: 4}}\n")
+    with pytest.raises(JobFileError, match=r"run 1 \('ep4'\): field 'ep': ep=4: the experts are spread over a TP "
+                                           r"group's ranks, so ep must be 1 or tp \(2\)"):
+        job_specs(job)
 
 
 def test_a_ready_model_is_not_checked_again_until_a_folder_it_read_changes(tmp_path, monkeypatch, caplog):
