@@ -277,20 +277,12 @@ def _recorded_as_mpitp_eval(cfg) -> None:
     file recorded ``'max_gen_toks=8'`` and the model's path as tokenizer, so ``mpitp eval --resume`` with the same
     settings refused it ("different settings: gen_kwargs 'max_gen_toks=8' in the file, {'max_gen_toks': 8} now;
     tokenizer '...' in the file, None now"). Every rank, after the checks passed: the same value everywhere."""
-    import json
-
-    from mpitp import compat
+    from mpitp.evaluation.model_args import model_args_dict
 
     if cfg.tokenizer == cfg.model:
         cfg.tokenizer = None
-    text = cfg.gen_kwargs.strip() if isinstance(cfg.gen_kwargs, str) else None
-    if text:
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            parsed = None
-        cfg.gen_kwargs = parsed if isinstance(parsed, dict) else \
-            compat.attribute("lm_eval._cli.utils.key_val_to_dict")(text)
+    if isinstance(cfg.gen_kwargs, str) and cfg.gen_kwargs.strip():
+        cfg.gen_kwargs = model_args_dict(cfg.gen_kwargs.strip(), "mpitp.evaluate: gen_kwargs")
 
 
 def _task_names(tasks) -> list:
