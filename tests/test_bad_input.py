@@ -73,6 +73,9 @@ ROWS = [
         _err("--limit: must be > 0, got 0")),
     Row("limit-negative", "`--limit -1`", 2, ("eval", "--demo", "--limit", "-1"),
         _err("--limit: must be > 0, got -1")),
+    Row("seed-out-of-range", "`--seed` past NumPy's range", 2, ("eval", "--demo", "--seed", "5000000000"),
+        _err("--seed: expected one integer from 0 to 4294967295 or a list of four (None: that generator left "
+             "unseeded), got [5000000000, 5000000000, 5000000000, 5000000000]")),
     Row("batch-size-0", "`--batch-size 0`", 2, ("eval", "--demo", "--batch-size", "0"),
         _err("--batch_size: must be >= 1, got 0")),
     Row("unwritable-output", "output cannot be written (its parent is a file)", 2,

@@ -328,6 +328,13 @@ def check_all(cfg: EvalConfig, tp: int, pp: int = 1, tasks: CheckedTasks | None 
         raise UsageError(f"--batch-size must be >= 1, got {cfg.batch_size}")
     if cfg.limit is not None and not cfg.limit > 0:
         raise UsageError(f"--limit must be > 0, got {cfg.limit:g}")
+    if cfg.seed is not None:  # NumPy's range: --seed 5000000000 was its ValueError on rank 0 after the load
+        from mpitp.evaluation.setting_values import BadValue, seeds_value
+
+        try:
+            seeds_value(cfg.seed)
+        except BadValue as exc:
+            raise UsageError(f"--seed: {exc}") from None
     check_dtype(cfg.dtype)
     gen_kwargs = check_gen_kwargs(cfg.gen_kwargs, tp, pp)
     own = tasks is None  # YAMLs written here are removed here if a later check refuses
